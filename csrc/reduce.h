@@ -1,0 +1,31 @@
+// Host-side reductions used by the bridge (CPU tensors, staged GPU data, irecv_reduce).
+//
+// Contract: reduce_into(op, dtype, dst, src, count) computes dst[i] = op(dst[i], src[i]) for
+// i < count; dst and src may not overlap partially (identical pointers are allowed).
+// float16/bfloat16 are computed in float32 and rounded to nearest-even once per call.
+// AVG is not a pairwise op: callers reduce with SUM and then call scale_div(dtype, p, count, n),
+// which divides by n (integer types: truncating division, as torch does for integer avg).
+// Large buffers are split across `threads` worker threads (0 = hardware concurrency), small
+// ones stay on the calling thread. Functions take void pointers, not templates, in the public
+// API: the dtype switch lives in one place (reduce.cc).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace hetccl {
+
+enum class ReduceOp : int { SUM = 0, PROD = 1, MIN = 2, MAX = 3, AVG = 4 };
+enum class DType : int {
+  FLOAT32 = 0, FLOAT64 = 1, FLOAT16 = 2, BFLOAT16 = 3,
+  INT8 = 4, UINT8 = 5, INT32 = 6, INT64 = 7
+};
+
+size_t dtype_size(DType t);
+ReduceOp parse_op(const std::string& s);     // "sum","prod","min","max","avg"; throws CommError
+DType parse_dtype(const std::string& s);     // "float32",...,"int64" (torch names without "torch.")
+
+void reduce_into(ReduceOp op, DType dtype, void* dst, const void* src, size_t count, int threads = 0);
+void scale_div(DType dtype, void* p, size_t count, int64_t n, int threads = 0);
+
+}  // namespace hetccl

@@ -1,0 +1,176 @@
+// hetccl bridge core: the one Transport interface every transport implements.
+//
+// Layering (see docs/architecture.md):
+//   transports (this interface; shm_transport.cc, tcp_transport.cc, ucx_transport.cc)
+//   <- bindings.cc (pybind11, hetccl._C) <- Python bridge/algorithms <- torch backend.
+// Algorithms never include a transport's file; they see only this interface through Python.
+//
+// Contract of a Transport instance:
+//  * It serves one "world" of `size` ranks; this process is `rank`. Ranks are those of the
+//    process group that owns the bridge. Not every rank is a peer: connect() receives an empty
+//    address for ranks this transport must not connect to (same-vendor ranks, or ranks served
+//    by another transport).
+//  * address() returns opaque bytes to publish out of band (Python puts them in the torch store).
+//  * connect() blocks until every peer with a non-empty address is connected and has proved it
+//    knows the group's secret, or throws CommError after timeout_ms.
+//  * isend/irecv post an operation and return at once; progress is made by the transport's own
+//    threads. Matching: a receive from `peer` with `tag` takes the earliest unmatched message
+//    that `peer` sent to this rank with the same `tag` (FIFO per (peer, tag)). Messages with other
+//    tags may be received in any order: a message that arrives before its receive is posted is
+//    buffered on the heap (a memory cost, never a deadlock).
+//  * A receive buffer larger than the message is fine (Request::nbytes() says what arrived);
+//    a smaller one fails that request with MessageTruncated.
+//  * irecv_reduce applies dst[i] = op(dst[i], incoming[i]) chunk by chunk as data arrives
+//    (saves one full pass over memory compared with recv + reduce). The message must be exactly
+//    `nbytes` long.
+//  * Buffers must stay valid until the request completes. Zero-byte messages are legal.
+//  * Failure: a peer that closes, dies or sends garbage fails every pending request naming
+//    that peer (PeerFailure). close() fails all pending requests and frees every resource
+//    (threads, sockets, shared memory); it is idempotent and the destructor calls it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "reduce.h"
+
+namespace hetccl {
+
+// ---- errors (mapped to Python exception classes in bindings.cc) ----
+struct CommError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct CommTimeout : CommError {
+  using CommError::CommError;
+};
+struct PeerFailure : CommError {
+  using CommError::CommError;
+};
+struct MessageTruncated : CommError {
+  using CommError::CommError;
+};
+
+// Completion state of one posted operation; shared by the transport's threads and the caller.
+class Request {
+ public:
+  enum class State { Pending, Done, Failed };
+  enum class ErrorKind { None, Generic, Timeout, Peer, Truncated };
+
+  Request(int peer, uint64_t tag, size_t nbytes) : peer_(peer), tag_(tag), nbytes_(nbytes) {}
+
+  // Called by transports exactly once.
+  void complete(size_t nbytes_done) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (state_ != State::Pending) return;
+      done_bytes_ = nbytes_done;
+      state_ = State::Done;
+    }
+    cv_.notify_all();
+  }
+  void fail(ErrorKind kind, const std::string& msg) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (state_ != State::Pending) return;
+      error_kind_ = kind;
+      error_ = msg;
+      state_ = State::Failed;
+    }
+    cv_.notify_all();
+  }
+
+  bool test() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (state_ == State::Failed) rethrow_locked();
+    return state_ == State::Done;
+  }
+
+  // Blocks until done (returns bytes transferred), failed (throws) or timeout_ms passes
+  // (throws CommTimeout naming the peer and tag; the request stays pending). timeout_ms < 0: forever.
+  size_t wait(int64_t timeout_ms) {
+    std::unique_lock<std::mutex> g(mu_);
+    auto pred = [&] { return state_ != State::Pending; };
+    if (timeout_ms < 0) {
+      cv_.wait(g, pred);
+    } else if (!cv_.wait_for(g, std::chrono::milliseconds(timeout_ms), pred)) {
+      throw CommTimeout("hetccl: timed out after " + std::to_string(timeout_ms) +
+                        " ms waiting for peer rank " + std::to_string(peer_) + " (tag " +
+                        std::to_string(tag_) + ", " + std::to_string(nbytes_) + " bytes)");
+    }
+    if (state_ == State::Failed) rethrow_locked();
+    return done_bytes_;
+  }
+
+  int peer() const { return peer_; }
+  uint64_t tag() const { return tag_; }
+  size_t nbytes() const { return nbytes_; }
+
+ private:
+  void rethrow_locked() {
+    switch (error_kind_) {
+      case ErrorKind::Timeout: throw CommTimeout(error_);
+      case ErrorKind::Peer: throw PeerFailure(error_);
+      case ErrorKind::Truncated: throw MessageTruncated(error_);
+      default: throw CommError(error_);
+    }
+  }
+
+  const int peer_;
+  const uint64_t tag_;
+  const size_t nbytes_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  State state_ = State::Pending;
+  ErrorKind error_kind_ = ErrorKind::None;
+  std::string error_;
+  size_t done_bytes_ = 0;
+};
+
+using RequestPtr = std::shared_ptr<Request>;
+
+// Options come from Python (hetccl/config.py is the one place that reads the environment);
+// the C++ core reads no environment variable of its own (UCX reads its own UCX_* ones).
+// Known keys (all optional, values are strings):
+//   "secret"      group secret (hex); peers must present it in their handshake
+//   "nconn"       tcp: connections per peer (default 4)
+//   "bind_addr"   tcp/ucx: interface address to listen on (default: all interfaces; Python
+//                 resolves HETCCL_SOCKET_IFNAME to an address)
+//   "slot_bytes"  shm: bytes per ring slot (default 1 MiB)
+//   "nslots"      shm: slots per ring (default 8)
+//   "threads"     reduction threads for large buffers (default: hardware concurrency)
+using Options = std::map<std::string, std::string>;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string name() const = 0;
+  virtual std::string address() = 0;
+  virtual void connect(const std::vector<std::string>& addresses, int64_t timeout_ms) = 0;
+  virtual RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) = 0;
+  virtual RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) = 0;
+  virtual RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp op,
+                                  DType dtype) = 0;
+  virtual void close() = 0;
+};
+
+// Factories, one per transport file. make_ucx_transport exists only when built with UCX
+// (HETCCL_WITH_UCX); transport_names() lists what this build has.
+std::unique_ptr<Transport> make_shm_transport(int rank, int size, const Options& opts);
+std::unique_ptr<Transport> make_tcp_transport(int rank, int size, const Options& opts);
+#ifdef HETCCL_WITH_UCX
+std::unique_ptr<Transport> make_ucx_transport(int rank, int size, const Options& opts);
+#endif
+std::unique_ptr<Transport> make_transport(const std::string& name, int rank, int size,
+                                          const Options& opts);  // throws CommError on unknown
+std::vector<std::string> transport_names();
+
+}  // namespace hetccl

@@ -1,0 +1,69 @@
+"""The one place where hetccl reads environment settings.
+
+Every knob is declared here once (name, type, default, meaning), in the spirit of NCCL_PARAM.
+Other modules call ``config.get("NAME")``; nothing else in the package touches ``os.environ``
+for HETCCL_* settings. ``hetccl doctor`` prints this table with the values in force.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _bool(s: str) -> bool:
+    return s.strip().lower() in ("1", "true", "yes", "on")
+
+
+_SETTINGS = [
+    Setting("HETCCL_VENDOR", str, "",
+            "Vendor label of this rank; ranks with equal labels form one vendor group. "
+            "Empty: detected (cuda->nvidia, rocm->amd, xpu->intel, else host). "
+            "Set it to emulate several vendors on homogeneous hardware."),
+    Setting("HETCCL_TRANSPORT", str, "auto",
+            "Bridge transport: auto (shm for peers on this host, tcp otherwise), shm, tcp, ucx."),
+    Setting("HETCCL_TCP_NCONN", int, 4, "TCP connections per peer; large messages are striped."),
+    Setting("HETCCL_SOCKET_IFNAME", str, "",
+            "Network interface the bridge listens on (like NCCL_SOCKET_IFNAME). Empty: the "
+            "address torch's store uses to reach the master (loopback for local jobs)."),
+    Setting("HETCCL_SHM_SLOT_BYTES", int, 1 << 20, "Shared-memory ring slot size in bytes."),
+    Setting("HETCCL_SHM_NSLOTS", int, 8, "Shared-memory ring slots per direction and peer."),
+    Setting("HETCCL_REDUCE_THREADS", int, 0, "Host reduction threads (0: all cores)."),
+    Setting("HETCCL_CHUNK_BYTES", int, 4 << 20,
+            "Pipeline chunk size for hierarchical collectives (bytes)."),
+    Setting("HETCCL_ALGO", str, "",
+            "Algorithm overrides, e.g. 'allreduce=hier,allgather=direct' (see docs/algorithms.md)."),
+    Setting("HETCCL_LOG_LEVEL", str, "WARNING", "Log level of the 'hetccl' logger."),
+    Setting("HETCCL_CHECK_ARGS", _bool, True,
+            "Exchange and check tensor shapes/dtypes across ranks on cross-vendor collectives."),
+    Setting("HETCCL_SLOWDOWN", float, 1.0,
+            "TEST ONLY: emulate a slower device; hetccl.balance.emulate multiplies this rank's "
+            "compute time by this factor."),
+]
+SETTINGS = {s.name: s for s in _SETTINGS}
+
+
+def get(name: str) -> Any:
+    """Value of a declared setting (environment, else default). Raises ValueError naming the
+    variable when its value does not parse."""
+    s = SETTINGS[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return s.default
+    try:
+        return s.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"hetccl: environment variable {name}={raw!r} is invalid: {e}") from None
+
+
+def table() -> list[tuple[str, Any, bool, str]]:
+    """(name, value, is_set, doc) for every setting, for `hetccl doctor`."""
+    return [(s.name, get(s.name), s.name in os.environ, s.doc) for s in _SETTINGS]

@@ -1,0 +1,133 @@
+"""Local multi-process launcher used by tests, `hetccl demo` and `hetccl bench`.
+
+spawn(fn, world_size, ...) starts `world_size` processes on this host (multiprocessing 'spawn'
+context, so no state leaks from the parent), hands each a torch TCPStore client connected to a
+server the parent owns on a free port (never a fixed port), runs fn(ctx, *args) and returns
+the per-rank results in rank order.
+
+Failure contract: if any rank raises, spawn raises RankError carrying every failing rank's
+traceback; if the ranks do not all finish within `timeout` seconds, the survivors are killed and
+spawn raises RankTimeout naming the ranks that were still running. It never hangs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+
+class RankError(RuntimeError):
+    pass
+
+
+class RankTimeout(RankError):
+    pass
+
+
+@dataclasses.dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    host: str
+    port: int
+    vendor: str
+
+    def store(self, timeout_s: float = 60.0):
+        import torch.distributed as dist
+
+        return dist.TCPStore(self.host, self.port, self.world_size, False,
+                             timeout=timedelta(seconds=timeout_s))
+
+    def init_method(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+def vendor_labels(split: Sequence[int] | str) -> list[str]:
+    """'2+1' or [2, 1] -> ['v0', 'v0', 'v1']: consecutive ranks share a vendor label."""
+    if isinstance(split, str):
+        split = [int(x) for x in split.split("+") if x]
+    labels = []
+    for g, n in enumerate(split):
+        labels += [f"v{g}"] * int(n)
+    return labels
+
+
+def _entry(fn, ctx: RankContext, env: dict, args, q):
+    os.environ.update(env)
+    try:
+        q.put((ctx.rank, True, fn(ctx, *args)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((ctx.rank, False, traceback.format_exc()))
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
+          vendors: Sequence[str] | Sequence[int] | str | None = None,
+          env: dict | None = None, rank_env: Sequence[dict] | None = None,
+          timeout: float = 120.0, return_procs: bool = False) -> list[Any]:
+    import torch.distributed as dist
+
+    if vendors is not None and (isinstance(vendors, str) or
+                                (len(vendors) and isinstance(vendors[0], int))):
+        vendors = vendor_labels(vendors)
+    if vendors is not None and len(vendors) != world_size:
+        raise ValueError(f"vendors has {len(vendors)} labels for world_size {world_size}")
+    server = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, wait_for_workers=False,
+                           timeout=timedelta(seconds=timeout))
+    ctx_mp = mp.get_context("spawn")
+    q = ctx_mp.Queue()
+    procs = []
+    for r in range(world_size):
+        e = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
+             "RANK": str(r), "WORLD_SIZE": str(world_size),
+             "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size)}
+        if vendors is not None:
+            e["HETCCL_VENDOR"] = vendors[r]
+        e.update(env or {})
+        if rank_env is not None:
+            e.update(rank_env[r])
+        ctx = RankContext(r, world_size, "127.0.0.1", server.port, e.get("HETCCL_VENDOR", ""))
+        p = ctx_mp.Process(target=_entry, args=(fn, ctx, e, args, q), daemon=True)
+        p.start()
+        procs.append(p)
+
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(results) - set(failures))
+                detail = "".join(f"\n--- rank {r} failed:\n{t}" for r, t in failures.items())
+                raise RankTimeout(f"ranks {missing} did not finish within {timeout:.0f} s"
+                                  + detail)
+            try:
+                r, ok, val = q.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                # A rank that died without reporting (segfault, SIGKILL) never reports.
+                dead = [i for i, p in enumerate(procs)
+                        if not p.is_alive() and i not in results and i not in failures
+                        and p.exitcode not in (0, None)]
+                for i in dead:
+                    failures[i] = f"process exited with code {procs[i].exitcode}"
+                continue
+            (results if ok else failures)[r] = val
+            if failures and not ok:
+                # Give the others a short grace period to report their own errors.
+                deadline = min(deadline, time.monotonic() + min(30.0, timeout))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        del server
+    if failures:
+        msg = "".join(f"\n--- rank {r}:\n{t}" for r, t in sorted(failures.items()))
+        raise RankError(f"{len(failures)} of {world_size} ranks failed:{msg}")
+    return [results[r] for r in range(world_size)]
