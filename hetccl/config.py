@@ -28,6 +28,9 @@ _SETTINGS = [
             "Vendor label of this rank; ranks with equal labels form one vendor group. "
             "Empty: detected (cuda->nvidia, rocm->amd, xpu->intel, else host). "
             "Set it to emulate several vendors on homogeneous hardware."),
+    Setting("HETCCL_VENDOR_SPLIT", str, "",
+            "Emulation shorthand such as '2+2': when HETCCL_VENDOR is unset, rank RANK gets "
+            "label v<k> of the k-th block of consecutive ranks (set by `hetccl run --vendors`)."),
     Setting("HETCCL_TRANSPORT", str, "auto",
             "Bridge transport: auto (shm for peers on this host, tcp otherwise), shm, tcp, ucx."),
     Setting("HETCCL_TCP_NCONN", int, 4, "TCP connections per peer; large messages are striped."),

@@ -44,7 +44,9 @@ class RankContext:
                              timeout=timedelta(seconds=timeout_s))
 
     def init_method(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        """env:// rendezvous against the parent's store: the parent plays torchrun's agent
+        (TORCHELASTIC_USE_AGENT_STORE), so no rank has to open a listening port for it."""
+        return "env://"
 
 
 def vendor_labels(split: Sequence[int] | str) -> list[str]:
@@ -84,7 +86,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     for r in range(world_size):
         e = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
              "RANK": str(r), "WORLD_SIZE": str(world_size),
-             "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size)}
+             "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size),
+             "TORCHELASTIC_USE_AGENT_STORE": "True"}
         if vendors is not None:
             e["HETCCL_VENDOR"] = vendors[r]
         e.update(env or {})

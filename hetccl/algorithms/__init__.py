@@ -1,0 +1,62 @@
+"""Algorithm registry and selection.
+
+Selection is data: TABLE lists, per collective, (largest message size in bytes, algorithm);
+the first row whose size bound is >= the message size wins. HETCCL_ALGO overrides it,
+e.g. HETCCL_ALGO="all_reduce=flat,all_gather=hier". docs/algorithms.md explains each
+algorithm and its cross-vendor traffic.
+"""
+from __future__ import annotations
+
+import math
+
+from .. import config
+from .allgather import all_gather_hier, broadcast_hier
+from .allreduce import all_reduce_flat, all_reduce_hier
+from .direct import all_to_all_direct, gather_direct, scatter_direct
+from .reducescatter import reduce_hier, reduce_scatter_hier
+
+ALGORITHMS = {
+    "all_reduce": {"hier": all_reduce_hier, "flat": all_reduce_flat},
+    "all_gather": {"hier": all_gather_hier},
+    "reduce_scatter": {"hier": reduce_scatter_hier},
+    "broadcast": {"hier": broadcast_hier},
+    "reduce": {"hier": reduce_hier},
+    "all_to_all": {"direct": all_to_all_direct},
+    "gather": {"direct": gather_direct},
+    "scatter": {"direct": scatter_direct},
+}
+
+# (collective, max bytes inclusive, algorithm). flat all-reduce saves one latency step
+# (two instead of three), which wins while latency dominates (measured: docs/benchmarks.md).
+TABLE = [
+    ("all_reduce", 64 * 1024, "flat"),
+    ("all_reduce", math.inf, "hier"),
+    ("all_gather", math.inf, "hier"),
+    ("reduce_scatter", math.inf, "hier"),
+    ("broadcast", math.inf, "hier"),
+    ("reduce", math.inf, "hier"),
+    ("all_to_all", math.inf, "direct"),
+    ("gather", math.inf, "direct"),
+    ("scatter", math.inf, "direct"),
+]
+
+
+def _overrides() -> dict[str, str]:
+    raw = config.get("HETCCL_ALGO")
+    out = {}
+    for item in filter(None, (s.strip() for s in raw.split(","))):
+        coll, _, algo = item.partition("=")
+        coll, algo = coll.strip(), algo.strip()
+        if coll not in ALGORITHMS or algo not in ALGORITHMS[coll]:
+            known = {c: sorted(a) for c, a in ALGORITHMS.items()}
+            raise ValueError(f"hetccl: HETCCL_ALGO entry {item!r} is invalid; known: {known}")
+        out[coll] = algo
+    return out
+
+
+def select(coll: str, nbytes: int):
+    """(name, function) of the algorithm to run for this collective and message size."""
+    algo = _overrides().get(coll)
+    if algo is None:
+        algo = next(a for c, limit, a in TABLE if c == coll and nbytes <= limit)
+    return algo, ALGORITHMS[coll][algo]

@@ -1,0 +1,124 @@
+"""All-gather and broadcast across vendor groups (data is copied, never reduced).
+
+all_gather: the output is the concatenation of every rank's input (N elements each) in group
+rank order. Rank j of group h sends its own input once to every other group g, split over g's
+ranks by the padded sharding of h's block (n_h * N elements) into n_g shards; meanwhile the
+native all-gather collects g's own block. Each rank of g then all-gathers (natively) the shards
+it received, and every rank has every block. Cross-vendor traffic per rank: N * (G-1) bytes
+sent, the minimum: each input crosses to each other group once.
+
+broadcast: the root's group broadcasts natively; then rank j of the root's group sends shard j
+(padded sharding over the root group) to the ranks of every other group whose shards
+(padded sharding over that group) intersect it; each group all-gathers natively. Per sender:
+(G-1) * N / n_root bytes, no single rank sends everything.
+"""
+from __future__ import annotations
+
+import torch
+
+from .allreduce import _ranges
+from .common import CollCtx
+from .layout import intersect, padded_shard
+from .transfer import transfer
+
+
+def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int = 0) -> None:
+    """out: (W * N,) flat, x: (N,) flat."""
+    topo = ctx.topo
+    n = x.numel()
+    g, ng, li = topo.my_group, topo.local_size, topo.local_rank
+    native = None
+    own_block = None
+    if ng > 1:
+        own_block = torch.empty(ng * n, dtype=x.dtype, device=x.device)
+        native = ctx.local.all_gather(own_block, x)
+    # Cross: for each other group h, this rank receives shard li (over ng) of h's block, and
+    # sends its own input (range [me*n, (me+1)*n) of its group's block) to every other group.
+    sends, recvs, stages = [], [], {}
+    for h, ranks in enumerate(topo.groups):
+        if h == g:
+            continue
+        nh = len(ranks)
+        # what I receive of h's block
+        lo, hi = _ranges(nh * n, ng)[li]
+        stage = torch.empty(padded_shard(nh * n, ng), dtype=x.dtype, device=x.device)
+        stages[h] = stage
+        for j, r in enumerate(ranks):
+            x_rng = intersect((lo, hi), (j * n, (j + 1) * n))
+            if x_rng:
+                recvs.append((r, x_rng[0], x_rng[1], stage[x_rng[0] - lo:x_rng[1] - lo]))
+        # what I send to h: my input, split over h's ranks by the sharding of my block
+        my_rng = (li * n, (li + 1) * n)
+        for j, r in enumerate(ranks):
+            rng = intersect(my_rng, _ranges(ng * n, nh)[j])
+            if rng:
+                sends.append((r, rng[0], rng[1], x[rng[0] - li * n:rng[1] - li * n]))
+    transfer(ctx, phase, sends, recvs)
+    if native is not None:
+        ctx.wait_native(native)
+        for i, r in enumerate(topo.groups[g]):
+            out[r * n:(r + 1) * n].copy_(own_block[i * n:(i + 1) * n])
+    else:
+        me = topo.rank
+        out[me * n:(me + 1) * n].copy_(x)
+    if not stages:
+        return
+    order = sorted(stages)
+    cat = torch.cat([stages[h] for h in order]) if len(order) > 1 else stages[order[0]]
+    if ng > 1:
+        gathered = torch.empty(ng * cat.numel(), dtype=x.dtype, device=x.device)
+        ctx.wait_native(ctx.local.all_gather(gathered, cat))
+    else:
+        gathered = cat
+    per_rank = cat.numel()
+    for i in range(ng):
+        off = i * per_rank
+        for h in order:
+            ranks = topo.groups[h]
+            nh = len(ranks)
+            lo, hi = _ranges(nh * n, ng)[i]
+            piece = gathered[off:off + (hi - lo)]
+            off += stages[h].numel()
+            # piece holds elements [lo, hi) of h's block; scatter them to their ranks' slots
+            for j, r in enumerate(ranks):
+                rng = intersect((lo, hi), (j * n, (j + 1) * n))
+                if rng:
+                    a, b = rng
+                    out[r * n + (a - j * n):r * n + (b - j * n)].copy_(piece[a - lo:b - lo])
+
+
+def broadcast_hier(ctx: CollCtx, x: torch.Tensor, root: int) -> None:
+    topo = ctx.topo
+    n = x.numel()
+    g0 = topo.group_of[root]
+    g, ng, li = topo.my_group, topo.local_size, topo.local_rank
+    if g == g0:
+        if ng > 1:
+            ctx.wait_native(ctx.local.broadcast(x, topo.local_rank_of[root]))
+        mine = _ranges(n, ng)[li]
+        sends = []
+        for h, ranks in enumerate(topo.groups):
+            if h == g0:
+                continue
+            for j, rng in enumerate(_ranges(n, len(ranks))):
+                x_rng = intersect(mine, rng)
+                if x_rng:
+                    sends.append((ranks[j], x_rng[0], x_rng[1], x[x_rng[0]:x_rng[1]]))
+        transfer(ctx, 0, sends, [])
+        return
+    senders = topo.groups[g0]
+    mine = _ranges(n, ng)[li]
+    s = padded_shard(n, ng)
+    full = torch.empty(s * ng, dtype=x.dtype, device=x.device) if ng > 1 else x
+    shard = full[li * s:li * s + (mine[1] - mine[0])] if ng > 1 else x
+    recvs = []
+    for j, rng in enumerate(_ranges(n, len(senders))):
+        x_rng = intersect(mine, rng)
+        if x_rng:
+            recvs.append((senders[j], x_rng[0], x_rng[1],
+                          shard[x_rng[0] - mine[0]:x_rng[1] - mine[0]]))
+    transfer(ctx, 0, [], recvs)
+    if ng > 1:
+        mine_shard = full[li * s:(li + 1) * s].clone()
+        ctx.wait_native(ctx.local.all_gather(full, mine_shard))
+        x.copy_(full[:n])

@@ -1,0 +1,78 @@
+"""All-reduce across vendor groups.
+
+hier (default): 1) reduce-scatter inside each vendor group (native library), so rank i of
+group g holds g's partial sum of shard i (padded sharding, n_g shards); 2) every rank exchanges
+its shard with the ranks of every other group whose shards intersect it and reduces what it
+receives; 3) all-gather inside each group. Per rank, cross-vendor traffic is (G-1) * N / n_g
+bytes each way (G groups, N bytes, n_g ranks in its group): the minimum for G = 2, spread over
+all ranks, no leader. With G > 2 the send side reads a snapshot of the shard (one extra copy)
+because the same range goes to several groups while received data is reduced into it.
+
+flat: native all-reduce inside each group, then rank i of group g exchanges the whole buffer
+with rank i mod n_h of every other group h (and answers every rank j of h with j mod n_g = i).
+Two latency steps instead of three: used for small messages, where latency dominates.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import CollCtx, pad_to
+from .layout import overlaps, padded_shard
+from .transfer import transfer
+
+
+def _ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    s = padded_shard(n, parts)
+    return [(min(i * s, n), min((i + 1) * s, n)) for i in range(parts)]
+
+
+def all_reduce_hier(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
+    topo = ctx.topo
+    n = x.numel()
+    ng, li = topo.local_size, topo.local_rank
+    if ng > 1:
+        s = padded_shard(n, ng)
+        full = pad_to(x, s * ng)
+        shard = torch.empty(s, dtype=x.dtype, device=x.device)
+        ctx.wait_native(ctx.local.reduce_scatter(shard, full, op))
+    else:
+        s, full, shard = n, x, x
+    mine = _ranges(n, ng)[li]
+    my = shard[: mine[1] - mine[0]]
+    sends, recvs = [], []
+    for h, ranks in enumerate(topo.groups):
+        if h == topo.my_group:
+            continue
+        for j, (lo, hi) in overlaps(mine, _ranges(n, len(ranks))):
+            sends.append((ranks[j], lo, hi, None))
+            recvs.append((ranks[j], lo, hi, my[lo - mine[0]:hi - mine[0]]))
+    src = my.clone() if topo.num_groups > 2 else my
+    sends = [(p, lo, hi, src[lo - mine[0]:hi - mine[0]]) for p, lo, hi, _ in sends]
+    transfer(ctx, 0, sends, recvs, op)
+    if ng > 1:
+        ctx.wait_native(ctx.local.all_gather(full, shard))
+        if full is not x:
+            x.copy_(full[:n])
+
+
+def all_reduce_flat(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
+    topo = ctx.topo
+    ng, li = topo.local_size, topo.local_rank
+    if ng > 1:
+        ctx.wait_native(ctx.local.all_reduce(x, op))
+    n = x.numel()
+    sends, recvs = [], []
+    for h, ranks in enumerate(topo.groups):
+        if h == topo.my_group:
+            continue
+        nh = len(ranks)
+        recvs.append((ranks[li % nh], 0, n, None))
+        for j in range(nh):
+            if j % ng == li:
+                sends.append((ranks[j], 0, n, x))
+    # Received sums land in separate buffers and are reduced only after every send of x has
+    # completed, so x itself can be sent without a snapshot.
+    bufs = [torch.empty_like(x) for _ in recvs]
+    transfer(ctx, 0, sends, [(p, lo, hi, b) for (p, lo, hi, _), b in zip(recvs, bufs)])
+    for b in bufs:
+        ctx.reduce_into(x, b, op)

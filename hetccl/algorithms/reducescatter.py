@@ -1,0 +1,116 @@
+"""Reduce-scatter and reduce across vendor groups.
+
+reduce_scatter: input W*N elements, rank r keeps the reduction of chunk r. Inside group g the
+chunks of g's own ranks stay with their owners; the chunks of all other ranks (the "others
+region", (W - n_g) * N elements in rank order) are split over g's ranks by padded sharding.
+1) one native reduce-scatter in g gives each rank g's partial of its own chunk and of its share
+of the others region; 2) each rank sends its share, piece by piece, to the owners of those
+chunks, and each owner reduces the partials it receives from every other group into its own.
+Per rank, cross-vendor traffic is about (W - n_g) * N / n_g elements sent and (G-1) * N received.
+
+reduce: native reduce-scatter in every group; every group other than the root's sends its
+partial shards to the root group's ranks whose shards intersect them; those reduce what they
+receive; a native gather inside the root group assembles the result on the root.
+"""
+from __future__ import annotations
+
+import torch
+
+from .allreduce import _ranges
+from .common import CollCtx, pad_to
+from .layout import intersect, padded_shard
+from .transfer import transfer
+
+
+def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
+    topo = ctx.topo
+    n = out.numel()
+    w = topo.size
+    g, ng, li = topo.my_group, topo.local_size, topo.local_rank
+
+    def others(grp):
+        return [r for r in range(w) if topo.group_of[r] != grp]
+
+    o = others(g)
+    region = len(o) * n
+    ps = padded_shard(region, ng)
+    if ng > 1:
+        lay = torch.zeros(ng * (n + ps), dtype=inp.dtype, device=inp.device)
+        for i, r in enumerate(topo.groups[g]):
+            base = i * (n + ps)
+            lay[base:base + n].copy_(inp[r * n:(r + 1) * n])
+            lo, hi = _ranges(region, ng)[i]
+            # elements [lo, hi) of the others region, gathered from the ranks' chunks
+            for k, q in enumerate(o):
+                x = intersect((lo, hi), (k * n, (k + 1) * n))
+                if x:
+                    lay[base + n + x[0] - lo:base + n + x[1] - lo].copy_(
+                        inp[q * n + x[0] - k * n:q * n + x[1] - k * n])
+        mine = torch.empty(n + ps, dtype=inp.dtype, device=inp.device)
+        ctx.wait_native(ctx.local.reduce_scatter(mine, lay, op))
+        own, share = mine[:n], mine[n:]
+    else:
+        own = out
+        own.copy_(inp[topo.rank * n:(topo.rank + 1) * n])
+        share = torch.cat([inp[q * n:(q + 1) * n] for q in o]) if o else inp[:0]
+    my_lo, my_hi = _ranges(region, ng)[li]
+    sends = []
+    for k, q in enumerate(o):
+        x = intersect((my_lo, my_hi), (k * n, (k + 1) * n))
+        if x:
+            sends.append((q, x[0], x[1], share[x[0] - my_lo:x[1] - my_lo]))
+    recvs = []
+    me = topo.rank
+    for h, ranks in enumerate(topo.groups):
+        if h == g:
+            continue
+        oh = others(h)
+        idx = oh.index(me)
+        for i2, r2 in enumerate(ranks):
+            x = intersect(_ranges(len(oh) * n, len(ranks))[i2], (idx * n, (idx + 1) * n))
+            if x:
+                recvs.append((r2, x[0], x[1], own[x[0] - idx * n:x[1] - idx * n]))
+    transfer(ctx, 0, sends, recvs, op)
+    if own is not out:
+        out.copy_(own)
+
+
+def reduce_hier(ctx: CollCtx, x: torch.Tensor, root: int, op: str) -> None:
+    topo = ctx.topo
+    n = x.numel()
+    g, ng, li = topo.my_group, topo.local_size, topo.local_rank
+    g0 = topo.group_of[root]
+    s = padded_shard(n, ng)
+    if ng > 1:
+        full = pad_to(x, s * ng)
+        shard = torch.empty(s, dtype=x.dtype, device=x.device)
+        ctx.wait_native(ctx.local.reduce_scatter(shard, full, op))
+    else:
+        shard = x if g != g0 else x
+    mine = _ranges(n, ng)[li]
+    my = shard[: mine[1] - mine[0]]
+    if g != g0:
+        dst_ranks = topo.groups[g0]
+        sends = []
+        for j, rng in enumerate(_ranges(n, len(dst_ranks))):
+            xr = intersect(mine, rng)
+            if xr:
+                sends.append((dst_ranks[j], xr[0], xr[1], my[xr[0] - mine[0]:xr[1] - mine[0]]))
+        transfer(ctx, 0, sends, [])
+        return
+    recvs = []
+    for h, ranks in enumerate(topo.groups):
+        if h == g0:
+            continue
+        for j, rng in enumerate(_ranges(n, len(ranks))):
+            xr = intersect(mine, rng)
+            if xr:
+                recvs.append((ranks[j], xr[0], xr[1], my[xr[0] - mine[0]:xr[1] - mine[0]]))
+    transfer(ctx, 0, [], recvs, op)
+    if ng > 1:
+        lroot = topo.local_rank_of[root]
+        outs = [torch.empty(s, dtype=x.dtype, device=x.device) for _ in range(ng)] \
+            if topo.rank == root else []
+        ctx.wait_native(ctx.local.gather(outs, shard, lroot))
+        if topo.rank == root:
+            x.copy_(torch.cat(outs)[:n])

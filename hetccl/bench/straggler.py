@@ -1,0 +1,208 @@
+"""`hetccl bench straggler`: data-parallel training with emulated slow ranks, balanced vs not.
+
+Each configuration (world size x speed gap) runs `world` local processes over torch.distributed.
+Rank r is made f_r times slower (HETCCL_SLOWDOWN=f_r, hetccl.balance.emulate.slow_down). The
+compute of one micro-batch of b samples is: forward+backward of a small MLP (real, 1 thread)
+plus an emulated device cost of b * per_sample_ms (a sleep), the whole block stretched by f_r.
+The sleep dominates, so the emulated speeds do not depend on how the host's cores are shared.
+
+Phases, all in one job:
+  alone       each rank, in turn while the others wait, computes the global batch alone;
+              its throughput thr_r = B / time (the efficiency denominator sums these)
+  unbalanced  equal split (what a homogeneous job does), gradient all-reduce, SGD step
+  balanced    Balancer: measure, exchange speeds, re-plan (equal split until measured)
+Step time = wall time per optimizer step on rank 0 (after warm-up steps), including the
+gradient all-reduce and the Balancer's speed exchange.
+efficiency = (B / step_time) / sum_r thr_r.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+BACKEND = "hetccl"   # torch.distributed backend; "gloo" works too (--backend gloo)
+
+
+def _factors(world: int, gap: float) -> list[float]:
+    """Half of the ranks (at least one) run `gap` times slower: [1, g], [1, 1, g, g], ..."""
+    slow = max(1, world // 2)
+    return [1.0] * (world - slow) + [float(gap)] * slow
+
+
+def _worker(ctx, cfg):
+    import torch
+    import torch.distributed as dist
+
+    from hetccl.balance import Balancer, allreduce_gradients, equal_plan, micro_loss_scales
+    from hetccl.balance.emulate import emulated_work, slow_down
+
+    torch.set_num_threads(1)
+    dist.init_process_group(cfg["backend"], store=ctx.store(), rank=ctx.rank,
+                            world_size=ctx.world_size)
+    try:
+        rank, W, B, cap = ctx.rank, ctx.world_size, cfg["global_batch"], cfg["max_micro"]
+        per_sample = cfg["per_sample_ms"] / 1e3
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        X, Y = torch.randn(B, 32), torch.randn(B, 1)
+        slow = slow_down()          # factor from this rank's HETCCL_SLOWDOWN
+
+        def compute(sizes, scales):
+            for b, sc in zip(sizes, scales):
+                with slow:
+                    loss = torch.nn.functional.mse_loss(model(X[:b]), Y[:b]) * sc
+                    loss.backward()
+                    emulated_work(b, per_sample)
+
+        # -- alone: one rank at a time computes the whole global batch --------------------
+        thr = 0.0
+        for r in range(W):
+            dist.barrier()
+            if r == rank:
+                plan = equal_plan(B, 1, cap)
+                compute(plan.per_rank[0], micro_loss_scales(plan, 0))      # warm-up
+                t0 = time.perf_counter()
+                for _ in range(cfg["alone_reps"]):
+                    compute(plan.per_rank[0], micro_loss_scales(plan, 0))
+                thr = cfg["alone_reps"] * B / (time.perf_counter() - t0)
+        dist.barrier()
+        alone = [None] * W
+        dist.all_gather_object(alone, thr)
+
+        # -- data-parallel training ---------------------------------------------------------
+        def train(balanced: bool):
+            bal = Balancer(B, cap, threshold=cfg["threshold"]) if balanced else None
+            plan = bal.plan if bal else equal_plan(B, W, cap)
+            times, comp, replans = [], [], 0
+            dist.barrier()
+            t_prev = time.perf_counter()
+            for step in range(cfg["warmup"] + cfg["steps"]):
+                if bal:
+                    plan = bal.plan
+                    bal.begin_step()
+                opt.zero_grad(set_to_none=True)
+                tc = time.perf_counter()
+                compute(plan.per_rank[rank], micro_loss_scales(plan, rank))
+                tc = time.perf_counter() - tc
+                if bal:
+                    replans += bal.end_step(plan.samples(rank))
+                allreduce_gradients(model)
+                opt.step()
+                t = time.perf_counter()
+                if step >= cfg["warmup"]:
+                    times.append(t - t_prev)
+                    comp.append(tc)
+                t_prev = t
+            return {"step_s": statistics.mean(times), "step_med_s": statistics.median(times),
+                    "plan": [plan.samples(r) for r in range(W)], "micro": plan.per_rank,
+                    "replans": replans, "compute_s": statistics.mean(comp),
+                    "speeds": list(bal.speeds) if bal else None}
+
+        out = {"alone": alone, "unbalanced": train(False), "balanced": train(True)}
+        comps = [None] * W
+        dist.all_gather_object(comps, [out["unbalanced"]["compute_s"],
+                                       out["balanced"]["compute_s"]])
+        out["compute_s"] = comps
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def run_config(world: int, gap: float, args) -> list[dict]:
+    from hetccl.launch import spawn
+
+    factors = _factors(world, gap)
+    cfg = {"backend": args.backend, "global_batch": args.global_batch,
+           "max_micro": args.max_micro, "per_sample_ms": args.per_sample_ms,
+           "steps": args.steps, "warmup": args.warmup, "alone_reps": args.alone_reps,
+           "threshold": args.threshold}
+    vendors = "+".join(str(n) for n in (world - factors.count(gap), factors.count(gap)) if n) \
+        if gap != 1 else str(world)
+    env_v = vendors if args.backend == "hetccl" else None
+    res = spawn(_worker, world, args=(cfg,), vendors=env_v,
+                rank_env=[{"HETCCL_SLOWDOWN": str(f)} for f in factors],
+                timeout=args.timeout)
+    r0 = res[0]
+    sum_thr = sum(r0["alone"])
+    rows = []
+    for i, mode in enumerate(("unbalanced", "balanced")):
+        m = r0[mode]
+        achieved = args.global_batch / m["step_s"]
+        rows.append({
+            "bench": "straggler", "backend": args.backend, "world": world, "gap": gap,
+            "slowdown": factors, "vendors": vendors, "mode": mode,
+            "global_batch": args.global_batch, "max_micro": args.max_micro,
+            "per_sample_ms": args.per_sample_ms, "steps": args.steps, "warmup": args.warmup,
+            "step_ms": m["step_s"] * 1e3, "step_median_ms": m["step_med_s"] * 1e3,
+            "throughput": achieved, "alone_throughput": r0["alone"],
+            "sum_alone_throughput": sum_thr, "efficiency": achieved / sum_thr,
+            "plan_samples": m["plan"], "plan_micro": m["micro"], "replans": m["replans"],
+            "compute_ms": [1e3 * c[i] for c in r0["compute_s"]],
+            "measured_speeds": m["speeds"],
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    from hetccl.bench.report import Table, hardware, today
+
+    p = argparse.ArgumentParser(prog="hetccl bench straggler", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default="2,4", help="world sizes, comma-separated (default 2,4)")
+    p.add_argument("--gaps", default="2,3",
+                   help="slow-down of the slow half of the ranks, comma-separated (default 2,3)")
+    p.add_argument("--global-batch", type=int, default=96)
+    p.add_argument("--max-micro", type=int, default=8, help="micro-batch cap of every rank")
+    p.add_argument("--per-sample-ms", type=float, default=5.0,
+                   help="emulated device time per sample at speed 1 (default 5.0)")
+    p.add_argument("--steps", type=int, default=12, help="measured steps per mode")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="unmeasured steps per mode (the Balancer measures from the 2nd step)")
+    p.add_argument("--alone-reps", type=int, default=2)
+    p.add_argument("--threshold", type=float, default=0.1, help="Balancer re-plan threshold")
+    p.add_argument("--backend", default=BACKEND)
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--jsonl", default=None, help="append one JSON row per (config, mode)")
+    args = p.parse_args(argv)
+    if args.backend == "hetccl":
+        import hetccl  # noqa: F401  (registers the backend)
+
+    worlds = [int(x) for x in args.world.split(",") if x]
+    gaps = [float(x) for x in args.gaps.split(",") if x]
+    command = "hetccl bench straggler " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {"date": today(), "hardware": hardware(), "command": command.strip()}
+    print(f"# hetccl bench straggler  backend={args.backend}  B={args.global_batch}  "
+          f"cap={args.max_micro}  {args.per_sample_ms} ms/sample  {meta['hardware']}  "
+          f"{meta['date']}")
+    table = Table([("world", 5), ("slowdown", 16), ("mode", 10), ("plan", 16),
+                   ("step_ms", 8), ("samples/s", 9), ("sum_alone", 9), ("eff_%", 6)],
+                  jsonl=args.jsonl)
+    table.header()
+    configs = [(w, g) for w in worlds for g in gaps]
+    summary = []
+    for w, g in tqdm(configs, desc="straggler", unit="config", file=sys.stderr):
+        rows = run_config(w, g, args)
+        for row in rows:
+            row.update(meta)
+            table.row([w, "/".join(f"{f:g}" for f in row["slowdown"]), row["mode"],
+                       "/".join(map(str, row["plan_samples"])), row["step_ms"],
+                       row["throughput"], row["sum_alone_throughput"],
+                       100 * row["efficiency"]], record=row)
+        summary.append((w, g, rows[0]["efficiency"], rows[1]["efficiency"],
+                        rows[0]["step_ms"] / rows[1]["step_ms"]))
+    table.close()
+    print("\nsummary (efficiency = achieved / sum of ranks' solo throughputs):")
+    for w, g, eu, eb, sp in summary:
+        print(f"  {w} ranks, {g:g}x gap: unbalanced {100 * eu:5.1f}%  ->  balanced "
+              f"{100 * eb:5.1f}%   ({sp:.2f}x faster steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

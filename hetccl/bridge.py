@@ -1,0 +1,174 @@
+"""The bridge: moves bytes between vendor groups over the C++ transports.
+
+A Bridge belongs to one multi-vendor process group. At creation it connects this rank to every
+rank of the *other* vendor groups (never to its own group: that traffic stays on the native
+library). The transport of a pair is chosen symmetrically from both ranks' hosts:
+shm when they share a host, tcp otherwise, ucx when HETCCL_TRANSPORT=ucx (HETCCL_TRANSPORT=tcp
+forces tcp even on one host). Addresses and the group's random secret go through the group's
+torch store: no rendezvous of our own.
+
+Tensors handed to isend/irecv must be contiguous. Host tensors are sent from their own memory.
+Device tensors are staged through pinned host memory (see the GPU data path in engine.py);
+the bridge itself only ever sees host memory, exactly as between real vendors, whose devices
+share nothing but the host.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import time
+from datetime import timedelta
+
+import torch
+
+from . import _core, config
+from ._core import _C
+from .topology import Topology
+
+log = logging.getLogger("hetccl")
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _iface_addr(ifname: str) -> str:
+    import fcntl
+    import struct
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError as e:
+        raise ValueError(f"hetccl: HETCCL_SOCKET_IFNAME={ifname!r}: no IPv4 address on that "
+                         f"interface ({e})") from None
+    finally:
+        s.close()
+
+
+def _default_bind_addr(topo: Topology) -> str:
+    ifname = config.get("HETCCL_SOCKET_IFNAME")
+    if ifname:
+        return _iface_addr(ifname)
+    if all(topo.same_host(topo.rank, r) for r in range(topo.size)):
+        return "127.0.0.1"
+    # The interface that routes to the store's master is one every peer can reach.
+    import os
+    master = os.environ.get("MASTER_ADDR", "")
+    if master:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.connect((master, 1))
+            return s.getsockname()[0]
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return socket.gethostbyname(socket.gethostname())
+
+
+class Bridge:
+    def __init__(self, store, topo: Topology, timeout: timedelta):
+        self.topo = topo
+        self.timeout = timeout
+        self.peers = [r for r in range(topo.size) if topo.group_of[r] != topo.my_group]
+        forced = config.get("HETCCL_TRANSPORT")
+        known = _core.transport_names()
+        if forced not in ("auto", *known):
+            raise ValueError(f"hetccl: HETCCL_TRANSPORT={forced!r} is not available in this "
+                             f"build (available: auto, {', '.join(known)})")
+        # Kind of transport for each peer; symmetric because it depends on both hosts only.
+        self.kind_of: dict[int, str] = {}
+        for p in self.peers:
+            if forced != "auto":
+                self.kind_of[p] = forced
+            else:
+                self.kind_of[p] = "shm" if topo.same_host(topo.rank, p) else "tcp"
+        if topo.rank == 0:
+            store.set("hetccl/secret", secrets.token_hex(16))
+        store.wait(["hetccl/secret"], timeout)
+        secret = store.get("hetccl/secret").decode()
+        opts = {
+            "secret": secret,
+            "nconn": str(config.get("HETCCL_TCP_NCONN")),
+            "slot_bytes": str(config.get("HETCCL_SHM_SLOT_BYTES")),
+            "nslots": str(config.get("HETCCL_SHM_NSLOTS")),
+            "threads": str(config.get("HETCCL_REDUCE_THREADS")),
+        }
+        kinds = sorted(set(self.kind_of.values()))
+        if any(k in ("tcp", "ucx") for k in kinds):
+            opts["bind_addr"] = _default_bind_addr(topo)
+        self.transports: dict[str, object] = {}
+        try:
+            for k in kinds:
+                t = _C.Transport(k, topo.rank, topo.size, opts)
+                self.transports[k] = t
+                store.set(f"hetccl/bridge/{k}/{topo.rank}", t.address())
+            timeout_ms = int(timeout.total_seconds() * 1000)
+            for k, t in self.transports.items():
+                mine = [p for p in self.peers if self.kind_of[p] == k]
+                store.wait([f"hetccl/bridge/{k}/{p}" for p in mine], timeout)
+                addrs = [b""] * topo.size
+                for p in mine:
+                    addrs[p] = store.get(f"hetccl/bridge/{k}/{p}")
+                t.connect(addrs, timeout_ms)
+        except BaseException:
+            self.close()
+            raise
+        self._bounce: list[torch.Tensor] = []
+        log.info("hetccl bridge: rank %d connected to %d peers via %s", topo.rank,
+                 len(self.peers), dict(sorted(self.kind_of.items())))
+
+    def transport_of(self, peer: int):
+        try:
+            return self.transports[self.kind_of[peer]]
+        except KeyError:
+            raise ValueError(f"hetccl: rank {peer} is not a cross-vendor peer of rank "
+                             f"{self.topo.rank}") from None
+
+    # --- data movement (host tensors) ---
+    def isend(self, peer: int, t: torch.Tensor, tag: int):
+        return _Req(self.transport_of(peer).isend(peer, t.data_ptr(), _nbytes(t), tag), t)
+
+    def irecv(self, peer: int, t: torch.Tensor, tag: int):
+        return _Req(self.transport_of(peer).irecv(peer, t.data_ptr(), _nbytes(t), tag), t)
+
+    def irecv_reduce(self, peer: int, t: torch.Tensor, tag: int, op: str):
+        req = self.transport_of(peer).irecv_reduce(peer, t.data_ptr(), _nbytes(t), tag, op,
+                                                   torch_dtype_name(t.dtype))
+        return _Req(req, t)
+
+    def close(self) -> None:
+        for t in self.transports.values():
+            try:
+                t.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("hetccl: closing transport failed: %s", e)
+        self.transports = {}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if not t.is_contiguous():
+        raise ValueError("hetccl: internal error: bridge tensors must be contiguous")
+    return t.numel() * t.element_size()
+
+
+class _Req:
+    """A posted transport operation plus the tensor it reads or writes (kept alive until done)."""
+
+    __slots__ = ("req", "tensor")
+
+    def __init__(self, req, tensor):
+        self.req, self.tensor = req, tensor
+
+    def wait(self, deadline: float) -> int:
+        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        return self.req.wait(left_ms)
+
+
+def wait_all(reqs, deadline: float) -> None:
+    if reqs:
+        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        _C.wait_all([r.req for r in reqs], left_ms)

@@ -1,0 +1,87 @@
+"""The one place that knows how torch versions differ (2.11 on the GPU box, 2.13 on CI).
+
+C++ callers (DDP's reducer, functional collectives, FSDP2) reach a Python ProcessGroup only
+through the PyProcessGroup trampoline, whose method names changed between releases:
+
+    role                           torch 2.13                        torch 2.11
+    all-gather into one tensor     all_gather_single                 _allgather_base
+    reduce-scatter from one tensor reduce_scatter_single             _reduce_scatter_base
+    all-to-all of one tensor       all_to_all_single                 alltoall_base
+    coalesced all-gather           all_gather_single_coalesced       allgather_into_tensor_coalesced
+    coalesced reduce-scatter       reduce_scatter_single_coalesced   reduce_scatter_tensor_coalesced
+
+``install_aliases(cls)`` gives a ProcessGroup subclass both spellings from one implementation
+(named by role), so no other module carries version checks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+# role -> every trampoline name that torch versions use for it
+METHOD_ALIASES = {
+    "_hc_all_gather_single": ("all_gather_single", "_allgather_base"),
+    "_hc_reduce_scatter_single": ("reduce_scatter_single", "_reduce_scatter_base"),
+    "_hc_all_to_all_single": ("all_to_all_single", "alltoall_base"),
+    "_hc_all_gather_single_coalesced": ("all_gather_single_coalesced",
+                                        "allgather_into_tensor_coalesced"),
+    "_hc_reduce_scatter_single_coalesced": ("reduce_scatter_single_coalesced",
+                                            "reduce_scatter_tensor_coalesced"),
+}
+
+
+def install_aliases(cls: type) -> type:
+    for impl, names in METHOD_ALIASES.items():
+        fn = getattr(cls, impl)
+        for name in names:
+            setattr(cls, name, fn)
+    return cls
+
+
+def work_from_future(fut: torch.futures.Future) -> dist.Work:
+    """A c10d Work whose wait() waits on (and re-raises the error of) `fut`."""
+    return _create_work_from_future(fut)
+
+
+def register_backend(name: str, creator, devices: list[str]) -> None:
+    # `devices` must be a list: a string would be iterated character by character.
+    dist.Backend.register_backend(name, creator, extended_api=True, devices=list(devices))
+
+
+def backend_opts(dist_backend_opts: Any) -> tuple[Any, int, int, Any, list[int], str]:
+    """(store, rank, size, timeout, global_ranks, group_id) from the extended-API options.
+    global_ranks_in_group is [] for the default group on every supported version."""
+    o = dist_backend_opts
+    return (o.store, o.group_rank, o.group_size, o.timeout,
+            list(getattr(o, "global_ranks_in_group", []) or []),
+            str(getattr(o, "group_id", "") or ""))
+
+
+def new_native_gloo(store, rank: int, size: int, timeout):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def new_native_nccl(store, rank: int, size: int, timeout):
+    """NCCL on CUDA builds, RCCL on ROCm builds (torch names both 'nccl')."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def passthrough_group(store, rank: int, size: int, backends: dict[str, Any]) -> dist.ProcessGroup:
+    """A plain c10d ProcessGroup with native backends registered per device type: torch then
+    dispatches straight to them, so a single-vendor group runs at native speed with no Python
+    in the data path."""
+    pg = dist.ProcessGroup(store, rank, size)
+    types = {"gloo": dist.ProcessGroup.BackendType.GLOO,
+             "nccl": dist.ProcessGroup.BackendType.NCCL}
+    default = "nccl" if "cuda" in backends else "gloo"
+    for device, (kind, backend) in backends.items():
+        pg._register_backend(torch.device(device), types[kind], backend)
+    pg._set_default_backend(types[default])
+    return pg

@@ -1,0 +1,353 @@
+"""The engine behind one multi-vendor process group.
+
+It owns the group's topology, the native communicator of this rank's vendor group, the bridge
+to the other vendor groups, and one worker thread that runs the group's collectives in the
+order they were issued (every rank issues them in the same order, so sequence numbers, and
+therefore bridge tags, agree without negotiation).
+
+Contract with the torch face (backend.py):
+  * submit(name, fn, outputs, tensors) returns a Work at once; fn(ctx) runs on the worker.
+    Work.wait() raises the collective's error, if any. For device tensors the work runs on a
+    comm stream that first waits on the caller's current stream; the future completes on
+    that stream, so wait() only orders the caller's stream after it (no host block there).
+  * Argument checking (HETCCL_CHECK_ARGS, default on): before moving data, every rank learns
+    every rank's (collective, element count, dtype, op, root) through the bridge plus a tiny
+    native all-gather, so all ranks reach the same verdict and raise the same clear error
+    instead of hanging on mismatched sizes.
+  * A communication failure (peer death, timeout, protocol error) makes the group unusable:
+    later operations fail at once with an error naming the first failure, never a hang.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import config, vendor
+from ._core import HOST_REDUCE_DTYPES, CommError, _C
+from .bridge import Bridge, torch_dtype_name
+from .native import NativeGroup
+from .topology import Topology
+
+log = logging.getLogger("hetccl")
+
+COLL_CODES = {name: i + 1 for i, name in enumerate(
+    ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+     "gather", "scatter", "barrier"])}
+OP_CODES = {None: 0, "sum": 1, "prod": 2, "min": 3, "max": 4, "avg": 5}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int32, torch.int64, torch.int16, torch.bool, torch.complex64, torch.complex128,
+          torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
+HEADER_LEN = 6
+
+
+class HetcclWork(dist.Work):
+    """Work backed by a torch Future that the engine completes (or fails)."""
+
+    def __init__(self, fut: torch.futures.Future, outputs: Any = None):
+        super().__init__()
+        self.fut = fut
+        self.outputs = outputs
+
+    def wait(self, timeout: timedelta | None = None) -> bool:  # noqa: ARG002 - group timeout applies
+        self.fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.fut.done()
+
+    def is_success(self) -> bool:
+        if not self.fut.done():
+            return False
+        try:
+            self.fut.value()
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def exception(self):
+        try:
+            self.fut.value()
+        except Exception as e:  # noqa: BLE001
+            return e
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        return self.fut
+
+    def result(self):
+        return self.outputs
+
+
+class CompletedWork(HetcclWork):
+    def __init__(self, outputs: Any = None):
+        fut = torch.futures.Future()
+        fut.set_result(outputs)
+        super().__init__(fut, outputs)
+
+
+class Engine:
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, topo: Topology,
+                 name: str = ""):
+        self.rank, self.size, self.timeout, self.topo, self.name = rank, size, timeout, topo, name
+        self.local = None
+        self.bridge = None
+        self._seq = 0
+        self._broken: BaseException | None = None
+        self._closed = False
+        self.chunk_bytes = int(config.get("HETCCL_CHUNK_BYTES"))
+        self.check_args = bool(config.get("HETCCL_CHECK_ARGS"))
+        try:
+            if topo.local_size > 1:
+                self.local = NativeGroup(store, topo.labels[topo.my_group], topo.local_rank,
+                                         topo.local_size, timeout)
+            self.bridge = Bridge(store, topo, timeout)
+        except BaseException:
+            self.close()
+            raise
+        self._bounce: dict[tuple[int, str], torch.Tensor] = {}
+        self._stage: dict[int, torch.Tensor] = {}
+        self._streams: dict[int, Any] = {}
+        self._q: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name=f"hetccl-{name or rank}",
+                                        daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut, outputs, device, ready = item
+            try:
+                if self._broken is not None:
+                    raise CommError(f"hetccl: process group {self.name!r} is unusable after an "
+                                    f"earlier failure: {self._broken}")
+                if device is not None and device.type == "cuda":
+                    stream = self._comm_stream(device)
+                    with torch.cuda.device(device), torch.cuda.stream(stream):
+                        if ready is not None:
+                            stream.wait_event(ready)
+                        fn()
+                        fut.set_result(outputs)
+                else:
+                    fn()
+                    fut.set_result(outputs)
+            except (ValueError, TypeError, NotImplementedError) as e:
+                # argument errors: every rank reached the same verdict, the group stays usable
+                fut.set_exception(e)
+            except BaseException as e:  # noqa: BLE001
+                if self._broken is None and not isinstance(e, _ArgMismatch):
+                    self._broken = e
+                    log.error("hetccl: rank %d: %s", self.rank, e)
+                fut.set_exception(e)
+
+    def _comm_stream(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        s = self._streams.get(idx)
+        if s is None:
+            s = self._streams[idx] = torch.cuda.Stream(device=idx)
+        return s
+
+    def submit(self, fn: Callable[[], None], outputs: Any, tensors: list[torch.Tensor]) -> HetcclWork:
+        if self._closed:
+            raise RuntimeError("hetccl: operation on a process group that was shut down")
+        device = next((t.device for t in tensors if t.device.type != "cpu"), None)
+        ready = None
+        if device is not None and device.type == "cuda":
+            fut = torch.futures.Future(devices=[device])
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            stream = self._comm_stream(device)
+            for t in tensors:
+                t.record_stream(stream)
+        else:
+            fut = torch.futures.Future()
+        self._q.put((fn, fut, outputs, device, ready))
+        return HetcclWork(fut, outputs)
+
+    def next_ctx(self, device: torch.device) -> "EngineCtx":
+        """Called on the worker: a context with a fresh sequence number and deadline."""
+        self._seq += 1
+        return EngineCtx(self, self._seq, time.monotonic() + self.timeout.total_seconds(),
+                         device)
+
+    # ------------------------------------------------------------------ buffers
+    def bounce(self, slot: int, dtype: torch.dtype, numel: int, pinned: bool) -> torch.Tensor:
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        key = (slot, "pinned" if pinned else "host")
+        buf = self._bounce.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, self.chunk_bytes), dtype=torch.uint8,
+                              pin_memory=pinned)
+            self._bounce[key] = buf
+        return buf[:nbytes].view(dtype)
+
+    def stage(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self._stage.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, self.chunk_bytes), dtype=torch.uint8, pin_memory=True)
+            self._stage[slot] = buf
+        return buf[:nbytes]
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if getattr(self, "_worker", None) is not None:
+            self._q.put(None)
+            self._worker.join(timeout=5)
+        if self.bridge is not None:
+            self.bridge.close()
+        if self.local is not None:
+            self.local.close()
+
+
+class _ArgMismatch(ValueError):
+    pass
+
+
+class _HostReq:
+    """Adapts a bridge request to the algorithms' Req protocol."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req):
+        self.req = req
+
+    def wait(self, deadline: float) -> int:
+        return self.req.wait(deadline)
+
+
+class EngineCtx:
+    """CollCtx implementation (see algorithms/common.py) for host and device tensors."""
+
+    def __init__(self, engine: Engine, seq: int, deadline: float, device: torch.device):
+        self.engine = engine
+        self.topo = engine.topo
+        self.local = engine.local
+        self.seq = seq
+        self.deadline = deadline
+        self.device = device
+        self.chunk_bytes = engine.chunk_bytes
+        self._dev = device.type == "cuda"
+        self._pending_h2d: dict[int, tuple] = {}
+
+    def tag(self, phase: int, index: int) -> int:
+        return ((self.seq & 0xFFFFFFF) << 16) | (phase << 13) | index
+
+    def isend(self, peer: int, t: torch.Tensor, tag: int, slot=None):
+        if t.is_cuda:
+            raw = _bytes_view(t)
+            st = self.engine.stage(1000 + slot, raw.numel())
+            st.copy_(raw)  # D2H on the comm stream; synchronous with respect to the host
+            return self.engine.bridge.isend(peer, st, tag)
+        return self.engine.bridge.isend(peer, t, tag)
+
+    def irecv(self, peer: int, t: torch.Tensor, tag: int, slot=None):
+        if t.is_cuda:
+            raw = _bytes_view(t)
+            st = self.engine.stage(2000 + slot, raw.numel())
+            self._pending_h2d[slot] = (raw, st)
+            return self.engine.bridge.irecv(peer, st, tag)
+        return self.engine.bridge.irecv(peer, t, tag)
+
+    def finish_recv(self, t: torch.Tensor, slot) -> None:
+        if t.is_cuda:
+            raw, st = self._pending_h2d.pop(slot)
+            raw.copy_(st)
+
+    def bounce(self, slot: int, like: torch.Tensor, numel: int) -> torch.Tensor:
+        return self.engine.bounce(slot, like.dtype, numel, pinned=like.is_cuda)
+
+    def reduce_into(self, dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
+        reduce_into(dst, src, op)
+
+    def wait_native(self, work) -> None:
+        work.wait()
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t.reshape(-1).view(torch.uint8)
+
+
+_TORCH_OPS = {
+    "sum": lambda d, s: d.add_(s),
+    "prod": lambda d, s: d.mul_(s),
+    "min": lambda d, s: torch.minimum(d, s, out=d),
+    "max": lambda d, s: torch.maximum(d, s, out=d),
+}
+
+
+def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
+    """dst = op(dst, src), elementwise. Host tensors of the core's dtypes use the C++ kernels;
+    device tensors and other dtypes use torch's own kernels (on the current stream)."""
+    if dst.numel() == 0:
+        return
+    if dst.is_cuda:
+        if not src.is_cuda:
+            src = src.to(dst.device, non_blocking=False)
+        _TORCH_OPS[op](dst, src)
+        return
+    name = torch_dtype_name(dst.dtype)
+    if name in HOST_REDUCE_DTYPES:
+        _C.reduce_into(op, name, dst.data_ptr(), src.data_ptr(), dst.numel(),
+                       int(config.get("HETCCL_REDUCE_THREADS")))
+    else:
+        if dst.dtype == torch.bool:
+            r = {"sum": torch.logical_or, "max": torch.logical_or, "prod": torch.logical_and,
+                 "min": torch.logical_and}[op]
+            r(dst, src, out=dst)
+        else:
+            _TORCH_OPS[op](dst, src)
+
+
+def check_headers(ctx: EngineCtx, coll: str, numel: int, dtype: torch.dtype, op: str | None,
+                  root: int = -1, same_numel: bool = True) -> None:
+    """Exchange (collective, numel, dtype, op, root) among all ranks and raise the same clear
+    error on every rank if they disagree."""
+    topo = ctx.topo
+    mine = torch.tensor([COLL_CODES[coll], numel, DTYPE_CODES.get(dtype, 0), OP_CODES[op], root,
+                         0], dtype=torch.int64)
+    table = torch.zeros(topo.size, HEADER_LEN, dtype=torch.int64)
+    table[topo.rank] = mine
+    bridge = ctx.engine.bridge
+    tag = ctx.tag(7, 8191)
+    reqs = []
+    peers = bridge.peers
+    for p in peers:
+        reqs.append(bridge.irecv(p, table[p], tag))
+    for p in peers:
+        reqs.append(bridge.isend(p, mine, tag))
+    for r in reqs:
+        r.wait(ctx.deadline)
+    if topo.local_size > 1:
+        got = torch.empty(topo.local_size * HEADER_LEN, dtype=torch.int64)
+        ctx.local.all_gather(got, mine).wait()
+        for i, r in enumerate(topo.local_ranks):
+            table[r] = got[i * HEADER_LEN:(i + 1) * HEADER_LEN]
+    fields = [(0, "collective"), (2, "dtype"), (3, "reduction op"), (4, "root")]
+    if same_numel:
+        fields.insert(1, (1, "number of elements"))
+    names = {"collective": {v: k for k, v in COLL_CODES.items()},
+             "dtype": {v: str(k) for k, v in DTYPE_CODES.items()},
+             "reduction op": {v: k for k, v in OP_CODES.items()}}
+    for col, what in fields:
+        vals = table[:, col].tolist()
+        if len(set(vals)) > 1:
+            by: dict[Any, list[int]] = {}
+            for r, v in enumerate(vals):
+                by.setdefault(names.get(what, {}).get(v, v), []).append(r)
+            detail = "; ".join(f"ranks {rs}: {v}" for v, rs in by.items())
+            raise _ArgMismatch(f"hetccl: {coll}: {what} differs across ranks ({detail}). "
+                               f"Every rank must call the same collective with matching "
+                               f"tensors.")

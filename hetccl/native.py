@@ -1,0 +1,98 @@
+"""Collectives inside this rank's vendor group on the vendor's native library.
+
+gloo for host tensors; nccl (NCCL on CUDA builds, RCCL on ROCm builds) for device tensors.
+The native groups are built directly from a prefix of the hetccl group's store, one per vendor
+group, so they never include a rank of another vendor. Every method returns the native Work.
+A group of one rank needs no native communicator: callers skip the local stage then.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+
+RED = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+       "max": dist.ReduceOp.MAX}
+
+
+class NativeGroup:
+    def __init__(self, store, label: str, rank: int, size: int, timeout: timedelta):
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self._store = dist.PrefixStore(f"hetccl/native/{label}/", store)
+        self._backends: dict[str, object] = {}
+        if size > 1:
+            self.backend("cpu")  # always needed: barrier, object collectives, headers
+
+    def backend(self, device_type: str):
+        b = self._backends.get(device_type)
+        if b is None:
+            sub = dist.PrefixStore(device_type + "/", self._store)
+            if device_type == "cpu":
+                b = compat.new_native_gloo(sub, self.rank, self.size, self.timeout)
+            elif device_type == "cuda":
+                b = compat.new_native_nccl(sub, self.rank, self.size, self.timeout)
+            else:
+                raise ValueError(f"hetccl: no native backend for device type {device_type!r}")
+            self._backends[device_type] = b
+        return b
+
+    def _b(self, t: torch.Tensor):
+        return self.backend(t.device.type)
+
+    def all_reduce(self, t: torch.Tensor, op: str):
+        o = dist.AllreduceOptions()
+        o.reduceOp = RED[op]
+        return self._b(t).allreduce([t], o)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str):
+        o = dist.ReduceScatterOptions()
+        o.reduceOp = RED[op]
+        return self._b(out)._reduce_scatter_base(out, inp, o)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        return self._b(inp)._allgather_base(out, inp)
+
+    def broadcast(self, t: torch.Tensor, root: int):
+        o = dist.BroadcastOptions()
+        o.rootRank = root
+        return self._b(t).broadcast([t], o)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                   in_splits: list[int]):
+        return self._b(inp).alltoall_base(out, inp, out_splits, in_splits,
+                                          dist.AllToAllOptions())
+
+    def gather(self, outs: list[torch.Tensor], t: torch.Tensor, root: int):
+        o = dist.GatherOptions()
+        o.rootRank = root
+        return self._b(t).gather([outs] if self.rank == root else [], [t], o)
+
+    def scatter(self, out: torch.Tensor, ins: list[torch.Tensor], root: int):
+        o = dist.ScatterOptions()
+        o.rootRank = root
+        return self._b(out).scatter([out], [ins] if self.rank == root else [], o)
+
+    def send(self, t: torch.Tensor, dst: int, tag: int):
+        return self._b(t).send([t], dst, tag)
+
+    def recv(self, t: torch.Tensor, src: int, tag: int):
+        return self._b(t).recv([t], src, tag)
+
+    def barrier(self):
+        t = torch.zeros(1)
+        return self.all_reduce(t, "sum")
+
+    def close(self):
+        for b in self._backends.values():
+            for name in ("shutdown", "abort"):
+                fn = getattr(b, name, None)
+                if fn is not None:
+                    try:
+                        fn()
+                        break
+                    except Exception:  # noqa: BLE001 - best effort at teardown
+                        pass
+        self._backends = {}

@@ -1,0 +1,75 @@
+"""Who is in the group: each rank's vendor label and host, exchanged through the group's store.
+
+Vendor groups are listed in order of their lowest rank, each as a sorted list of group ranks,
+so every rank derives the same layout from the same labels.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+from . import vendor
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    vendor: str
+    host: str
+    pid: int
+
+
+@dataclass
+class Topology:
+    rank: int
+    size: int
+    infos: list[RankInfo]
+
+    def __post_init__(self):
+        order: dict[str, list[int]] = {}
+        for r, info in enumerate(self.infos):
+            order.setdefault(info.vendor, []).append(r)
+        self.groups: list[list[int]] = list(order.values())
+        self.labels: list[str] = list(order.keys())
+        self.group_of = [0] * self.size
+        self.local_rank_of = [0] * self.size
+        for g, ranks in enumerate(self.groups):
+            for i, r in enumerate(ranks):
+                self.group_of[r] = g
+                self.local_rank_of[r] = i
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def my_group(self) -> int:
+        return self.group_of[self.rank]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_rank_of[self.rank]
+
+    @property
+    def local_ranks(self) -> list[int]:
+        return self.groups[self.my_group]
+
+    @property
+    def local_size(self) -> int:
+        return len(self.groups[self.my_group])
+
+    def same_host(self, a: int, b: int) -> bool:
+        return self.infos[a].host == self.infos[b].host
+
+    def describe(self) -> str:
+        return " + ".join(f"{lab}:{len(rs)}" for lab, rs in zip(self.labels, self.groups))
+
+    @classmethod
+    def exchange(cls, store, rank: int, size: int, timeout: timedelta) -> "Topology":
+        me = RankInfo(vendor.detect_vendor(), vendor.host_identity(), os.getpid())
+        store.set(f"hetccl/topo/{rank}", json.dumps(me.__dict__))
+        keys = [f"hetccl/topo/{r}" for r in range(size)]
+        store.wait(keys, timeout)
+        infos = [RankInfo(**json.loads(store.get(k))) for k in keys]
+        return cls(rank, size, infos)

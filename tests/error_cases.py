@@ -1,0 +1,61 @@
+"""Rank-side bad-input checks: every rank must get a clear error (never a hang or a wrong
+result), and the group must stay usable after an argument error."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _expect(fn, exc, *words):
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        missing = [w for w in words if w.lower() not in msg.lower()]
+        return f"message lacks {missing}: {msg}" if missing else "ok"
+    except Exception as e:  # noqa: BLE001
+        return f"wrong exception {type(e).__name__}: {e}"
+    return "no error raised"
+
+
+def run(ctx) -> dict[str, str]:
+    import hetccl  # noqa: F401
+
+    rank, world = ctx.rank, ctx.world_size
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    out = {}
+    # sizes differ between rank 0 and the others (rank 0 and 1 share a vendor in 2+1)
+    n = 10 if rank == 0 else 12
+    out["size_mismatch"] = _expect(lambda: dist.all_reduce(torch.ones(n)), ValueError,
+                                   "number of elements", "ranks")
+    dt = torch.float64 if rank == world - 1 else torch.float32
+    out["dtype_mismatch"] = _expect(lambda: dist.all_reduce(torch.ones(4, dtype=dt)),
+                                    ValueError, "dtype")
+    out["all_gather_size_mismatch"] = _expect(
+        lambda: dist.all_gather_into_tensor(torch.empty(world * (3 + (rank == 1))),
+                                            torch.ones(3 + (rank == 1))),
+        ValueError, "number of elements")
+    out["unsupported_op"] = _expect(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32),
+                                                            op=dist.ReduceOp.BAND),
+                                    NotImplementedError, "BAND")
+    out["avg_on_int"] = _expect(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32),
+                                                        op=dist.ReduceOp.AVG),
+                                NotImplementedError, "AVG", "int32")
+    out["invalid_root"] = _expect(lambda: dist.broadcast(torch.ones(3), src=world + 5),
+                                  (ValueError, RuntimeError), "rank")
+    ins = [1] * world
+    outs = [1] * world
+    if rank == 0:
+        ins[world - 1] = 2  # rank 0 sends 2 rows to the last rank, which expects 1
+    out["a2a_split_mismatch"] = _expect(
+        lambda: dist.all_to_all_single(torch.empty(sum(outs)), torch.ones(sum(ins)), outs, ins),
+        ValueError, "split")
+    # still usable after the argument errors
+    x = torch.full((1000,), float(rank))
+    dist.all_reduce(x)
+    out["usable_after_errors"] = "ok" if torch.all(x == sum(range(world))) else f"wrong {x[:3]}"
+    dist.destroy_process_group()
+    return out
