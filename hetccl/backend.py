@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from . import compat, vendor
 from .algorithms import select
-from .engine import CompletedWork, Engine, HetcclWork, check_headers
+from .engine import Engine, HetcclWork, check_headers
+from .native import REDUCE_DTYPES
 from .topology import Topology
 
 log = logging.getLogger("hetccl")
@@ -117,6 +118,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
             check_headers(ctx, coll, numel, dtype, op, root, same_numel)
 
     def _validate_reduce(self, t: torch.Tensor, op: str) -> None:
+        ok = REDUCE_DTYPES.get(t.device.type, set())
+        if t.dtype not in ok:
+            raise NotImplementedError(
+                f"hetccl: reductions of dtype {t.dtype} on {t.device.type} tensors are not "
+                f"supported (supported: {', '.join(sorted(str(d)[6:] for d in ok))})")
         if op == "avg" and t.dtype in _INT_DTYPES:
             raise NotImplementedError(f"hetccl: ReduceOp.AVG is not supported for integer dtype "
                                       f"{t.dtype} (use SUM and divide)")
@@ -320,22 +326,21 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return self._submit("all_to_all", 0, body, [output], [output, input])
 
     def _check_a2a_counts(self, ctx, in_counts, out_counts):
-        """Every rank learns how much every rank sends to every rank (a W x W matrix,
-        all-gathered like the headers) and checks it against what it expects to receive."""
+        """Every rank learns what every rank sends to and expects from every rank (all-gathered
+        like the headers) and checks every pair, so all ranks reach the same verdict."""
         if not self.engine.check_args:
             return
         w = self.size()
-        mine = torch.tensor(in_counts, dtype=torch.int64)
-        out = torch.empty(w * w, dtype=torch.int64)
+        mine = torch.tensor(list(in_counts) + list(out_counts), dtype=torch.int64)
+        out = torch.empty(w * 2 * w, dtype=torch.int64)
         from .algorithms.allgather import all_gather_hier
         all_gather_hier(ctx, out, mine, phase=1)
-        sent = out.view(w, w)  # sent[s][d] = elements s sends to d
-        me = self.rank()
-        bad = [(s, int(sent[s][me]), out_counts[s]) for s in range(w)
-               if int(sent[s][me]) != out_counts[s]]
+        m = out.view(w, 2, w)  # m[s][0][d]: s sends to d; m[d][1][s]: d expects from s
+        bad = [(s, d, int(m[s][0][d]), int(m[d][1][s])) for s in range(w) for d in range(w)
+               if int(m[s][0][d]) != int(m[d][1][s])]
         if bad:
-            detail = "; ".join(f"rank {s} sends {a} elements, rank {me} expects {b}"
-                               for s, a, b in bad)
+            detail = "; ".join(f"rank {s} sends {a} elements to rank {d}, which expects {b}"
+                               for s, d, a, b in bad[:8])
             raise ValueError(f"hetccl: all_to_all split sizes disagree across ranks: {detail}")
 
     def alltoall(self, output_tensors, input_tensors, opts=None):

@@ -86,13 +86,6 @@ class HetcclWork(dist.Work):
         return self.outputs
 
 
-class CompletedWork(HetcclWork):
-    def __init__(self, outputs: Any = None):
-        fut = torch.futures.Future()
-        fut.set_result(outputs)
-        super().__init__(fut, outputs)
-
-
 class Engine:
     def __init__(self, store, rank: int, size: int, timeout: timedelta, topo: Topology,
                  name: str = ""):

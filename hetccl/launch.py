@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -62,7 +63,9 @@ def vendor_labels(split: Sequence[int] | str) -> list[str]:
 def _entry(fn, ctx: RankContext, env: dict, args, q):
     os.environ.update(env)
     try:
-        q.put((ctx.rank, True, fn(ctx, *args)))
+        # Plain pickle (by value): torch's multiprocessing reductions would pass tensors as
+        # shared-memory handles that die with this process.
+        q.put((ctx.rank, True, pickle.dumps(fn(ctx, *args))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((ctx.rank, False, traceback.format_exc()))
 
@@ -119,7 +122,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
                 for i in dead:
                     failures[i] = f"process exited with code {procs[i].exitcode}"
                 continue
-            (results if ok else failures)[r] = val
+            (results if ok else failures)[r] = pickle.loads(val) if ok else val
             if failures and not ok:
                 # Give the others a short grace period to report their own errors.
                 deadline = min(deadline, time.monotonic() + min(30.0, timeout))

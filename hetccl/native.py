@@ -14,6 +14,23 @@ import torch.distributed as dist
 
 from . import compat
 
+# dtypes each native library can reduce (checked before any communication starts, so an
+# unsupported dtype is a clear error on every rank rather than a failure on some of them).
+# Copy-type collectives move bytes and accept every dtype (see _bytes).
+REDUCE_DTYPES = {
+    "cpu": {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+            torch.uint8, torch.int32, torch.int64, torch.bool, torch.complex64,
+            torch.complex128},
+    "cuda": {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+             torch.uint8, torch.int32, torch.int64},
+}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """Byte view for copy-type collectives: native libraries then move any dtype."""
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
 RED = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
        "max": dist.ReduceOp.MAX}
 
@@ -53,33 +70,36 @@ class NativeGroup:
         return self._b(out)._reduce_scatter_base(out, inp, o)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        return self._b(inp)._allgather_base(out, inp)
+        return self._b(inp)._allgather_base(_bytes(out), _bytes(inp))
 
     def broadcast(self, t: torch.Tensor, root: int):
         o = dist.BroadcastOptions()
         o.rootRank = root
-        return self._b(t).broadcast([t], o)
+        return self._b(t).broadcast([_bytes(t)], o)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
                    in_splits: list[int]):
-        return self._b(inp).alltoall_base(out, inp, out_splits, in_splits,
-                                          dist.AllToAllOptions())
+        es = inp.element_size()
+        return self._b(inp).alltoall_base(_bytes(out), _bytes(inp), [c * es for c in out_splits],
+                                          [c * es for c in in_splits], dist.AllToAllOptions())
 
     def gather(self, outs: list[torch.Tensor], t: torch.Tensor, root: int):
         o = dist.GatherOptions()
         o.rootRank = root
-        return self._b(t).gather([outs] if self.rank == root else [], [t], o)
+        outs = [_bytes(x) for x in outs]
+        return self._b(t).gather([outs] if self.rank == root else [], [_bytes(t)], o)
 
     def scatter(self, out: torch.Tensor, ins: list[torch.Tensor], root: int):
         o = dist.ScatterOptions()
         o.rootRank = root
-        return self._b(out).scatter([out], [ins] if self.rank == root else [], o)
+        ins = [_bytes(x) for x in ins]
+        return self._b(out).scatter([_bytes(out)], [ins] if self.rank == root else [], o)
 
     def send(self, t: torch.Tensor, dst: int, tag: int):
-        return self._b(t).send([t], dst, tag)
+        return self._b(t).send([_bytes(t)], dst, tag)
 
     def recv(self, t: torch.Tensor, src: int, tag: int):
-        return self._b(t).recv([t], src, tag)
+        return self._b(t).recv([_bytes(t)], src, tag)
 
     def barrier(self):
         t = torch.zeros(1)

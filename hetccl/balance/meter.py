@@ -72,6 +72,13 @@ class Balancer:
             ...gradient all-reduce, optimizer step...
             if changed: sampler.set_plan(bal.plan)
 
+    or, in a plain loop, replace end_step + all-reduce by
+    ``changed = allreduce_gradients(model, balancer=bal)``, which closes the timing and carries
+    the rates inside the gradient all-reduce (no extra collective).
+
+    With DDP, the last micro-batch's backward waits for the other ranks: call end_step()
+    before it, or run every micro-batch under no_sync() and use allreduce_gradients().
+
     ``plan`` is an equal split until every rank holding samples has measured a speed (or the
     plan from ``initial_speeds``). end_step() is a collective over ``group`` (every
     ``sync_every`` steps): each rank contributes its smoothed rate via all_gather, so
@@ -143,9 +150,13 @@ class Balancer:
     def begin_step(self) -> None:
         self.meter.start()
 
-    def end_step(self, n_samples: int | None = None) -> bool:
+    def end_step(self, n_samples: int | None = None, exchange: bool = True) -> bool:
         """Close this rank's timing of ``n_samples`` (default: plan.samples(rank)), then, every
-        sync_every steps, exchange rates (collective) and re-plan if needed."""
+        sync_every steps, exchange rates (collective) and re-plan if needed.
+
+        exchange=False only closes the timing: the caller then carries rate_slots() in a
+        SUM all-reduce it does anyway and passes the result to update() (what
+        allreduce_gradients(..., balancer=bal) does: no extra collective per step)."""
         if n_samples is None:
             n_samples = self.plan.samples(self.rank)
         if self.steps < self.warmup_steps:
@@ -153,9 +164,21 @@ class Balancer:
         else:
             self.meter.stop(n_samples)
         self.steps += 1
-        if self.steps % self.sync_every:
+        if not exchange or not self.sync_due:
             return False
         return self.update(self._gather(self.meter.rate))
+
+    @property
+    def sync_due(self) -> bool:
+        """Whether the step just closed is one whose rates are exchanged (same on all ranks)."""
+        return self.steps > 0 and self.steps % self.sync_every == 0
+
+    def rate_slots(self) -> list[float]:
+        """World-size vector with this rank's smoothed rate at its own index and 0.0 elsewhere:
+        SUM-all-reduced over the group it becomes every rank's rate (0.0: not measured)."""
+        v = [0.0] * self.world_size
+        v[self.rank] = float(self.meter.rate) if _valid(self.meter.rate) else 0.0
+        return v
 
     def _gather(self, rate: float | None) -> list[float | None]:
         """Every rank's rate, in group rank order: one all_gather of a float64 tensor on the

@@ -39,18 +39,23 @@ class BalancedBatchSampler(Sampler[list[list[int]]]):
     steps). Load a micro-batch with ``collate([dataset[i] for i in mb])`` (see load()), or
     give a DataLoader a fixed list of indices per micro-batch.
 
+    ``dataset`` may be a dataset or its length. ``rank`` defaults to this process's rank in
+    ``group`` (the data-parallel group; default WORLD), ``world_size`` to the plan's.
+
     Steps per epoch: len(dataset) // global_batch (a trailing partial batch is dropped, as
     a homogeneous run with drop_last=True does).
     """
 
     def __init__(self, dataset, plan: Plan, rank: int | None = None,
-                 world_size: int | None = None, shuffle: bool = True, seed: int = 0):
+                 world_size: int | None = None, shuffle: bool = True, seed: int = 0,
+                 group=None):
         self.n = dataset if isinstance(dataset, int) else len(dataset)
-        if rank is None or world_size is None:
+        if rank is None:    # this rank's index in the data-parallel group (default WORLD)
             import torch.distributed as dist
             init = dist.is_available() and dist.is_initialized()
-            rank = (dist.get_rank() if init else 0) if rank is None else rank
-            world_size = plan.world_size if world_size is None else world_size
+            rank = dist.get_rank(group) if init else 0
+        if world_size is None:
+            world_size = plan.world_size
         self.rank, self.world_size = int(rank), int(world_size)
         self.shuffle, self.seed = shuffle, int(seed)
         self.epoch = 0

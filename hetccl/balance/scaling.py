@@ -83,11 +83,16 @@ def token_loss_scale(local_tokens: int, group=None, device: torch.device | None 
 
 
 def allreduce_gradients(params: Iterable[torch.Tensor] | torch.nn.Module, group=None,
-                        average: bool = True) -> None:
+                        average: bool = True, balancer=None) -> bool:
     """DDP-equivalent gradient synchronisation for plain loops (no DistributedDataParallel):
     missing grads become zeros (a rank without samples contributes zeros), then grads are
     all-reduced (SUM) in one flat buffer per dtype/device and divided by the world size when
-    ``average`` (DDP semantics, which loss_scale assumes). Collective: every rank calls it."""
+    ``average`` (DDP semantics, which loss_scale assumes). Collective: every rank calls it.
+
+    balancer: a Balancer whose step is still open (begin_step() called, end_step() not):
+    closes its timing (end_step(exchange=False)), carries its rate_slots() inside the
+    gradient all-reduce instead of a separate exchange, and applies the result
+    (Balancer.update). Returns True when the plan changed (False without a balancer)."""
     import torch.distributed as dist
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
@@ -95,15 +100,34 @@ def allreduce_gradients(params: Iterable[torch.Tensor] | torch.nn.Module, group=
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    slots = None
+    if balancer is not None:
+        balancer.end_step(exchange=False)
+        if balancer.sync_due:
+            slots = balancer.rate_slots()
     if not (dist.is_available() and dist.is_initialized()):
-        return
+        return balancer.update(slots) if slots is not None else False
     W = dist.get_world_size(group)
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    for grads in buckets.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    # the rates ride in a float32/float64 bucket (exact: one non-zero term per slot)
+    carrier = next((k for k in buckets if k[0] in (torch.float32, torch.float64)), None)
+    rates = None
+    if slots is not None and carrier is None:
+        t = torch.tensor(slots, dtype=torch.float64, device=_coll_device(group))
+        dist.all_reduce(t, group=group)
+        rates = t.tolist()
+    for key, grads in buckets.items():
+        parts = [g.reshape(-1) for g in grads]
+        extra = slots is not None and key == carrier
+        if extra:
+            parts.append(torch.tensor(slots, dtype=key[0], device=key[1]))
+        flat = torch.cat(parts)
         dist.all_reduce(flat, group=group)
+        if extra:
+            rates = flat[-len(slots):].tolist()
+            flat = flat[:-len(slots)]
         if average:
             flat.div_(W)
         off = 0
@@ -111,3 +135,6 @@ def allreduce_gradients(params: Iterable[torch.Tensor] | torch.nn.Module, group=
             k = g.numel()
             g.copy_(flat[off:off + k].view_as(g))
             off += k
+    if slots is not None:
+        return balancer.update(rates)
+    return False

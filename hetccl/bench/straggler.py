@@ -10,9 +10,12 @@ Phases, all in one job:
   alone       each rank, in turn while the others wait, computes the global batch alone;
               its throughput thr_r = B / time (the efficiency denominator sums these)
   unbalanced  equal split (what a homogeneous job does), gradient all-reduce, SGD step
-  balanced    Balancer: measure, exchange speeds, re-plan (equal split until measured)
+  balanced    Balancer: measure, exchange speeds, re-plan (equal split until measured);
+              speeds travel inside the gradient all-reduce (--exchange allreduce) or in a
+              separate all_gather (--exchange gather)
 Step time = wall time per optimizer step on rank 0 (after warm-up steps), including the
-gradient all-reduce and the Balancer's speed exchange.
+gradient all-reduce and the Balancer's speed exchange. The Balancer times only the local
+compute (begin_step before the first micro-batch, closed before the all-reduce).
 efficiency = (B / step_time) / sum_r thr_r.
 """
 from __future__ import annotations
@@ -77,7 +80,7 @@ def _worker(ctx, cfg):
         def train(balanced: bool):
             bal = Balancer(B, cap, threshold=cfg["threshold"]) if balanced else None
             plan = bal.plan if bal else equal_plan(B, W, cap)
-            times, comp, replans = [], [], 0
+            times, comp, xchg, ared, replans = [], [], [], [], 0
             dist.barrier()
             t_prev = time.perf_counter()
             for step in range(cfg["warmup"] + cfg["steps"]):
@@ -88,18 +91,27 @@ def _worker(ctx, cfg):
                 tc = time.perf_counter()
                 compute(plan.per_rank[rank], micro_loss_scales(plan, rank))
                 tc = time.perf_counter() - tc
-                if bal:
+                tx = time.perf_counter()
+                if bal and cfg["exchange"] == "gather":
                     replans += bal.end_step(plan.samples(rank))
-                allreduce_gradients(model)
+                ta = time.perf_counter()
+                if bal and cfg["exchange"] == "allreduce":
+                    replans += allreduce_gradients(model, balancer=bal)
+                else:
+                    allreduce_gradients(model)
+                tb = time.perf_counter()
                 opt.step()
                 t = time.perf_counter()
                 if step >= cfg["warmup"]:
                     times.append(t - t_prev)
                     comp.append(tc)
+                    xchg.append(ta - tx)
+                    ared.append(tb - ta)
                 t_prev = t
             return {"step_s": statistics.mean(times), "step_med_s": statistics.median(times),
                     "plan": [plan.samples(r) for r in range(W)], "micro": plan.per_rank,
                     "replans": replans, "compute_s": statistics.mean(comp),
+                    "exchange_s": statistics.mean(xchg), "allreduce_s": statistics.mean(ared),
                     "speeds": list(bal.speeds) if bal else None}
 
         out = {"alone": alone, "unbalanced": train(False), "balanced": train(True)}
@@ -119,7 +131,7 @@ def run_config(world: int, gap: float, args) -> list[dict]:
     cfg = {"backend": args.backend, "global_batch": args.global_batch,
            "max_micro": args.max_micro, "per_sample_ms": args.per_sample_ms,
            "steps": args.steps, "warmup": args.warmup, "alone_reps": args.alone_reps,
-           "threshold": args.threshold}
+           "threshold": args.threshold, "exchange": args.exchange}
     vendors = "+".join(str(n) for n in (world - factors.count(gap), factors.count(gap)) if n) \
         if gap != 1 else str(world)
     env_v = vendors if args.backend == "hetccl" else None
@@ -137,12 +149,14 @@ def run_config(world: int, gap: float, args) -> list[dict]:
             "slowdown": factors, "vendors": vendors, "mode": mode,
             "global_batch": args.global_batch, "max_micro": args.max_micro,
             "per_sample_ms": args.per_sample_ms, "steps": args.steps, "warmup": args.warmup,
+            "exchange": args.exchange if mode == "balanced" else None,
             "step_ms": m["step_s"] * 1e3, "step_median_ms": m["step_med_s"] * 1e3,
             "throughput": achieved, "alone_throughput": r0["alone"],
             "sum_alone_throughput": sum_thr, "efficiency": achieved / sum_thr,
             "plan_samples": m["plan"], "plan_micro": m["micro"], "replans": m["replans"],
             "compute_ms": [1e3 * c[i] for c in r0["compute_s"]],
             "measured_speeds": m["speeds"],
+            "rank0_exchange_ms": 1e3 * m["exchange_s"], "rank0_allreduce_ms": 1e3 * m["allreduce_s"],
         })
     return rows
 
@@ -166,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="unmeasured steps per mode (the Balancer measures from the 2nd step)")
     p.add_argument("--alone-reps", type=int, default=2)
     p.add_argument("--threshold", type=float, default=0.1, help="Balancer re-plan threshold")
+    p.add_argument("--exchange", choices=("allreduce", "gather"), default="allreduce",
+                   help="how the Balancer exchanges speeds: carried in the gradient all-reduce "
+                        "(allreduce_gradients(model, balancer=...), default) or its own "
+                        "all_gather per step (Balancer.end_step, what DDP/framework loops use)")
     p.add_argument("--backend", default=BACKEND)
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--jsonl", default=None, help="append one JSON row per (config, mode)")
@@ -177,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     gaps = [float(x) for x in args.gaps.split(",") if x]
     command = "hetccl bench straggler " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = {"date": today(), "hardware": hardware(), "command": command.strip()}
-    print(f"# hetccl bench straggler  backend={args.backend}  B={args.global_batch}  "
+    print(f"# hetccl bench straggler  backend={args.backend}  exchange={args.exchange}  "
+          f"B={args.global_batch}  "
           f"cap={args.max_micro}  {args.per_sample_ms} ms/sample  {meta['hardware']}  "
           f"{meta['date']}")
     table = Table([("world", 5), ("slowdown", 16), ("mode", 10), ("plan", 16),

@@ -1,0 +1,183 @@
+"""`hetccl bench transport`: point-to-point bandwidth of the bridge transports between two local
+processes, beside single-core memcpy (the physical reference for a copy-based transport).
+
+For each transport (shm, tcp with --nconn, ucx when built) and size, rank 0 streams --iters
+messages to rank 1 with all of them in flight ("uni"), then both ranks stream to each other at
+once ("bidir", GB/s per direction). Each measurement is repeated --repeat times; the table shows
+the best and the median, because the machines are shared and noisy. Every row is checked: the
+receiver verifies the last message (#wrong counts corrupt ones).
+
+    python -m hetccl.cli bench transport [--transports shm,tcp] [--sizes 1M,4M,16M,64M]
+        [--iters N] [--repeat 5] [--nconn 4] [--jsonl FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+GB = 1e9
+DEFAULT_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]  # 1 MiB .. 64 MiB, powers of 4
+SECRET = "hetccl-bench-" + "0123456789abcdef" * 2
+COLUMNS = [("transport", 9), ("mode", 5), ("size", 10), ("count", 6), ("time_us", 10),
+           ("GB/s", 7), ("med", 7), ("memcpy", 7), ("#wrong", 6)]
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+
+
+def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
+    """Single-core memcpy bandwidth (bytes copied per second) for buffers of nbytes."""
+    import numpy as np
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    iters = max(1, (256 << 20) // max(nbytes, 1))
+    best = 0.0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            np.copyto(dst, src)
+        best = max(best, nbytes * iters / (time.perf_counter() - t0) / GB)
+    return best
+
+
+def _default_iters(size: int) -> int:
+    return int(min(64, max(4, (256 << 20) // max(size, 1))))
+
+
+def _rank_main(ctx, args) -> list[dict[str, Any]]:
+    import numpy as np
+    import torch.distributed as dist
+
+    from hetccl import _C
+    from hetccl.bench.report import Table, hardware, today
+
+    base = ctx.store()
+    rank, peer = ctx.rank, 1 - ctx.rank
+    table = None
+    if rank == 0:
+        table = Table(COLUMNS, jsonl=args.jsonl)
+        print(f"# hetccl bench transport: 2 local processes, {hardware()}, {today()}; "
+              f"best and median of {args.repeat} runs; GB/s = 1e9 B/s (bidir: per direction)")
+        table.header()
+    rows = []
+    copy_ref = {s: memcpy_gbps(s) for s in args.sizes} if rank == 0 else {}
+    for name in args.transports:
+        st = dist.PrefixStore(f"{name}/", base)
+        opts = {"secret": SECRET, "bind_addr": "127.0.0.1", "nconn": str(args.nconn)}
+        if args.slot_bytes:
+            opts["slot_bytes"] = str(args.slot_bytes)
+        if args.nslots:
+            opts["nslots"] = str(args.nslots)
+        t = _C.Transport(name, rank, 2, opts)
+        st.set(f"addr{rank}", t.address())
+        addrs = [b"" if r == rank else st.get(f"addr{r}") for r in range(2)]
+        t.connect(addrs, 60000)
+        label = f"tcp/{args.nconn}" if name == "tcp" else name
+        tag = 0
+        for size in args.sizes:
+            iters = args.iters or _default_iters(size)
+            src = (np.arange(size, dtype=np.uint32) * (rank + 3) % 251).astype(np.uint8)
+            expect = (np.arange(size, dtype=np.uint32) * (peer + 3) % 251).astype(np.uint8)
+            dst = np.zeros(size, np.uint8)
+            go = np.zeros(1, np.uint8)
+            for mode in args.modes:
+                rates, wrong = [], 0
+                for rep in range(args.warmup + args.repeat):
+                    tag += 1
+                    dst[:] = 0
+                    sending = mode == "bidir" or rank == 0
+                    receiving = mode == "bidir" or rank == 1
+                    recvs = [t.irecv(peer, dst.ctypes.data, size, tag) for _ in range(iters)] \
+                        if receiving else []
+                    # Start together: each rank tells the other it has posted its receives.
+                    t.isend(peer, go.ctypes.data, 1, tag + 1_000_000).wait(60000)
+                    t.irecv(peer, go.ctypes.data, 1, tag + 1_000_000).wait(60000)
+                    t0 = time.perf_counter()
+                    sends = [t.isend(peer, src.ctypes.data, size, tag) for _ in range(iters)] \
+                        if sending else []
+                    _C.wait_all(recvs + sends, 120000)
+                    dt = time.perf_counter() - t0
+                    if receiving and not np.array_equal(dst, expect):
+                        wrong += 1
+                    if rep >= args.warmup:
+                        rates.append(size * iters / dt / GB)
+                # The receiver's clock defines one-way rates; bidir takes the slower rank.
+                st.set(f"r/{tag}/{rank}", repr((rates, wrong)))
+                both = [eval(st.get(f"r/{tag}/{r}")) for r in range(2)]  # noqa: S307 (own data)
+                if mode == "uni":
+                    rates, wrong = both[1]
+                else:
+                    rates = [min(a, b) for a, b in zip(both[0][0], both[1][0])]
+                    wrong = both[0][1] + both[1][1]
+                if rank == 0:
+                    best, med = max(rates), statistics.median(rates)
+                    rec = {"bench": "transport", "transport": name, "nconn": args.nconn
+                           if name == "tcp" else None, "mode": mode, "size": size,
+                           "count": iters, "gbps_best": round(best, 3),
+                           "gbps_median": round(med, 3), "gbps_all": [round(r, 3) for r in rates],
+                           "memcpy_gbps": round(copy_ref[size], 3), "wrong": wrong,
+                           "hardware": hardware(), "date": today()}
+                    table.row([label, mode, size, iters, size / (best * GB) * 1e6, best, med,
+                               copy_ref[size], wrong], rec)
+                    rows.append(rec)
+        t.close()
+    if table:
+        table.close()
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "hetccl bench transport: nothing measured"
+    big = max(r["size"] for r in rows)
+    parts = []
+    for r in rows:
+        if r["size"] == big and r["mode"] == "uni":
+            name = f"tcp/{r['nconn']}conn" if r["transport"] == "tcp" else r["transport"]
+            parts.append(f"{name} {r['gbps_best']:.2f} GB/s (median {r['gbps_median']:.2f})")
+    ref = next(r["memcpy_gbps"] for r in rows if r["size"] == big)
+    wrong = sum(r["wrong"] for r in rows)
+    return (f"hetccl bench transport: {big >> 20} MiB one-way: " + ", ".join(parts) +
+            f"; single-core memcpy {ref:.2f} GB/s; " +
+            ("all rows verified" if not wrong else f"{wrong} CORRUPT transfers"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hetccl import _C
+    from hetccl.launch import spawn
+
+    ap = argparse.ArgumentParser(prog="hetccl bench transport", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--transports", default=",".join(_C.transport_names()),
+                    help="comma-separated (default: all in this build: %(default)s)")
+    ap.add_argument("--sizes", default="1M,4M,16M,64M", help="message sizes (K/M/G suffixes)")
+    ap.add_argument("--iters", type=int, default=0,
+                    help="messages per run (default: 256 MiB worth, 4..64)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per row (best, median)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--modes", default="uni,bidir", help="uni, bidir or both")
+    ap.add_argument("--nconn", type=int, default=4, help="tcp connections per peer")
+    ap.add_argument("--slot-bytes", type=int, default=0, help="shm slot size (default 1 MiB)")
+    ap.add_argument("--nslots", type=int, default=0, help="shm slots per ring (default 8)")
+    ap.add_argument("--jsonl", default=None, help="append one JSON record per row to FILE")
+    args = ap.parse_args(argv)
+    args.transports = [x for x in args.transports.split(",") if x]
+    unknown = [x for x in args.transports if x not in _C.transport_names()]
+    if unknown:
+        ap.error(f"unknown transport(s) {unknown}; this build has {_C.transport_names()}")
+    args.sizes = [parse_size(x) for x in args.sizes.split(",") if x]
+    args.modes = [x for x in args.modes.split(",") if x]
+    rows = spawn(_rank_main, 2, args=(args,), timeout=1800)[0]
+    print(summary(rows))
+    return 0 if not any(r["wrong"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

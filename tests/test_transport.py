@@ -1,0 +1,541 @@
+"""Bridge transports (hetccl._C.Transport) between real processes on this host, parametrised
+over every transport this build has (_C.transport_names(), so UCX is covered when built).
+
+One spawn per transport runs all the "happy path" scenarios in sequence (each scenario its own
+tag range, ranks synchronised through the store between scenarios) and each test below checks
+one scenario's verdict; failure scenarios (a peer that never connects, a peer killed mid-transfer)
+get their own spawns. Timeouts are tight so that a hang fails fast.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+from hetccl import _C
+from hetccl.launch import spawn
+
+NAMES = _C.transport_names()
+SECRET = "5f1d2c3b4a59687766554433221100ffeeddccbbaa9988776655443322110000"
+SIZES = [0, 1, 4099, 1 << 20, 64 << 20]
+HS_TIMEOUT_MS = 500
+CONNECT_MS = 20000
+
+
+# ------------------------------------------------------------------ helpers run in the ranks
+def _opts(**kw):
+    o = {"secret": SECRET, "bind_addr": "127.0.0.1", "handshake_timeout_ms": str(HS_TIMEOUT_MS)}
+    o.update({k: str(v) for k, v in kw.items()})
+    return o
+
+
+def _barrier(store, key, rank, world=2):
+    store.set(f"{key}/{rank}", "1")
+    store.wait([f"{key}/{r}" for r in range(world)], __import__("datetime").timedelta(seconds=30))
+
+
+def _connect(t, store, key, rank, world=2, timeout_ms=CONNECT_MS):
+    store.set(f"{key}/addr{rank}", t.address())
+    addrs = [b"" if r == rank else store.get(f"{key}/addr{r}") for r in range(world)]
+    t.connect(addrs, timeout_ms)
+
+
+def _data(seed, n):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _view(ptr, n):
+    return np.frombuffer((ctypes.c_uint8 * n).from_address(ptr), dtype=np.uint8) if n else \
+        np.zeros(0, np.uint8)
+
+
+def _threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+def _shm_entries():
+    return sorted(glob.glob("/dev/shm/hetccl*"))
+
+
+# Scenarios: fn(t, store, rank, peer, name) -> None (raise on failure). Ranks run them in this
+# order; each uses its own tags.
+def sc_sizes(t, st, rank, peer, name):
+    """Sizes 0, 1, odd, 1 MiB, 64 MiB, both directions at once, receive buffers 8 bytes larger
+    than the message (the extra bytes must stay untouched; nbytes says what arrived)."""
+    for i, n in enumerate(SIZES):
+        src = _data(1000 * rank + i, n)
+        dst = np.full(n + 8, 0xAB, np.uint8)
+        rr = t.irecv(peer, dst.ctypes.data, n + 8, 10 + i)
+        rs = t.isend(peer, src.ctypes.data, n, 10 + i)
+        _C.wait_all([rr, rs], 30000)
+        assert rr.wait(0) == n and rr.nbytes == n, (n, rr.nbytes)
+        assert rs.wait(0) == n and (rr.peer, rr.tag) == (peer, 10 + i)
+        assert np.array_equal(dst[:n], _data(1000 * peer + i, n)), f"corrupt data at size {n}"
+        assert (dst[n:] == 0xAB).all(), f"bytes past the message written at size {n}"
+
+
+def _msg(i):
+    n = 1000 + 37 * i + (1_300_000 if i % 8 == 0 else 0)  # some messages span several slots
+    return (np.arange(n, dtype=np.uint32) * (i + 1) % 251).astype(np.uint8)
+
+
+def sc_many_tags(t, st, rank, peer, name):
+    """48 messages on 6 tags in flight at once; the receiver posts tags in reverse order
+    (FIFO within a tag), half of them only after everything was sent (unexpected messages)."""
+    n_msgs, ntags, base = 48, 6, 100
+    if rank == 0:
+        keep = [_msg(i) for i in range(n_msgs)]
+        reqs = [t.isend(peer, keep[i].ctypes.data, keep[i].nbytes, base + i % ntags)
+                for i in range(n_msgs)]
+        _C.wait_all(reqs, 30000)
+        st.set("many/sent", "1")
+        _barrier(st, "many/done", rank)
+        return
+    order = [i for tag in reversed(range(ntags)) for i in range(n_msgs) if i % ntags == tag]
+    bufs, reqs = {}, {}
+    for k, i in enumerate(order):
+        if k == len(order) // 2:
+            st.wait(["many/sent"])
+        bufs[i] = np.zeros(_msg(i).nbytes + 5, np.uint8)
+        reqs[i] = t.irecv(peer, bufs[i].ctypes.data, bufs[i].nbytes, base + i % ntags)
+    _C.wait_all(list(reqs.values()), 30000)
+    for i in range(n_msgs):
+        m = _msg(i)
+        assert reqs[i].nbytes == m.nbytes, (i, reqs[i].nbytes, m.nbytes)
+        assert np.array_equal(bufs[i][:m.nbytes], m), f"message {i} (tag {base + i % ntags}) wrong"
+    _barrier(st, "many/done", rank)
+
+
+def sc_late_receive(t, st, rank, peer, name):
+    """A 64 MiB message whose receive is posted while it is (probably) still arriving, then one
+    posted long after it arrived: both must be intact."""
+    n = 64 << 20
+    if rank == 0:
+        src = _data(7, n)
+        _C.wait_all([t.isend(peer, src.ctypes.data, n, 200), t.isend(peer, src.ctypes.data, n, 201)],
+                    30000)
+        _barrier(st, "late/done", rank)
+        return
+    a, b = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+    time.sleep(0.005)
+    ra = t.irecv(peer, a.ctypes.data, n, 200)
+    time.sleep(0.5)
+    rb = t.irecv(peer, b.ctypes.data, n, 201)
+    _C.wait_all([ra, rb], 30000)
+    ref = _data(7, n)
+    assert np.array_equal(a, ref) and np.array_equal(b, ref)
+    _barrier(st, "late/done", rank)
+
+
+def sc_irecv_reduce(t, st, rank, peer, name):
+    """irecv_reduce: float32 sum and int32 max into the posted buffer, posted before the data and
+    after it arrived; a message of another length fails with MessageTruncated."""
+    n = (1 << 20) + 3
+    rng = np.random.default_rng(42 + rank)
+    mine_f = rng.standard_normal(n).astype(np.float32)
+    mine_i = rng.integers(-2**31, 2**31 - 1, n, dtype=np.int32)
+    prng = np.random.default_rng(42 + peer)
+    theirs_f = prng.standard_normal(n).astype(np.float32)
+    theirs_i = prng.integers(-2**31, 2**31 - 1, n, dtype=np.int32)
+    acc_f, acc_i, acc_late = mine_f.copy(), mine_i.copy(), mine_f.copy()
+    rf = t.irecv_reduce(peer, acc_f.ctypes.data, acc_f.nbytes, 300, "sum", "float32")
+    ri = t.irecv_reduce(peer, acc_i.ctypes.data, acc_i.nbytes, 301, "max", "int32")
+    sends = [t.isend(peer, mine_f.ctypes.data, mine_f.nbytes, 300),
+             t.isend(peer, mine_i.ctypes.data, mine_i.nbytes, 301),
+             t.isend(peer, mine_f.ctypes.data, mine_f.nbytes, 302),
+             t.isend(peer, mine_f.ctypes.data, 64, 303)]
+    _C.wait_all([rf, ri] + sends, 30000)
+    assert np.array_equal(acc_f, mine_f + theirs_f)
+    assert np.array_equal(acc_i, np.maximum(mine_i, theirs_i))
+    time.sleep(0.3)  # tag 302 has arrived and waits on the heap
+    rl = t.irecv_reduce(peer, acc_late.ctypes.data, acc_late.nbytes, 302, "sum", "float32")
+    assert rl.wait(30000) == acc_late.nbytes
+    assert np.array_equal(acc_late, mine_f + theirs_f)
+    wrong = np.zeros(32, np.float32)
+    rw = t.irecv_reduce(peer, wrong.ctypes.data, 32 * 4, 303, "sum", "float32")  # 64 bytes arrive
+    with pytest.raises(_C.MessageTruncated):
+        rw.wait(30000)
+    with pytest.raises(_C.CommError, match="whole number"):
+        t.irecv_reduce(peer, wrong.ctypes.data, 6, 304, "sum", "float32")
+    _barrier(st, "reduce/done", rank)
+
+
+def sc_truncation(t, st, rank, peer, name):
+    """A receive buffer smaller than the message fails with MessageTruncated naming both sizes,
+    the peer and the tag; the next message on the same tag is received normally."""
+    big, small = np.arange(1000, dtype=np.uint8), np.arange(10, dtype=np.uint8)
+    s = [t.isend(peer, big.ctypes.data, 1000, 400), t.isend(peer, small.ctypes.data, 10, 400)]
+    buf = np.zeros(999, np.uint8)
+    r1 = t.irecv(peer, buf.ctypes.data, 999, 400)
+    with pytest.raises(_C.MessageTruncated) as ei:
+        r1.wait(30000)
+    msg = str(ei.value)
+    assert "1000" in msg and "999" in msg and f"rank {peer}" in msg and "400" in msg, msg
+    r2 = t.irecv(peer, buf.ctypes.data, 999, 400)
+    assert r2.wait(30000) == 10 and np.array_equal(buf[:10], small)
+    _C.wait_all(s, 30000)
+    _barrier(st, "trunc/done", rank)
+
+
+def sc_bad_args(t, st, rank, peer, name):
+    """Tags must be < 2^48; the peer must be a peer."""
+    buf = np.zeros(4, np.uint8)
+    assert _C.MAX_TAG == 1 << 48
+    with pytest.raises(_C.CommError, match="tag"):
+        t.isend(peer, buf.ctypes.data, 4, 1 << 48)
+    with pytest.raises(_C.CommError, match="tag"):
+        t.irecv(peer, buf.ctypes.data, 4, (1 << 48) + 5)
+    with pytest.raises(_C.CommError, match="peer"):
+        t.isend(rank, buf.ctypes.data, 4, 1)
+    with pytest.raises(_C.CommError, match="peer"):
+        t.irecv(7, buf.ctypes.data, 4, 1)
+    r = t.isend(peer, buf.ctypes.data, 4, (1 << 48) - 1)  # the largest tag works
+    got = np.zeros(4, np.uint8)
+    assert t.irecv(peer, got.ctypes.data, 4, (1 << 48) - 1).wait(30000) == 4
+    r.wait(30000)
+
+
+def sc_zero_copy(t, st, rank, peer, name):
+    """shm: the zero-copy ring (page-aligned slots, strict order, nslots acquirable before
+    commit, ring-full and ring-empty timeouts, misuse errors). Others: not supported."""
+    if not t.zc_supported:
+        with pytest.raises(_C.CommError):
+            t.zc_send_acquire(peer, 100)
+        with pytest.raises(_C.CommError):
+            t.zc_regions()
+        return
+    nslots, slot = 8, 1 << 20
+    regions = t.zc_regions()
+    assert len(regions) == 2 and all(p % 4096 == 0 and n == nslots * slot for p, n in regions)
+    if rank == 0:
+        with pytest.raises(_C.CommError, match="without an acquired slot"):
+            t.zc_send_commit(peer, 1, 1)
+        slots = [t.zc_send_acquire(peer, 1000) for _ in range(nslots)]
+        for k, (p, cap) in enumerate(slots):
+            assert cap == slot and p % 4096 == 0
+            assert any(rp <= p and p + cap <= rp + rn for rp, rn in regions)
+            _view(p, cap)[: cap - k] = (k * 11) % 256
+        for k in range(nslots):
+            t.zc_send_commit(peer, slot - k, 500 + k)
+        t0 = time.monotonic()
+        with pytest.raises(_C.CommTimeout):
+            t.zc_send_acquire(peer, 200)  # ring full until the peer releases
+        assert time.monotonic() - t0 < 2.0
+        st.set("zc/full", "1")
+        for k in range(3):  # wraps around the ring once the peer released
+            p, cap = t.zc_send_acquire(peer, 10000)
+            _view(p, 100)[:] = 200 + k
+            t.zc_send_commit(peer, 100, 600 + k)
+    else:
+        with pytest.raises(_C.CommError, match="without an acquired slot"):
+            t.zc_recv_release(peer)
+        st.wait(["zc/full"])
+        got = [t.zc_recv_acquire(peer, 1000) for _ in range(nslots)]
+        for k, (p, n, tag) in enumerate(got):
+            assert (n, tag) == (slot - k, 500 + k) and p % 4096 == 0
+            assert (_view(p, n) == (k * 11) % 256).all()
+        for _ in range(nslots):
+            t.zc_recv_release(peer)
+        for k in range(3):
+            p, n, tag = t.zc_recv_acquire(peer, 10000)
+            assert (n, tag) == (100, 600 + k) and (_view(p, n) == 200 + k).all()
+            t.zc_recv_release(peer)
+        with pytest.raises(_C.CommTimeout):
+            t.zc_recv_acquire(peer, 100)  # nothing more committed
+    _barrier(st, "zc/done", rank)
+
+
+def sc_foreign_sockets(t, st, rank, peer, name):
+    """tcp: a stranger that connects and sends garbage, and one that stays silent, are dropped
+    and logged without disturbing a transfer running at the same time."""
+    if name != "tcp":
+        return
+    n = 16 << 20
+    if rank == 1:
+        host, port = st.get("tcp/addr0").decode().rsplit(":", 1)
+        garbage = socket.create_connection((host, int(port)))
+        garbage.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(200))
+        silent = socket.create_connection((host, int(port)))
+        st.set("foreign/open", "1")
+    else:
+        st.wait(["foreign/open"])
+    src, dst = _data(50 + rank, n), np.zeros(n, np.uint8)
+    rr = t.irecv(peer, dst.ctypes.data, n, 700)
+    rs = t.isend(peer, src.ctypes.data, n, 700)
+    _C.wait_all([rr, rs], 30000)
+    assert np.array_equal(dst, _data(50 + peer, n))
+    if rank == 1:
+        for s, what in ((garbage, "garbage"), (silent, "silent")):
+            s.settimeout(HS_TIMEOUT_MS / 1000 + 5)
+            try:
+                data = s.recv(4096)  # the 32-byte greeting, then EOF
+                while data:
+                    data = s.recv(4096)
+            except ConnectionResetError:
+                pass
+            except socket.timeout:
+                raise AssertionError(f"the {what} stranger was not dropped")
+            s.close()
+        st.set("foreign/dropped", "1")
+    else:
+        st.wait(["foreign/dropped"])
+    # and traffic still flows afterwards
+    rr = t.irecv(peer, dst.ctypes.data, 1000, 701)
+    rs = t.isend(peer, src.ctypes.data, 1000, 701)
+    _C.wait_all([rr, rs], 30000)
+    _barrier(st, "foreign/done", rank)
+
+
+SCENARIOS = [sc_sizes, sc_many_tags, sc_late_receive, sc_irecv_reduce, sc_truncation,
+             sc_bad_args, sc_zero_copy, sc_foreign_sockets]
+
+
+def run_scenarios(ctx, name, st):
+    """Every scenario on one transport, then close() checks. Returns
+    {scenario: "ok" | traceback}."""
+    rank, peer = ctx.rank, 1 - ctx.rank
+    threads0 = _threads()
+    log = tempfile.TemporaryFile()
+    saved_err = os.dup(2)
+    os.dup2(log.fileno(), 2)  # capture the core's "hetccl WARN" lines
+    out = {}
+    try:
+        t = _C.Transport(name, rank, 2, _opts())
+        assert t.name == name
+        _connect(t, st, name, rank)
+        out["connect_unlinks_shm"] = "ok" if not _shm_entries() else f"left: {_shm_entries()}"
+        for sc in SCENARIOS:
+            try:
+                sc(t, st, rank, peer, name)
+                out[sc.__name__] = "ok"
+            except BaseException:  # noqa: BLE001
+                out[sc.__name__] = traceback.format_exc()
+            _barrier(st, f"after/{sc.__name__}", rank)
+        try:
+            t.close()
+            t.close()  # idempotent
+            left = _threads() - threads0
+            assert left <= 0, f"{left} threads left after close()"
+            assert not _shm_entries(), _shm_entries()
+            buf = np.zeros(4, np.uint8)
+            with pytest.raises(_C.CommError):  # posting after close fails (at once or on wait)
+                t.isend(peer, buf.ctypes.data, 4, 1).wait(1000)
+            out["close"] = "ok"
+        except BaseException:  # noqa: BLE001
+            out["close"] = traceback.format_exc()
+    finally:
+        os.dup2(saved_err, 2)
+        log.seek(0)
+        out["stderr"] = log.read().decode(errors="replace")
+    return out
+
+
+def run_all_scenarios(ctx, names):
+    """Rank body: the scenarios of every transport, one after the other (one spawn for all:
+    starting processes is the slow part on a loaded 2-core machine)."""
+    import torch.distributed as dist
+
+    st = ctx.store()
+    return {name: run_scenarios(ctx, name, dist.PrefixStore(name + "/", st)) for name in names}
+
+
+@functools.lru_cache(maxsize=None)
+def _all_results():
+    return spawn(run_all_scenarios, 2, args=(tuple(NAMES),), timeout=240)
+
+
+def _results(name):
+    return [r[name] for r in _all_results()]
+
+
+def _check(name, scenario):
+    res = _results(name)
+    bad = {r: v[scenario] for r, v in enumerate(res) if v.get(scenario) != "ok"}
+    assert not bad, "\n".join(f"--- rank {r}:\n{v}" for r, v in bad.items())
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("scenario", [s.__name__ for s in SCENARIOS])
+def test_scenario(name, scenario):
+    _check(name, scenario)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_close_frees_threads_and_shm(name):
+    _check(name, "connect_unlinks_shm")
+    _check(name, "close")
+
+
+def test_foreign_connections_are_logged():
+    if "tcp" not in NAMES:
+        pytest.skip("no tcp transport")
+    err = _results("tcp")[0]["stderr"]
+    warns = [l for l in err.splitlines() if l.startswith("hetccl WARN tcp")]
+    assert any("bad magic" in l for l in warns), err
+    assert any(f"within {HS_TIMEOUT_MS} ms" in l for l in warns), err
+
+
+def test_unknown_transport_name():
+    with pytest.raises(_C.CommError) as ei:
+        _C.Transport("carrier-pigeon", 0, 2, {})
+    msg = str(ei.value)
+    assert "carrier-pigeon" in msg and all(n in msg for n in NAMES), msg
+
+
+def test_bad_options_are_named():
+    with pytest.raises(_C.CommError, match="nslots"):
+        _C.Transport("shm", 0, 2, {"nslots": "many"})
+    with pytest.raises(_C.CommError, match="bind_addr"):
+        _C.Transport("tcp", 0, 2, {"bind_addr": "not-an-ip"})
+
+
+# ------------------------------------------------------------------ a peer that never connects
+def never_connects(ctx, name, st):
+    t = _C.Transport(name, ctx.rank, 2, _opts())
+    st.set(f"{name}/nc/addr{ctx.rank}", t.address())
+    if ctx.rank == 1:  # publishes its address, then never calls connect()
+        st.wait([f"{name}/nc/verdict"])
+        t.close()
+        return "ok"
+    addrs = [b"", st.get(f"{name}/nc/addr1")]
+    t0 = time.monotonic()
+    try:
+        t.connect(addrs, 1500)
+        verdict = "connect() returned although rank 1 never connected"
+    except _C.CommError as e:
+        took = time.monotonic() - t0
+        msg = str(e)
+        if not re.search(r"ranks? \[1\b", msg):
+            verdict = f"error does not name rank 1: {msg}"
+        elif not 1.4 < took < 4.0:
+            verdict = f"took {took:.1f} s for a 1.5 s timeout"
+        else:
+            verdict = "ok"
+    st.set(f"{name}/nc/verdict", "1")
+    t.close()
+    return verdict
+
+
+def run_failures(ctx, names):
+    """Rank body: the failure cases of every transport (one spawn for all)."""
+    st = ctx.store()
+    out = {}
+    for name in names:
+        for case in (never_connects, killed_peer):
+            try:
+                out[f"{name}/{case.__name__}"] = case(ctx, name, st)
+            except BaseException:  # noqa: BLE001
+                out[f"{name}/{case.__name__}"] = traceback.format_exc()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _failures():
+    return spawn(run_failures, 2, args=(tuple(NAMES),), timeout=180)
+
+
+def _check_failure(key):
+    bad = {r: v[key] for r, v in enumerate(_failures()) if v[key] != "ok"}
+    assert not bad, "\n".join(f"--- rank {r}:\n{v}" for r, v in bad.items())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_peer_never_connects(name):
+    _check_failure(f"{name}/never_connects")
+
+
+# ------------------------------------------------------------------ a peer killed mid-transfer
+# The victim is a plain subprocess of rank 1 (so that killing it does not fail the spawn): it
+# plays rank 1 of the transport and streams 4 MiB messages to rank 0 until SIGKILL.
+VICTIM = r"""
+import sys, numpy as np
+from hetccl import _C
+name, opts = sys.argv[1], eval(sys.argv[2])
+t = _C.Transport(name, 1, 2, opts)
+sys.stdout.write(t.address().decode() + "\n"); sys.stdout.flush()
+a0 = sys.stdin.readline().strip().encode()
+t.connect([a0, b""], 20000)
+buf = np.ones(4 << 20, np.uint8)
+sys.stdout.write("streaming\n"); sys.stdout.flush()
+while True:
+    t.isend(0, buf.ctypes.data, buf.nbytes, 1).wait(60000)
+"""
+
+
+def killed_peer(ctx, name, st):
+    k = f"{name}/kp"
+    if ctx.rank == 1:
+        p = subprocess.Popen([sys.executable, "-c", VICTIM, name, repr(_opts())],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            st.set(f"{k}/addr1", p.stdout.readline().strip())
+            st.set(f"{k}/pid", str(p.pid))
+            p.stdin.write(st.get(f"{k}/addr0").decode() + "\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "streaming"
+            st.wait([f"{k}/receiving"])
+            time.sleep(0.3)
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        st.set(f"{k}/killed", repr(time.time()))
+        return "ok"
+    t = _C.Transport(name, 0, 2, _opts())
+    st.set(f"{k}/addr0", t.address())
+    t.connect([b"", st.get(f"{k}/addr1")], CONNECT_MS)
+    victim_pid = st.get(f"{k}/pid").decode()
+    buf = np.zeros(4 << 20, np.uint8)
+    big = np.ones(64 << 20, np.uint8)
+    pending_send = t.isend(1, big.ctypes.data, big.nbytes, 99)  # the victim never receives it
+    received = 0
+    err = None
+    st.set(f"{k}/receiving", "1")
+    while err is None:
+        try:
+            t.irecv(1, buf.ctypes.data, buf.nbytes, 1).wait(10000)
+            received += 1
+        except _C.CommError as e:
+            err = e
+    failed_at = time.time()
+    killed_at = float(st.get(f"{k}/killed"))
+    verdict = "ok"
+    if not isinstance(err, _C.PeerFailure):
+        verdict = f"expected PeerFailure, got {type(err).__name__}: {err}"
+    elif "rank 1" not in str(err) or (name == "shm" and victim_pid not in str(err)):
+        verdict = f"error does not name the peer (rank 1, pid {victim_pid}): {err}"
+    elif failed_at - killed_at > 3.0:
+        verdict = f"failure noticed {failed_at - killed_at:.1f} s after the kill"
+    elif received == 0:
+        verdict = "nothing was received before the kill"
+    else:
+        for what, fn in (("the pending send", lambda: pending_send.wait(5000)),
+                         ("a new receive", lambda: t.irecv(1, buf.ctypes.data, 8, 1).wait(5000))):
+            try:
+                fn()
+                if what == "a new receive":
+                    verdict = f"{what} succeeded after the peer died"
+            except _C.PeerFailure:
+                pass
+            except BaseException as e:  # noqa: BLE001
+                verdict = f"{what}: expected PeerFailure, got {type(e).__name__}: {e}"
+    t.close()
+    return verdict
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_peer_killed_mid_transfer(name):
+    _check_failure(f"{name}/killed_peer")
