@@ -43,7 +43,7 @@ _SETTINGS = [
     Setting("HETCCL_CHUNK_BYTES", int, 4 << 20,
             "Pipeline chunk size for hierarchical collectives (bytes)."),
     Setting("HETCCL_ALGO", str, "",
-            "Algorithm overrides, e.g. 'allreduce=hier,allgather=direct' (see docs/algorithms.md)."),
+            "Algorithm overrides, e.g. 'all_reduce=flat,all_gather=hier' (see docs/algorithms.md)."),
     Setting("HETCCL_LOG_LEVEL", str, "WARNING", "Log level of the 'hetccl' logger."),
     Setting("HETCCL_CHECK_ARGS", _bool, True,
             "Exchange and check tensor shapes/dtypes across ranks on cross-vendor collectives."),

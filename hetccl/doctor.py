@@ -1,0 +1,102 @@
+"""`hetccl doctor`: what this rank sees, and (with --launch SPLIT) what a local group does.
+
+Prints the vendor label and where it came from, the torch build and devices, the native
+backend per device type, the bridge transports compiled in and the one each kind of peer
+would get, and every HETCCL_* setting in force. `--launch 2+2` starts a local emulated group,
+and every rank reports its vendor group and the transport it uses to each cross-vendor peer.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import timedelta
+
+import torch
+
+
+def local_report() -> list[str]:
+    from . import config, vendor
+    from ._core import transport_names
+
+    lines = []
+    label = vendor.detect_vendor()
+    src = ("HETCCL_VENDOR" if config.get("HETCCL_VENDOR") else
+           "HETCCL_VENDOR_SPLIT" if config.get("HETCCL_VENDOR_SPLIT") else "detected")
+    kind = vendor.build_kind()
+    lines.append(f"vendor label      : {label} ({src}; torch build drives: {kind})")
+    lines.append(f"torch             : {torch.__version__} (cuda {torch.version.cuda}, "
+                 f"hip {getattr(torch.version, 'hip', None)})")
+    if kind in ("cuda", "rocm"):
+        for i in range(torch.cuda.device_count()):
+            lines.append(f"device {i}          : {torch.cuda.get_device_name(i)}")
+    else:
+        lines.append("devices           : none (host tensors only)")
+    lines.append(f"native backends   : cpu -> {vendor.native_backend('cpu')}"
+                 + (f", cuda -> {vendor.native_backend('cuda')}"
+                    f" ({'RCCL' if kind == 'rocm' else 'NCCL'})" if kind in ("cuda", "rocm") else ""))
+    names = transport_names()
+    forced = config.get("HETCCL_TRANSPORT")
+    same = forced if forced != "auto" else "shm"
+    other = forced if forced != "auto" else "tcp"
+    lines.append(f"bridge transports : compiled {', '.join(names)}; "
+                 f"same-host peers -> {same}, other hosts -> {other}")
+    try:
+        import libucx  # noqa: F401
+        ucx = "libucx wheel importable"
+    except ImportError:
+        ucx = "libucx wheel not installed (pip install hetccl[ucx])"
+    lines.append(f"UCX               : {'built in' if 'ucx' in names else 'not built'}; {ucx}")
+    lines.append(f"host identity     : {vendor.host_identity()}")
+    lines.append("settings:")
+    for name, value, is_set, doc in config.table():
+        mark = "*" if is_set else " "
+        lines.append(f"  {mark} {name:<22} = {value!r:<12} {doc.splitlines()[0][:70]}")
+    lines.append("  (* = set in the environment)")
+    return lines
+
+
+def _rank(ctx) -> str:
+    import torch.distributed as dist
+
+    import hetccl
+
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    pg = dist.group.WORLD
+    if isinstance(pg, hetccl.HetcclProcessGroup):
+        topo = pg.topo
+        b = pg.engine.bridge
+        peers = ", ".join(f"{p}:{b.kind_of[p]}" for p in b.peers)
+        line = (f"rank {ctx.rank}: vendor {topo.labels[topo.my_group]} (group "
+                f"{topo.my_group}, local rank {topo.local_rank}/{topo.local_size}); "
+                f"native {'gloo' if topo.local_size > 1 else '-'}; bridge peers {peers}")
+    else:
+        line = f"rank {ctx.rank}: single-vendor group -> native pass-through ({type(pg).__name__})"
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    ok = bool((x == ctx.world_size).all())
+    dist.destroy_process_group()
+    return line + f"; all_reduce check {'ok' if ok else 'WRONG'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hetccl doctor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launch", metavar="SPLIT", default=None,
+                   help="also start a local group with this vendor split (e.g. 2+2)")
+    args = p.parse_args(argv)
+    print("hetccl doctor")
+    for line in local_report():
+        print("  " + line)
+    if args.launch:
+        from .launch import spawn
+
+        world = sum(int(x) for x in args.launch.split("+"))
+        print(f"\nlocal group, vendors {args.launch}:")
+        for line in spawn(_rank, world, vendors=args.launch, timeout=120):
+            print("  " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
