@@ -542,6 +542,11 @@ class _P2PWork(HetcclWork):
 # ---------------------------------------------------------------------- registration
 def _create(dist_backend_opts, pg_options=None):
     store, rank, size, timeout, global_ranks, group_id = compat.backend_opts(dist_backend_opts)
+    # torch reuses group names (and so store prefixes) after destroy_process_group: an atomic
+    # counter gives every incarnation of the group its own key space, so no rank reads a
+    # previous incarnation's addresses.
+    generation = (store.add("hetccl/incarnations", 1) - 1) // size
+    store = dist.PrefixStore(f"hetccl/{generation}/", store)
     topo = Topology.exchange(store, rank, size, timeout)
     if topo.num_groups == 1:
         backends = {"cpu": ("gloo", compat.new_native_gloo(

@@ -8,8 +8,9 @@ The sleep dominates, so the emulated speeds do not depend on how the host's core
 
 Phases, all in one job:
   alone       each rank, in turn while the others wait, computes the global batch alone;
-              its throughput thr_r = B / (fastest of --alone-reps runs): the efficiency
-              denominator sums these (best case, so host-load noise lowers efficiency)
+              its throughput thr_r = B / (fastest of --alone-reps runs, measured both before
+              and after the training phases): the efficiency denominator sums these (best
+              case, so host-load noise can only lower the efficiency)
   unbalanced  equal split (what a homogeneous job does), gradient all-reduce, SGD step
   balanced    Balancer: measure, exchange speeds, re-plan (equal split until measured);
               speeds travel inside the gradient all-reduce (--exchange allreduce) or in a
@@ -63,21 +64,23 @@ def _worker(ctx, cfg):
                     emulated_work(b, per_sample)
 
         # -- alone: one rank at a time computes the whole global batch --------------------
-        thr = 0.0
-        for r in range(W):
+        def solo() -> list[float]:
+            thr = 0.0
+            for r in range(W):
+                dist.barrier()
+                if r == rank:
+                    plan = equal_plan(B, 1, cap)
+                    compute(plan.per_rank[0], micro_loss_scales(plan, 0))      # warm-up
+                    best = float("inf")
+                    for _ in range(cfg["alone_reps"]):   # best of reps: load spikes only slow
+                        t0 = time.perf_counter()
+                        compute(plan.per_rank[0], micro_loss_scales(plan, 0))
+                        best = min(best, time.perf_counter() - t0)
+                    thr = B / best
             dist.barrier()
-            if r == rank:
-                plan = equal_plan(B, 1, cap)
-                compute(plan.per_rank[0], micro_loss_scales(plan, 0))      # warm-up
-                best = float("inf")
-                for _ in range(cfg["alone_reps"]):   # best of reps: host-load spikes only slow
-                    t0 = time.perf_counter()
-                    compute(plan.per_rank[0], micro_loss_scales(plan, 0))
-                    best = min(best, time.perf_counter() - t0)
-                thr = B / best
-        dist.barrier()
-        alone = [None] * W
-        dist.all_gather_object(alone, thr)
+            out = [None] * W
+            dist.all_gather_object(out, thr)
+            return out
 
         # -- data-parallel training ---------------------------------------------------------
         def train(balanced: bool):
@@ -117,7 +120,10 @@ def _worker(ctx, cfg):
                     "exchange_s": statistics.mean(xchg), "allreduce_s": statistics.mean(ared),
                     "speeds": list(bal.speeds) if bal else None}
 
-        out = {"alone": alone, "unbalanced": train(False), "balanced": train(True)}
+        before = solo()
+        out = {"unbalanced": train(False), "balanced": train(True)}
+        after = solo()          # solo speeds before and after the runs; the faster counts
+        out["alone"] = [max(a, b) for a, b in zip(before, after)]
         comps = [None] * W
         dist.all_gather_object(comps, [out["unbalanced"]["compute_s"],
                                        out["balanced"]["compute_s"]])
@@ -181,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12, help="measured steps per mode")
     p.add_argument("--warmup", type=int, default=5,
                    help="unmeasured steps per mode (the Balancer measures from the 2nd step)")
-    p.add_argument("--alone-reps", type=int, default=3,
-                   help="solo repetitions per rank; the fastest counts (default 3)")
+    p.add_argument("--alone-reps", type=int, default=2,
+                   help="solo repetitions per rank and phase; the fastest counts (default 2)")
     p.add_argument("--threshold", type=float, default=0.1, help="Balancer re-plan threshold")
     p.add_argument("--exchange", choices=("allreduce", "gather"), default="allreduce",
                    help="how the Balancer exchanges speeds: carried in the gradient all-reduce "
