@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch
 
-from . import _core, config
+from . import _core, config, vendor
 from ._core import _C
 from .topology import Topology
 
@@ -90,10 +90,12 @@ class Bridge:
             store.set("hetccl/secret", secrets.token_hex(16))
         store.wait(["hetccl/secret"], timeout)
         secret = store.get("hetccl/secret").decode()
+        self.slot_bytes = int(config.get("HETCCL_SHM_SLOT_BYTES")) or (
+            8 << 20 if vendor.build_kind() in ("cuda", "rocm") else 1 << 20)
         opts = {
             "secret": secret,
             "nconn": str(config.get("HETCCL_TCP_NCONN")),
-            "slot_bytes": str(config.get("HETCCL_SHM_SLOT_BYTES")),
+            "slot_bytes": str(self.slot_bytes),
             "nslots": str(config.get("HETCCL_SHM_NSLOTS")),
             "threads": str(config.get("HETCCL_REDUCE_THREADS")),
         }
@@ -101,6 +103,7 @@ class Bridge:
         if any(k in ("tcp", "ucx") for k in kinds):
             opts["bind_addr"] = _default_bind_addr(topo)
         self.transports: dict[str, object] = {}
+        self._seams = []
         try:
             for k in kinds:
                 t = _C.Transport(k, topo.rank, topo.size, opts)
@@ -117,7 +120,7 @@ class Bridge:
         except BaseException:
             self.close()
             raise
-        self._bounce: list[torch.Tensor] = []
+        self._seams: list = []  # device seams that registered our rings (see staging.py)
         log.info("hetccl bridge: rank %d connected to %d peers via %s", topo.rank,
                  len(self.peers), dict(sorted(self.kind_of.items())))
 
@@ -140,8 +143,16 @@ class Bridge:
                                                    torch_dtype_name(t.dtype))
         return _Req(req, t)
 
+    def zero_copy(self, peers) -> bool:
+        """True when every peer is reached through a transport with a zero-copy ring."""
+        return all(getattr(self.transport_of(p), "zc_supported", False) for p in peers)
+
     def close(self) -> None:
         for t in self.transports.values():
+            for seam in self._seams:
+                from . import staging
+
+                staging.forget(t, seam)
             try:
                 t.close()
             except Exception as e:  # noqa: BLE001

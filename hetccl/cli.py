@@ -11,7 +11,7 @@ COMMANDS = {
              "collectives and train a small model"),
     "doctor": ("hetccl.doctor", "print what this rank sees: vendor, device, backends, transports"),
     "run": ("hetccl.run", "torchrun wrapper: run an unchanged script over hetccl"),
-    "bench": (None, "benchmarks: transport | collectives | straggler | soak"),
+    "bench": (None, "benchmarks: transport | collectives | straggler | soak | ddp"),
     "deepspeed": ("hetccl.integrations.deepspeed", "deepspeed launcher wrapper accepting "
                   "--comm_backend hetccl"),
     "megatron": ("hetccl.integrations.megatron", "train a megatron-core GPT from a recipe YAML"),
@@ -21,6 +21,7 @@ BENCHES = {
     "collectives": "hetccl.bench.collectives",
     "straggler": "hetccl.bench.straggler",
     "soak": "hetccl.bench.soak",
+    "ddp": "hetccl.bench.ddp",
 }
 
 

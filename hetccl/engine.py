@@ -107,7 +107,10 @@ class Engine:
             raise
         self._bounce: dict[tuple[int, str], torch.Tensor] = {}
         self._stage: dict[int, torch.Tensor] = {}
-        self._streams: dict[int, Any] = {}
+        self._streams: dict[Any, Any] = {}
+        self._seam_of: dict[torch.device, Any] = {}
+        # bytes sent by the zero-copy GPU path and by the staged path (tests and doctor read it)
+        self.stats = {"zero_copy_bytes": 0, "staged_bytes": 0}
         self._q: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"hetccl-{name or rank}",
                                         daemon=True)
@@ -142,6 +145,23 @@ class Engine:
                     self._broken = e
                     log.error("hetccl: rank %d: %s", self.rank, e)
                 fut.set_exception(e)
+
+    def copy_streams(self, device: torch.device):
+        """(d2h, h2d) streams of the GPU data path, one pair per device."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        key = ("copy", idx)
+        pair = self._streams.get(key)
+        if pair is None:
+            pair = self._streams[key] = (torch.cuda.Stream(device=idx),
+                                         torch.cuda.Stream(device=idx))
+        return pair
+
+    def seam(self, device: torch.device):
+        s = self._seam_of.get(device)
+        if s is None:
+            s = self._seam_of[device] = vendor.seam_for(device)
+            self.bridge._seams.append(s)
+        return s
 
     def _comm_stream(self, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -242,6 +262,7 @@ class EngineCtx:
         if t.is_cuda:
             raw = _bytes_view(t)
             st = self.engine.stage(1000 + slot, raw.numel())
+            self.engine.stats["staged_bytes"] += raw.numel()
             st.copy_(raw)  # D2H on the comm stream; synchronous with respect to the host
             return self.engine.bridge.isend(peer, st, tag)
         return self.engine.bridge.isend(peer, t, tag)
@@ -267,6 +288,21 @@ class EngineCtx:
 
     def wait_native(self, work) -> None:
         work.wait()
+
+    def device_transfer(self, phase: int, sends, recvs, op) -> bool:
+        """Zero-copy GPU path (staging.py) when the data is on a device and every peer shares
+        this host's memory; False lets transfer() take the generic path."""
+        if not self._dev:
+            return False
+        peers = {s[0] for s in sends} | {r[0] for r in recvs}
+        bridge = self.engine.bridge
+        if not peers or not bridge.zero_copy(peers):
+            return False
+        from . import staging
+
+        staging.device_transfer(self, phase, sends, recvs, op, self.engine.seam(self.device),
+                                bridge.slot_bytes)
+        return True
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
