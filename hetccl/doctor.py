@@ -55,6 +55,45 @@ def local_report() -> list[str]:
     return lines
 
 
+def copy_test(nbytes: int = 256 << 20) -> list[str]:
+    """PCIe copy rates per device: torch pinned memory vs a shared-memory mapping registered
+    the way the GPU data path registers its zero-copy slots (vendor.DeviceSeam)."""
+    import ctypes
+    import mmap
+    import time
+
+    from . import vendor
+
+    lines = []
+    for i in range(torch.cuda.device_count()):
+        dev = torch.device("cuda", i)
+        seam = vendor.seam_for(dev)
+        d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        shm = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base), dtype=torch.uint8)
+        shm.fill_(1)
+        ok = seam.host_register(base, nbytes)
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        res = []
+        for name, h in (("pinned", pinned), ("shm registered" if ok else "shm NOT registered", shm)):
+            for direction in ("D2H", "H2D"):
+                src, dst = (d, h) if direction == "D2H" else (h, d)
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize(dev)
+                res.append(f"{name} {direction} {5 * nbytes / (time.perf_counter() - t0) / 1e9:.1f}")
+        if ok:
+            seam.host_unregister(base)
+        del shm
+        m.close()
+        lines.append(f"device {i} copy GB/s: " + ", ".join(res))
+    return lines
+
+
 def _rank(ctx) -> str:
     import torch.distributed as dist
 
@@ -84,10 +123,15 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--launch", metavar="SPLIT", default=None,
                    help="also start a local group with this vendor split (e.g. 2+2)")
+    p.add_argument("--copy-test", action="store_true",
+                   help="measure D2H/H2D rates to pinned and registered shared memory")
     args = p.parse_args(argv)
     print("hetccl doctor")
     for line in local_report():
         print("  " + line)
+    if args.copy_test:
+        for line in copy_test():
+            print("  " + line)
     if args.launch:
         from .launch import spawn
 

@@ -100,6 +100,7 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
     nslots = 8
     bounce: dict[int, torch.Tensor] = {}
 
+    idle = 0
     while True:
         progressed, busy = False, False
         for peer, q in per_peer.items():
@@ -173,13 +174,18 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
                 busy = True
         if not busy:
             break
-        if not progressed:
+        if progressed:
+            idle = 0
+        else:
+            idle += 1
             if time.monotonic() > ctx.deadline:
                 waiting = [p for p, q in per_peer.items()
                            if q["send"] or q["recv"] or q["ps"] or q["pr"]]
                 raise CommTimeout(f"hetccl: timed out moving device data with peer ranks "
                                   f"{waiting}")
-            time.sleep(2e-5)
+            # spin while copies are short-lived, then yield the core
+            if idle > 2000:
+                time.sleep(5e-5)
     # later work on the comm stream sees the copied and reduced data
     done = torch.cuda.Event()
     done.record(h2d)

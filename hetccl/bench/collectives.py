@@ -129,8 +129,10 @@ def _rank_main(ctx, cfg: dict) -> list[dict]:
                 run(bufs)
             sync()
             t = (time.perf_counter() - t0) / cfg["iters"]
-            stats = torch.tensor([t, float(wrong)], dtype=torch.float64)
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # cpu: through gloo/hetccl's cpu path
+            # the slowest rank's time and the total of wrong elements, on the benchmark's device
+            # (a plain nccl group has no cpu backend)
+            stats = torch.tensor([t, float(wrong)], dtype=torch.float64, device=device)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             t, wrong = stats[0].item(), int(stats[1].item())
             nbytes = (n * world if coll != "all_reduce" else n) * esize
             algbw = nbytes / t / 1e9
