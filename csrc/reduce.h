@@ -5,6 +5,8 @@
 // float16/bfloat16 are computed in float32 and rounded to nearest-even once per call.
 // AVG is not a pairwise op: callers reduce with SUM and then call scale_div(dtype, p, count, n),
 // which divides by n (integer types: truncating division, as torch does for integer avg).
+// reduce_into(AVG, ...) therefore reduces as SUM. Integer SUM/PROD wrap around on overflow
+// (two's complement, as torch). Float MIN/MAX propagate NaN (as torch.minimum/maximum).
 // Large buffers are split across `threads` worker threads (0 = hardware concurrency), small
 // ones stay on the calling thread. Functions take void pointers, not templates, in the public
 // API: the dtype switch lives in one place (reduce.cc).
@@ -12,6 +14,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include "errors.h"
 
 namespace hetccl {
 
@@ -24,6 +29,10 @@ enum class DType : int {
 size_t dtype_size(DType t);
 ReduceOp parse_op(const std::string& s);     // "sum","prod","min","max","avg"; throws CommError
 DType parse_dtype(const std::string& s);     // "float32",...,"int64" (torch names without "torch.")
+const char* op_name(ReduceOp op);
+const char* dtype_name(DType t);
+std::vector<std::string> op_names();         // every name parse_op accepts
+std::vector<std::string> dtype_names();      // every name parse_dtype accepts
 
 void reduce_into(ReduceOp op, DType dtype, void* dst, const void* src, size_t count, int threads = 0);
 void scale_div(DType dtype, void* p, size_t count, int64_t n, int threads = 0);

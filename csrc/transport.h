@@ -24,6 +24,10 @@
 //    (saves one full pass over memory compared with recv + reduce). The message must be exactly
 //    `nbytes` long.
 //  * Buffers must stay valid until the request completes. Zero-byte messages are legal.
+//  * Tags are user values below 2^48 (kMaxTag below); isend/irecv throw CommError for a
+//    larger one. The bits above are the transports' own (UCX packs the sender rank there).
+//  * A send completes when its bytes are in the transport's hands (ring slot, socket buffer):
+//    the buffer may then be reused; it does not mean the peer has received them.
 //  * Failure: a peer that closes, dies or sends garbage fails every pending request naming
 //    that peer (PeerFailure). close() fails all pending requests and frees every resource
 //    (threads, sockets, shared memory); it is idempotent and the destructor calls it.
@@ -39,25 +43,17 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
+#include "errors.h"  // CommError, CommTimeout, PeerFailure, MessageTruncated
 #include "reduce.h"
 
 namespace hetccl {
 
-// ---- errors (mapped to Python exception classes in bindings.cc) ----
-struct CommError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-struct CommTimeout : CommError {
-  using CommError::CommError;
-};
-struct PeerFailure : CommError {
-  using CommError::CommError;
-};
-struct MessageTruncated : CommError {
-  using CommError::CommError;
-};
+// User tags must be below this; the bits above belong to the transports (see the contract above).
+constexpr uint64_t kMaxTag = uint64_t(1) << 48;
 
 // Completion state of one posted operation; shared by the transport's threads and the caller.
 class Request {
@@ -112,7 +108,13 @@ class Request {
 
   int peer() const { return peer_; }
   uint64_t tag() const { return tag_; }
-  size_t nbytes() const { return nbytes_; }
+  // Posted size while pending; once done, the bytes that actually arrived (a receive buffer may
+  // be larger than the message).
+  size_t nbytes() {
+    std::lock_guard<std::mutex> g(mu_);
+    return state_ == State::Done ? done_bytes_ : nbytes_;
+  }
+  size_t posted_nbytes() const { return nbytes_; }
 
  private:
   void rethrow_locked() {
@@ -147,6 +149,10 @@ using RequestPtr = std::shared_ptr<Request>;
 //   "slot_bytes"  shm: bytes per ring slot (default 1 MiB)
 //   "nslots"      shm: slots per ring (default 8)
 //   "threads"     reduction threads for large buffers (default: hardware concurrency)
+//   "progress_threads"  tcp: epoll progress threads (default min(nconn, 2))
+//   "chunk_bytes"       tcp: striping unit of large messages (default 512 KiB)
+//   "handshake_timeout_ms"  tcp: a connection that has not completed its handshake by then is
+//                 dropped (default 5000)
 using Options = std::map<std::string, std::string>;
 
 class Transport {
@@ -160,6 +166,28 @@ class Transport {
   virtual RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp op,
                                   DType dtype) = 0;
   virtual void close() = 0;
+
+  // Zero-copy ring (shm only; the defaults say "not supported"). A second strictly ordered ring
+  // per direction beside the tagged one, used by one caller at a time: the sender acquires the
+  // next free slot (page-aligned memory the caller fills, e.g. by a D2H copy), then commits it
+  // with its length and tag; the receiver acquires the next filled slot, consumes it in place and
+  // releases it. Up to nslots slots may be acquired before committing/releasing; commits and
+  // releases happen in acquisition order. zc_regions() lists all ring memory (for
+  // cudaHostRegister). Waits honour timeout_ms (CommTimeout) and peer failure (PeerFailure).
+  virtual bool zc_supported() const { return false; }
+  virtual std::vector<std::pair<void*, size_t>> zc_regions() { throw no_zc(); }
+  virtual std::pair<void*, size_t> zc_send_acquire(int peer, int64_t timeout_ms) { throw no_zc(); }
+  virtual void zc_send_commit(int peer, size_t nbytes, uint64_t tag) { throw no_zc(); }
+  virtual std::tuple<void*, size_t, uint64_t> zc_recv_acquire(int peer, int64_t timeout_ms) {
+    throw no_zc();
+  }
+  virtual void zc_recv_release(int peer) { throw no_zc(); }
+
+ private:
+  CommError no_zc() const {
+    return CommError("hetccl: the " + name() +
+                     " transport has no zero-copy ring (zc_supported is False; only shm has one)");
+  }
 };
 
 // Factories, one per transport file. make_ucx_transport exists only when built with UCX

@@ -36,6 +36,12 @@ def _regions(transport, seam) -> list:
             buf = (ctypes.c_uint8 * nbytes).from_address(base)
             tensor = torch.frombuffer(buf, dtype=torch.uint8)
             pinned = seam.host_register(base, nbytes)
+            if not pinned:
+                import logging
+
+                logging.getLogger("hetccl").warning(
+                    "hetccl: could not page-lock the zero-copy ring (%d bytes): device copies "
+                    "through it run at pageable-memory speed", nbytes)
             regs.append((base, nbytes, tensor, pinned))
         _REGISTERED[key] = regs
     return regs

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import os
 import re
 import signal
@@ -48,9 +47,11 @@ def _barrier(store, key, rank, world=2):
 
 
 def _connect(t, store, key, rank, world=2, timeout_ms=CONNECT_MS):
+    """Publishes the address, connects; returns every rank's address."""
     store.set(f"{key}/addr{rank}", t.address())
-    addrs = [b"" if r == rank else store.get(f"{key}/addr{r}") for r in range(world)]
-    t.connect(addrs, timeout_ms)
+    addrs = [store.get(f"{key}/addr{r}") for r in range(world)]
+    t.connect([b"" if r == rank else a for r, a in enumerate(addrs)], timeout_ms)
+    return addrs
 
 
 def _data(seed, n):
@@ -66,8 +67,21 @@ def _threads():
     return len(os.listdir("/proc/self/task"))
 
 
-def _shm_entries():
-    return sorted(glob.glob("/dev/shm/hetccl*"))
+def _shm_entries(addresses=None):
+    """This transport's segments still in /dev/shm. shm segment names are derived from each
+    sender's nonce (the last field of its address), so they can be checked precisely even while
+    other jobs on the machine create their own hetccl segments."""
+    if not addresses:
+        return []
+    import hashlib
+    names = []
+    for src, a in enumerate(addresses):
+        nonce = a.decode().split("|")[-1]
+        for dst in range(len(addresses)):
+            if dst != src:
+                h = hashlib.sha256(f"{SECRET}|{nonce}|{src}|{dst}".encode()).hexdigest()[:32]
+                names.append(f"/dev/shm/hetccl-{h}")
+    return [n for n in names if os.path.exists(n)]
 
 
 # Scenarios: fn(t, store, rank, peer, name) -> None (raise on failure). Ranks run them in this
@@ -315,8 +329,10 @@ def run_scenarios(ctx, name, st):
     try:
         t = _C.Transport(name, rank, 2, _opts())
         assert t.name == name
-        _connect(t, st, name, rank)
-        out["connect_unlinks_shm"] = "ok" if not _shm_entries() else f"left: {_shm_entries()}"
+        addrs = _connect(t, st, name, rank)
+        shm_addrs = addrs if name == "shm" else None
+        left = _shm_entries(shm_addrs)
+        out["connect_unlinks_shm"] = "ok" if not left else f"left after connect(): {left}"
         for sc in SCENARIOS:
             try:
                 sc(t, st, rank, peer, name)
@@ -327,9 +343,11 @@ def run_scenarios(ctx, name, st):
         try:
             t.close()
             t.close()  # idempotent
-            left = _threads() - threads0
-            assert left <= 0, f"{left} threads left after close()"
-            assert not _shm_entries(), _shm_entries()
+            extra = _threads() - threads0
+            assert extra <= 0, f"{extra} threads left after close(): " + ", ".join(
+                open(f"/proc/self/task/{x}/comm").read().strip()
+                for x in os.listdir("/proc/self/task"))
+            assert not _shm_entries(shm_addrs), _shm_entries(shm_addrs)
             buf = np.zeros(4, np.uint8)
             with pytest.raises(_C.CommError):  # posting after close fails (at once or on wait)
                 t.isend(peer, buf.ctypes.data, 4, 1).wait(1000)
@@ -408,10 +426,29 @@ def never_connects(ctx, name, st):
     t = _C.Transport(name, ctx.rank, 2, _opts())
     st.set(f"{name}/nc/addr{ctx.rank}", t.address())
     if ctx.rank == 1:  # publishes its address, then never calls connect()
+        verdict = "ok"
+        if name == "shm":
+            # rank 0's segment to us exists while it waits in connect(): private and named as
+            # documented; its error path must remove it.
+            addrs = [st.get(f"{name}/nc/addr0"), t.address()]
+            seg = f"/dev/shm/hetccl-" + __import__("hashlib").sha256(
+                f"{SECRET}|{addrs[0].decode().split('|')[-1]}|0|1".encode()).hexdigest()[:32]
+            st.wait([f"{name}/nc/connecting"])
+            deadline = time.monotonic() + 1.0
+            while not os.path.exists(seg) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not os.path.exists(seg):
+                verdict = f"segment {seg} not seen while rank 0 was in connect()"
+            elif os.stat(seg).st_mode & 0o777 != 0o600:
+                verdict = f"segment mode {oct(os.stat(seg).st_mode & 0o777)}, not 0600"
+            st.wait([f"{name}/nc/verdict"])
+            if os.path.exists(seg):
+                verdict = f"segment {seg} left behind after connect() failed"
         st.wait([f"{name}/nc/verdict"])
         t.close()
-        return "ok"
+        return verdict
     addrs = [b"", st.get(f"{name}/nc/addr1")]
+    st.set(f"{name}/nc/connecting", "1")
     t0 = time.monotonic()
     try:
         t.connect(addrs, 1500)
