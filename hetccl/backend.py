@@ -95,7 +95,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             pass
 
     # ------------------------------------------------------------------ plumbing
-    def _submit(self, coll: str, nbytes: int, body, outputs, tensors) -> HetcclWork:
+    def _submit(self, coll: str, nbytes: int, body, outputs, tensors, opts=None) -> HetcclWork:
         algo_name, algo = select(coll, nbytes)
         device = next((t.device for t in tensors if t.device.type != "cpu"),
                       torch.device("cpu"))
@@ -105,7 +105,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
             ctx = engine.next_ctx(device)
             body(ctx, algo)
 
-        work = engine.submit(run, outputs, tensors)
+        async_op = self._coalescing is not None or bool(getattr(opts, "asyncOp", True))
+        work = engine.submit(run, outputs, tensors, async_op=async_op)
         return self._track(work)
 
     def _track(self, work):
@@ -153,7 +154,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                     t.copy_(f.view_as(t))
 
         return self._submit("all_reduce", sum(t.numel() * t.element_size() for t in tensors),
-                            body, tensors, tensors)
+                            body, tensors, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         o = dist.AllreduceOptions()
@@ -173,7 +174,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 if copied:
                     t.copy_(f.view_as(t))
 
-        return self._submit("broadcast", 0, body, tensors, tensors)
+        return self._submit("broadcast", 0, body, tensors, tensors, opts)
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -195,7 +196,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                     if copied:
                         t.copy_(f.view_as(t))
 
-        return self._submit("reduce", 0, body, tensors, tensors)
+        return self._submit("reduce", 0, body, tensors, tensors, opts)
 
     # ------------------------------------------------------------------ all-gather
     def _all_gather_flat(self, out_flat: torch.Tensor, inp: torch.Tensor, after=None):
@@ -245,7 +246,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         out_flat, copied = _flat(output)
         after = (lambda: output.copy_(out_flat.view_as(output))) if copied else None
         return self._submit("all_gather", 0, self._all_gather_flat(out_flat, input, after),
-                            [output], [output, input])
+                            [output], [output, input], opts)
 
     def _hc_all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self._hc_all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
@@ -286,7 +287,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         self._validate_reduce(output, op)
         inp, _ = _flat(input)
         return self._submit("reduce_scatter", 0, self._reduce_scatter_flat(output, inp, op),
-                            [output], [output, inp])
+                            [output], [output, inp], opts)
 
     def _hc_reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         works = [self._hc_reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
@@ -417,7 +418,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             self._check(ctx, "barrier", 1, t.dtype, "sum")
             algo(ctx, t, "sum")
 
-        return self._submit("all_reduce", 4, body, [t], [t])
+        return self._submit("all_reduce", 4, body, [t], [t], opts)
 
     # ------------------------------------------------------------------ point to point
     def _p2p_peer(self, peer: int, what: str):

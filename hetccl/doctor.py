@@ -91,6 +91,33 @@ def copy_test(nbytes: int = 256 << 20) -> list[str]:
         del shm
         m.close()
         lines.append(f"device {i} copy GB/s: " + ", ".join(res))
+    n = torch.cuda.device_count()
+    if n > 1:
+        # all devices at once: devices behind one PCIe switch share its uplink
+        devs = [torch.device("cuda", i) for i in range(n)]
+        d = [torch.empty(nbytes, dtype=torch.uint8, device=x) for x in devs]
+        h = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in devs]
+        h2 = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in devs]
+        d2 = [torch.empty(nbytes, dtype=torch.uint8, device=x) for x in devs]
+        streams = [(torch.cuda.Stream(device=x), torch.cuda.Stream(device=x)) for x in devs]
+        res = []
+        for mode in ("D2H", "H2D", "D2H+H2D"):
+            for x in devs:
+                torch.cuda.synchronize(x)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                for i in range(n):
+                    if "D2H" in mode:
+                        with torch.cuda.stream(streams[i][0]):
+                            h[i].copy_(d[i], non_blocking=True)
+                    if "H2D" in mode:
+                        with torch.cuda.stream(streams[i][1]):
+                            d2[i].copy_(h2[i], non_blocking=True)
+            for x in devs:
+                torch.cuda.synchronize(x)
+            per = 5 * nbytes / (time.perf_counter() - t0) / 1e9
+            res.append(f"{mode} {per:.1f} per device and direction")
+        lines.append(f"all {n} devices at once, GB/s: " + ", ".join(res))
     return lines
 
 

@@ -112,6 +112,7 @@ class Engine:
         # bytes sent by the zero-copy GPU path and by the staged path (tests and doctor read it)
         self.stats = {"zero_copy_bytes": 0, "staged_bytes": 0}
         self._q: queue.Queue = queue.Queue()
+        self._exec = threading.Lock()
         self._worker = threading.Thread(target=self._run, name=f"hetccl-{name or rank}",
                                         daemon=True)
         self._worker.start()
@@ -122,29 +123,32 @@ class Engine:
             item = self._q.get()
             if item is None:
                 return
-            fn, fut, outputs, device, ready = item
-            try:
-                if self._broken is not None:
-                    raise CommError(f"hetccl: process group {self.name!r} is unusable after an "
-                                    f"earlier failure: {self._broken}")
-                if device is not None and device.type == "cuda":
-                    stream = self._comm_stream(device)
-                    with torch.cuda.device(device), torch.cuda.stream(stream):
-                        if ready is not None:
-                            stream.wait_event(ready)
-                        fn()
-                        fut.set_result(outputs)
-                else:
+            with self._exec:
+                self._execute(*item)
+
+    def _execute(self, fn, fut, outputs, device, ready) -> None:
+        try:
+            if self._broken is not None:
+                raise CommError(f"hetccl: process group {self.name!r} is unusable after an "
+                                f"earlier failure: {self._broken}")
+            if device is not None and device.type == "cuda":
+                stream = self._comm_stream(device)
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    if ready is not None:
+                        stream.wait_event(ready)
                     fn()
                     fut.set_result(outputs)
-            except (ValueError, TypeError, NotImplementedError) as e:
-                # argument errors: every rank reached the same verdict, the group stays usable
-                fut.set_exception(e)
-            except BaseException as e:  # noqa: BLE001
-                if self._broken is None and not isinstance(e, _ArgMismatch):
-                    self._broken = e
-                    log.error("hetccl: rank %d: %s", self.rank, e)
-                fut.set_exception(e)
+            else:
+                fn()
+                fut.set_result(outputs)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            # argument errors: every rank reached the same verdict, the group stays usable
+            fut.set_exception(e)
+        except BaseException as e:  # noqa: BLE001
+            if self._broken is None and not isinstance(e, _ArgMismatch):
+                self._broken = e
+                log.error("hetccl: rank %d: %s", self.rank, e)
+            fut.set_exception(e)
 
     def copy_streams(self, device: torch.device):
         """(d2h, h2d) streams of the GPU data path, one pair per device."""
@@ -170,7 +174,12 @@ class Engine:
             s = self._streams[idx] = torch.cuda.Stream(device=idx)
         return s
 
-    def submit(self, fn: Callable[[], None], outputs: Any, tensors: list[torch.Tensor]) -> HetcclWork:
+    def submit(self, fn: Callable[[], None], outputs: Any, tensors: list[torch.Tensor],
+               async_op: bool = True) -> HetcclWork:
+        """Queue fn for the worker, or, for a synchronous op while nothing is queued, run it
+        right here: the caller waits anyway, and skipping the thread hand-off saves tens of
+        microseconds per small collective. Order is kept: the worker and inline callers hold
+        the same execution lock, and inline runs only when the queue is empty."""
         if self._closed:
             raise RuntimeError("hetccl: operation on a process group that was shut down")
         device = next((t.device for t in tensors if t.device.type != "cpu"), None)
@@ -184,7 +193,15 @@ class Engine:
                 t.record_stream(stream)
         else:
             fut = torch.futures.Future()
-        self._q.put((fn, fut, outputs, device, ready))
+        item = (fn, fut, outputs, device, ready)
+        if not async_op and self._q.empty() and self._exec.acquire(blocking=False):
+            try:
+                if self._q.empty():
+                    self._execute(*item)
+                    return HetcclWork(fut, outputs)
+            finally:
+                self._exec.release()
+        self._q.put(item)
         return HetcclWork(fut, outputs)
 
     def next_ctx(self, device: torch.device) -> "EngineCtx":

@@ -41,8 +41,13 @@ TABLE = [
 ]
 
 
+_cache: dict[str, dict[str, str]] = {}
+
+
 def _overrides() -> dict[str, str]:
     raw = config.get("HETCCL_ALGO")
+    if raw in _cache:
+        return _cache[raw]
     out = {}
     for item in filter(None, (s.strip() for s in raw.split(","))):
         coll, _, algo = item.partition("=")
@@ -51,6 +56,7 @@ def _overrides() -> dict[str, str]:
             known = {c: sorted(a) for c, a in ALGORITHMS.items()}
             raise ValueError(f"hetccl: HETCCL_ALGO entry {item!r} is invalid; known: {known}")
         out[coll] = algo
+    _cache[raw] = out
     return out
 
 

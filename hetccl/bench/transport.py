@@ -13,6 +13,7 @@ receiver verifies the last message (#wrong counts corrupt ones).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -109,8 +110,8 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
                     if rep >= args.warmup:
                         rates.append(size * iters / dt / GB)
                 # The receiver's clock defines one-way rates; bidir takes the slower rank.
-                st.set(f"r/{tag}/{rank}", repr((rates, wrong)))
-                both = [eval(st.get(f"r/{tag}/{r}")) for r in range(2)]  # noqa: S307 (own data)
+                st.set(f"r/{tag}/{rank}", json.dumps([rates, wrong]))
+                both = [json.loads(st.get(f"r/{tag}/{r}")) for r in range(2)]
                 if mode == "uni":
                     rates, wrong = both[1]
                 else:
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="messages per run (default: 256 MiB worth, 4..64)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per row (best, median)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--modes", default="uni,bidir", help="uni, bidir or both")
+    ap.add_argument("--modes", default="uni,bidir", help="comma-separated subset of uni,bidir (default: both)")
     ap.add_argument("--nconn", type=int, default=4, help="tcp connections per peer")
     ap.add_argument("--slot-bytes", type=int, default=0, help="shm slot size (default 1 MiB)")
     ap.add_argument("--nslots", type=int, default=0, help="shm slots per ring (default 8)")
