@@ -312,6 +312,9 @@ class EngineCtx:
         if not self._dev:
             return False
         peers = {s[0] for s in sends} | {r[0] for r in recvs}
+        nbytes = sum(v.numel() * v.element_size() for *_, v in list(sends) + list(recvs))
+        if nbytes < int(config.get("HETCCL_ZC_MIN_BYTES")):
+            return False
         bridge = self.engine.bridge
         if not peers or not bridge.zero_copy(peers):
             return False

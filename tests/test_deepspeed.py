@@ -9,7 +9,7 @@ agree up to floating-point reduction order.
 
 Tolerance: LOSS_TOL = 2e-4 absolute on losses of ~4.2. The runs differ only in the order in
 which fp32 partial sums are added (gloo vs hetccl's hierarchical all-reduce; 12+4 vs 8+8 samples
-per rank), i.e. ~1e-7 relative per step; measured differences are <1e-6. The optimizer is plain
+per rank), i.e. ~1e-7 relative per step; observed differences are <= 3e-7. The optimizer is plain
 SGD (not Adam, which is invariant to a constant gradient scale) and clipping is set too high to
 act, so a wrongly scaled or wrongly weighted gradient moves the loss: the test checks that the
 reference loss changes by more than 50 x LOSS_TOL over the run, and a factor-2 gradient error
