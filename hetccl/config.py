@@ -41,10 +41,11 @@ _SETTINGS = [
             "Shared-memory ring slot size in bytes; 0: 1 MiB on CPU-only builds (stays in "
             "cache), 8 MiB where a GPU is driven (fewer, larger PCIe copies per slot)."),
     Setting("HETCCL_SHM_NSLOTS", int, 8, "Shared-memory ring slots per direction and peer."),
-    Setting("HETCCL_ZC_MIN_BYTES", int, 4 << 20,
+    Setting("HETCCL_ZC_MIN_BYTES", int, 0,
             "Device transfers of at least this many bytes per call take the zero-copy GPU path "
-            "(pipelined PCIe copies through pinned shm slots); smaller ones are staged in one "
-            "copy each way, which has less fixed overhead."),
+            "(PCIe copies straight into/out of pinned shm slots); smaller ones are staged through "
+            "pinned bounce buffers. 0 (default): always zero-copy, which measured faster at "
+            "every size from 1 MiB up (docs/benchmarks.md)."),
     Setting("HETCCL_REDUCE_THREADS", int, 0, "Host reduction threads (0: all cores)."),
     Setting("HETCCL_CHUNK_BYTES", int, 4 << 20,
             "Pipeline chunk size for hierarchical collectives (bytes)."),

@@ -26,4 +26,5 @@ def test_cuda_tensors_across_emulated_vendors():
         assert out["stream"]["value_ok"], out["stream"]
         # issuing did not wait for the 0.1 s kernel queued before it
         assert out["stream"]["issue_s"] < 0.05, out["stream"]
-        assert out["zero_copy_bytes"] > 0 and out["staged_bytes"] == 0, out
+        # large transfers took the zero-copy path; small ones are staged (HETCCL_ZC_MIN_BYTES)
+        assert out["zero_copy_bytes"] > 0, out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetccl import _C
+from hetccl._core import _C
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,

@@ -24,7 +24,7 @@ import traceback
 import numpy as np
 import pytest
 
-from hetccl import _C
+from hetccl._core import _C
 from hetccl.launch import spawn
 
 NAMES = _C.transport_names()
@@ -500,7 +500,7 @@ def test_peer_never_connects(name):
 # plays rank 1 of the transport and streams 4 MiB messages to rank 0 until SIGKILL.
 VICTIM = r"""
 import sys, numpy as np
-from hetccl import _C
+from hetccl._core import _C
 name, opts = sys.argv[1], eval(sys.argv[2])
 t = _C.Transport(name, 1, 2, opts)
 sys.stdout.write(t.address().decode() + "\n"); sys.stdout.flush()

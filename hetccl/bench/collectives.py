@@ -120,15 +120,18 @@ def _rank_main(ctx, cfg: dict) -> list[dict]:
             sync()
             ref = _expected(coll, rank, world, n, dtype, device, cfg["op"])
             wrong = int((bufs[0] != ref).sum().item())
+            # small messages take microseconds: run more of them so that one timing covers
+            # at least ~the time of the largest size (same count on every rank)
+            iters = cfg["iters"] * max(1, min(20, (64 << 20) // max(1, size)))
             for _ in range(cfg["warmup"]):
                 run(bufs)
             sync()
             dist.barrier()
             t0 = time.perf_counter()
-            for _ in range(cfg["iters"]):
+            for _ in range(iters):
                 run(bufs)
             sync()
-            t = (time.perf_counter() - t0) / cfg["iters"]
+            t = (time.perf_counter() - t0) / iters
             # the slowest rank's time and the total of wrong elements, on the benchmark's device
             # (a plain nccl group has no cpu backend)
             stats = torch.tensor([t, float(wrong)], dtype=torch.float64, device=device)

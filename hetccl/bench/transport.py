@@ -56,7 +56,7 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
     import numpy as np
     import torch.distributed as dist
 
-    from hetccl import _C
+    from hetccl._core import _C
     from hetccl.bench.report import Table, hardware, today
 
     base = ctx.store()
@@ -151,7 +151,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hetccl import _C
+    from hetccl._core import _C
     from hetccl.launch import spawn
 
     ap = argparse.ArgumentParser(prog="hetccl bench transport", description=__doc__,
