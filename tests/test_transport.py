@@ -497,7 +497,8 @@ def test_peer_never_connects(name):
 
 # ------------------------------------------------------------------ a peer killed mid-transfer
 # The victim is a plain subprocess of rank 1 (so that killing it does not fail the spawn): it
-# plays rank 1 of the transport and streams 4 MiB messages to rank 0 until SIGKILL.
+# plays rank 1 of the transport and streams 16 MiB messages to rank 0 until SIGKILL, so the kill
+# almost always lands in the middle of a message (a receive that is being filled must fail too).
 VICTIM = r"""
 import sys, numpy as np
 from hetccl._core import _C
@@ -506,7 +507,7 @@ t = _C.Transport(name, 1, 2, opts)
 sys.stdout.write(t.address().decode() + "\n"); sys.stdout.flush()
 a0 = sys.stdin.readline().strip().encode()
 t.connect([a0, b""], 20000)
-buf = np.ones(4 << 20, np.uint8)
+buf = np.ones(16 << 20, np.uint8)
 sys.stdout.write("streaming\n"); sys.stdout.flush()
 while True:
     t.isend(0, buf.ctypes.data, buf.nbytes, 1).wait(60000)
@@ -535,7 +536,7 @@ def killed_peer(ctx, name, st):
     st.set(f"{k}/addr0", t.address())
     t.connect([b"", st.get(f"{k}/addr1")], CONNECT_MS)
     victim_pid = st.get(f"{k}/pid").decode()
-    buf = np.zeros(4 << 20, np.uint8)
+    buf = np.zeros(16 << 20, np.uint8)
     big = np.ones(64 << 20, np.uint8)
     pending_send = t.isend(1, big.ctypes.data, big.nbytes, 99)  # the victim never receives it
     received = 0

@@ -1,0 +1,366 @@
+"""DeepSpeed over hetccl (ships as ``hetccl.integrations.deepspeed``).
+
+DeepSpeed has no ``--comm_backend`` option: ``deepspeed.initialize`` asks the accelerator for a
+backend name (nccl, gloo, ccl, ...) and ``deepspeed.comm.init_distributed`` only *wraps* a
+torch.distributed default group that is already initialised. So the one thing hetccl has to do
+is initialise the default group with backend "hetccl" before the user script reaches
+``deepspeed.initialize``; DeepSpeed then runs every ZeRO collective through it.
+
+Three entry points, from least to most code in the user's script (docs/integrations/deepspeed.md):
+
+1. ``hetccl deepspeed --comm_backend hetccl [deepspeed launcher args] train.py [args]``:
+   a wrapper around the deepspeed launcher. Each worker starts in this module
+   (launcher ``--module``), initialises the group, then runs the unchanged script.
+2. ``add_config_arguments(parser)`` + ``init_distributed(args)``: a script-level
+   ``--comm_backend`` argument for scripts started by torchrun, srun or mpirun.
+3. ``balanced_step(...)``: one optimizer step in which ranks run different numbers of
+   micro-batches, planned by ``hetccl.balance`` (what a mixed-vendor job needs to keep its
+   fast ranks busy).
+
+DeepSpeed is an optional extra: it is imported only inside the functions that need it, and its
+absence raises an ImportError that names ``pip install hetccl[deepspeed]``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+EXTRA_HINT = "pip install hetccl[deepspeed]"
+# Backends --comm_backend accepts. "hetccl" is ours; the others are passed to DeepSpeed as they are.
+COMM_BACKENDS = ("hetccl", "nccl", "gloo", "ccl", "mpi", "hccl", "xccl")
+# First argument of a worker started by the launcher wrapper (see cli_main / _worker_main).
+_WORKER_FLAG = "--hetccl_worker"
+
+
+def require_deepspeed():
+    """Import and return the deepspeed module, or raise an ImportError saying how to get it."""
+    try:
+        import deepspeed
+    except ImportError as e:  # ModuleNotFoundError, or a broken install raising ImportError
+        raise ImportError(
+            f"hetccl's DeepSpeed integration needs DeepSpeed, which could not be imported ({e}). "
+            f"Install it with: {EXTRA_HINT}") from e
+    return deepspeed
+
+
+# --------------------------------------------------------------------------------------------
+# Initialisation
+# --------------------------------------------------------------------------------------------
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """deepspeed.add_config_arguments(parser) plus ``--comm_backend`` and ``--hetccl_vendors``.
+
+    A drop-in for ``parser = deepspeed.add_config_arguments(parser)``; pass the parsed args to
+    ``init_distributed(args)`` before ``deepspeed.initialize``. Safe to call on a parser that
+    already has the DeepSpeed arguments.
+    """
+    ds = require_deepspeed()
+    if not any("--deepspeed_config" in a.option_strings for a in parser._actions):
+        parser = ds.add_config_arguments(parser)
+    group = parser.add_argument_group("hetccl", "communication backend (hetccl integration)")
+    if not any("--comm_backend" in a.option_strings for a in parser._actions):
+        group.add_argument("--comm_backend", default=None, choices=COMM_BACKENDS,
+                           help="torch.distributed backend for DeepSpeed; default: the "
+                           "accelerator's own (nccl on CUDA, gloo on CPU)")
+    if not any("--hetccl_vendors" in a.option_strings for a in parser._actions):
+        group.add_argument("--hetccl_vendors", default=None, metavar="SPLIT",
+                           help="EMULATION ONLY: vendor split such as 1+1 or 2+2; rank r gets "
+                           "label v<i> of the split (sets HETCCL_VENDOR). Real mixed clusters "
+                           "detect the vendor and need no flag.")
+    return parser
+
+
+def emulate_vendors(split: str | Sequence[int], rank: int | None = None) -> str:
+    """Set this process's HETCCL_VENDOR from a split ('1+1': rank 0 -> v0, rank 1 -> v1).
+
+    For emulating a mixed-vendor job on one kind of hardware. ``rank`` defaults to the RANK
+    environment variable (the global rank; on one node it equals LOCAL_RANK)."""
+    from hetccl.launch import vendor_labels
+
+    labels = vendor_labels(split)
+    if rank is None:
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    if rank >= len(labels):
+        raise ValueError(f"vendor split {split!r} has {len(labels)} ranks, but this is rank {rank}")
+    os.environ["HETCCL_VENDOR"] = labels[rank]
+    return labels[rank]
+
+
+def init_distributed(args: argparse.Namespace | None = None, *, comm_backend: str | None = None,
+                     vendors: str | None = None, timeout: timedelta | None = None,
+                     init_method: str | None = None, rank: int = -1,
+                     world_size: int = -1) -> str:
+    """Initialise torch.distributed and deepspeed.comm; return the backend in use.
+
+    Backend choice: ``comm_backend`` > ``args.comm_backend`` > env HETCCL_DS_COMM_BACKEND (set by
+    the launcher wrapper) > the accelerator's default. For "hetccl" the default group is created
+    here, before DeepSpeed sees it: DeepSpeed would otherwise pass ``device_id`` on CUDA, which a
+    Python process group cannot take. DeepSpeed then wraps the group (deepspeed.comm keeps
+    using torch.distributed for every training collective). Idempotent: a second call returns
+    the backend of the existing group.
+    """
+    ds = require_deepspeed()
+    import torch
+    import torch.distributed as dist
+
+    if comm_backend is None and args is not None:
+        comm_backend = getattr(args, "comm_backend", None)
+    if comm_backend is None:
+        comm_backend = os.environ.get("HETCCL_DS_COMM_BACKEND") or None
+    if vendors is None and args is not None:
+        vendors = getattr(args, "hetccl_vendors", None)
+    if comm_backend is not None and comm_backend not in COMM_BACKENDS:
+        raise ValueError(f"--comm_backend {comm_backend!r}: expected one of {COMM_BACKENDS}")
+    if timeout is None:
+        # DeepSpeed's own default (DEEPSPEED_TIMEOUT minutes, else 30 min).
+        from deepspeed.constants import default_pg_timeout as timeout
+
+    if dist.is_initialized():
+        ds.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+        return str(dist.get_backend())
+
+    if comm_backend == "hetccl":
+        if vendors:
+            emulate_vendors(vendors, rank if rank >= 0 else None)
+        import hetccl  # noqa: F401  registers the "hetccl" torch.distributed backend
+
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda":
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        # No device_id: hetccl's group is a Python ProcessGroup, and init_process_group(device_id)
+        # calls pg._get_backend(device), which it does not have (integration-facts.md).
+        dist.init_process_group("hetccl", init_method=init_method or "env://", timeout=timeout,
+                                rank=rank, world_size=world_size)
+        # cdb is None and the group exists: DeepSpeed wraps it (comm.py init_distributed).
+        ds.init_distributed(dist_backend="hetccl", dist_init_required=False, timeout=timeout)
+        return "hetccl"
+
+    # Any other backend: DeepSpeed's own initialisation, with the backend forced if one was named.
+    ds.init_distributed(dist_backend=comm_backend, timeout=timeout, init_method=init_method,
+                        rank=rank, world_size=world_size)
+    return str(dist.get_backend())
+
+
+# --------------------------------------------------------------------------------------------
+# Balanced steps: ranks run different numbers of micro-batches
+# --------------------------------------------------------------------------------------------
+
+def balanced_config(config: dict) -> dict:
+    """Copy of a DeepSpeed config dict set up for ``balanced_step``.
+
+    ``managed_gradient_accumulation: false`` makes ``engine.step()`` (not a micro-step counter)
+    the accumulation boundary, so a rank may run any number of backward passes per step.
+    overlap_comm is turned off for ZeRO-1 (DeepSpeed allows it with unmanaged accumulation only
+    for stage 2)."""
+    cfg = dict(config)
+    cfg["managed_gradient_accumulation"] = False
+    zero = dict(cfg.get("zero_optimization") or {})
+    if int(zero.get("stage", 0)) < 2 and zero.get("overlap_comm"):
+        zero["overlap_comm"] = False
+        cfg["zero_optimization"] = zero
+    return cfg
+
+
+def lockstep_micro_steps(engine, plan) -> int | None:
+    """How many backward passes every rank must run in one balanced step, or None if ranks may
+    each run their own number.
+
+    ZeRO-0/1 reduce gradients only in ``engine.step()``. ZeRO-2 reduces gradient buckets during
+    every backward and ZeRO-3 also all-gathers parameters in every forward, so their ranks must
+    run the same number of forward/backward passes: a rank with fewer planned micro-batches
+    pads with empty ones (0 samples, no compute, only the collectives)."""
+    if engine.zero_optimization_stage() >= 2:
+        return max(len(p) for p in plan.per_rank)
+    return None
+
+
+def balanced_step(engine, plan, rank: int, make_batch: Callable[[int, int], Any],
+                  loss_sum: Callable[[Any, Any], Any], *, world_size: int | None = None,
+                  empty_batch: Callable[[], Any] | None = None):
+    """One optimizer step over this rank's share of the global batch, as planned by ``plan``.
+
+    make_batch(offset, size) -> batch holding samples [offset, offset+size) of the global batch;
+    loss_sum(engine, batch) -> the SUM over the batch's samples of the per-sample loss (a scalar
+    tensor). Every micro-batch is back-propagated with weight loss_scale(plan, rank) /
+    samples(rank), so after DeepSpeed averages over ranks the gradient is that of the mean loss
+    over the whole global batch, whatever the split (hetccl.balance.loss_scale's contract).
+    ``engine`` must be built from ``balanced_config(...)``. Returns the detached sum of this
+    rank's per-sample losses (before scaling).
+    """
+    import torch
+    from hetccl.balance import micro_loss_scales
+
+    if engine.managed_gradient_accumulation():
+        raise ValueError("balanced_step needs a DeepSpeed config made by balanced_config(): "
+                         "'managed_gradient_accumulation' must be false")
+    sizes = list(plan.per_rank[rank])
+    # Weight of micro-batch j's loss SUM: micro_loss_scales (b_j * W / B, for its mean) / b_j.
+    # scale_wrt_gas=False below: DeepSpeed must not also divide by gradient_accumulation_steps.
+    weights = [s / b for s, b in zip(micro_loss_scales(plan, rank, world_size), sizes)]
+    steps = lockstep_micro_steps(engine, plan)
+    if steps is None and not sizes:
+        steps = 1  # a rank without samples still runs one empty pass (no compute)
+    if steps is not None:
+        weights += [0.0] * (steps - len(sizes))
+        sizes += [0] * (steps - len(sizes))
+    offset = plan.offsets()[rank]
+    total = torch.zeros((), dtype=torch.float64)
+    for size, weight in zip(sizes, weights):
+        batch = empty_batch() if size == 0 and empty_batch is not None else make_batch(offset, size)
+        offset += size
+        loss = loss_sum(engine, batch)
+        engine.backward(loss * weight, scale_wrt_gas=False)
+        total += loss.detach().double().cpu()
+    engine.step()
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher wrapper: `hetccl deepspeed --comm_backend hetccl ...`
+# --------------------------------------------------------------------------------------------
+
+_WRAPPER_USAGE = """\
+usage: hetccl deepspeed [--comm_backend {backends}] [--vendors SPLIT]
+                        [deepspeed launcher options] user_script [user_args ...]
+
+Runs the deepspeed launcher. With --comm_backend, every worker initialises torch.distributed
+with that backend (and DeepSpeed wraps it) before running the unchanged user script.
+--vendors SPLIT (e.g. 1+1) emulates mixed vendors: rank r gets HETCCL_VENDOR=v<i>.
+All other options are the deepspeed launcher's (see `deepspeed --help`).
+"""
+
+
+def _script_index(tokens: list[str]) -> int | None:
+    """Index of the user script in deepspeed launcher arguments, found exactly as the launcher's
+    own parser finds it; None if ``tokens`` do not parse (yet)."""
+    import contextlib
+    import io
+
+    from deepspeed.launcher.runner import parse_args
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            ds_args = parse_args(list(tokens))
+    except SystemExit:
+        return None
+    return len(tokens) - len(ds_args.user_args) - 1  # user_args: every token after the script
+
+
+def _split_wrapper_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """Take --comm_backend / --vendors ('--X V' or '--X=V') out of the launcher options, i.e.
+    the tokens before the user script (the same flags after it belong to the user script).
+    Returns (options, remaining argv)."""
+    opts: dict[str, str] = {}
+    kept: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        name, eq, val = tok.partition("=")
+        if name in ("--comm_backend", "--vendors"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"hetccl deepspeed: {name} needs a value")
+                i += 1
+                val = argv[i]
+            opts[name[2:]] = val
+            i += 1
+            continue
+        if not tok.startswith("-") and _script_index(kept + argv[i:]) == len(kept):
+            return opts, kept + argv[i:]  # tok is the user script
+        kept.append(tok)
+        i += 1
+    return opts, kept
+
+
+def _worker_module() -> str:
+    """The import name of this module, for the launcher's --module (hetccl.integrations.deepspeed
+    when installed; integrations.deepspeed when run from a source checkout)."""
+    spec = globals().get("__spec__")
+    name = getattr(spec, "name", None) or __name__
+    return "hetccl.integrations.deepspeed" if name == "__main__" else name
+
+
+def launcher_argv(argv: list[str]) -> list[str]:
+    """Rewrite `hetccl deepspeed` arguments into deepspeed launcher arguments (exposed for tests).
+
+    Without --comm_backend the arguments pass through unchanged. With it, the launcher starts
+    this module on every rank (``--module``), which initialises the backend and then runs the
+    user's script or module with the user's arguments.
+    """
+    if not argv:
+        return argv
+    # parse_args needs a user script; --help/--version go straight to the launcher.
+    if not any(not a.startswith("-") for a in argv):
+        return argv
+    opts, rest = _split_wrapper_args(argv)
+    if "comm_backend" not in opts:
+        if "vendors" in opts:
+            raise SystemExit("hetccl deepspeed: --vendors needs --comm_backend hetccl")
+        return rest
+    if opts["comm_backend"] not in COMM_BACKENDS:
+        raise SystemExit(f"hetccl deepspeed: --comm_backend {opts['comm_backend']!r}: expected one "
+                         f"of {', '.join(COMM_BACKENDS)}")
+    from deepspeed.launcher.runner import parse_args
+
+    ds_args = parse_args(rest)
+    if ds_args.no_python:
+        raise SystemExit("hetccl deepspeed: --comm_backend cannot be combined with --no_python "
+                         "(the workers must be Python processes)")
+    n_launcher = len(rest) - len(ds_args.user_args) - 1
+    launcher_opts = [a for a in rest[:n_launcher] if a != "--module"]
+    worker = [_WORKER_FLAG, "--comm_backend", opts["comm_backend"]]
+    if "vendors" in opts:
+        worker += ["--vendors", opts["vendors"]]
+    if ds_args.module:
+        worker.append("--module")
+    worker += ["--", ds_args.user_script] + list(ds_args.user_args)
+    return launcher_opts + ["--module", _worker_module()] + worker
+
+
+def _worker_main(argv: list[str]) -> int:
+    """Runs on every rank: `[--local_rank=N] --hetccl_worker OPTS -- script args...`."""
+    local_rank_arg = []
+    if argv and argv[0].startswith("--local_rank"):
+        local_rank_arg = [argv.pop(0)]
+    assert argv and argv[0] == _WORKER_FLAG, argv
+    sep = argv.index("--")
+    p = argparse.ArgumentParser(prog="hetccl deepspeed worker")
+    p.add_argument("--comm_backend", required=True, choices=COMM_BACKENDS)
+    p.add_argument("--vendors", default=None)
+    p.add_argument("--module", action="store_true")
+    opts = p.parse_args(argv[1:sep])
+    target, user_args = argv[sep + 1], argv[sep + 2:]
+    init_distributed(comm_backend=opts.comm_backend, vendors=opts.vendors)
+    # The user script sees the argv the plain launcher would have given it.
+    sys.argv = [target] + local_rank_arg + user_args
+    if opts.module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+    return 0
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`hetccl deepspeed ...` (and the per-rank worker the wrapper starts)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _WORKER_FLAG in argv[:2]:
+        return _worker_main(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_WRAPPER_USAGE.format(backends="|".join(COMM_BACKENDS)))
+        if not argv:
+            return 2
+    require_deepspeed()
+    from deepspeed.launcher.runner import main as launcher_main
+
+    return int(launcher_main(launcher_argv(argv)) or 0)
+
+
+main = cli_main
+
+if __name__ == "__main__":
+    sys.exit(cli_main())
