@@ -96,9 +96,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ plumbing
     def _submit(self, coll: str, nbytes: int, body, outputs, tensors, opts=None) -> HetcclWork:
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise ValueError(f"hetccl: {coll}: tensors of one collective must be on one device, "
+                             f"got {sorted(str(d) for d in devices)}")
         algo_name, algo = select(coll, nbytes)
-        device = next((t.device for t in tensors if t.device.type != "cpu"),
-                      torch.device("cpu"))
+        device = next(iter(devices), torch.device("cpu"))
         engine = self.engine
 
         def run():

@@ -190,7 +190,8 @@ class Engine:
             ready.record(torch.cuda.current_stream(device))
             stream = self._comm_stream(device)
             for t in tensors:
-                t.record_stream(stream)
+                if t.is_cuda:
+                    t.record_stream(stream)
         else:
             fut = torch.futures.Future()
         item = (fn, fut, outputs, device, ready)

@@ -98,9 +98,13 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
                     recvs = [t.irecv(peer, dst.ctypes.data, size, tag) for _ in range(iters)] \
                         if receiving else []
                     # Start together: each rank tells the other it has posted its receives.
+                    # The clock starts BEFORE this rank's "go" leaves, so no data can arrive
+                    # before it (the rates include one small-message latency: conservative).
+                    t0 = time.perf_counter()
                     t.isend(peer, go.ctypes.data, 1, tag + 1_000_000).wait(60000)
                     t.irecv(peer, go.ctypes.data, 1, tag + 1_000_000).wait(60000)
-                    t0 = time.perf_counter()
+                    if not receiving:  # the sender's clock matters only in bidir mode
+                        t0 = time.perf_counter()
                     sends = [t.isend(peer, src.ctypes.data, size, tag) for _ in range(iters)] \
                         if sending else []
                     _C.wait_all(recvs + sends, 120000)

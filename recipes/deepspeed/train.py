@@ -225,9 +225,10 @@ def run(argv=None) -> list[dict]:
         if balancer is not None:
             balancer.end_step(plan.samples(rank))
         # Global mean loss over the global batch: reduced over the same backend as training.
-        stats = torch.tensor([loss_sum.item(), float(n_micro), dt], dtype=torch.float64)
+        stats = torch.tensor([loss_sum.item(), float(n_micro), dt], dtype=torch.float64,
+                             device=device)  # NCCL needs device tensors, inputs and outputs
         gathered = [torch.zeros_like(stats) for _ in range(world)]
-        dist.all_gather(gathered, stats.to(device))
+        dist.all_gather(gathered, stats)
         gathered = [g.cpu() for g in gathered]
         rec = {"step": step, "loss": sum(g[0].item() for g in gathered) / global_batch,
                "step_time_s": max(g[2].item() for g in gathered),
