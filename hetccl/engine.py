@@ -46,6 +46,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.float8_e4m3fn, torch.float8_e5m2]
 DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
 HEADER_LEN = 6
+TAG_WINDOW = 1024
 
 
 class HetcclWork(dist.Work):
@@ -274,7 +275,10 @@ class EngineCtx:
         self._pending_h2d: dict[int, tuple] = {}
 
     def tag(self, phase: int, index: int) -> int:
-        return ((self.seq & 0xFFFFFFF) << 16) | (phase << 13) | index
+        # Sequence numbers wrap at TAG_WINDOW: a group runs one collective at a time, so
+        # reusing a tag 1024 collectives later cannot match a stale message (matching is FIFO
+        # per (peer, tag)), and transports that keep per-tag state (tcp) stay bounded.
+        return ((self.seq % TAG_WINDOW) << 16) | (phase << 13) | index
 
     def isend(self, peer: int, t: torch.Tensor, tag: int, slot=None):
         if t.is_cuda:

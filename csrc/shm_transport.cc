@@ -1,0 +1,903 @@
+// shm transport: peers on the same host, through POSIX shared memory.
+//
+// Layout. One segment per direction and peer pair, created by the sender in connect():
+//   [header page(s): geometry, pids, flags, ring counters, slot headers]
+//   [tagged ring: nslots x slot_bytes]   carries isend/irecv traffic
+//   [zero-copy ring: nslots x slot_bytes] the zc_* API (page-aligned, for cudaHostRegister)
+// slot_bytes is rounded up to a page multiple so every slot is page-aligned.
+//
+// Tagged ring protocol. The sender owns `head`, the receiver owns `tail` (free-running uint32
+// slot counters; slot i lives at i % nslots). A message of n bytes travels as ceil(n/slot_bytes)
+// consecutive chunks (one empty chunk for n == 0); each slot header carries {tag, total, offset,
+// len}. One sender thread per peer writes whole messages in order (isend writes a message of up
+// to 64 KiB itself when that thread is idle and a slot is free, saving a thread hand-off), so
+// chunks of a message are contiguous in the ring and FIFO matching per (peer, tag) is ring order. The receiver thread
+// matches a message to the earliest posted receive of that tag when its first chunk arrives;
+// if none is posted it is copied to a heap buffer (unexpected message); a receive posted while
+// such a message is still arriving takes it over (what has arrived is copied once, the rest goes
+// straight to the user buffer). irecv_reduce reduces straight out of the slot.
+//
+// Waiting. A waiter spins briefly, then sets a "waiting" flag and sleeps on the counter with a
+// shared (non-private) futex; the other side wakes it only when the flag is set (seq_cst on both
+// sides, Dekker style, so a wake cannot be lost). Sleeps time out every kCheckMs to check the
+// peer: its `closed` flag, and whether its pid still names the same live process (kill(pid, 0),
+// zombie state and start time from /proc, so a reused pid is not mistaken for the peer). A peer
+// in another pid namespace cannot be checked that way; then only the closed flag and the
+// caller's timeouts apply.
+//
+// Security and cleanup. Segment names are "/hetccl-" + 32 hex digits of
+// sha256(secret, sender nonce, ranks): unpredictable to anyone who lacks the random per-process
+// nonce published through the store. Segments are created O_EXCL with mode 0600 (same user only)
+// and the receiver unlinks each one as soon as it has mapped it, so after connect() nothing is
+// left in /dev/shm: a crash then leaks nothing (only a crash inside connect() can leave a
+// segment, which close() or the creator's exception path removes otherwise). The header stores
+// sha256 of the secret; a receiver refuses a segment whose hash differs.
+// Space is reserved with posix_fallocate so a full /dev/shm is an error at connect(), not a
+// SIGBUS in the middle of a copy.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <new>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include "common.h"
+#include "transport.h"
+
+namespace hetccl {
+namespace {
+
+constexpr uint64_t kMagic = 0x314d485343544548ull;  // "HETCSHM1"
+constexpr uint32_t kVersion = 1;
+constexpr int64_t kSpinNs = 20000;  // poll this long before sleeping (a slot copy takes ~100 us)
+constexpr int64_t kCheckMs = 100;   // liveness check period while sleeping
+constexpr size_t kPage = 4096;
+constexpr size_t kInlineBytes = 64 << 10;  // isend copies messages up to this size itself
+
+struct alignas(64) Word {
+  std::atomic<uint32_t> v;
+};
+
+struct SlotHdr {
+  uint64_t tag, total, offset, len;
+};
+struct ZcHdr {
+  uint64_t nbytes, tag;
+};
+
+// Lives at the start of each segment. Written by the creator (sender) before `magic`.
+struct SegHeader {
+  std::atomic<uint64_t> magic;
+  uint32_t version, nslots;
+  uint64_t slot_bytes, seg_bytes;
+  int32_t src_rank, dst_rank, src_pid, pad0;
+  char secret_hash[32];
+  Word attached;    // receiver has mapped (and unlinked) the segment
+  Word dst_pid;
+  Word src_closed;  // sender closed its transport
+  Word dst_closed;  // receiver closed its transport
+  Word head, head_waiting, tail, tail_waiting;      // tagged ring
+  Word zhead, zhead_waiting, ztail, ztail_waiting;  // zero-copy ring
+  // followed by SlotHdr[nslots] and ZcHdr[nslots]
+};
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+size_t header_bytes(uint32_t nslots) {
+  return round_up(sizeof(SegHeader) + nslots * (sizeof(SlotHdr) + sizeof(ZcHdr)), kPage);
+}
+
+struct Channel {
+  SegHeader* h = nullptr;
+  char* base = nullptr;
+  size_t bytes = 0;
+  SlotHdr* slots = nullptr;
+  ZcHdr* zslots = nullptr;
+  char* data = nullptr;   // tagged ring
+  char* zdata = nullptr;  // zero-copy ring
+  uint32_t nslots = 0;
+  size_t slot_bytes = 0;
+  std::string name;
+  bool need_unlink = false;  // we created it and the receiver has not unlinked it yet
+
+  void layout() {
+    slots = reinterpret_cast<SlotHdr*>(base + sizeof(SegHeader));
+    zslots = reinterpret_cast<ZcHdr*>(slots + nslots);
+    data = base + header_bytes(nslots);
+    zdata = data + size_t(nslots) * slot_bytes;
+  }
+  void unmap() {
+    if (need_unlink) shm_unlink(name.c_str());
+    need_unlink = false;
+    if (base) munmap(base, bytes);
+    base = nullptr;
+    h = nullptr;
+  }
+};
+
+// Start time of a process (field 22 of /proc/pid/stat) and whether it is a zombie; "" if absent.
+std::string proc_start(pid_t pid, bool* zombie) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s;
+  if (!f || !std::getline(f, s)) return "";
+  size_t r = s.rfind(')');
+  if (r == std::string::npos) return "";
+  std::istringstream in(s.substr(r + 2));
+  std::string field;
+  std::vector<std::string> v;
+  while (in >> field) v.push_back(field);
+  // v[0] is field 3 (state); field 22 is v[19].
+  if (v.size() < 20) return "";
+  if (zombie) *zombie = v[0] == "Z" || v[0] == "X";
+  return v[19];
+}
+
+std::string host_id() {
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  return std::string(host) + "/" + boot;
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (c == sep) {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur.push_back(c);
+    }
+  }
+  out.push_back(cur);
+  return out;
+}
+
+struct RecvOp {
+  RequestPtr req;
+  char* buf = nullptr;
+  size_t cap = 0;
+  bool reduce = false;
+  ReduceOp op = ReduceOp::SUM;
+  DType dtype = DType::FLOAT32;
+};
+
+// A message that arrived before its receive was posted.
+struct Unexpected {
+  uint64_t tag = 0;
+  size_t total = 0;
+  std::unique_ptr<char[]> buf;
+  size_t received = 0;
+  bool complete = false;
+  bool matched = false;  // a receive took it over while it was still arriving
+  RecvOp op;
+};
+
+struct SendOp {
+  RequestPtr req;
+  const char* buf;
+  size_t nbytes;
+  uint64_t tag;
+};
+
+void deliver(const RecvOp& op, size_t offset, const char* src, size_t len) {
+  if (len == 0) return;
+  if (op.reduce)
+    reduce_into(op.op, op.dtype, op.buf + offset, src, len / dtype_size(op.dtype), 1);
+  else
+    std::memcpy(op.buf + offset, src, len);
+}
+
+// Message for a receive posted with cap bytes when `total` arrive; "" when it fits.
+std::string size_mismatch(const RecvOp& op, size_t total, int peer, uint64_t tag) {
+  if (op.reduce ? total == op.cap : total <= op.cap) return "";
+  return std::string("hetccl shm: message from peer rank ") + std::to_string(peer) + " with tag " +
+         std::to_string(tag) + " has " + std::to_string(total) + " bytes but the " +
+         (op.reduce ? "irecv_reduce expects exactly " : "receive buffer holds only ") +
+         std::to_string(op.cap) + " bytes";
+}
+
+class ShmTransport;
+
+struct Peer {
+  int rank = -1;
+  pid_t pid = 0;
+  std::string start;  // process start time, "" when the pid is not visible to us
+  Channel out, in;
+  std::thread send_thread, recv_thread;
+
+  std::mutex mu;  // guards everything below
+  std::condition_variable cv;
+  std::deque<SendOp> sendq;
+  std::unordered_map<uint64_t, std::deque<RecvOp>> posted;
+  std::unordered_map<uint64_t, std::deque<std::shared_ptr<Unexpected>>> unexpected;
+  std::string failed;  // non-empty once the peer has failed
+  Request::ErrorKind failed_kind = Request::ErrorKind::Peer;
+
+  uint32_t send_head = 0;  // tagged ring slots published; written by the send thread, or by
+                           // isend inline while the send queue is empty (both under the rules
+                           // of send_loop/isend)
+
+  std::mutex zmu;  // zero-copy ring counters (one caller at a time, but be safe)
+  uint32_t zs_acq = 0, zs_commit = 0, zr_acq = 0, zr_rel = 0;
+};
+
+class ShmTransport final : public Transport {
+ public:
+  ShmTransport(int rank, int size, const Options& opts) : rank_(rank), size_(size) {
+    secret_ = opt_str(opts, "secret", "");
+    slot_bytes_ = round_up(size_t(opt_int(opts, "slot_bytes", 1 << 20, 1, int64_t(1) << 30)), kPage);
+    nslots_ = uint32_t(opt_int(opts, "nslots", 8, 1, 4096));
+    nonce_ = to_hex(random_bytes(16));
+    bool z = false;
+    start_ = proc_start(getpid(), &z);
+    peers_.resize(size);
+  }
+  ~ShmTransport() override { close(); }
+
+  std::string name() const override { return "shm"; }
+
+  std::string address() override {
+    return "shm1|" + host_id() + "|" + std::to_string(getpid()) + "|" + start_ + "|" + nonce_;
+  }
+
+  void connect(const std::vector<std::string>& addresses, int64_t timeout_ms) override;
+  RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override;
+  RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {
+    RecvOp op;
+    op.buf = static_cast<char*>(buf);
+    op.cap = nbytes;
+    return post_recv(peer, op, tag);
+  }
+  RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp rop,
+                          DType dtype) override {
+    if (nbytes % dtype_size(dtype))
+      throw CommError("hetccl shm: irecv_reduce of " + std::to_string(nbytes) +
+                      " bytes is not a whole number of " + dtype_name(dtype) + " elements");
+    RecvOp op;
+    op.buf = static_cast<char*>(dst);
+    op.cap = nbytes;
+    op.reduce = true;
+    op.op = rop;
+    op.dtype = dtype;
+    return post_recv(peer, op, tag);
+  }
+  void close() override;
+
+  bool zc_supported() const override { return true; }
+  std::vector<std::pair<void*, size_t>> zc_regions() override;
+  std::pair<void*, size_t> zc_send_acquire(int peer, int64_t timeout_ms) override;
+  void zc_send_commit(int peer, size_t nbytes, uint64_t tag) override;
+  std::tuple<void*, size_t, uint64_t> zc_recv_acquire(int peer, int64_t timeout_ms) override;
+  void zc_recv_release(int peer) override;
+
+ private:
+  std::string seg_name(const std::string& src_nonce, int src, int dst) const {
+    return "/hetccl-" + to_hex(sha256(secret_ + "|" + src_nonce + "|" + std::to_string(src) + "|" +
+                                      std::to_string(dst)))
+                            .substr(0, 32);
+  }
+  Peer& peer_ref(int peer) {
+    check_peer(peer, rank_, size_);
+    Peer* p = peers_[peer].get();
+    if (!p)
+      throw CommError("hetccl shm: rank " + std::to_string(peer) +
+                      " is not a peer of this transport (empty address at connect(), or connect() "
+                      "not called)");
+    return *p;
+  }
+  std::string who(const Peer& p) const {
+    return "peer rank " + std::to_string(p.rank) + " (pid " + std::to_string(p.pid) + ")";
+  }
+  // "" while the peer looks alive; else why it is not. as_sender: we wait on its reading.
+  std::string check_peer_alive(Peer& p, bool as_sender) {
+    if (as_sender ? p.out.h->dst_closed.v.load() : p.in.h->src_closed.v.load())
+      return "hetccl shm: " + who(p) + " closed its transport";
+    if (!p.start.empty()) {
+      bool zombie = false;
+      bool gone = kill(p.pid, 0) != 0 && errno == ESRCH;
+      if (!gone) {
+        std::string st = proc_start(p.pid, &zombie);
+        gone = zombie || st != p.start;
+      }
+      if (gone) return "hetccl shm: " + who(p) + " died";
+    }
+    return "";
+  }
+  void fail_peer(Peer& p, Request::ErrorKind kind, const std::string& msg);
+  void fail_all_locked(Peer& p, Request::ErrorKind kind, const std::string& msg);
+  RequestPtr post_recv(int peer, RecvOp op, uint64_t tag);
+  void send_loop(Peer* p);
+  void recv_loop(Peer* p);
+  // Waits until pred() or failure; returns "" or the failure message. Spins, then futex-sleeps
+  // on `word` (with `waiting` flag) checking the peer every kCheckMs.
+  template <typename Pred>
+  std::string wait_on(Peer& p, bool as_sender, Word& word, Word& waiting, Pred pred,
+                      const Deadline* deadline);
+
+  const int rank_, size_;
+  std::string secret_, nonce_, start_;
+  size_t slot_bytes_;
+  uint32_t nslots_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::atomic<bool> stop_{false};
+  bool connected_ = false, closed_ = false;
+  std::mutex close_mu_;
+};
+
+template <typename Pred>
+std::string ShmTransport::wait_on(Peer& p, bool as_sender, Word& word, Word& waiting, Pred pred,
+                                  const Deadline* deadline) {
+  const int64_t spin_until = now_ns() + kSpinNs;
+  do {
+    for (int i = 0; i < 64; ++i) {
+      if (pred()) return "";
+      cpu_relax();
+    }
+  } while (now_ns() < spin_until);
+  int64_t last_check = now_ms();
+  for (;;) {
+    if (pred()) return "";
+    if (stop_.load()) return "hetccl shm: transport closed";
+    int64_t t = now_ms();
+    if (t - last_check >= kCheckMs) {
+      last_check = t;
+      std::string why = check_peer_alive(p, as_sender);
+      if (!why.empty() && !pred()) return why;
+    }
+    int64_t sleep = kCheckMs;
+    if (deadline) {
+      if (deadline->expired()) return "timeout";
+      sleep = std::min<int64_t>(sleep, std::max<int64_t>(1, deadline->left_ms()));
+    }
+    uint32_t seen = word.v.load();
+    waiting.v.store(1);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // flag store before the re-check load
+    if (!pred() && !stop_.load()) futex_wait(&word.v, seen, sleep);
+    waiting.v.store(0);
+  }
+}
+
+void ShmTransport::connect(const std::vector<std::string>& addresses, int64_t timeout_ms) {
+  if (connected_) throw CommError("hetccl shm: connect() called twice");
+  if (int(addresses.size()) != size_)
+    throw CommError("hetccl shm: connect() got " + std::to_string(addresses.size()) +
+                    " addresses for a world of " + std::to_string(size_));
+  Deadline deadline(timeout_ms);
+  const std::string me_host = host_id();
+  const std::string secret_hash = sha256(secret_);
+  std::vector<std::string> nonces(size_);
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_ || addresses[r].empty()) continue;
+    auto f = split(addresses[r], '|');
+    if (f.size() != 5 || f[0] != "shm1")
+      throw CommError("hetccl shm: rank " + std::to_string(r) + " published an address that is not "
+                      "an shm address: '" + addresses[r] + "'");
+    if (f[1] != me_host)
+      throw CommError("hetccl shm: rank " + std::to_string(r) + " is on host '" + f[1] +
+                      "', this rank on '" + me_host + "': shm connects only peers on the same host");
+    auto p = std::make_unique<Peer>();
+    p->rank = r;
+    p->pid = pid_t(std::stol(f[2]));
+    bool zombie = false;
+    // Liveness checks only if we see the same process the peer saw as itself.
+    p->start = proc_start(p->pid, &zombie) == f[3] && !f[3].empty() ? f[3] : "";
+    nonces[r] = f[4];
+    peers_[r] = std::move(p);
+  }
+  const size_t seg_bytes = header_bytes(nslots_) + 2 * size_t(nslots_) * slot_bytes_;
+
+  auto cleanup = [&] {
+    for (auto& p : peers_)
+      if (p) {
+        p->out.unmap();
+        p->in.unmap();
+      }
+    for (auto& p : peers_) p.reset();
+  };
+
+  // 1. Create our outgoing segments.
+  try {
+    for (auto& pp : peers_) {
+      if (!pp) continue;
+      Channel& c = pp->out;
+      c.name = seg_name(nonce_, rank_, pp->rank);
+      int fd = shm_open(c.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0)
+        throw CommError("hetccl shm: shm_open(" + c.name + ") failed: " + errno_str(errno));
+      c.need_unlink = true;
+      int err = ftruncate(fd, off_t(seg_bytes)) ? errno : posix_fallocate(fd, 0, off_t(seg_bytes));
+      if (err) {
+        ::close(fd);
+        throw CommError("hetccl shm: cannot reserve " + std::to_string(seg_bytes >> 20) +
+                        " MiB in /dev/shm for the ring to rank " + std::to_string(pp->rank) + ": " +
+                        errno_str(err) + " (free space in /dev/shm, or lower slot_bytes/nslots; "
+                        "containers: --shm-size)");
+      }
+      void* m = mmap(nullptr, seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+      ::close(fd);
+      if (m == MAP_FAILED) throw CommError("hetccl shm: mmap failed: " + errno_str(errno));
+      c.base = static_cast<char*>(m);
+      c.bytes = seg_bytes;
+      c.nslots = nslots_;
+      c.slot_bytes = slot_bytes_;
+      c.h = new (c.base) SegHeader();
+      c.layout();
+      c.h->version = kVersion;
+      c.h->nslots = nslots_;
+      c.h->slot_bytes = slot_bytes_;
+      c.h->seg_bytes = seg_bytes;
+      c.h->src_rank = rank_;
+      c.h->dst_rank = pp->rank;
+      c.h->src_pid = getpid();
+      std::memcpy(c.h->secret_hash, secret_hash.data(), 32);
+      c.h->magic.store(kMagic, std::memory_order_release);
+    }
+  } catch (...) {
+    cleanup();
+    throw;
+  }
+
+  // 2. Map the peers' segments to us (unlinking each once mapped) and wait until they have
+  //    mapped ours.
+  std::string problem;
+  for (;;) {
+    bool all = true;
+    for (auto& pp : peers_) {
+      if (!pp) continue;
+      Channel& c = pp->in;
+      if (!c.base) {
+        all = false;
+        std::string nm = seg_name(nonces[pp->rank], pp->rank, rank_);
+        int fd = shm_open(nm.c_str(), O_RDWR, 0);
+        if (fd >= 0) {
+          struct stat st;
+          void* m = MAP_FAILED;
+          size_t sz = 0;
+          if (fstat(fd, &st) == 0 && size_t(st.st_size) >= sizeof(SegHeader)) {
+            sz = size_t(st.st_size);
+            m = mmap(nullptr, sz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+          }
+          ::close(fd);
+          if (m != MAP_FAILED) {
+            auto* h = static_cast<SegHeader*>(m);
+            if (h->magic.load(std::memory_order_acquire) != kMagic) {
+              munmap(m, sz);  // creator still initialising
+            } else if (h->version != kVersion || h->seg_bytes != sz || h->src_rank != pp->rank ||
+                       h->dst_rank != rank_ || h->src_pid != pp->pid ||
+                       std::memcmp(h->secret_hash, secret_hash.data(), 32) != 0 ||
+                       h->seg_bytes != header_bytes(h->nslots) + 2 * size_t(h->nslots) * h->slot_bytes) {
+              munmap(m, sz);
+              cleanup();
+              throw CommError("hetccl shm: segment " + nm + " from rank " + std::to_string(pp->rank) +
+                              " does not match (different hetccl version or group secret)");
+            } else {
+              c.base = static_cast<char*>(m);
+              c.h = h;
+              c.bytes = sz;
+              c.name = nm;
+              c.nslots = h->nslots;
+              c.slot_bytes = h->slot_bytes;
+              c.layout();
+              h->dst_pid.v.store(uint32_t(getpid()));
+              h->attached.v.store(1, std::memory_order_release);
+              shm_unlink(nm.c_str());
+            }
+          }
+        }
+      }
+      if (pp->out.need_unlink) {
+        if (pp->out.h->attached.v.load(std::memory_order_acquire))
+          pp->out.need_unlink = false;  // the receiver unlinked it
+        else
+          all = false;
+      }
+    }
+    if (all) break;
+    if (deadline.expired()) {
+      std::string missing;
+      for (auto& pp : peers_) {
+        if (!pp || (pp->in.base && !pp->out.need_unlink)) continue;
+        bool zombie = false;
+        bool dead = !pp->start.empty() && proc_start(pp->pid, &zombie) != pp->start;
+        missing += (missing.empty() ? "" : ", ") + std::to_string(pp->rank) + " (pid " +
+                   std::to_string(pp->pid) + (dead || zombie ? ", exited" : "") + ")";
+      }
+      cleanup();
+      throw CommTimeout("hetccl shm: connect() timed out after " + std::to_string(timeout_ms) +
+                        " ms: ranks [" + missing + "] did not connect");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+
+  connected_ = true;
+  for (auto& pp : peers_) {
+    if (!pp) continue;
+    pp->send_thread = std::thread([this, p = pp.get()] { send_loop(p); });
+    pp->recv_thread = std::thread([this, p = pp.get()] { recv_loop(p); });
+  }
+}
+
+void ShmTransport::fail_all_locked(Peer& p, Request::ErrorKind kind, const std::string& msg) {
+  if (p.failed.empty()) {
+    p.failed = msg;
+    p.failed_kind = kind;
+  }
+  for (auto& s : p.sendq) s.req->fail(kind, msg);
+  p.sendq.clear();
+  for (auto& kv : p.posted)
+    for (auto& r : kv.second) r.req->fail(kind, msg);
+  p.posted.clear();
+  p.unexpected.clear();
+}
+
+void ShmTransport::fail_peer(Peer& p, Request::ErrorKind kind, const std::string& msg) {
+  std::lock_guard<std::mutex> g(p.mu);
+  fail_all_locked(p, kind, msg);
+  p.cv.notify_all();
+}
+
+RequestPtr ShmTransport::isend(int peer, const void* buf, size_t nbytes, uint64_t tag) {
+  check_tag(tag);
+  Peer& p = peer_ref(peer);
+  auto req = std::make_shared<Request>(peer, tag, nbytes);
+  std::lock_guard<std::mutex> g(p.mu);
+  if (!p.failed.empty()) {
+    req->fail(p.failed_kind, p.failed);
+    return req;
+  }
+  // Small message, idle send thread, free slot: write it here (saves a thread hand-off, i.e.
+  // latency). The send thread only writes while the queue is non-empty, and we hold p.mu.
+  SegHeader* h = p.out.h;
+  if (p.sendq.empty() && nbytes <= kInlineBytes && nbytes <= p.out.slot_bytes && h &&
+      p.send_head - h->tail.v.load(std::memory_order_acquire) < p.out.nslots) {
+    uint32_t slot = p.send_head % p.out.nslots;
+    if (nbytes) std::memcpy(p.out.data + size_t(slot) * p.out.slot_bytes, buf, nbytes);
+    p.out.slots[slot] = SlotHdr{tag, nbytes, 0, nbytes};
+    h->head.v.store(++p.send_head, std::memory_order_seq_cst);
+    if (h->head_waiting.v.load(std::memory_order_seq_cst)) futex_wake(&h->head.v);
+    req->complete(nbytes);
+    return req;
+  }
+  p.sendq.push_back(SendOp{req, static_cast<const char*>(buf), nbytes, tag});
+  if (p.sendq.size() == 1) p.cv.notify_all();
+  return req;
+}
+
+RequestPtr ShmTransport::post_recv(int peer, RecvOp op, uint64_t tag) {
+  check_tag(tag);
+  Peer& p = peer_ref(peer);
+  op.req = std::make_shared<Request>(peer, tag, op.cap);
+  std::shared_ptr<Unexpected> ux;
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    if (!p.failed.empty()) {
+      op.req->fail(p.failed_kind, p.failed);
+      return op.req;
+    }
+    auto it = p.unexpected.find(tag);
+    if (it == p.unexpected.end()) {
+      p.posted[tag].push_back(op);
+      return op.req;
+    }
+    ux = it->second.front();
+    it->second.pop_front();
+    if (it->second.empty()) p.unexpected.erase(it);
+    std::string bad = size_mismatch(op, ux->total, peer, tag);
+    if (!bad.empty()) {
+      op.req->fail(Request::ErrorKind::Truncated, bad);
+      return op.req;  // the message is consumed; the receiver thread drops it when complete
+    }
+    if (!ux->complete) {
+      ux->matched = true;  // the receiver thread moves it over at its next chunk
+      ux->op = op;
+      return op.req;
+    }
+  }
+  deliver(op, 0, ux->buf.get(), ux->total);
+  op.req->complete(ux->total);
+  return op.req;
+}
+
+void ShmTransport::send_loop(Peer* pp) {
+  Peer& p = *pp;
+  SegHeader* h = p.out.h;
+  const uint32_t n = p.out.nslots;
+  const size_t sb = p.out.slot_bytes;
+  for (;;) {
+    SendOp op;
+    uint32_t head;
+    {
+      std::unique_lock<std::mutex> g(p.mu);
+      p.cv.wait(g, [&] { return stop_.load() || !p.sendq.empty(); });
+      if (stop_.load()) return;
+      op = p.sendq.front();
+      head = p.send_head;
+    }
+    size_t off = 0;
+    std::string err;
+    do {
+      err = wait_on(p, true, h->tail, h->tail_waiting,
+                    [&] { return head - h->tail.v.load(std::memory_order_acquire) < n; }, nullptr);
+      if (!err.empty()) break;
+      uint32_t slot = head % n;
+      size_t len = std::min(sb, op.nbytes - off);
+      if (len) std::memcpy(p.out.data + size_t(slot) * sb, op.buf + off, len);
+      p.out.slots[slot] = SlotHdr{op.tag, op.nbytes, off, len};
+      off += len;
+      ++head;
+      p.send_head = head;
+      h->head.v.store(head, std::memory_order_seq_cst);
+      if (h->head_waiting.v.load(std::memory_order_seq_cst)) futex_wake(&h->head.v);
+    } while (off < op.nbytes);
+    if (!err.empty()) {
+      if (stop_.load()) return;
+      fail_peer(p, Request::ErrorKind::Peer, err);
+      continue;  // later sends fail at once (p.failed); keep serving until close()
+    }
+    op.req->complete(op.nbytes);
+    std::lock_guard<std::mutex> g(p.mu);
+    if (!p.sendq.empty() && p.sendq.front().req == op.req) p.sendq.pop_front();
+  }
+}
+
+void ShmTransport::recv_loop(Peer* pp) {
+  Peer& p = *pp;
+  SegHeader* h = p.in.h;
+  const uint32_t n = p.in.nslots;
+  const size_t sb = p.in.slot_bytes;
+  uint32_t tail = h->tail.v.load();
+  // The message now arriving.
+  bool active = false;
+  uint64_t tag = 0;
+  size_t total = 0, got = 0;
+  bool direct = false, discard = false;
+  RecvOp op;
+  std::shared_ptr<Unexpected> ux;
+
+  // Fails everything pending on this peer, including the receive this thread is filling now
+  // (it is in neither queue), then waits for close(): nothing more will come.
+  auto give_up = [&](const std::string& err) {
+    std::unique_lock<std::mutex> g(p.mu);
+    if (active && direct) op.req->fail(Request::ErrorKind::Peer, err);
+    if (active && ux && ux->matched) ux->op.req->fail(Request::ErrorKind::Peer, err);
+    fail_all_locked(p, Request::ErrorKind::Peer, err);
+    p.cv.notify_all();
+    p.cv.wait(g, [&] { return stop_.load(); });
+  };
+
+  for (;;) {
+    std::string err = wait_on(p, false, h->head, h->head_waiting,
+                              [&] { return h->head.v.load(std::memory_order_acquire) != tail; },
+                              nullptr);
+    if (!err.empty()) {
+      if (stop_.load()) {
+        // close(): the receive being filled is failed here, the queued ones by close()
+        std::lock_guard<std::mutex> g(p.mu);
+        if (active && direct) op.req->fail(Request::ErrorKind::Generic, "hetccl shm: transport closed");
+        if (active && ux && ux->matched)
+          ux->op.req->fail(Request::ErrorKind::Generic, "hetccl shm: transport closed");
+        return;
+      }
+      give_up(err);
+      return;
+    }
+    const uint32_t slot = tail % n;
+    const SlotHdr sh = p.in.slots[slot];
+    const char* src = p.in.data + size_t(slot) * sb;
+    bool bad = sh.len > sb || sh.offset > sh.total || sh.len > sh.total - sh.offset ||
+               sh.offset != (active ? got : 0) ||
+               (active && (sh.tag != tag || sh.total != total)) ||
+               (sh.len == 0 && sh.total != 0);
+    if (bad) {
+      give_up("hetccl shm: " + who(p) + " wrote a corrupt ring slot (tag " + std::to_string(sh.tag) +
+              ", total " + std::to_string(sh.total) + ", offset " + std::to_string(sh.offset) +
+              ", len " + std::to_string(sh.len) + ")");
+      return;
+    }
+    if (!active) {
+      active = true;
+      tag = sh.tag;
+      total = sh.total;
+      got = 0;
+      direct = discard = false;
+      ux.reset();
+      std::lock_guard<std::mutex> g(p.mu);
+      auto it = p.posted.find(tag);
+      if (it != p.posted.end()) {
+        op = it->second.front();
+        it->second.pop_front();
+        if (it->second.empty()) p.posted.erase(it);
+        std::string why = size_mismatch(op, total, p.rank, tag);
+        if (!why.empty()) {
+          op.req->fail(Request::ErrorKind::Truncated, why);
+          discard = true;
+        } else {
+          direct = true;
+        }
+      } else {
+        ux = std::make_shared<Unexpected>();
+        ux->tag = tag;
+        ux->total = total;
+        ux->buf.reset(new (std::nothrow) char[std::max<size_t>(total, 1)]);
+        if (ux->buf) p.unexpected[tag].push_back(ux);
+      }
+    }
+    if (ux && !ux->buf) {
+      ux.reset();
+      give_up("hetccl shm: cannot buffer an unexpected message of " + std::to_string(total) +
+              " bytes from " + who(p) + " (tag " + std::to_string(tag) + "): out of memory");
+      return;
+    }
+    if (direct) {
+      deliver(op, sh.offset, src, sh.len);
+    } else if (ux) {
+      if (sh.len) std::memcpy(ux->buf.get() + sh.offset, src, sh.len);
+    }
+    got += sh.len;
+    if (ux) {
+      bool take = false;
+      {
+        std::lock_guard<std::mutex> g(p.mu);
+        ux->received = got;
+        if (ux->matched) {
+          take = true;
+          op = ux->op;
+        } else if (got == total) {
+          ux->complete = true;
+        }
+      }
+      if (take) {  // a receive was posted meanwhile: hand over what arrived, go direct
+        deliver(op, 0, ux->buf.get(), got);
+        ux.reset();
+        direct = true;
+      }
+    }
+    ++tail;
+    h->tail.v.store(tail, std::memory_order_seq_cst);
+    if (h->tail_waiting.v.load(std::memory_order_seq_cst)) futex_wake(&h->tail.v);
+    if (got == total) {
+      if (direct) op.req->complete(total);
+      active = false;
+      op = RecvOp();
+      ux.reset();
+    }
+  }
+}
+
+void ShmTransport::close() {
+  std::lock_guard<std::mutex> cg(close_mu_);
+  if (closed_) return;
+  closed_ = true;
+  stop_.store(true);
+  for (auto& pp : peers_) {
+    if (!pp) continue;
+    if (pp->out.h) {
+      pp->out.h->src_closed.v.store(1);
+      futex_wake(&pp->out.h->head.v);
+      futex_wake(&pp->out.h->tail.v);
+      futex_wake(&pp->out.h->zhead.v);
+      futex_wake(&pp->out.h->ztail.v);
+    }
+    if (pp->in.h) {
+      pp->in.h->dst_closed.v.store(1);
+      futex_wake(&pp->in.h->head.v);
+      futex_wake(&pp->in.h->tail.v);
+      futex_wake(&pp->in.h->zhead.v);
+      futex_wake(&pp->in.h->ztail.v);
+    }
+    std::lock_guard<std::mutex> g(pp->mu);
+    pp->cv.notify_all();
+  }
+  for (auto& pp : peers_) {
+    if (!pp) continue;
+    if (pp->send_thread.joinable()) pp->send_thread.join();
+    if (pp->recv_thread.joinable()) pp->recv_thread.join();
+    {
+      std::lock_guard<std::mutex> g(pp->mu);
+      fail_all_locked(*pp, Request::ErrorKind::Generic, "hetccl shm: transport closed");
+    }
+    std::lock_guard<std::mutex> zg(pp->zmu);
+    pp->out.unmap();
+    pp->in.unmap();
+  }
+}
+
+// ---------------------------------------------------------------- zero-copy ring
+std::vector<std::pair<void*, size_t>> ShmTransport::zc_regions() {
+  std::vector<std::pair<void*, size_t>> v;
+  for (auto& pp : peers_) {
+    if (!pp) continue;
+    for (Channel* c : {&pp->out, &pp->in})
+      if (c->base) v.emplace_back(c->zdata, size_t(c->nslots) * c->slot_bytes);
+  }
+  return v;
+}
+
+std::pair<void*, size_t> ShmTransport::zc_send_acquire(int peer, int64_t timeout_ms) {
+  Peer& p = peer_ref(peer);
+  std::lock_guard<std::mutex> g(p.zmu);
+  if (!p.out.h) throw CommError("hetccl shm: transport closed");
+  SegHeader* h = p.out.h;
+  const uint32_t n = p.out.nslots;
+  Deadline d(timeout_ms);
+  std::string err = wait_on(p, true, h->ztail, h->ztail_waiting,
+                            [&] { return p.zs_acq - h->ztail.v.load(std::memory_order_acquire) < n; }, &d);
+  if (err == "timeout")
+    throw CommTimeout("hetccl shm: timed out after " + std::to_string(timeout_ms) +
+                      " ms waiting for a free zero-copy slot to peer rank " + std::to_string(peer));
+  if (stop_.load()) throw CommError("hetccl shm: transport closed");
+  if (!err.empty()) throw PeerFailure(err);
+  uint32_t slot = p.zs_acq++ % n;
+  return {p.out.zdata + size_t(slot) * p.out.slot_bytes, p.out.slot_bytes};
+}
+
+void ShmTransport::zc_send_commit(int peer, size_t nbytes, uint64_t tag) {
+  check_tag(tag);
+  Peer& p = peer_ref(peer);
+  std::lock_guard<std::mutex> g(p.zmu);
+  if (!p.out.h) throw CommError("hetccl shm: transport closed");
+  if (p.zs_commit == p.zs_acq)
+    throw CommError("hetccl shm: zc_send_commit to peer rank " + std::to_string(peer) +
+                    " without an acquired slot");
+  if (nbytes > p.out.slot_bytes)
+    throw CommError("hetccl shm: zc_send_commit of " + std::to_string(nbytes) +
+                    " bytes exceeds the slot capacity " + std::to_string(p.out.slot_bytes));
+  SegHeader* h = p.out.h;
+  p.out.zslots[p.zs_commit % p.out.nslots] = ZcHdr{nbytes, tag};
+  ++p.zs_commit;
+  h->zhead.v.store(p.zs_commit, std::memory_order_seq_cst);
+  if (h->zhead_waiting.v.load(std::memory_order_seq_cst)) futex_wake(&h->zhead.v);
+}
+
+std::tuple<void*, size_t, uint64_t> ShmTransport::zc_recv_acquire(int peer, int64_t timeout_ms) {
+  Peer& p = peer_ref(peer);
+  std::lock_guard<std::mutex> g(p.zmu);
+  if (!p.in.h) throw CommError("hetccl shm: transport closed");
+  SegHeader* h = p.in.h;
+  Deadline d(timeout_ms);
+  std::string err = wait_on(p, false, h->zhead, h->zhead_waiting,
+                            [&] { return h->zhead.v.load(std::memory_order_acquire) != p.zr_acq; }, &d);
+  if (err == "timeout")
+    throw CommTimeout("hetccl shm: timed out after " + std::to_string(timeout_ms) +
+                      " ms waiting for a zero-copy slot from peer rank " + std::to_string(peer));
+  if (stop_.load()) throw CommError("hetccl shm: transport closed");
+  if (!err.empty()) throw PeerFailure(err);
+  uint32_t slot = p.zr_acq++ % p.in.nslots;
+  ZcHdr zh = p.in.zslots[slot];
+  if (zh.nbytes > p.in.slot_bytes)
+    throw PeerFailure("hetccl shm: " + who(p) + " committed a corrupt zero-copy slot");
+  return {p.in.zdata + size_t(slot) * p.in.slot_bytes, size_t(zh.nbytes), zh.tag};
+}
+
+void ShmTransport::zc_recv_release(int peer) {
+  Peer& p = peer_ref(peer);
+  std::lock_guard<std::mutex> g(p.zmu);
+  if (!p.in.h) throw CommError("hetccl shm: transport closed");
+  if (p.zr_rel == p.zr_acq)
+    throw CommError("hetccl shm: zc_recv_release from peer rank " + std::to_string(peer) +
+                    " without an acquired slot");
+  SegHeader* h = p.in.h;
+  ++p.zr_rel;
+  h->ztail.v.store(p.zr_rel, std::memory_order_seq_cst);
+  if (h->ztail_waiting.v.load(std::memory_order_seq_cst)) futex_wake(&h->ztail.v);
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> make_shm_transport(int rank, int size, const Options& opts) {
+  return std::make_unique<ShmTransport>(rank, size, opts);
+}
+
+}  // namespace hetccl

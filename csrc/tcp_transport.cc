@@ -1,0 +1,1085 @@
+// tcp transport: peers anywhere, over nconn TCP connections per peer.
+//
+// Setup. The constructor opens a listener on options["bind_addr"] (default: all interfaces) on
+// an ephemeral port; address() is "host:port". In connect(), each rank dials every peer of LOWER
+// rank nconn times; connections from higher ranks arrive at the listener. An acceptor thread owns
+// the listener for the transport's whole life (strangers may knock at any time) and runs each
+// handshake with a deadline (handshake_timeout_ms), without blocking anything else:
+//   acceptor -> dialer : magic "HETCTCP1", version, acceptor rank, 16-byte random nonce_a
+//   dialer -> acceptor : magic, version, dialer rank, connection index, nconn, world size,
+//                        nonce_c, proof_c = sha256(secret|"dial"|nonce_a|nonce_c|ranks|index)
+//   acceptor -> dialer : magic, status, proof_a = sha256(secret|"accept"|nonce_a|nonce_c|...)
+// Both sides prove knowledge of the group secret without sending it, and fresh nonces make a
+// recorded handshake useless for a later connection. The trade-off: a plain hash, not an HMAC.
+// Length extension does not apply (each side hashes a fixed-format string it builds itself), but
+// a recorded handshake allows offline guessing of the secret, so this is sound only because the
+// secret is random per group (the Python side draws it), never a password. The data itself is
+// NOT encrypted or authenticated after the handshake (an on-path attacker can read or alter
+// tensors; use a trusted network, as with NCCL and Gloo).
+// A connection that sends garbage, the wrong secret or nothing before the deadline is closed and
+// logged ("hetccl WARN tcp: ...") and never reaches the job.
+//
+// Data. A message travels as frames: a 40-byte header {kind, len, tag, seq, total, offset} and
+// `len` payload bytes. Messages up to chunk_bytes are one frame; larger ones are striped: each
+// connection, when its socket is writable, pulls the next chunk of the peer's send queue, so fast
+// connections carry more. `seq` numbers the messages of one (peer, tag) pair in send order and
+// the k-th receive posted for (peer, tag) takes seq k: FIFO matching per (peer, tag) holds even
+// though frames arrive out of order across connections. Frames of a matched message are read
+// straight into the user buffer at their offset (irecv_reduce: into a per-connection staging
+// buffer, then reduced into place while it is in cache). Frames of a message whose receive is not
+// posted yet go to a heap buffer; a receive posted later copies what arrived once and takes the
+// remaining frames directly.
+//
+// Progress. A few threads (progress_threads, default min(nconn, 2)) each own a share of the
+// connections (connection i of every peer goes to thread i % threads) and run an edge-triggered
+// epoll loop over non-blocking sockets; sends post to the peer queue and wake them through an
+// eventfd. Requests complete on these threads.
+//
+// Failure. A reset, a write error, a connection closed in the middle of a frame, a protocol
+// violation, or all connections of a peer closed fail every pending request of that peer with
+// PeerFailure naming its rank and address; later posts to it fail at once. A stopped (not dead)
+// peer is not detected here: callers' wait timeouts catch it.
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <deque>
+#include <map>
+#include <new>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "common.h"
+#include "net.h"
+#include "transport.h"
+
+namespace hetccl {
+namespace {
+
+constexpr char kMagic[9] = "HETCTCP1";
+constexpr uint32_t kVersion = 1;
+constexpr size_t kA1 = 32, kC1 = 80, kA2 = 48;  // handshake message sizes
+constexpr size_t kHdr = 40;                      // frame header
+constexpr uint32_t kFrameData = 1;
+constexpr size_t kMaxFrame = size_t(256) << 20;  // sanity bound on a received frame
+constexpr size_t kBudget = size_t(4) << 20;      // bytes per connection per turn (fairness)
+constexpr int kMaxPendingHandshakes = 64;
+
+struct RecvOp {
+  RequestPtr req;
+  char* buf = nullptr;
+  size_t cap = 0;
+  bool reduce = false;
+  ReduceOp op = ReduceOp::SUM;
+  DType dtype = DType::FLOAT32;
+};
+
+void deliver(const RecvOp& op, size_t offset, const char* src, size_t len) {
+  if (len == 0) return;
+  if (op.reduce)
+    reduce_into(op.op, op.dtype, op.buf + offset, src, len / dtype_size(op.dtype), 1);
+  else
+    std::memcpy(op.buf + offset, src, len);
+}
+
+struct SendMsg {
+  RequestPtr req;
+  const char* buf;
+  size_t total;
+  uint64_t tag, seq;
+  size_t assigned = 0;  // bytes handed to connections
+  bool assigned_all = false;
+  size_t done = 0;      // bytes fully written
+};
+
+// One incoming message, known from its receive being posted and/or its first frame arriving.
+struct InMsg {
+  bool have_total = false;
+  size_t total = 0, received = 0;
+  bool has_op = false, op_failed = false;
+  RecvOp op;
+  std::unique_ptr<char[]> heap;  // frames that arrived before the receive was posted
+  std::vector<std::pair<size_t, size_t>> heap_ranges;
+  int heap_inflight = 0;  // frames being read into heap right now
+  bool migrating = false; // heap contents being copied to the user buffer
+  bool complete() const { return have_total && received == total && !migrating && heap_inflight == 0; }
+};
+
+struct Peer;
+
+struct Conn {
+  int fd = -1;
+  int idx = 0;
+  Peer* peer = nullptr;
+  bool readable = true, writable = true;
+  bool eof = false;
+  std::atomic<bool> dead{false};
+  // receive side
+  unsigned char hdr[kHdr];
+  size_t hdr_got = 0;
+  bool in_payload = false;
+  uint64_t f_tag = 0, f_seq = 0, f_total = 0, f_off = 0;
+  size_t f_len = 0, f_got = 0;
+  enum class Mode { Direct, Heap, Stage, Discard } mode = Mode::Direct;
+  char* dst = nullptr;
+  std::shared_ptr<InMsg> msg;
+  std::vector<char> stage;
+  // send side
+  std::shared_ptr<SendMsg> tx;
+  unsigned char txhdr[kHdr];
+  size_t tx_off = 0, tx_len = 0, tx_sent = 0;
+};
+
+struct Peer {
+  int rank = -1;
+  std::string addr;
+  std::vector<std::unique_ptr<Conn>> conns;
+  std::mutex mu;  // guards everything below
+  std::deque<std::shared_ptr<SendMsg>> sendq;  // not yet fully assigned to connections
+  std::set<std::shared_ptr<SendMsg>> active;   // posted, not yet complete
+  std::unordered_map<uint64_t, uint64_t> send_seq, recv_seq;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<InMsg>> inmsgs;
+  int eof_conns = 0;
+  std::string failed;
+  Request::ErrorKind failed_kind = Request::ErrorKind::Peer;
+};
+
+struct Worker {
+  int epfd = -1, evfd = -1;
+  std::vector<Conn*> conns;
+  std::thread th;
+};
+
+struct Handshake {
+  int fd;
+  std::string from;
+  int64_t deadline;
+  std::string nonce_a;
+  unsigned char buf[kC1];
+  size_t got = 0;
+};
+
+std::string proof(const std::string& secret, const char* role, const std::string& na,
+                  const std::string& nc, int dialer, int acceptor, int idx) {
+  return sha256(secret + "|" + role + "|" + na + "|" + nc + "|" + std::to_string(dialer) + "|" +
+                std::to_string(acceptor) + "|" + std::to_string(idx));
+}
+
+// First non-loopback IPv4 address of an up interface, else 127.0.0.1.
+std::string default_host() {
+  struct ifaddrs* ifa = nullptr;
+  std::string best = "127.0.0.1";
+  if (getifaddrs(&ifa) == 0) {
+    for (auto* i = ifa; i; i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+      if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+      char h[INET_ADDRSTRLEN];
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, h, sizeof h);
+      best = h;
+      break;
+    }
+    freeifaddrs(ifa);
+  }
+  return best;
+}
+
+// Blocking helpers on a non-blocking fd with a deadline (connect() and the dialer's handshake).
+bool wait_fd(int fd, short ev, const Deadline& d) {
+  for (;;) {
+    int64_t left = d.left_ms();
+    if (left <= 0) return false;
+    pollfd p{fd, ev, 0};
+    int r = poll(&p, 1, int(std::min<int64_t>(left, 1000)));
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) return false;
+  }
+}
+// 1: done, 0: timeout, -1: error or EOF (errno 0 for EOF)
+int read_full(int fd, void* buf, size_t n, const Deadline& d) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::recv(fd, static_cast<char*>(buf) + got, n - got, 0);
+    if (r > 0) {
+      got += size_t(r);
+    } else if (r == 0) {
+      errno = 0;
+      return -1;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (!wait_fd(fd, POLLIN, d)) return 0;
+    } else if (errno != EINTR) {
+      return -1;
+    }
+  }
+  return 1;
+}
+int write_full(int fd, const void* buf, size_t n, const Deadline& d) {
+  size_t put = 0;
+  while (put < n) {
+    ssize_t r = ::send(fd, static_cast<const char*>(buf) + put, n - put, MSG_NOSIGNAL);
+    if (r > 0) {
+      put += size_t(r);
+    } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!wait_fd(fd, POLLOUT, d)) return 0;
+    } else if (r < 0 && errno != EINTR) {
+      return -1;
+    }
+  }
+  return 1;
+}
+
+class TcpTransport final : public Transport {
+ public:
+  TcpTransport(int rank, int size, const Options& opts);
+  ~TcpTransport() override { close(); }
+  std::string name() const override { return "tcp"; }
+  std::string address() override { return address_; }
+  void connect(const std::vector<std::string>& addresses, int64_t timeout_ms) override;
+  RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override;
+  RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {
+    RecvOp op;
+    op.buf = static_cast<char*>(buf);
+    op.cap = nbytes;
+    return post_recv(peer, op, tag);
+  }
+  RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp rop,
+                          DType dtype) override {
+    if (nbytes % dtype_size(dtype))
+      throw CommError("hetccl tcp: irecv_reduce of " + std::to_string(nbytes) +
+                      " bytes is not a whole number of " + dtype_name(dtype) + " elements");
+    RecvOp op;
+    op.buf = static_cast<char*>(dst);
+    op.cap = nbytes;
+    op.reduce = true;
+    op.op = rop;
+    op.dtype = dtype;
+    return post_recv(peer, op, tag);
+  }
+  void close() override;
+
+ private:
+  Peer& peer_ref(int peer) {
+    check_peer(peer, rank_, size_);
+    Peer* p = peers_.empty() ? nullptr : peers_[peer].get();
+    if (!p)
+      throw CommError("hetccl tcp: rank " + std::to_string(peer) +
+                      " is not a peer of this transport (empty address at connect(), or connect() "
+                      "not called)");
+    return *p;
+  }
+  std::string who(const Peer& p) const {
+    return "peer rank " + std::to_string(p.rank) + " (" + p.addr + ")";
+  }
+  std::string mismatch(const RecvOp& op, size_t total, int peer, uint64_t tag) const {
+    if (op.reduce ? total == op.cap : total <= op.cap) return "";
+    return "hetccl tcp: message from peer rank " + std::to_string(peer) + " with tag " +
+           std::to_string(tag) + " has " + std::to_string(total) + " bytes but the " +
+           (op.reduce ? "irecv_reduce expects exactly " : "receive buffer holds only ") +
+           std::to_string(op.cap) + " bytes";
+  }
+  RequestPtr post_recv(int peer, RecvOp op, uint64_t tag);
+  void acceptor_loop();
+  void handshake_step(Handshake& h, bool* drop, std::string* why);
+  int dial(int peer, const std::string& addr, int idx, const Deadline& d, std::string* err);
+  void worker_loop(Worker* w);
+  bool do_read(Conn& c);   // false: connection finished (EOF/error) or would block
+  int do_write(Conn& c);   // 0: would block, 1: no work, 2: budget used (more to do), -1: error
+  bool begin_frame(Conn& c, std::string* err);
+  void end_frame(Conn& c);
+  void migrate(Peer& p, std::shared_ptr<InMsg> m, std::unique_lock<std::mutex>& g);
+  void fail_peer(Peer& p, const std::string& msg);
+  void fail_locked(Peer& p, Request::ErrorKind kind, const std::string& msg);
+  void wake_workers();
+
+  const int rank_, size_;
+  std::string secret_, bind_addr_, address_;
+  int nconn_, nthreads_;
+  size_t chunk_;
+  int64_t hs_timeout_ms_;
+  int listen_fd_ = -1, accept_wake_ = -1;
+  std::thread acceptor_;
+
+  std::mutex acc_mu_;  // accepted connections, handed from the acceptor thread to connect()
+  std::condition_variable acc_cv_;
+  std::map<int, std::map<int, int>> accepted_;  // rank -> idx -> fd
+  bool connect_done_ = false;
+
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::atomic<bool> stop_{false};
+  std::mutex close_mu_;
+  bool closed_ = false, connected_ = false;
+};
+
+TcpTransport::TcpTransport(int rank, int size, const Options& opts) : rank_(rank), size_(size) {
+  secret_ = opt_str(opts, "secret", "");
+  bind_addr_ = opt_str(opts, "bind_addr", "0.0.0.0");
+  nconn_ = int(opt_int(opts, "nconn", 4, 1, 64));
+  nthreads_ = int(opt_int(opts, "progress_threads", std::min(nconn_, 2), 1, 64));
+  nthreads_ = std::min(nthreads_, nconn_);
+  chunk_ = size_t(opt_int(opts, "chunk_bytes", 512 << 10, 4096, int64_t(kMaxFrame)));
+  hs_timeout_ms_ = opt_int(opts, "handshake_timeout_ms", 5000, 1, 3600000);
+
+  sockaddr_storage ss;
+  socklen_t len = 0;
+  bool v6 = bind_addr_.find(':') != std::string::npos;
+  std::string hp = v6 ? "[" + bind_addr_ + "]:1" : bind_addr_ + ":1";
+  if (!net::parse_hostport(hp, &ss, &len))
+    throw CommError("hetccl tcp: bind_addr '" + bind_addr_ + "' is not a numeric IPv4/IPv6 address");
+  if (ss.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&ss)->sin_port = 0;
+  else reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = 0;
+  listen_fd_ = ::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listen_fd_ < 0) throw CommError("hetccl tcp: socket() failed: " + errno_str(errno));
+  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(listen_fd_, 256) != 0) {
+    int e = errno;
+    ::close(listen_fd_);
+    throw CommError("hetccl tcp: cannot listen on " + bind_addr_ + ": " + errno_str(e));
+  }
+  sockaddr_storage bound;
+  socklen_t blen = sizeof bound;
+  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &blen);
+  int port = bound.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port)
+                                        : ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
+  std::string host = bind_addr_;
+  if (host == "0.0.0.0") host = default_host();
+  else if (host == "::") host = "::1";
+  address_ = (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+  accept_wake_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  acceptor_ = std::thread([this] { acceptor_loop(); });
+}
+
+// ---------------------------------------------------------------- acceptor
+void TcpTransport::acceptor_loop() {
+  std::vector<std::unique_ptr<Handshake>> hs;
+  while (!stop_.load()) {
+    std::vector<pollfd> pf;
+    pf.push_back({accept_wake_, POLLIN, 0});
+    pf.push_back({listen_fd_, POLLIN, 0});
+    int64_t now = now_ms(), next = now + 1000;
+    for (auto& h : hs) {
+      pf.push_back({h->fd, POLLIN, 0});
+      next = std::min(next, h->deadline);
+    }
+    int r = poll(pf.data(), pf.size(), int(std::max<int64_t>(0, next - now)));
+    if (r < 0 && errno != EINTR) break;
+    if (stop_.load()) break;
+    if (pf[1].revents & POLLIN) {
+      for (;;) {
+        sockaddr_storage ss;
+        socklen_t sl = sizeof ss;
+        int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) break;
+        std::string from = net::sockaddr_str(ss);
+        if (int(hs.size()) >= kMaxPendingHandshakes) {
+          log_warn("tcp", "dropped connection from " + from + ": too many pending handshakes");
+          ::close(fd);
+          continue;
+        }
+        net::set_nodelay(fd);
+        auto h = std::make_unique<Handshake>();
+        h->fd = fd;
+        h->from = from;
+        h->deadline = now_ms() + hs_timeout_ms_;
+        h->nonce_a = random_bytes(16);
+        std::string a1(kMagic, 8);
+        net::put_u32(a1, kVersion);
+        net::put_u32(a1, uint32_t(rank_));
+        a1 += h->nonce_a;
+        if (::send(fd, a1.data(), a1.size(), MSG_NOSIGNAL) != ssize_t(a1.size())) {
+          ::close(fd);
+          continue;
+        }
+        hs.push_back(std::move(h));
+      }
+    }
+    // Progress handshakes (pf index 2 + i corresponds to hs[i] before this round's accepts).
+    size_t npolled = pf.size() - 2;
+    now = now_ms();
+    for (size_t i = 0; i < hs.size();) {
+      Handshake& h = *hs[i];
+      bool drop = false;
+      std::string why;
+      if (i < npolled && (pf[2 + i].revents & (POLLIN | POLLHUP | POLLERR))) handshake_step(h, &drop, &why);
+      if (!drop && h.fd >= 0 && now >= h.deadline) {
+        drop = true;
+        why = "no complete handshake within " + std::to_string(hs_timeout_ms_) + " ms";
+      }
+      if (drop) {
+        log_warn("tcp", "dropped connection from " + h.from + ": " + why);
+        ::close(h.fd);
+        h.fd = -1;
+      }
+      if (h.fd < 0) {
+        hs.erase(hs.begin() + long(i));
+        if (i < npolled) {
+          pf.erase(pf.begin() + long(2 + i));
+          --npolled;
+        }
+      } else {
+        ++i;
+      }
+    }
+  }
+  for (auto& h : hs)
+    if (h->fd >= 0) ::close(h->fd);
+}
+
+// Reads what is there of the dialer's hello; on a complete valid one replies, hands the fd to
+// connect() (h.fd = -1 afterwards) and returns. Sets *drop with a reason otherwise.
+void TcpTransport::handshake_step(Handshake& h, bool* drop, std::string* why) {
+  ssize_t r = ::recv(h.fd, h.buf + h.got, kC1 - h.got, 0);
+  if (r == 0) {
+    *drop = true;
+    *why = h.got ? "closed in the middle of the handshake" : "closed without a handshake";
+    return;
+  }
+  if (r < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+    *drop = true;
+    *why = errno_str(errno);
+    return;
+  }
+  h.got += size_t(r);
+  // Reject garbage as soon as the magic is wrong.
+  if (std::memcmp(h.buf, kMagic, std::min<size_t>(h.got, 8)) != 0) {
+    *drop = true;
+    *why = "bad magic (not a hetccl peer)";
+    return;
+  }
+  if (h.got < kC1) return;
+  const unsigned char* b = h.buf;
+  uint32_t ver = net::get_u32(b + 8);
+  int rank = int(net::get_u32(b + 12));
+  int idx = int(net::get_u32(b + 16));
+  int nconn = int(net::get_u32(b + 20));
+  int size = int(net::get_u32(b + 24));
+  std::string nonce_c(reinterpret_cast<const char*>(b + 32), 16);
+  std::string pc(reinterpret_cast<const char*>(b + 48), 32);
+  if (ver != kVersion) {
+    *drop = true;
+    *why = "protocol version " + std::to_string(ver) + ", this build speaks " + std::to_string(kVersion);
+  } else if (size != size_ || rank <= rank_ || rank >= size_ || nconn != nconn_ || idx < 0 || idx >= nconn_) {
+    *drop = true;
+    *why = "inconsistent hello (rank " + std::to_string(rank) + ", connection " + std::to_string(idx) +
+           "/" + std::to_string(nconn) + ", world " + std::to_string(size) + "; expected a rank above " +
+           std::to_string(rank_) + ", nconn " + std::to_string(nconn_) + ", world " + std::to_string(size_) + ")";
+  } else if (pc != proof(secret_, "dial", h.nonce_a, nonce_c, rank, rank_, idx)) {
+    *drop = true;
+    *why = "wrong group secret (claimed rank " + std::to_string(rank) + ")";
+  }
+  if (*drop) return;
+  {
+    std::lock_guard<std::mutex> g(acc_mu_);
+    if (connect_done_) {
+      *drop = true;
+      *why = "rank " + std::to_string(rank) + " connected after connect() finished";
+      return;
+    }
+    if (accepted_[rank].count(idx)) {
+      *drop = true;
+      *why = "duplicate connection " + std::to_string(idx) + " from rank " + std::to_string(rank);
+      return;
+    }
+  }
+  std::string a2(kMagic, 8);
+  net::put_u32(a2, 0);
+  net::put_u32(a2, 0);
+  a2 += proof(secret_, "accept", h.nonce_a, nonce_c, rank, rank_, idx);
+  if (::send(h.fd, a2.data(), a2.size(), MSG_NOSIGNAL) != ssize_t(a2.size())) {
+    *drop = true;
+    *why = "reply failed";
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> g(acc_mu_);
+    accepted_[rank][idx] = h.fd;
+  }
+  acc_cv_.notify_all();
+  h.fd = -1;
+}
+
+// Dials peer `peer` (connection idx) and runs the dialer side of the handshake. Returns the fd,
+// or -1 with *err set (refused/unreachable until the deadline, or rejected).
+int TcpTransport::dial(int peer, const std::string& addr, int idx, const Deadline& d, std::string* err) {
+  sockaddr_storage ss;
+  socklen_t sl;
+  if (!net::parse_hostport(addr, &ss, &sl)) {
+    *err = "bad address '" + addr + "'";
+    return -1;
+  }
+  for (;;) {
+    int fd = ::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+      *err = "socket(): " + errno_str(errno);
+      return -1;
+    }
+    net::set_nodelay(fd);
+    int r = ::connect(fd, reinterpret_cast<sockaddr*>(&ss), sl);
+    int e = r == 0 ? 0 : errno;
+    if (e == EINPROGRESS) {
+      if (!wait_fd(fd, POLLOUT, d)) {
+        ::close(fd);
+        *err = "connection to " + addr + " timed out";
+        return -1;
+      }
+      socklen_t el = sizeof e;
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el);
+    }
+    if (e != 0) {
+      ::close(fd);
+      *err = "connect to " + addr + ": " + errno_str(e);
+      if (d.expired()) return -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // listener not up yet: retry
+      continue;
+    }
+    unsigned char a1[kA1];
+    int rr = read_full(fd, a1, kA1, d);
+    if (rr != 1 || std::memcmp(a1, kMagic, 8) != 0 || net::get_u32(a1 + 8) != kVersion ||
+        int(net::get_u32(a1 + 12)) != peer) {
+      ::close(fd);
+      *err = rr == 0 ? "no handshake from " + addr + " (not a hetccl listener?)"
+                     : addr + " is not rank " + std::to_string(peer) + " of this hetccl group";
+      return -1;
+    }
+    std::string nonce_a(reinterpret_cast<char*>(a1 + 16), 16), nonce_c = random_bytes(16);
+    std::string c1(kMagic, 8);
+    net::put_u32(c1, kVersion);
+    net::put_u32(c1, uint32_t(rank_));
+    net::put_u32(c1, uint32_t(idx));
+    net::put_u32(c1, uint32_t(nconn_));
+    net::put_u32(c1, uint32_t(size_));
+    net::put_u32(c1, 0);
+    c1 += nonce_c;
+    c1 += proof(secret_, "dial", nonce_a, nonce_c, rank_, peer, idx);
+    unsigned char a2[kA2];
+    if (write_full(fd, c1.data(), c1.size(), d) != 1 || (rr = read_full(fd, a2, kA2, d)) != 1) {
+      ::close(fd);
+      *err = "rank " + std::to_string(peer) + " at " + addr +
+             " refused the handshake (different group secret or nconn?)";
+      return -1;
+    }
+    std::string pa(reinterpret_cast<char*>(a2 + 16), 32);
+    if (std::memcmp(a2, kMagic, 8) != 0 || net::get_u32(a2 + 8) != 0 ||
+        pa != proof(secret_, "accept", nonce_a, nonce_c, rank_, peer, idx)) {
+      ::close(fd);
+      *err = addr + " failed to prove the group secret";
+      return -1;
+    }
+    return fd;
+  }
+}
+
+void TcpTransport::connect(const std::vector<std::string>& addresses, int64_t timeout_ms) {
+  if (connected_) throw CommError("hetccl tcp: connect() called twice");
+  if (closed_) throw CommError("hetccl tcp: transport closed");
+  if (int(addresses.size()) != size_)
+    throw CommError("hetccl tcp: connect() got " + std::to_string(addresses.size()) +
+                    " addresses for a world of " + std::to_string(size_));
+  Deadline d(timeout_ms);
+  std::vector<std::vector<int>> fds(size_);
+  std::map<int, std::string> errors;
+  auto close_all = [&] {
+    for (auto& v : fds)
+      for (int fd : v)
+        if (fd >= 0) ::close(fd);
+  };
+  // 1. Dial lower ranks.
+  for (int r = 0; r < rank_; ++r) {
+    if (addresses[r].empty()) continue;
+    fds[r].assign(nconn_, -1);
+    for (int i = 0; i < nconn_; ++i) {
+      std::string err;
+      fds[r][i] = dial(r, addresses[r], i, d, &err);
+      if (fds[r][i] < 0) {
+        errors[r] = err;
+        break;
+      }
+    }
+  }
+  // 2. Wait for higher ranks to dial us.
+  {
+    std::unique_lock<std::mutex> g(acc_mu_);
+    auto all_in = [&] {
+      for (int r = rank_ + 1; r < size_; ++r)
+        if (!addresses[r].empty() && int(accepted_[r].size()) < nconn_) return false;
+      return true;
+    };
+    while (!all_in() && !d.expired())
+      acc_cv_.wait_for(g, std::chrono::milliseconds(std::min<int64_t>(d.left_ms(), 200)));
+    connect_done_ = true;
+    for (auto& kv : accepted_) {
+      int r = kv.first;
+      bool want = r > rank_ && r < size_ && !addresses[r].empty();
+      if (want) {
+        fds[r].assign(nconn_, -1);
+        for (auto& kc : kv.second) fds[r][kc.first] = kc.second;
+        if (int(kv.second.size()) < nconn_)
+          errors[r] = std::to_string(kv.second.size()) + " of " + std::to_string(nconn_) +
+                      " connections arrived";
+      } else {
+        for (auto& kc : kv.second) ::close(kc.second);
+        log_warn("tcp", "closed connections from rank " + std::to_string(r) +
+                            ", which is not a peer of this transport");
+      }
+    }
+    accepted_.clear();
+    for (int r = rank_ + 1; r < size_; ++r)
+      if (!addresses[r].empty() && fds[r].empty()) errors[r] = "never connected";
+  }
+  if (!errors.empty()) {
+    close_all();
+    std::string ranks, detail;
+    for (auto& kv : errors) {
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(kv.first);
+      detail += "; rank " + std::to_string(kv.first) + ": " + kv.second;
+    }
+    std::string msg = "hetccl tcp: connect() failed within " + std::to_string(timeout_ms) +
+                      " ms: ranks [" + ranks + "] did not connect" + detail;
+    if (d.expired()) throw CommTimeout(msg);
+    throw CommError(msg);
+  }
+  // 3. Build peers and start the progress threads.
+  peers_.resize(size_);
+  for (int i = 0; i < nthreads_; ++i) {
+    auto w = std::make_unique<Worker>();
+    w->epfd = epoll_create1(EPOLL_CLOEXEC);
+    w->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = nullptr;
+    epoll_ctl(w->epfd, EPOLL_CTL_ADD, w->evfd, &ev);
+    workers_.push_back(std::move(w));
+  }
+  for (int r = 0; r < size_; ++r) {
+    if (fds[r].empty()) continue;
+    auto p = std::make_unique<Peer>();
+    p->rank = r;
+    p->addr = addresses[r];
+    for (int i = 0; i < nconn_; ++i) {
+      auto c = std::make_unique<Conn>();
+      c->fd = fds[r][i];
+      c->idx = i;
+      c->peer = p.get();
+      Worker& w = *workers_[i % nthreads_];
+      w.conns.push_back(c.get());
+      epoll_event ev{};
+      ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+      ev.data.ptr = c.get();
+      epoll_ctl(w.epfd, EPOLL_CTL_ADD, c->fd, &ev);
+      p->conns.push_back(std::move(c));
+    }
+    peers_[r] = std::move(p);
+  }
+  connected_ = true;
+  for (auto& w : workers_) w->th = std::thread([this, wp = w.get()] { worker_loop(wp); });
+}
+
+// ---------------------------------------------------------------- posting
+void TcpTransport::wake_workers() {
+  uint64_t one = 1;
+  for (auto& w : workers_) {
+    ssize_t r = ::write(w->evfd, &one, sizeof one);
+    (void)r;
+  }
+}
+
+RequestPtr TcpTransport::isend(int peer, const void* buf, size_t nbytes, uint64_t tag) {
+  check_tag(tag);
+  Peer& p = peer_ref(peer);
+  auto m = std::make_shared<SendMsg>();
+  m->req = std::make_shared<Request>(peer, tag, nbytes);
+  m->buf = static_cast<const char*>(buf);
+  m->total = nbytes;
+  m->tag = tag;
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    if (!p.failed.empty()) {
+      m->req->fail(p.failed_kind, p.failed);
+      return m->req;
+    }
+    m->seq = p.send_seq[tag]++;
+    p.sendq.push_back(m);
+    p.active.insert(m);
+  }
+  wake_workers();
+  return m->req;
+}
+
+RequestPtr TcpTransport::post_recv(int peer, RecvOp op, uint64_t tag) {
+  check_tag(tag);
+  Peer& p = peer_ref(peer);
+  op.req = std::make_shared<Request>(peer, tag, op.cap);
+  std::unique_lock<std::mutex> g(p.mu);
+  if (!p.failed.empty()) {
+    op.req->fail(p.failed_kind, p.failed);
+    return op.req;
+  }
+  auto key = std::make_pair(tag, p.recv_seq[tag]++);
+  auto it = p.inmsgs.find(key);
+  if (it == p.inmsgs.end()) {
+    auto m = std::make_shared<InMsg>();
+    m->has_op = true;
+    m->op = op;
+    p.inmsgs.emplace(key, std::move(m));
+    return op.req;
+  }
+  std::shared_ptr<InMsg> m = it->second;
+  m->has_op = true;
+  m->op = op;
+  std::string bad = mismatch(op, m->total, peer, tag);
+  if (!bad.empty()) {
+    // The message is consumed: frames still arriving are discarded (the heap buffer stays until
+    // then: a connection may be reading into it right now).
+    m->op_failed = true;
+    if (m->complete()) p.inmsgs.erase(it);
+    g.unlock();
+    op.req->fail(Request::ErrorKind::Truncated, bad);
+    return op.req;
+  }
+  if (m->heap_inflight == 0) migrate(p, m, g);  // else the thread finishing the last heap frame does
+  return op.req;
+}
+
+// Copies what arrived on the heap into the user buffer (lock released while copying) and
+// completes the receive if the message is then complete. Called with g locked, returns locked.
+void TcpTransport::migrate(Peer& p, std::shared_ptr<InMsg> m, std::unique_lock<std::mutex>& g) {
+  auto ranges = std::move(m->heap_ranges);
+  m->heap_ranges.clear();
+  std::unique_ptr<char[]> heap = std::move(m->heap);
+  m->migrating = true;
+  g.unlock();
+  for (auto& r : ranges) deliver(m->op, r.first, heap.get() + r.first, r.second);
+  heap.reset();
+  g.lock();
+  m->migrating = false;
+  if (m->complete()) {
+    for (auto it = p.inmsgs.begin(); it != p.inmsgs.end(); ++it)
+      if (it->second == m) {
+        p.inmsgs.erase(it);
+        break;
+      }
+    m->op.req->complete(m->total);
+  }
+}
+
+// ---------------------------------------------------------------- failure
+void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::string& msg) {
+  if (p.failed.empty()) {
+    p.failed = msg;
+    p.failed_kind = kind;
+  }
+  for (auto& m : p.active) m->req->fail(kind, msg);
+  p.active.clear();
+  p.sendq.clear();
+  for (auto& kv : p.inmsgs)
+    if (kv.second->has_op && !kv.second->op_failed) kv.second->op.req->fail(kind, msg);
+  p.inmsgs.clear();
+  for (auto& c : p.conns) c->dead.store(true);
+}
+
+void TcpTransport::fail_peer(Peer& p, const std::string& msg) {
+  std::lock_guard<std::mutex> g(p.mu);
+  if (!p.failed.empty()) return;
+  fail_locked(p, Request::ErrorKind::Peer, msg);
+}
+
+// ---------------------------------------------------------------- progress
+void TcpTransport::worker_loop(Worker* w) {
+  epoll_event evs[64];
+  bool busy = true;
+  while (!stop_.load()) {
+    int n = epoll_wait(w->epfd, evs, 64, busy ? 0 : 1000);
+    if (stop_.load()) break;
+    for (int i = 0; i < n; ++i) {
+      if (!evs[i].data.ptr) {
+        uint64_t v;
+        ssize_t r = ::read(w->evfd, &v, sizeof v);
+        (void)r;
+        continue;
+      }
+      Conn* c = static_cast<Conn*>(evs[i].data.ptr);
+      if (evs[i].events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) c->readable = true;
+      if (evs[i].events & (EPOLLOUT | EPOLLHUP | EPOLLERR)) c->writable = true;
+    }
+    busy = false;
+    for (Conn* c : w->conns) {
+      if (c->dead.load()) continue;
+      if (c->readable && !c->eof && do_read(*c)) busy = true;
+      if (c->dead.load()) continue;
+      if (c->writable) {
+        int r = do_write(*c);
+        if (r == 2) busy = true;
+      }
+    }
+  }
+}
+
+bool TcpTransport::do_read(Conn& c) {
+  Peer& p = *c.peer;
+  size_t budget = kBudget;
+  auto fail = [&](const std::string& why) {
+    fail_peer(p, "hetccl tcp: " + who(p) + " " + why + " (connection " + std::to_string(c.idx) + ")");
+    c.readable = false;
+    return false;
+  };
+  while (budget > 0) {
+    ssize_t r;
+    if (!c.in_payload) {
+      r = ::recv(c.fd, c.hdr + c.hdr_got, kHdr - c.hdr_got, 0);
+    } else {
+      size_t want = std::min(c.f_len - c.f_got, budget);
+      char* to = c.mode == Conn::Mode::Direct || c.mode == Conn::Mode::Heap ? c.dst + c.f_got
+                                                                              : c.stage.data() + c.f_got;
+      r = ::recv(c.fd, to, want, 0);
+    }
+    if (r == 0) {
+      if (c.in_payload || c.hdr_got) return fail("closed the connection in the middle of a message");
+      c.eof = true;
+      c.readable = false;
+      std::lock_guard<std::mutex> g(p.mu);
+      if (++p.eof_conns == int(p.conns.size()) && p.failed.empty())
+        fail_locked(p, Request::ErrorKind::Peer, "hetccl tcp: " + who(p) + " closed the connection");
+      return false;
+    }
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        c.readable = false;
+        return false;
+      }
+      return fail(std::string("connection error: ") + errno_str(errno));
+    }
+    budget -= std::min(budget, size_t(r));
+    if (!c.in_payload) {
+      c.hdr_got += size_t(r);
+      if (c.hdr_got < kHdr) continue;
+      c.hdr_got = 0;
+      std::string err;
+      if (!begin_frame(c, &err)) return fail(err);
+      c.in_payload = true;
+      c.f_got = 0;
+    } else {
+      c.f_got += size_t(r);
+    }
+    if (c.in_payload && c.f_got == c.f_len) {
+      c.in_payload = false;
+      end_frame(c);
+    }
+  }
+  return true;  // budget used up: more may be waiting
+}
+
+bool TcpTransport::begin_frame(Conn& c, std::string* err) {
+  Peer& p = *c.peer;
+  uint32_t kind = net::get_u32(c.hdr);
+  c.f_len = net::get_u32(c.hdr + 4);
+  c.f_tag = net::get_u64(c.hdr + 8);
+  c.f_seq = net::get_u64(c.hdr + 16);
+  c.f_total = net::get_u64(c.hdr + 24);
+  c.f_off = net::get_u64(c.hdr + 32);
+  if (kind != kFrameData || c.f_len > kMaxFrame || c.f_off > c.f_total || c.f_len > c.f_total - c.f_off ||
+      c.f_tag >= kMaxTag) {
+    *err = "sent a corrupt frame header (kind " + std::to_string(kind) + ", len " + std::to_string(c.f_len) +
+           ", offset " + std::to_string(c.f_off) + ", total " + std::to_string(c.f_total) + ")";
+    return false;
+  }
+  std::lock_guard<std::mutex> g(p.mu);
+  if (!p.failed.empty()) {
+    c.mode = Conn::Mode::Discard;
+  } else {
+    auto key = std::make_pair(c.f_tag, c.f_seq);
+    auto it = p.inmsgs.find(key);
+    if (it == p.inmsgs.end()) {
+      auto rs = p.recv_seq.find(c.f_tag);
+      if (rs != p.recv_seq.end() && c.f_seq < rs->second) {
+        *err = "sent a frame of a message that was already received (tag " + std::to_string(c.f_tag) +
+               ", seq " + std::to_string(c.f_seq) + ")";
+        return false;
+      }
+      it = p.inmsgs.emplace(key, std::make_shared<InMsg>()).first;
+    }
+    auto m = it->second;
+    if (!m->have_total) {
+      m->have_total = true;
+      m->total = c.f_total;
+      if (m->has_op) {
+        std::string bad = mismatch(m->op, m->total, p.rank, c.f_tag);
+        if (!bad.empty()) {
+          m->op_failed = true;
+          m->op.req->fail(Request::ErrorKind::Truncated, bad);
+        }
+      }
+    } else if (m->total != c.f_total) {
+      *err = "sent frames with different totals for one message (tag " + std::to_string(c.f_tag) + ")";
+      return false;
+    }
+    c.msg = m;
+    if (m->op_failed) {
+      c.mode = Conn::Mode::Discard;
+    } else if (m->has_op) {
+      if (m->op.reduce) {
+        c.mode = Conn::Mode::Stage;
+      } else {
+        c.mode = Conn::Mode::Direct;
+        c.dst = m->op.buf + c.f_off;
+      }
+    } else {
+      if (!m->heap) m->heap.reset(new (std::nothrow) char[std::max<size_t>(m->total, 1)]);
+      if (!m->heap) {
+        *err = "sent a message of " + std::to_string(m->total) + " bytes (tag " + std::to_string(c.f_tag) +
+               ") that cannot be buffered before its receive is posted: out of memory";
+        return false;
+      }
+      c.mode = Conn::Mode::Heap;
+      c.dst = m->heap.get() + c.f_off;
+      ++m->heap_inflight;
+    }
+  }
+  if ((c.mode == Conn::Mode::Stage || c.mode == Conn::Mode::Discard) && c.stage.size() < c.f_len)
+    c.stage.resize(c.f_len);
+  if (c.mode == Conn::Mode::Discard && !c.msg) c.msg = std::make_shared<InMsg>();
+  return true;
+}
+
+void TcpTransport::end_frame(Conn& c) {
+  Peer& p = *c.peer;
+  std::shared_ptr<InMsg> m = std::move(c.msg);
+  if (c.mode == Conn::Mode::Stage) deliver(m->op, c.f_off, c.stage.data(), c.f_len);
+  std::unique_lock<std::mutex> g(p.mu);
+  if (!p.failed.empty()) return;
+  m->received += c.f_len;
+  if (c.mode == Conn::Mode::Heap) {
+    --m->heap_inflight;
+    if (m->heap) m->heap_ranges.emplace_back(c.f_off, c.f_len);
+    if (m->has_op && !m->op_failed && m->heap_inflight == 0) {
+      migrate(p, m, g);
+      return;
+    }
+  }
+  if (m->complete() && (m->has_op || c.mode == Conn::Mode::Discard)) {
+    auto it = p.inmsgs.find(std::make_pair(c.f_tag, c.f_seq));
+    if (it != p.inmsgs.end() && it->second == m) p.inmsgs.erase(it);
+    if (m->has_op && !m->op_failed) {
+      g.unlock();
+      m->op.req->complete(m->total);
+    }
+  }
+}
+
+int TcpTransport::do_write(Conn& c) {
+  Peer& p = *c.peer;
+  size_t budget = kBudget;
+  while (budget > 0) {
+    if (!c.tx) {
+      std::lock_guard<std::mutex> g(p.mu);
+      while (!p.sendq.empty() && p.sendq.front()->assigned_all) p.sendq.pop_front();
+      if (p.sendq.empty() || !p.failed.empty()) return 1;
+      auto m = p.sendq.front();
+      c.tx = m;
+      c.tx_off = m->assigned;
+      c.tx_len = std::min(chunk_, m->total - m->assigned);
+      m->assigned += c.tx_len;
+      if (m->assigned == m->total) {
+        m->assigned_all = true;
+        p.sendq.pop_front();
+      }
+      c.tx_sent = 0;
+      std::string h;
+      net::put_u32(h, kFrameData);
+      net::put_u32(h, uint32_t(c.tx_len));
+      net::put_u64(h, m->tag);
+      net::put_u64(h, m->seq);
+      net::put_u64(h, m->total);
+      net::put_u64(h, c.tx_off);
+      std::memcpy(c.txhdr, h.data(), kHdr);
+    }
+    iovec iov[2];
+    int niov = 0;
+    if (c.tx_sent < kHdr) iov[niov++] = {c.txhdr + c.tx_sent, kHdr - c.tx_sent};
+    size_t pdone = c.tx_sent > kHdr ? c.tx_sent - kHdr : 0;
+    if (pdone < c.tx_len)
+      iov[niov++] = {const_cast<char*>(c.tx->buf) + c.tx_off + pdone, std::min(c.tx_len - pdone, budget)};
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = size_t(niov);
+    ssize_t r = ::sendmsg(c.fd, &mh, MSG_NOSIGNAL);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        c.writable = false;
+        return 0;
+      }
+      fail_peer(p, "hetccl tcp: " + who(p) + " connection error: " + errno_str(errno) + " (connection " +
+                       std::to_string(c.idx) + ")");
+      return -1;
+    }
+    c.tx_sent += size_t(r);
+    budget -= std::min(budget, size_t(r));
+    if (c.tx_sent == kHdr + c.tx_len) {
+      std::shared_ptr<SendMsg> m = std::move(c.tx);
+      bool done;
+      {
+        std::lock_guard<std::mutex> g(p.mu);
+        m->done += c.tx_len;
+        done = m->assigned_all && m->done == m->total && p.active.erase(m) > 0;
+      }
+      if (done) m->req->complete(m->total);
+    }
+  }
+  return 2;
+}
+
+void TcpTransport::close() {
+  std::lock_guard<std::mutex> cg(close_mu_);
+  if (closed_) return;
+  closed_ = true;
+  stop_.store(true);
+  uint64_t one = 1;
+  if (accept_wake_ >= 0) {
+    ssize_t r = ::write(accept_wake_, &one, sizeof one);
+    (void)r;
+  }
+  wake_workers();
+  if (acceptor_.joinable()) acceptor_.join();
+  for (auto& w : workers_)
+    if (w->th.joinable()) w->th.join();
+  for (auto& pp : peers_) {
+    if (!pp) continue;
+    {
+      std::lock_guard<std::mutex> g(pp->mu);
+      fail_locked(*pp, Request::ErrorKind::Generic, "hetccl tcp: transport closed");
+    }
+    for (auto& c : pp->conns)
+      if (c->fd >= 0) {
+        ::close(c->fd);
+        c->fd = -1;
+      }
+  }
+  for (auto& w : workers_) {
+    ::close(w->epfd);
+    ::close(w->evfd);
+  }
+  {
+    std::lock_guard<std::mutex> g(acc_mu_);
+    for (auto& kv : accepted_)
+      for (auto& kc : kv.second) ::close(kc.second);
+    accepted_.clear();
+  }
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  if (accept_wake_ >= 0) ::close(accept_wake_);
+  listen_fd_ = accept_wake_ = -1;
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> make_tcp_transport(int rank, int size, const Options& opts) {
+  return std::make_unique<TcpTransport>(rank, size, opts);
+}
+
+}  // namespace hetccl

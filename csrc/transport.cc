@@ -1,0 +1,183 @@
+// Transport registry (make_transport, transport_names) and the helpers of common.h.
+#include <linux/futex.h>
+#include <sys/random.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+
+#include "common.h"
+#include "transport.h"
+
+namespace hetccl {
+
+// ------------------------------------------------------------------ registry
+std::vector<std::string> transport_names() {
+  std::vector<std::string> v = {"shm", "tcp"};
+#ifdef HETCCL_WITH_UCX
+  v.push_back("ucx");
+#endif
+  return v;
+}
+
+std::unique_ptr<Transport> make_transport(const std::string& name, int rank, int size,
+                                          const Options& opts) {
+  if (size < 1 || rank < 0 || rank >= size)
+    throw CommError("hetccl: bad rank " + std::to_string(rank) + " for size " + std::to_string(size));
+  if (name == "shm") return make_shm_transport(rank, size, opts);
+  if (name == "tcp") return make_tcp_transport(rank, size, opts);
+#ifdef HETCCL_WITH_UCX
+  if (name == "ucx") return make_ucx_transport(rank, size, opts);
+#endif
+  std::string known;
+  for (auto& n : transport_names()) known += (known.empty() ? "" : ", ") + n;
+  throw CommError("hetccl: unknown transport '" + name + "' (this build has: " + known + ")");
+}
+
+// ------------------------------------------------------------------ logging
+void log_warn(const char* subsystem, const std::string& msg) {
+  std::string line = std::string("hetccl WARN ") + subsystem + ": " + msg + "\n";
+  // One write() so that lines of concurrent ranks do not interleave.
+  ssize_t r = ::write(2, line.data(), line.size());
+  (void)r;
+}
+
+std::string errno_str(int err) {
+  char buf[128];
+  return std::string(strerror_r(err, buf, sizeof buf));
+}
+
+// ------------------------------------------------------------------ futex
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ms) {
+  struct timespec ts, *tsp = nullptr;
+  if (timeout_ms >= 0) {
+    ts.tv_sec = timeout_ms / 1000;
+    ts.tv_nsec = (timeout_ms % 1000) * 1000000;
+    tsp = &ts;
+  }
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, tsp, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>* word, int count) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, count, nullptr, nullptr, 0);
+}
+
+// ------------------------------------------------------------------ sha256 (FIPS 180-4)
+namespace {
+const uint32_t K256[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+inline uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+void sha256_block(uint32_t h[8], const unsigned char* p) {
+  uint32_t w[64];
+  for (int i = 0; i < 16; ++i)
+    w[i] = uint32_t(p[4 * i]) << 24 | uint32_t(p[4 * i + 1]) << 16 | uint32_t(p[4 * i + 2]) << 8 | p[4 * i + 3];
+  for (int i = 16; i < 64; ++i) {
+    uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+    uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+  }
+  uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
+  for (int i = 0; i < 64; ++i) {
+    uint32_t t1 = hh + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + K256[i] + w[i];
+    uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+    hh = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+  }
+  h[0] += a; h[1] += b; h[2] += c; h[3] += d; h[4] += e; h[5] += f; h[6] += g; h[7] += hh;
+}
+}  // namespace
+
+std::string sha256(const std::string& data) {
+  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  std::string m = data;
+  uint64_t bits = uint64_t(data.size()) * 8;
+  m.push_back(char(0x80));
+  while (m.size() % 64 != 56) m.push_back('\0');
+  for (int i = 7; i >= 0; --i) m.push_back(char((bits >> (8 * i)) & 0xff));
+  for (size_t off = 0; off < m.size(); off += 64)
+    sha256_block(h, reinterpret_cast<const unsigned char*>(m.data()) + off);
+  std::string out(32, '\0');
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 4; ++j) out[4 * i + j] = char((h[i] >> (24 - 8 * j)) & 0xff);
+  return out;
+}
+
+std::string to_hex(const std::string& raw) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  s.reserve(raw.size() * 2);
+  for (unsigned char c : raw) {
+    s.push_back(d[c >> 4]);
+    s.push_back(d[c & 15]);
+  }
+  return s;
+}
+
+std::string random_bytes(size_t n) {
+  std::string s(n, '\0');
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = getrandom(&s[got], n - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw CommError("hetccl: getrandom failed: " + errno_str(errno));
+    }
+    got += size_t(r);
+  }
+  return s;
+}
+
+// ------------------------------------------------------------------ options and checks
+int64_t opt_int(const Options& o, const char* key, int64_t dflt, int64_t lo, int64_t hi) {
+  auto it = o.find(key);
+  if (it == o.end() || it->second.empty()) return dflt;
+  size_t pos = 0;
+  int64_t v;
+  try {
+    v = std::stoll(it->second, &pos, 0);
+  } catch (const std::exception&) {
+    pos = 0;
+  }
+  if (pos == 0 || pos != it->second.size())
+    throw CommError(std::string("hetccl: option ") + key + "='" + it->second + "' is not an integer");
+  if (v < lo || v > hi)
+    throw CommError(std::string("hetccl: option ") + key + "=" + it->second + " is out of range [" +
+                    std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return v;
+}
+
+std::string opt_str(const Options& o, const char* key, const std::string& dflt) {
+  auto it = o.find(key);
+  return it == o.end() || it->second.empty() ? dflt : it->second;
+}
+
+void check_tag(uint64_t tag) {
+  if (tag >= kMaxTag)
+    throw CommError("hetccl: tag " + std::to_string(tag) + " is too large (user tags must be < 2^48)");
+}
+
+void check_peer(int peer, int rank, int size) {
+  if (peer < 0 || peer >= size || peer == rank)
+    throw CommError("hetccl: bad peer rank " + std::to_string(peer) + " (this is rank " +
+                    std::to_string(rank) + " of " + std::to_string(size) + ")");
+}
+
+RequestPtr failed_request(int peer, uint64_t tag, size_t nbytes, Request::ErrorKind kind,
+                          const std::string& msg) {
+  auto r = std::make_shared<Request>(peer, tag, nbytes);
+  r->fail(kind, msg);
+  return r;
+}
+
+}  // namespace hetccl

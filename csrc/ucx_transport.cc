@@ -1,0 +1,1056 @@
+// UCX transport: UCP tagged messages over whatever transports UCX selects (here: tcp, posix/sysv
+// shared memory, cma, self; on clusters a system UCX adds RDMA and GPU memory).
+//
+// Design (see docs/transports-ucx.md):
+//  * One ucp_context + one ucp_worker per Transport instance. The worker is in SERIALIZED mode:
+//    every UCP call (posting from caller threads, progress from our thread) holds mu_.
+//  * Addressing: address() is text, "hetccl-ucx1 <rank> <pid> <start> <host>/<boot id> <nonce hex>
+//    <ucp worker address hex>" (<start>: the process start time from /proc, "-" if unknown).
+//    connect() creates an endpoint to every peer with a non-empty address (UCX wires up lazily;
+//    there is no listener).
+//  * Tags: UCP tag = source rank (top 16 bits) | user tag (< 2^48). Receives match the full tag,
+//    so matching is per (peer, tag); UCP keeps same-tag messages from one endpoint in order (FIFO).
+//    Source-rank field 0xFFFF is reserved for the handshake and the goodbye that close() sends
+//    (so that peers notice a graceful close even where UCX cannot), so ranks must be < 65535.
+//  * Authentication: each side's first message to a peer, on the reserved tag, carries its rank and
+//    a proof sha256(secret | receiver's nonce | sender rank | receiver rank) of the group secret
+//    (options["secret"]); the secret itself never goes on the wire. connect() returns only when
+//    every peer presented a valid proof; a wrong one is rejected with CommError ("wrong group
+//    secret"). Limit: UCP tagged messages carry no sender identity, so this proves that every peer
+//    we connect to knows the secret; it does not stop a third process that learned our worker
+//    address (published in the store) from injecting tagged messages.
+//  * Unexpected messages: a UCP send larger than UCX's rendezvous threshold completes only once the
+//    receiver has matched it, but the contract wants a send to complete without a posted receive.
+//    So the progress thread drains every unexpected message (ucp_tag_probe_nb with an empty mask,
+//    then ucp_tag_msg_recv_nbx) into a heap buffer (the "stash", per full tag, FIFO). A receive
+//    first takes the oldest stashed message of its (peer, tag), else it is posted to UCP; stashed
+//    messages are always older than any UCP still holds, so FIFO per (peer, tag) holds. A receive
+//    posted before its message arrives gets it zero-copy (rendezvous straight into the buffer).
+//  * irecv_reduce: UCP delivers a tagged message in one piece, so we receive into a pooled bounce
+//    buffer (or use the stash buffer) and run reduce_into() on the progress thread once the whole
+//    message is there (not chunk by chunk as the tcp/shm transports do).
+//  * Peer failure: endpoints are created with UCP_ERR_HANDLING_MODE_PEER; the error callback fails
+//    every pending request naming that peer (PeerFailure) and the endpoint is force-closed. A
+//    failed operation (e.g. a cma read from a vanished process) does the same. UCX's
+//    shared-memory transports (posix, sysv) do not support PEER mode: when UCX cannot build a
+//    PEER-mode endpoint (e.g. UCX_TLS=posix,sysv,cma,self) we fall back to an endpoint without
+//    error handling. UCX then cannot tell that a peer died, so the progress thread checks every
+//    kLivenessMs that each peer on this host is still the same live process (kill(pid, 0) and its
+//    /proc start time, as the shm transport does). A peer it cannot check (another pid
+//    namespace) and a hung one are noticed only through the caller's timeout.
+//    With UCX_TLS unset (all transports), PEER mode makes UCX pick tcp even between processes on
+//    one host, because posix/sysv cannot carry a PEER-mode lane.
+//  * Progress: a thread that progresses the worker, spins for ~kSpinUs after the last event,
+//    then arms the worker (ucp_worker_arm) and sleeps in poll() on its event fd. Posting
+//    threads wake it with ucp_worker_signal when it sleeps.
+//  * Configuration: UCX reads its own UCX_* environment variables (UCX_TLS, UCX_NET_DEVICES, ...).
+//    options["bind_addr"]: a loopback address (a job on one host; Python's default there) sets
+//    UCX's NET_DEVICES to the loopback interface through ucp_config_modify, overriding
+//    UCX_NET_DEVICES, so that UCX's tcp stays on loopback (by default it also uses eth0).
+//    Shared-memory devices are not affected. Any other bind_addr is only checked, not applied:
+//    NET_DEVICES also selects RDMA devices, and pinning it to one Ethernet interface would turn
+//    RDMA off on a cluster; set UCX_NET_DEVICES (e.g. "mlx5_0:1,eth0") to choose devices there.
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <deque>
+#include <csignal>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <unordered_set>
+
+#include "common.h"
+#include "transport.h"
+
+namespace hetccl {
+namespace {
+
+constexpr int kTagShift = 48;
+static_assert(kMaxTag == uint64_t(1) << kTagShift, "user tags must leave the top 16 bits free");
+constexpr uint64_t kHandshakeSrc = 0xFFFF;  // reserved source-rank field
+constexpr uint64_t kByeBit = uint64_t(1) << 47;  // with kHandshakeSrc: "sender closed its transport"
+constexpr uint64_t kFullMask = ~uint64_t(0);
+constexpr const char* kAddrMagic = "hetccl-ucx1";
+constexpr char kHelloMagic[8] = {'H', 'C', 'C', 'L', 'H', 'L', 'O', '1'};
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kHelloBytes = sizeof kHelloMagic + 4 + 32;  // magic | rank | proof
+constexpr size_t kHelloMax = 256;                            // receive buffer (longer: rejected)
+constexpr int kSpinUs = 50;                    // busy progress after the last event
+constexpr int kPollMs = 100;                   // sleep bound while armed
+constexpr size_t kPoolMaxBytes = size_t(256) << 20;  // bounce buffers kept for reuse
+constexpr int64_t kCloseFlushMs = 2000;        // graceful flush at close, when nothing is pending
+constexpr int64_t kLivenessMs = 200;           // pid checks of peers on this host
+
+uint64_t make_tag(uint64_t src, uint64_t tag) { return (src << kTagShift) | tag; }
+
+std::string status_str(ucs_status_t s) { return ucs_status_string(s); }
+
+void check(ucs_status_t s, const char* what) {
+  if (s != UCS_OK) throw CommError(std::string("hetccl ucx: ") + what + ": " + status_str(s));
+}
+
+// Start time of a process (field 22 of /proc/pid/stat) and whether it is a zombie; "" if absent.
+// (Same check as the shm transport's.)
+std::string proc_start(pid_t pid, bool* zombie) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s;
+  if (!f || !std::getline(f, s)) return "";
+  size_t r = s.rfind(')');
+  if (r == std::string::npos || r + 2 > s.size()) return "";
+  std::istringstream in(s.substr(r + 2));
+  std::vector<std::string> v;
+  for (std::string field; in >> field;) v.push_back(field);
+  if (v.size() < 20) return "";  // v[0] is field 3 (state); field 22 is v[19]
+  if (zombie) *zombie = v[0] == "Z" || v[0] == "X";
+  return v[19];
+}
+
+std::string host_id() {
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  return std::string(host) + "/" + boot;
+}
+
+bool from_hex(const std::string& h, std::string* out) {
+  if (h.size() % 2) return false;
+  out->clear();
+  for (size_t i = 0; i < h.size(); i += 2) {
+    int v = 0;
+    for (int k = 0; k < 2; ++k) {
+      char c = h[i + k];
+      int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+      if (d < 0) return false;
+      v = v * 16 + d;
+    }
+    out->push_back(char(v));
+  }
+  return true;
+}
+
+void put_u32(std::string& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(char((v >> (8 * i)) & 0xff));
+}
+uint32_t get_u32(const char* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t(uint8_t(p[i])) << (8 * i);
+  return v;
+}
+
+std::string proof(const std::string& secret, const std::string& receiver_nonce, int src, int dst) {
+  return sha256(secret + "|hetccl-ucx|" + receiver_nonce + "|" + std::to_string(src) + "|" +
+                std::to_string(dst));
+}
+
+bool equal_const_time(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) diff |= (unsigned char)(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+// True for 127.0.0.0/8 and ::1; throws CommError if `addr` is not an IP address.
+bool is_loopback(const std::string& addr) {
+  in_addr a4{};
+  in6_addr a6{};
+  if (inet_pton(AF_INET, addr.c_str(), &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
+  if (inet_pton(AF_INET6, addr.c_str(), &a6) == 1) return IN6_IS_ADDR_LOOPBACK(&a6);
+  throw CommError("hetccl ucx: bind_addr '" + addr + "' is not an IP address");
+}
+
+// Name of the interface that owns `addr` (IPv4 or IPv6 literal); throws if none does.
+std::string ifname_for_address(const std::string& addr) {
+  in6_addr a6{};
+  in_addr a4{};
+  bool v4 = inet_pton(AF_INET, addr.c_str(), &a4) == 1;
+  bool v6 = !v4 && inet_pton(AF_INET6, addr.c_str(), &a6) == 1;
+  if (!v4 && !v6) throw CommError("hetccl ucx: bind_addr '" + addr + "' is not an IP address");
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) throw CommError("hetccl ucx: getifaddrs failed");
+  std::string found;
+  for (ifaddrs* i = list; i && found.empty(); i = i->ifa_next) {
+    if (!i->ifa_addr) continue;
+    if (v4 && i->ifa_addr->sa_family == AF_INET &&
+        reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr == a4.s_addr)
+      found = i->ifa_name;
+    if (v6 && i->ifa_addr->sa_family == AF_INET6 &&
+        std::memcmp(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr, &a6, sizeof a6) == 0)
+      found = i->ifa_name;
+  }
+  freeifaddrs(list);
+  if (found.empty()) throw CommError("hetccl ucx: no interface has bind_addr " + addr);
+  return found;
+}
+
+// Receive buffers for irecv_reduce, reused across calls (bounded cache).
+class BouncePool {
+ public:
+  struct Buf {
+    std::unique_ptr<char[]> p;
+    size_t cap = 0;
+  };
+  Buf get(size_t n) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = free_.lower_bound(n);
+      if (it != free_.end() && it->first <= 2 * n + 4096) {
+        Buf b = std::move(it->second);
+        cached_ -= b.cap;
+        free_.erase(it);
+        return b;
+      }
+    }
+    Buf b;
+    b.cap = n ? n : 1;
+    b.p.reset(new char[b.cap]);
+    return b;
+  }
+  void put(Buf b) {
+    if (!b.p) return;
+    std::lock_guard<std::mutex> g(mu_);
+    while (cached_ + b.cap > kPoolMaxBytes && !free_.empty()) {  // drop the smallest first
+      cached_ -= free_.begin()->first;
+      free_.erase(free_.begin());
+    }
+    if (b.cap > kPoolMaxBytes) return;
+    cached_ += b.cap;
+    free_.emplace(b.cap, std::move(b));
+  }
+
+ private:
+  std::mutex mu_;
+  std::multimap<size_t, Buf> free_;
+  size_t cached_ = 0;
+};
+
+class UcxTransport;
+
+// Send, Recv, RecvReduce: a user operation. Stash: the receive of an unexpected message into
+// a heap buffer (no Request; it belongs to the transport until a user receive takes it).
+enum class OpKind { Send, Recv, RecvReduce, Stash };
+
+// One operation. Owned by the transport from posting until it is finished (completion callback,
+// delivery from the stash, or close()).
+struct Op {
+  UcxTransport* t = nullptr;
+  RequestPtr req;  // null for Stash
+  int peer = -1;
+  uint64_t tag = 0;   // user tag
+  OpKind kind = OpKind::Send;
+  size_t nbytes = 0;  // posted size (Stash: message size)
+  void* ucp_req = nullptr;  // set once posting returned a request handle
+  void* buf = nullptr;      // Recv: the user's buffer
+  // RecvReduce
+  void* dst = nullptr;
+  ReduceOp rop = ReduceOp::SUM;
+  DType dtype = DType::FLOAT32;
+  BouncePool::Buf bounce;  // RecvReduce: landing buffer; Stash: the message
+  // Stash
+  uint64_t key = 0;        // full UCP tag
+  bool ready = false;      // message complete in `bounce`
+  bool bye = false;        // the peer's goodbye (not stashed; fails the peer once received)
+  Op* waiter = nullptr;    // user receive that took this message while it was still arriving
+};
+
+// A finished receive whose data must still be copied or reduced (progress thread, no lock):
+// user op `op` from `src` (a Stash op, or null: op->bounce holds the message).
+struct Work {
+  Op* op;
+  Op* src;
+  size_t len;
+};
+
+struct Peer {
+  UcxTransport* t = nullptr;
+  int rank = -1;
+  bool is_peer = false;     // connect() got an address for this rank
+  std::string where;        // "pid P on host H", for error messages
+  std::string nonce;        // its handshake nonce
+  pid_t pid = 0;
+  std::string start;        // its /proc start time if it is on this host and checkable, else ""
+  ucp_ep_h ep = nullptr;    // null again once closed after a failure
+  bool peer_mode = false;  // endpoint created with UCP_ERR_HANDLING_MODE_PEER
+  bool failed = false;
+  bool close_pending = false;  // failed; endpoint to be force-closed by the progress thread
+  std::string reason;
+  std::string hello_out;
+  std::vector<char> hello_in;
+};
+
+void send_cb(void* request, ucs_status_t status, void* user_data);
+void recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data);
+void ep_err_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+class UcxTransport final : public Transport {
+ public:
+  UcxTransport(int rank, int size, const Options& opts) : rank_(rank), size_(size) {
+    if (size < 1 || rank < 0 || rank >= size)
+      throw CommError("hetccl ucx: bad rank " + std::to_string(rank) + " of " + std::to_string(size));
+    if (uint64_t(size) >= kHandshakeSrc)
+      throw CommError("hetccl ucx: at most 65534 ranks (the tag carries the rank in 16 bits)");
+    secret_ = opt_str(opts, "secret", "");
+    nonce_ = random_bytes(kNonceBytes);
+    peers_.resize(size);
+    for (int p = 0; p < size; ++p) {
+      peers_[p].t = this;
+      peers_[p].rank = p;
+    }
+
+    ucp_config_t* config = nullptr;
+    check(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
+    std::string bind = opt_str(opts, "bind_addr", "");
+    if (!bind.empty() && is_loopback(bind)) {
+      try {
+        check(ucp_config_modify(config, "NET_DEVICES", ifname_for_address(bind).c_str()),
+              "ucp_config_modify(NET_DEVICES)");
+      } catch (...) {
+        ucp_config_release(config);
+        throw;
+      }
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    ucs_status_t st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    check(st, "ucp_init");
+
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    st = ucp_worker_create(context_, &wp, &worker_);
+    if (st != UCS_OK) {
+      ucp_cleanup(context_);
+      check(st, "ucp_worker_create");
+    }
+    ucp_worker_attr_t wa{};
+    wa.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    st = ucp_worker_query(worker_, &wa);
+    if (st == UCS_OK) {
+      st = ucp_worker_get_efd(worker_, &efd_);
+      if (st != UCS_OK) ucp_worker_release_address(worker_, wa.address);
+    }
+    if (st != UCS_OK) {
+      ucp_worker_destroy(worker_);
+      ucp_cleanup(context_);
+      check(st, "ucp_worker_query/get_efd");
+    }
+    std::string start = proc_start(getpid(), nullptr);
+    host_ = host_id();
+    address_ = std::string(kAddrMagic) + " " + std::to_string(rank_) + " " + std::to_string(getpid()) +
+               " " + (start.empty() ? "-" : start) + " " + host_ + " " + to_hex(nonce_) + " " +
+               to_hex(std::string(reinterpret_cast<const char*>(wa.address), wa.address_length));
+    ucp_worker_release_address(worker_, wa.address);
+
+    thread_ = std::thread([this] { progress_loop(); });
+  }
+
+  ~UcxTransport() override { close(); }
+
+  std::string name() const override { return "ucx"; }
+  std::string address() override { return address_; }
+
+  void connect(const std::vector<std::string>& addresses, int64_t timeout_ms) override {
+    if (int(addresses.size()) != size_)
+      throw CommError("hetccl ucx: connect() got " + std::to_string(addresses.size()) +
+                      " addresses for a world of " + std::to_string(size_));
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    std::vector<std::pair<int, RequestPtr>> hellos;  // receives, then sends
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (closed_) throw CommError("hetccl ucx: connect() on a closed transport");
+      for (int p = 0; p < size_; ++p) {
+        const std::string& a = addresses[p];
+        if (p == rank_ || a.empty()) continue;
+        if (peers_[p].is_peer) throw CommError("hetccl ucx: connect() called twice");
+        std::vector<std::string> f;
+        std::istringstream in(a);
+        for (std::string w; in >> w;) f.push_back(w);
+        Peer& pr = peers_[p];
+        std::string worker;
+        if (f.size() != 7 || f[0] != kAddrMagic || !from_hex(f[5], &pr.nonce) ||
+            pr.nonce.size() != kNonceBytes || !from_hex(f[6], &worker) || worker.empty() ||
+            f[2].find_first_not_of("0123456789") != std::string::npos)
+          throw CommError("hetccl ucx: address of rank " + std::to_string(p) +
+                          " is not a hetccl UCX address (transport mismatch or version skew?)");
+        if (f[1] != std::to_string(p))
+          throw CommError("hetccl ucx: address published for rank " + std::to_string(p) +
+                          " belongs to rank " + f[1]);
+        pr.pid = pid_t(std::stol(f[2]));
+        pr.where = "pid " + f[2] + " on host " + f[4].substr(0, f[4].find('/'));
+        // Liveness checks only if we see the same process the peer saw as itself.
+        pr.start = f[4] == host_ && f[3] != "-" && proc_start(pr.pid, nullptr) == f[3] ? f[3] : "";
+        create_ep_locked(pr, reinterpret_cast<const ucp_address_t*>(worker.data()));
+      }
+      for (int p = 0; p < size_; ++p) {
+        Peer& pr = peers_[p];
+        if (!pr.is_peer) continue;
+        pr.hello_in.assign(kHelloMax, 0);
+        auto r = std::make_shared<Request>(p, 0, kHelloMax);
+        Op* op = new_op(r, p, OpKind::Recv, kHelloMax);
+        op->buf = pr.hello_in.data();
+        post_recv_locked(op, make_tag(kHandshakeSrc, p));
+        hellos.emplace_back(p, r);
+      }
+      for (int p = 0; p < size_; ++p) {
+        Peer& pr = peers_[p];
+        if (!pr.is_peer) continue;
+        pr.hello_out.assign(kHelloMagic, sizeof kHelloMagic);
+        put_u32(pr.hello_out, uint32_t(rank_));
+        pr.hello_out += proof(secret_, pr.nonce, rank_, p);
+        auto r = std::make_shared<Request>(p, 0, pr.hello_out.size());
+        post_send_locked(r, pr, pr.hello_out.data(), pr.hello_out.size(), make_tag(kHandshakeSrc, rank_));
+        hellos.emplace_back(p, r);
+      }
+      wake_locked();
+    }
+    std::set<int> missing;
+    for (size_t i = 0; i < hellos.size(); ++i) {
+      auto& [p, r] = hellos[i];
+      bool is_recv = i < hellos.size() / 2;
+      int64_t left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                         deadline - std::chrono::steady_clock::now()).count();
+      size_t got = 0;
+      try {
+        got = r->wait(std::max<int64_t>(left, 0));
+      } catch (const CommTimeout&) {
+        missing.insert(p);
+        continue;
+      } catch (const CommError& e) {
+        throw CommError(std::string("hetccl ucx: connecting to rank ") + std::to_string(p) +
+                        " failed: " + e.what());
+      }
+      if (is_recv) verify_hello(p, got);
+    }
+    if (!missing.empty()) {
+      std::string ranks;
+      for (int p : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(p);
+      throw CommTimeout("hetccl ucx: connect() failed within " + std::to_string(timeout_ms) +
+                        " ms: ranks [" + ranks + "] did not connect (no handshake received)");
+    }
+  }
+
+  RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
+    check_tag(tag);
+    auto req = std::make_shared<Request>(peer, tag, nbytes);
+    std::lock_guard<std::mutex> g(mu_);
+    Peer& pr = peer_locked(peer);
+    if (pr.failed) {
+      req->fail(Request::ErrorKind::Peer, pr.reason);
+      return req;
+    }
+    post_send_locked(req, pr, buf, nbytes, make_tag(uint64_t(rank_), tag));
+    wake_locked();
+    return req;
+  }
+
+  RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {
+    check_tag(tag);
+    auto req = std::make_shared<Request>(peer, tag, nbytes);
+    std::lock_guard<std::mutex> g(mu_);
+    Peer& pr = peer_locked(peer);
+    if (pr.failed && !stashed_ready_locked(make_tag(uint64_t(peer), tag))) {
+      req->fail(Request::ErrorKind::Peer, pr.reason);
+      return req;
+    }
+    Op* op = new_op(req, peer, OpKind::Recv, nbytes);
+    op->buf = buf;
+    post_recv_locked(op, make_tag(uint64_t(peer), tag));
+    wake_locked();
+    return req;
+  }
+
+  RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp op,
+                          DType dtype) override {
+    check_tag(tag);
+    size_t es = dtype_size(dtype);
+    if (nbytes % es != 0)
+      throw CommError("hetccl ucx: irecv_reduce of " + std::to_string(nbytes) +
+                      " bytes is not a whole number of elements");
+    auto req = std::make_shared<Request>(peer, tag, nbytes);
+    std::lock_guard<std::mutex> g(mu_);
+    Peer& pr = peer_locked(peer);
+    if (pr.failed && !stashed_ready_locked(make_tag(uint64_t(peer), tag))) {
+      req->fail(Request::ErrorKind::Peer, pr.reason);
+      return req;
+    }
+    Op* o = new_op(req, peer, OpKind::RecvReduce, nbytes);
+    o->dst = dst;
+    o->rop = op;
+    o->dtype = dtype;
+    post_recv_locked(o, make_tag(uint64_t(peer), tag));
+    wake_locked();
+    return req;
+  }
+
+  void close() override {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (closed_) return;
+      closed_ = true;
+    }
+    stop_.store(true);
+    ucp_worker_signal(worker_);
+    if (thread_.joinable()) thread_.join();
+
+    std::lock_guard<std::mutex> g(mu_);
+    const std::string msg = "hetccl ucx: transport closed while the operation was pending";
+    bool had_pending = !work_q_.empty();
+    for (Op* op : pending_) had_pending |= op->kind != OpKind::Stash;
+    fail_work_locked(msg);
+    // Goodbye to every live peer, so that its pending receives from us fail at once (UCX's
+    // shared-memory transports would not tell it). Delivered by the flush below.
+    static const char kBye = 0;
+    for (Peer& pr : peers_) {
+      if (!pr.ep || pr.failed) continue;
+      ucp_request_param_t prm{};
+      void* r = ucp_tag_send_nbx(pr.ep, &kBye, 1, make_tag(kHandshakeSrc, kByeBit | uint64_t(rank_)), &prm);
+      if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);  // released by UCX when done
+    }
+    // Graceful: when nothing is pending, flush so that eager sends that completed locally
+    // reach their peers before the endpoints go away. With pending work (an error path),
+    // skip it: a flush could wait on a peer that never answers.
+    if (!had_pending) {
+      ucp_request_param_t prm{};
+      void* r = ucp_worker_flush_nbx(worker_, &prm);
+      if (r && !UCS_PTR_IS_ERR(r)) {
+        wait_ucp_locked(r, kCloseFlushMs);
+      }
+    }
+    std::vector<void*> cancel;  // ucp_request_cancel may run the callback (which edits pending_)
+    for (Op* op : pending_) {
+      if (op->req) op->req->fail(Request::ErrorKind::Generic, msg);
+      if (op->kind != OpKind::Send && op->ucp_req) cancel.push_back(op->ucp_req);
+    }
+    for (void* r : cancel) ucp_request_cancel(worker_, r);
+    for (Peer& pr : peers_) {
+      if (!pr.ep) continue;
+      ucp_request_param_t prm{};
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* r = ucp_ep_close_nbx(pr.ep, &prm);
+      pr.ep = nullptr;
+      if (r && !UCS_PTR_IS_ERR(r)) close_reqs_.push_back(r);
+    }
+    for (void* r : close_reqs_) wait_ucp_locked(r, 1000);
+    close_reqs_.clear();
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (!pending_.empty() && std::chrono::steady_clock::now() < until) ucp_worker_progress(worker_);
+    fail_work_locked(msg);
+    ucp_worker_destroy(worker_);
+    ucp_cleanup(context_);
+    worker_ = nullptr;
+    context_ = nullptr;
+    // Whatever UCX did not complete (the worker is gone, so no buffer is touched any more) and
+    // the stashed messages nobody received.
+    std::unordered_set<Op*> left(pending_.begin(), pending_.end());
+    for (auto& kv : stash_) left.insert(kv.second.begin(), kv.second.end());
+    for (Op* op : left) finish_failed(op, Request::ErrorKind::Generic, msg);
+    pending_.clear();
+    stash_.clear();
+  }
+
+  // ---- called by UCX callbacks, with mu_ held (callbacks run inside progress or posting) ----
+  void on_done(Op* op, void* request, ucs_status_t status, size_t length) {
+    pending_.erase(op);
+    if (request) ucp_request_free(request);
+    finish(op, status, length);
+  }
+
+  void on_peer_error(Peer& pr, const std::string& why) {
+    if (pr.failed) return;
+    pr.failed = true;
+    pr.close_pending = true;
+    pr.reason = "hetccl ucx: peer rank " + std::to_string(pr.rank) + " (" + pr.where +
+                ") failed or closed its end (" + why + ")";
+    for (Op* op : pending_)
+      if (op->peer == pr.rank && op->req) op->req->fail(Request::ErrorKind::Peer, pr.reason);
+    // Cancelling receives and closing the endpoint are done by the progress thread, outside
+    // this callback.
+  }
+
+ private:
+  Peer& peer_locked(int peer) {
+    if (closed_) throw CommError("hetccl ucx: transport is closed");
+    check_peer(peer, rank_, size_);
+    if (!peers_[peer].is_peer)
+      throw CommError("hetccl ucx: rank " + std::to_string(peer) +
+                      " is not a connected peer of this UCX transport");
+    return peers_[peer];
+  }
+
+  void create_ep_locked(Peer& pr, const ucp_address_t* addr) {
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = addr;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = ep_err_cb;
+    ep.err_handler.arg = &pr;
+    ucs_status_t st = UCS_ERR_UNSUPPORTED;
+    if (peer_mode_ok_) {
+      // A failed attempt makes UCX log "no peer failure handler" at ERROR level although we
+      // handle it below; silence UCX's log for this one call unless the user asked for verbose
+      // logs (UCX_LOG_LEVEL=info or higher).
+      ucs_log_level_t saved = ucs_global_opts.log_component.log_level;
+      if (saved < UCS_LOG_LEVEL_INFO) ucs_global_opts.log_component.log_level = UCS_LOG_LEVEL_FATAL;
+      st = ucp_ep_create(worker_, &ep, &pr.ep);
+      ucs_global_opts.log_component.log_level = saved;
+      if (st != UCS_OK) peer_mode_ok_ = false;  // same UCX config for every peer: don't retry
+    }
+    if (st == UCS_OK) {
+      pr.is_peer = true;
+      pr.peer_mode = true;
+      return;
+    }
+    // No transport to this peer supports peer-failure handling (shared memory only):
+    // connect without it; the caller's timeout is then the only failure detector.
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    ucs_status_t st2 = ucp_ep_create(worker_, &ep, &pr.ep);
+    if (st2 != UCS_OK) {
+      pr.ep = nullptr;
+      throw CommError("hetccl ucx: cannot create an endpoint to rank " + std::to_string(pr.rank) +
+                      ": " + status_str(st2) + " (with peer-failure handling: " + status_str(st) +
+                      "); check UCX_TLS / UCX_NET_DEVICES");
+    }
+    pr.is_peer = true;
+    pr.peer_mode = false;
+  }
+
+  Op* new_op(const RequestPtr& req, int peer, OpKind kind, size_t nbytes) {
+    Op* op = new Op;
+    op->t = this;
+    op->req = req;
+    op->peer = peer;
+    op->tag = req ? req->tag() : 0;
+    op->kind = kind;
+    op->nbytes = nbytes;
+    return op;
+  }
+
+  // A message that arrived completely before its peer failed can still be received.
+  bool stashed_ready_locked(uint64_t key) const {
+    auto it = stash_.find(key);
+    return it != stash_.end() && it->second.front()->ready;
+  }
+
+  // A user receive (Recv or RecvReduce): from the stash if a message with this key waits there,
+  // else posted to UCP.
+  void post_recv_locked(Op* op, uint64_t key) {
+    auto it = stash_.find(key);
+    if (it != stash_.end()) {
+      Op* s = it->second.front();
+      it->second.pop_front();
+      if (it->second.empty()) stash_.erase(it);
+      if (s->ready) {
+        work_q_.push_back({op, s, s->nbytes});
+      } else {
+        s->waiter = op;
+        pending_.insert(op);  // failed by peer failure / close like any pending receive
+      }
+      return;
+    }
+    void* buf = op->buf;
+    if (op->kind == OpKind::RecvReduce) {
+      op->bounce = pool_.get(op->nbytes);
+      buf = op->bounce.p.get();
+    }
+    ucp_tag_recv_info_t info{};
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
+    prm.cb.recv = recv_cb;
+    prm.user_data = op;
+    prm.datatype = ucp_dt_make_contig(1);
+    prm.recv_info.tag_info = &info;
+    pending_.insert(op);
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, buf, op->nbytes, key, kFullMask, &prm);
+    after_post_locked(op, r, info.length);
+  }
+
+  // Moves unexpected messages into the stash (progress thread).
+  void drain_unexpected_locked() {
+    for (int k = 0; k < 256; ++k) {
+      ucp_tag_recv_info_t info{};
+      ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
+      if (!msg) return;
+      uint64_t src = info.sender_tag >> kTagShift;
+      uint64_t low = info.sender_tag & (kMaxTag - 1);
+      bool bye = src == kHandshakeSrc && (low & kByeBit);
+      int peer = int(src == kHandshakeSrc ? low & ~kByeBit : src);
+      Op* s = new_op(nullptr, peer < size_ ? peer : -1, OpKind::Stash, info.length);
+      s->tag = src == kHandshakeSrc ? 0 : low;
+      s->key = info.sender_tag;
+      s->bye = bye;
+      s->bounce = pool_.get(info.length);
+      if (!bye) stash_[s->key].push_back(s);
+      ucp_request_param_t prm{};
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                         UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
+      prm.cb.recv = recv_cb;
+      prm.user_data = s;
+      prm.datatype = ucp_dt_make_contig(1);
+      ucp_tag_recv_info_t info2{};
+      prm.recv_info.tag_info = &info2;
+      pending_.insert(s);
+      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, s->bounce.p.get(), info.length, msg, &prm);
+      after_post_locked(s, r, info.length);
+    }
+  }
+
+  void post_send_locked(const RequestPtr& req, Peer& pr, const void* buf, size_t nbytes, uint64_t utag) {
+    Op* op = new Op;
+    op->t = this;
+    op->req = req;
+    op->peer = pr.rank;
+    op->tag = req->tag();
+    op->kind = OpKind::Send;
+    op->nbytes = nbytes;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    prm.cb.send = send_cb;
+    prm.user_data = op;
+    prm.datatype = ucp_dt_make_contig(1);
+    pending_.insert(op);
+    ucs_status_ptr_t r = ucp_tag_send_nbx(pr.ep, buf, nbytes, utag, &prm);
+    after_post_locked(op, r, nbytes);
+  }
+
+  void after_post_locked(Op* op, ucs_status_ptr_t r, size_t imm_len) {
+    if (r == nullptr) {  // completed immediately; no callback follows
+      pending_.erase(op);
+      finish(op, UCS_OK, imm_len);
+    } else if (UCS_PTR_IS_ERR(r)) {
+      pending_.erase(op);
+      finish(op, UCS_PTR_STATUS(r), 0);
+    } else if (pending_.count(op)) {
+      op->ucp_req = r;
+    }  // else: the callback already ran (and freed r)
+  }
+
+  // Completes or fails op->req and disposes of op (irecv_reduce: queues the reduction).
+  void finish(Op* op, ucs_status_t status, size_t length) {
+    if (op->kind == OpKind::Stash) {
+      finish_stash(op, status, length);
+      return;
+    }
+    if (status == UCS_OK) {
+      if (op->kind == OpKind::RecvReduce) {
+        if (length != op->nbytes) {
+          finish_failed(op, Request::ErrorKind::Truncated,
+                        "hetccl ucx: irecv_reduce from rank " + std::to_string(op->peer) + " (tag " +
+                            std::to_string(op->tag) + ") expected exactly " +
+                            std::to_string(op->nbytes) + " bytes, got " + std::to_string(length));
+          return;
+        }
+        work_q_.push_back({op, nullptr, length});
+        return;
+      }
+      op->req->complete(op->kind == OpKind::Send ? op->nbytes : length);
+      delete op;
+      return;
+    }
+    Peer& pr = peers_[op->peer];
+    if (status == UCS_ERR_MESSAGE_TRUNCATED) {
+      finish_failed(op, Request::ErrorKind::Truncated, truncated_msg(op, length));
+    } else if (pr.failed) {
+      finish_failed(op, Request::ErrorKind::Peer, pr.reason);
+    } else if (status == UCS_ERR_CANCELED) {
+      finish_failed(op, Request::ErrorKind::Generic, "hetccl ucx: operation cancelled");
+    } else {
+      // A transport error on one operation (reset connection, a cma read from a process that is
+      // gone: "Input/output error") means the peer is unusable, even when no error callback
+      // came (endpoints without peer-failure handling): fail everything pending with it.
+      std::string why = std::string(op->kind == OpKind::Send ? "send to" : "receive from") +
+                        " it failed: " + status_str(status);
+      on_peer_error(pr, why);
+      finish_failed(op, Request::ErrorKind::Peer, pr.reason);
+    }
+  }
+
+  std::string truncated_msg(const Op* op, size_t length) const {
+    std::string what = length > op->nbytes ? std::to_string(length) + "-byte message" : "message";
+    return "hetccl ucx: " + what + " from rank " + std::to_string(op->peer) + " (tag " +
+           std::to_string(op->tag) + ") does not fit the " + std::to_string(op->nbytes) + "-byte " +
+           (op->kind == OpKind::RecvReduce ? "irecv_reduce (exact length required)" : "receive buffer");
+  }
+
+  // The receive of an unexpected message finished (into the stash).
+  void finish_stash(Op* s, ucs_status_t status, size_t length) {
+    if (s->bye) {
+      if (status == UCS_OK && s->peer >= 0 && peers_[s->peer].is_peer)
+        on_peer_error(peers_[s->peer], "it closed its transport");
+      pool_.put(std::move(s->bounce));
+      delete s;
+      return;
+    }
+    if (status == UCS_OK) {
+      s->ready = true;
+      s->nbytes = length;
+      if (s->waiter) {
+        pending_.erase(s->waiter);
+        work_q_.push_back({s->waiter, s, length});
+      }
+      return;  // else it waits in stash_ for its receive
+    }
+    std::string why;
+    Request::ErrorKind kind = Request::ErrorKind::Peer;
+    if (s->peer >= 0 && peers_[s->peer].failed) {
+      why = peers_[s->peer].reason;
+    } else if (status == UCS_ERR_CANCELED) {
+      why = "hetccl ucx: operation cancelled";
+      kind = Request::ErrorKind::Generic;
+    } else {
+      why = "hetccl ucx: receive from peer rank " + std::to_string(s->peer) + " failed (" +
+            status_str(status) + ")";
+      if (s->peer >= 0) on_peer_error(peers_[s->peer], "receive from it failed: " + status_str(status));
+    }
+    if (s->waiter) {
+      pending_.erase(s->waiter);
+      finish_failed(s->waiter, kind, why);
+    } else {  // still in stash_: remove it
+      auto it = stash_.find(s->key);
+      if (it != stash_.end()) {
+        auto& dq = it->second;
+        dq.erase(std::remove(dq.begin(), dq.end(), s), dq.end());
+        if (dq.empty()) stash_.erase(it);
+      }
+    }
+    pool_.put(std::move(s->bounce));
+    delete s;
+  }
+
+  void finish_failed(Op* op, Request::ErrorKind kind, const std::string& msg) {
+    if (op->req) op->req->fail(kind, msg);
+    pool_.put(std::move(op->bounce));
+    delete op;
+  }
+
+  void fail_work_locked(const std::string& msg) {
+    for (Work& w : work_q_) {
+      if (w.src) finish_failed(w.src, Request::ErrorKind::Generic, msg);
+      finish_failed(w.op, Request::ErrorKind::Generic, msg);
+    }
+    work_q_.clear();
+  }
+
+  // Copies or reduces a finished receive into the user's buffer (progress thread, mu_ not held).
+  void run_work(const Work& w) {
+    Op* op = w.op;
+    const char* data = w.src ? w.src->bounce.p.get() : op->bounce.p.get();
+    bool exact = op->kind == OpKind::RecvReduce;
+    if (exact ? w.len != op->nbytes : w.len > op->nbytes) {
+      op->req->fail(Request::ErrorKind::Truncated, truncated_msg(op, w.len));
+    } else if (op->kind == OpKind::RecvReduce) {
+      // One thread, as the tcp/shm transports: reduce.cc's pool is process-wide and persistent,
+      // and a transport must leave no thread behind after close().
+      reduce_into(op->rop, op->dtype, op->dst, data, op->nbytes / dtype_size(op->dtype), 1);
+      op->req->complete(op->nbytes);
+    } else {
+      if (w.len) std::memcpy(op->buf, data, w.len);
+      op->req->complete(w.len);
+    }
+    if (w.src) {
+      pool_.put(std::move(w.src->bounce));
+      delete w.src;
+    }
+    pool_.put(std::move(op->bounce));
+    delete op;
+  }
+
+  void verify_hello(int p, size_t got) {
+    const std::vector<char>& m = peers_[p].hello_in;  // complete: no more writes by UCX
+    std::string who = "hetccl ucx: peer rank " + std::to_string(p) + " (" + peers_[p].where + ")";
+    if (got != kHelloBytes || std::memcmp(m.data(), kHelloMagic, sizeof kHelloMagic) != 0)
+      throw CommError(who + " sent a malformed handshake; rejected");
+    uint32_t r = get_u32(m.data() + sizeof kHelloMagic);
+    if (r != uint32_t(p))
+      throw CommError(who + " claims to be rank " + std::to_string(r) + "; rejected");
+    if (!equal_const_time(std::string(m.data() + sizeof kHelloMagic + 4, 32), proof(secret_, nonce_, p, rank_))) {
+      std::lock_guard<std::mutex> g(mu_);
+      Peer& pr = peers_[p];
+      if (!pr.failed) {
+        pr.failed = true;
+        pr.close_pending = true;
+        pr.reason = who + " presented a wrong group secret; rejected";
+      }
+      throw CommError(who + " presented a wrong group secret; rejected (two jobs sharing one store?)");
+    }
+  }
+
+  void wake_locked() {
+    if (armed_) {
+      armed_ = false;
+      ucp_worker_signal(worker_);
+    }
+    dirty_ = true;
+  }
+
+  // Progress until a UCX request completes or timeout; frees it.
+  void wait_ucp_locked(void* r, int64_t ms) {
+    auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (ucp_request_check_status(r) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until)
+      ucp_worker_progress(worker_);
+    ucp_request_free(r);  // an unfinished request is released when UCX completes it
+  }
+
+  // Failed peers: cancel their receives and force-close their endpoint (not allowed inside the
+  // error callback itself).
+  void reap_failed_peers_locked() {
+    for (Peer& pr : peers_) {
+      if (!pr.close_pending) continue;
+      pr.close_pending = false;
+      std::vector<void*> cancel;
+      for (Op* op : pending_)
+        if (op->peer == pr.rank && op->kind != OpKind::Send && op->ucp_req) cancel.push_back(op->ucp_req);
+      for (void* r : cancel) ucp_request_cancel(worker_, r);
+      if (pr.ep) {
+        ucp_request_param_t prm{};
+        prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        void* r = ucp_ep_close_nbx(pr.ep, &prm);
+        pr.ep = nullptr;
+        if (r && !UCS_PTR_IS_ERR(r)) close_reqs_.push_back(r);
+      }
+    }
+    for (size_t i = 0; i < close_reqs_.size();) {
+      if (ucp_request_check_status(close_reqs_[i]) != UCS_INPROGRESS) {
+        ucp_request_free(close_reqs_[i]);
+        close_reqs_[i] = close_reqs_.back();
+        close_reqs_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  // Peers on this host whose process we can identify: fail them once that process is gone.
+  void check_liveness() {
+    std::vector<std::pair<int, pid_t>> watch;
+    std::vector<std::string> starts;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (Peer& pr : peers_)
+        if (pr.is_peer && !pr.failed && !pr.start.empty()) {
+          watch.emplace_back(pr.rank, pr.pid);
+          starts.push_back(pr.start);
+        }
+    }
+    for (size_t i = 0; i < watch.size(); ++i) {  // /proc reads without the lock
+      bool zombie = false;
+      bool gone = kill(watch[i].second, 0) != 0 && errno == ESRCH;
+      if (!gone) gone = proc_start(watch[i].second, &zombie) != starts[i] || zombie;
+      if (gone) {
+        std::lock_guard<std::mutex> g(mu_);
+        on_peer_error(peers_[watch[i].first], "its process has exited");
+      }
+    }
+  }
+
+  void progress_loop() {
+    auto last_event = std::chrono::steady_clock::now();
+    auto next_liveness = last_event;
+    std::vector<Work> reds;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      unsigned events = 0;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        armed_ = false;
+        while (ucp_worker_progress(worker_) != 0 && events < 4096) ++events;
+        drain_unexpected_locked();
+        reap_failed_peers_locked();
+        reds.swap(work_q_);
+        if (dirty_) {
+          dirty_ = false;
+          ++events;
+        }
+      }
+      for (const Work& w : reds) run_work(w);
+      if (std::chrono::steady_clock::now() >= next_liveness) {
+        check_liveness();
+        next_liveness = std::chrono::steady_clock::now() + std::chrono::milliseconds(kLivenessMs);
+      }
+      if (events || !reds.empty()) {
+        reds.clear();
+        last_event = std::chrono::steady_clock::now();
+        continue;
+      }
+      if (std::chrono::steady_clock::now() - last_event < std::chrono::microseconds(kSpinUs)) {
+        sched_yield();
+        continue;
+      }
+      ucs_status_t st;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (dirty_ || stop_.load()) continue;
+        st = ucp_worker_arm(worker_);
+        armed_ = st == UCS_OK;
+      }
+      if (st == UCS_ERR_BUSY) continue;
+      pollfd pfd{efd_, POLLIN, 0};
+      poll(&pfd, 1, st == UCS_OK ? kPollMs : 1);
+      last_event = std::chrono::steady_clock::now() - std::chrono::microseconds(kSpinUs / 2);
+    }
+  }
+
+  const int rank_, size_;
+  std::string secret_, nonce_, host_;
+  std::string address_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
+
+  std::mutex mu_;  // guards the worker and everything below
+  std::vector<Peer> peers_;
+  std::unordered_set<Op*> pending_;
+  std::vector<Work> work_q_;                     // finished receives to copy/reduce
+  std::map<uint64_t, std::deque<Op*>> stash_;    // unexpected messages by full tag, oldest first
+  std::vector<void*> close_reqs_;
+  bool closed_ = false;
+  bool peer_mode_ok_ = true;  // cleared when a PEER-mode endpoint could not be created
+  bool armed_ = false;  // progress thread sleeps on efd_ (or is about to)
+  bool dirty_ = false;  // something was posted since the last progress pass
+
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  BouncePool pool_;
+};
+
+void send_cb(void* request, ucs_status_t status, void* user_data) {
+  Op* op = static_cast<Op*>(user_data);
+  op->t->on_done(op, request, status, op->nbytes);
+}
+
+void recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
+  Op* op = static_cast<Op*>(user_data);
+  op->t->on_done(op, request, status, info ? info->length : 0);  // length: also for truncation
+}
+
+void ep_err_cb(void* arg, ucp_ep_h, ucs_status_t status) {
+  Peer* pr = static_cast<Peer*>(arg);
+  pr->t->on_peer_error(*pr, status_str(status));
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> make_ucx_transport(int rank, int size, const Options& opts) {
+  return std::make_unique<UcxTransport>(rank, size, opts);
+}
+
+}  // namespace hetccl
