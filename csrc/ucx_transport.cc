@@ -1,7 +1,7 @@
 // UCX transport: UCP tagged messages over whatever transports UCX selects (here: tcp, posix/sysv
 // shared memory, cma, self; on clusters a system UCX adds RDMA and GPU memory).
 //
-// Design (see docs/transports-ucx.md):
+// Design (see the UCX section of docs/transports.md):
 //  * One ucp_context + one ucp_worker per Transport instance. The worker is in SERIALIZED mode:
 //    every UCP call (posting from caller threads, progress from our thread) holds mu_.
 //  * Addressing: address() is text, "hetccl-ucx1 <rank> <pid> <start> <host>/<boot id> <nonce hex>
