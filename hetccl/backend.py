@@ -557,7 +557,8 @@ def _create(dist_backend_opts, pg_options=None):
             dist.PrefixStore("hetccl/native/cpu/", store), rank, size, timeout))}
         if vendor.build_kind() in ("cuda", "rocm"):
             backends["cuda"] = ("nccl", compat.new_native_nccl(
-                dist.PrefixStore("hetccl/native/cuda/", store), rank, size, timeout))
+                dist.PrefixStore("hetccl/native/cuda/", store), rank, size, timeout,
+                group_id, global_ranks))
         log.info("hetccl: group %r is single-vendor (%s): native pass-through", group_id,
                  topo.labels[0])
         return compat.passthrough_group(store, rank, size, backends)
