@@ -62,6 +62,10 @@ def vendor_labels(split: Sequence[int] | str) -> list[str]:
 
 def _entry(fn, ctx: RankContext, env: dict, args, q):
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:
+        import torch  # may already be imported (with the parent's thread count) by fn's module
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
         # Plain pickle (by value): torch's multiprocessing reductions would pass tensors as
         # shared-memory handles that die with this process.
@@ -91,7 +95,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         e = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
              "RANK": str(r), "WORLD_SIZE": str(world_size),
              "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size),
-             "TORCHELASTIC_USE_AGENT_STORE": "True"}
+             "TORCHELASTIC_USE_AGENT_STORE": "True",
+             # as torchrun does for several workers per host: one intra-op thread per rank,
+             # so ranks (and their communication threads) do not oversubscribe the cores
+             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         if vendors is not None:
             e["HETCCL_VENDOR"] = vendors[r]
         e.update(env or {})

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .allreduce import _ranges
-from .common import CollCtx
+from .common import CollCtx, copy
 from .layout import intersect, padded_shard
 from .transfer import transfer
 
@@ -57,10 +57,10 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
     if native is not None:
         ctx.wait_native(native)
         for i, r in enumerate(topo.groups[g]):
-            out[r * n:(r + 1) * n].copy_(own_block[i * n:(i + 1) * n])
+            copy(out[r * n:(r + 1) * n], own_block[i * n:(i + 1) * n])
     else:
         me = topo.rank
-        out[me * n:(me + 1) * n].copy_(x)
+        copy(out[me * n:(me + 1) * n], x)
     if not stages:
         return
     order = sorted(stages)
@@ -84,7 +84,7 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
                 rng = intersect((lo, hi), (j * n, (j + 1) * n))
                 if rng:
                     a, b = rng
-                    out[r * n + (a - j * n):r * n + (b - j * n)].copy_(piece[a - lo:b - lo])
+                    copy(out[r * n + (a - j * n):r * n + (b - j * n)], piece[a - lo:b - lo])
 
 
 def broadcast_hier(ctx: CollCtx, x: torch.Tensor, root: int) -> None:
@@ -121,4 +121,4 @@ def broadcast_hier(ctx: CollCtx, x: torch.Tensor, root: int) -> None:
     if ng > 1:
         mine_shard = full[li * s:(li + 1) * s].clone()
         ctx.wait_native(ctx.local.all_gather(full, mine_shard))
-        x.copy_(full[:n])
+        copy(x, full[:n])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import CollCtx, pad_to
+from .common import CollCtx, copy, pad_to
 from .layout import overlaps, padded_shard
 from .transfer import transfer
 
@@ -52,7 +52,7 @@ def all_reduce_hier(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     if ng > 1:
         ctx.wait_native(ctx.local.all_gather(full, shard))
         if full is not x:
-            x.copy_(full[:n])
+            copy(x, full[:n])
 
 
 def all_reduce_flat(ctx: CollCtx, x: torch.Tensor, op: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import CollCtx
+from .common import CollCtx, copy
 from .transfer import transfer
 
 
@@ -31,7 +31,7 @@ def all_to_all_direct(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor,
                                       [in_counts[r] for r in local])
     else:
         me = topo.rank
-        out[out_off[me]:out_off[me + 1]].copy_(inp[in_off[me]:in_off[me + 1]])
+        copy(out[out_off[me]:out_off[me + 1]], inp[in_off[me]:in_off[me + 1]])
     sends = [(r, 0, in_counts[r], inp[in_off[r]:in_off[r + 1]])
              for r in range(topo.size) if topo.group_of[r] != topo.my_group and in_counts[r]]
     recvs = [(r, 0, out_counts[r], out[out_off[r]:out_off[r + 1]])
@@ -42,7 +42,7 @@ def all_to_all_direct(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor,
         pos = 0
         for r in local:
             c = out_counts[r]
-            out[out_off[r]:out_off[r] + c].copy_(lout[pos:pos + c])
+            copy(out[out_off[r]:out_off[r] + c], lout[pos:pos + c])
             pos += c
 
 
@@ -59,7 +59,7 @@ def gather_direct(ctx: CollCtx, outs: list[torch.Tensor] | None, x: torch.Tensor
         louts = [outs[r] for r in topo.local_ranks] if topo.rank == root else []
         native = ctx.local.gather(louts, x, topo.local_rank_of[root])
     elif topo.rank == root:
-        outs[root].copy_(x)
+        copy(outs[root], x)
     if topo.rank == root:
         recvs = [(r, 0, n, outs[r]) for r in range(topo.size) if topo.group_of[r] != g0]
         transfer(ctx, 0, [], recvs)
@@ -82,4 +82,4 @@ def scatter_direct(ctx: CollCtx, out: torch.Tensor, ins: list[torch.Tensor] | No
         lins = [ins[r] for r in topo.local_ranks] if topo.rank == root else []
         ctx.wait_native(ctx.local.scatter(out, lins, topo.local_rank_of[root]))
     elif topo.rank == root:
-        out.copy_(ins[root])
+        copy(out, ins[root])

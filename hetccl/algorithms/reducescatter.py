@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .allreduce import _ranges
-from .common import CollCtx, pad_to
+from .common import CollCtx, copy, pad_to
 from .layout import intersect, padded_shard
 from .transfer import transfer
 
@@ -38,20 +38,20 @@ def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: 
         lay = torch.zeros(ng * (n + ps), dtype=inp.dtype, device=inp.device)
         for i, r in enumerate(topo.groups[g]):
             base = i * (n + ps)
-            lay[base:base + n].copy_(inp[r * n:(r + 1) * n])
+            copy(lay[base:base + n], inp[r * n:(r + 1) * n])
             lo, hi = _ranges(region, ng)[i]
             # elements [lo, hi) of the others region, gathered from the ranks' chunks
             for k, q in enumerate(o):
                 x = intersect((lo, hi), (k * n, (k + 1) * n))
                 if x:
-                    lay[base + n + x[0] - lo:base + n + x[1] - lo].copy_(
-                        inp[q * n + x[0] - k * n:q * n + x[1] - k * n])
+                    copy(lay[base + n + x[0] - lo:base + n + x[1] - lo],
+                         inp[q * n + x[0] - k * n:q * n + x[1] - k * n])
         mine = torch.empty(n + ps, dtype=inp.dtype, device=inp.device)
         ctx.wait_native(ctx.local.reduce_scatter(mine, lay, op))
         own, share = mine[:n], mine[n:]
     else:
         own = out
-        own.copy_(inp[topo.rank * n:(topo.rank + 1) * n])
+        copy(own, inp[topo.rank * n:(topo.rank + 1) * n])
         share = torch.cat([inp[q * n:(q + 1) * n] for q in o]) if o else inp[:0]
     my_lo, my_hi = _ranges(region, ng)[li]
     sends = []
@@ -72,7 +72,7 @@ def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: 
                 recvs.append((r2, x[0], x[1], own[x[0] - idx * n:x[1] - idx * n]))
     transfer(ctx, 0, sends, recvs, op)
     if own is not out:
-        out.copy_(own)
+        copy(out, own)
 
 
 def reduce_hier(ctx: CollCtx, x: torch.Tensor, root: int, op: str) -> None:
@@ -113,4 +113,4 @@ def reduce_hier(ctx: CollCtx, x: torch.Tensor, root: int, op: str) -> None:
             if topo.rank == root else []
         ctx.wait_native(ctx.local.gather(outs, shard, lroot))
         if topo.rank == root:
-            x.copy_(torch.cat(outs)[:n])
+            copy(x, torch.cat(outs)[:n])
