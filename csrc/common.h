@@ -2,6 +2,8 @@
 // futexes, hashing, option parsing, random bytes. Implemented in transport.cc.
 #pragma once
 
+#include <sys/types.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -41,6 +43,13 @@ struct Deadline {
 // signal; callers re-check their condition.
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ms);
 void futex_wake(std::atomic<uint32_t>* word, int count = INT32_MAX);
+
+// ---- identity of processes and hosts (used by the transports' liveness checks) ----
+// Start time of process `pid` (field 22 of /proc/pid/stat), "" if it does not exist; *zombie
+// (if given) tells whether it is a zombie. (pid, start time) names a process across pid reuse.
+std::string proc_start(pid_t pid, bool* zombie);
+// This host's shared-memory domain: hostname + kernel boot id.
+std::string host_id();
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

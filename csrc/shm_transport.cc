@@ -123,32 +123,6 @@ struct Channel {
   }
 };
 
-// Start time of a process (field 22 of /proc/pid/stat) and whether it is a zombie; "" if absent.
-std::string proc_start(pid_t pid, bool* zombie) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string s;
-  if (!f || !std::getline(f, s)) return "";
-  size_t r = s.rfind(')');
-  if (r == std::string::npos) return "";
-  std::istringstream in(s.substr(r + 2));
-  std::string field;
-  std::vector<std::string> v;
-  while (in >> field) v.push_back(field);
-  // v[0] is field 3 (state); field 22 is v[19].
-  if (v.size() < 20) return "";
-  if (zombie) *zombie = v[0] == "Z" || v[0] == "X";
-  return v[19];
-}
-
-std::string host_id() {
-  char host[256] = {0};
-  gethostname(host, sizeof host - 1);
-  std::string boot;
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::getline(f, boot);
-  return std::string(host) + "/" + boot;
-}
-
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
   std::string cur;

@@ -9,11 +9,41 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <vector>
+#include <string>
+#include <sstream>
+#include <fstream>
 
 #include "common.h"
 #include "transport.h"
 
 namespace hetccl {
+
+std::string proc_start(pid_t pid, bool* zombie) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s;
+  if (!f || !std::getline(f, s)) return "";
+  size_t r = s.rfind(')');
+  if (r == std::string::npos) return "";
+  std::istringstream in(s.substr(r + 2));
+  std::string field;
+  std::vector<std::string> v;
+  while (in >> field) v.push_back(field);
+  // v[0] is field 3 (state); field 22 is v[19].
+  if (v.size() < 20) return "";
+  if (zombie) *zombie = v[0] == "Z" || v[0] == "X";
+  return v[19];
+}
+
+std::string host_id() {
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  return std::string(host) + "/" + boot;
+}
+
 
 // ------------------------------------------------------------------ registry
 std::vector<std::string> transport_names() {

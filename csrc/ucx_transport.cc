@@ -102,31 +102,6 @@ void check(ucs_status_t s, const char* what) {
   if (s != UCS_OK) throw CommError(std::string("hetccl ucx: ") + what + ": " + status_str(s));
 }
 
-// Start time of a process (field 22 of /proc/pid/stat) and whether it is a zombie; "" if absent.
-// (Same check as the shm transport's.)
-std::string proc_start(pid_t pid, bool* zombie) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string s;
-  if (!f || !std::getline(f, s)) return "";
-  size_t r = s.rfind(')');
-  if (r == std::string::npos || r + 2 > s.size()) return "";
-  std::istringstream in(s.substr(r + 2));
-  std::vector<std::string> v;
-  for (std::string field; in >> field;) v.push_back(field);
-  if (v.size() < 20) return "";  // v[0] is field 3 (state); field 22 is v[19]
-  if (zombie) *zombie = v[0] == "Z" || v[0] == "X";
-  return v[19];
-}
-
-std::string host_id() {
-  char host[256] = {0};
-  gethostname(host, sizeof host - 1);
-  std::string boot;
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::getline(f, boot);
-  return std::string(host) + "/" + boot;
-}
-
 bool from_hex(const std::string& h, std::string* out) {
   if (h.size() % 2) return false;
   out->clear();
