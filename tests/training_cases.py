@@ -43,9 +43,8 @@ def _init(ctx):
                             world_size=ctx.world_size, timeout=timedelta(seconds=60))
 
 
-def run_ddp(ctx) -> list[torch.Tensor]:
-    _init(ctx)
-    model = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=0.01)
+def _train_shards(model, ctx) -> None:
+    """STEPS of SGD, each rank on its equal slice of the global batch."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     per = GLOBAL_BATCH // ctx.world_size
     for step in range(STEPS):
@@ -55,6 +54,12 @@ def run_ddp(ctx) -> list[torch.Tensor]:
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def run_ddp(ctx) -> list[torch.Tensor]:
+    _init(ctx)
+    model = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=0.01)
+    _train_shards(model, ctx)
     out = [p.detach().clone() for p in model.module.parameters()]
     dist.destroy_process_group()
     return out
@@ -71,15 +76,7 @@ def run_fsdp2(ctx) -> list[torch.Tensor]:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    per = GLOBAL_BATCH // ctx.world_size
-    for step in range(STEPS):
-        x, y = batch(step)
-        sl = slice(ctx.rank * per, (ctx.rank + 1) * per)
-        loss = nn.functional.mse_loss(model(x[sl]), y[sl])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_shards(model, ctx)
     out = [p.full_tensor().detach().clone() for p in model.parameters()]
     dist.destroy_process_group()
     return out
