@@ -370,8 +370,9 @@ def check_headers(ctx: EngineCtx, coll: str, numel: int, dtype: torch.dtype, op:
     """Exchange (collective, numel, dtype, op, root) among all ranks and raise the same clear
     error on every rank if they disagree."""
     topo = ctx.topo
+    device_code = {"cpu": 1, "cuda": 2}.get(ctx.device.type, 3)
     mine = torch.tensor([COLL_CODES[coll], numel, DTYPE_CODES.get(dtype, 0), OP_CODES[op], root,
-                         0], dtype=torch.int64)
+                         device_code], dtype=torch.int64)
     table = torch.zeros(topo.size, HEADER_LEN, dtype=torch.int64)
     table[topo.rank] = mine
     bridge = ctx.engine.bridge
@@ -389,12 +390,14 @@ def check_headers(ctx: EngineCtx, coll: str, numel: int, dtype: torch.dtype, op:
         ctx.local.all_gather(got, mine).wait()
         for i, r in enumerate(topo.local_ranks):
             table[r] = got[i * HEADER_LEN:(i + 1) * HEADER_LEN]
-    fields = [(0, "collective"), (2, "dtype"), (3, "reduction op"), (4, "root")]
+    fields = [(0, "collective"), (2, "dtype"), (3, "reduction op"), (4, "root"),
+              (5, "device type")]
     if same_numel:
         fields.insert(1, (1, "number of elements"))
     names = {"collective": {v: k for k, v in COLL_CODES.items()},
              "dtype": {v: str(k) for k, v in DTYPE_CODES.items()},
-             "reduction op": {v: k for k, v in OP_CODES.items()}}
+             "reduction op": {v: k for k, v in OP_CODES.items()},
+             "device type": {1: "cpu", 2: "cuda", 3: "other"}}
     for col, what in fields:
         vals = table[:, col].tolist()
         if len(set(vals)) > 1:

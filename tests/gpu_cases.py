@@ -70,6 +70,13 @@ def run(ctx) -> dict:
     torch.cuda.synchronize()
     out["stream"] = {"issue_s": issue_s, "wait_s": wait_s,
                      "value_ok": bool((y == 2 * sum(r + 1.0 for r in range(world))).all())}
+    # a device that differs across ranks is a clear error on every rank
+    z = torch.ones(8) if rank == 0 else torch.ones(8, device=dev)
+    try:
+        dist.all_reduce(z)
+        out["device_mismatch"] = "no error"
+    except ValueError as e:
+        out["device_mismatch"] = "ok" if "device type" in str(e) else str(e)
     out["zero_copy_bytes"] = pg.engine.stats["zero_copy_bytes"]
     out["staged_bytes"] = pg.engine.stats["staged_bytes"]
     dist.destroy_process_group()
