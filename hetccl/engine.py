@@ -297,6 +297,9 @@ class EngineCtx:
             return self.engine.bridge.irecv(peer, st, tag)
         return self.engine.bridge.irecv(peer, t, tag)
 
+    def irecv_reduce(self, peer: int, t: torch.Tensor, tag: int, op: str):
+        return self.engine.bridge.irecv_reduce(peer, t, tag, op)
+
     def finish_recv(self, t: torch.Tensor, slot) -> None:
         if t.is_cuda:
             raw, st = self._pending_h2d.pop(slot)

@@ -343,6 +343,11 @@ def run_scenarios(ctx, name, st):
         try:
             t.close()
             t.close()  # idempotent
+            # close() joins the transport's own threads; UCX's process-wide async thread stops
+            # on its own shortly after its last user is gone, so allow a short grace period
+            deadline = time.monotonic() + 5
+            while _threads() > threads0 and time.monotonic() < deadline:
+                time.sleep(0.05)
             extra = _threads() - threads0
             assert extra <= 0, f"{extra} threads left after close(): " + ", ".join(
                 open(f"/proc/self/task/{x}/comm").read().strip()

@@ -18,7 +18,11 @@ from .common import CollCtx, chunk_ranges, interleave, run_pipeline
 WINDOW = 8
 
 
-def transfer(ctx: CollCtx, phase: int, sends, recvs, op: str | None = None) -> None:
+def transfer(ctx: CollCtx, phase: int, sends, recvs, op: str | None = None,
+             fused: bool = False) -> None:
+    """fused=True promises that no send of this call reads memory that a receive reduces
+    into; host receives then reduce straight out of the transport's buffers (irecv_reduce:
+    one pass over memory instead of a copy plus a reduction)."""
     fast = getattr(ctx, "device_transfer", None)
     if fast is not None and fast(phase, sends, recvs, op):
         return
@@ -57,6 +61,9 @@ def transfer(ctx: CollCtx, phase: int, sends, recvs, op: str | None = None) -> N
             return [ctx.isend(peer, view, tag, i % window)]
         if op is None:
             req = ctx.irecv(peer, view, tag, i % window)
+        elif fused and not view.is_cuda:
+            state[i] = None
+            req = ctx.irecv_reduce(peer, view, tag, op)
         else:
             buf = ctx.bounce(i % window, view, view.numel())
             state[i] = buf
@@ -70,6 +77,8 @@ def transfer(ctx: CollCtx, phase: int, sends, recvs, op: str | None = None) -> N
         if op is None:
             ctx.finish_recv(view, i % window)
         else:
-            ctx.reduce_into(view, state.pop(i), op)
+            buf = state.pop(i)
+            if buf is not None:  # None: reduced by the transport (fused)
+                ctx.reduce_into(view, buf, op)
 
     run_pipeline(items, post, finish, window, ctx.deadline)
