@@ -19,9 +19,10 @@ def test_peer_death_is_a_clear_error_within_timeout(how, transport):
     for r in (0, 1):
         got = res[r]
         assert got["error"], f"rank {r} saw no error"
-        msg = got["error"]
-        # rank 0/1 talk to rank 2 over the bridge (or wait for a native partner that waits on it)
-        assert "rank 2" in msg or "timed out" in msg or "unusable" in msg or "peer" in msg, msg
+        msg = got["error"].lower()
+        # a rank that talks to rank 2 over the bridge names it; its same-vendor partner may
+        # instead be waiting on it inside the native library (gloo), whose timeout then fires
+        assert any(w in msg for w in ("rank 2", "timed out", "unusable", "peer")), msg
         assert got["elapsed"] < timeout_s + 8, f"rank {r} took {got['elapsed']:.1f} s: {msg}"
         assert got["again_s"] < 2, "a later operation did not fail fast"
         assert "succeeded" not in got["again"]
