@@ -1,0 +1,50 @@
+"""The user-facing commands run and report what they claim: demo, doctor, the benchmarks
+(short settings; their full runs are documented in docs/benchmarks.md)."""
+from __future__ import annotations
+
+import json
+
+from hetccl import cli
+
+
+def test_demo_checks_and_trains(capsys):
+    rc = cli.main(["demo", "--vendors", "1+1", "--steps", "5", "--global-batch", "8"])
+    out = capsys.readouterr().out
+    assert "all correct" in out and "-> match" in out and out.rstrip().endswith("OK"), out
+    assert rc == 0
+
+
+def test_doctor_reports_vendors_and_transports(capsys):
+    rc = cli.main(["doctor", "--launch", "1+1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "bridge transports : compiled shm, tcp" in out, out
+    assert "HETCCL_TRANSPORT" in out
+    assert "rank 0: vendor v0" in out and "rank 1: vendor v1" in out, out
+    assert out.count("all_reduce check ok") == 2, out
+
+
+def test_bench_collectives_rows_are_checked(tmp_path, capsys):
+    jl = tmp_path / "rows.jsonl"
+    rc = cli.main(["bench", "collectives", "--vendors", "1+1", "--backends", "hetccl,gloo",
+                   "--colls", "all_reduce,all_gather,reduce_scatter", "--minbytes", "64K",
+                   "--maxbytes", "256K", "--iters", "2", "--warmup", "1", "--no-progress",
+                   "--jsonl", str(jl)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [json.loads(line) for line in jl.read_text().splitlines()]
+    assert len(rows) == 2 * 3 * 2
+    for r in rows:
+        for key in ("collective", "size_bytes", "dtype", "backend", "vendors", "world_size",
+                    "hardware", "busbw_gbs", "algbw_gbs", "time_us", "wrong", "date"):
+            assert key in r
+        assert r["wrong"] == 0 and r["busbw_gbs"] > 0
+    assert "#    collective    backend" in out and "hetccl/gloo" in out
+
+
+def test_bench_transport_runs(capsys):
+    rc = cli.main(["bench", "transport", "--transports", "shm,tcp", "--sizes", "1M",
+                   "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "shm" in out and "tcp" in out and "memcpy" in out
