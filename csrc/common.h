@@ -44,6 +44,26 @@ struct Deadline {
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ms);
 void futex_wake(std::atomic<uint32_t>* word, int count = INT32_MAX);
 
+// ---- the receive side shared by the byte-stream transports (shm, tcp) ----
+// A posted receive: incoming bytes are copied into buf (at most cap bytes), or, for
+// irecv_reduce, reduced into it (the message must be exactly cap bytes).
+struct RecvOp {
+  RequestPtr req;
+  char* buf = nullptr;
+  size_t cap = 0;
+  bool reduce = false;
+  ReduceOp op = ReduceOp::SUM;
+  DType dtype = DType::FLOAT32;
+  static RecvOp copying(void* buf, size_t cap);
+  // Throws CommError (prefixed with `who`) unless nbytes is a whole number of elements.
+  static RecvOp reducing(const char* who, void* dst, size_t nbytes, ReduceOp op, DType dtype);
+};
+// Applies len incoming bytes at `offset` of the receive (copy, or reduce on this thread).
+void deliver(const RecvOp& op, size_t offset, const char* src, size_t len);
+// "" when a message of `total` bytes fits the receive, else the error text (prefixed with `who`).
+std::string size_mismatch(const char* who, const RecvOp& op, size_t total, int peer,
+                          uint64_t tag);
+
 // ---- identity of processes and hosts (used by the transports' liveness checks) ----
 // Start time of process `pid` (field 22 of /proc/pid/stat), "" if it does not exist; *zombie
 // (if given) tells whether it is a zombie. (pid, start time) names a process across pid reuse.

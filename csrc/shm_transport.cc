@@ -138,15 +138,6 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
-struct RecvOp {
-  RequestPtr req;
-  char* buf = nullptr;
-  size_t cap = 0;
-  bool reduce = false;
-  ReduceOp op = ReduceOp::SUM;
-  DType dtype = DType::FLOAT32;
-};
-
 // A message that arrived before its receive was posted.
 struct Unexpected {
   uint64_t tag = 0;
@@ -164,23 +155,6 @@ struct SendOp {
   size_t nbytes;
   uint64_t tag;
 };
-
-void deliver(const RecvOp& op, size_t offset, const char* src, size_t len) {
-  if (len == 0) return;
-  if (op.reduce)
-    reduce_into(op.op, op.dtype, op.buf + offset, src, len / dtype_size(op.dtype), 1);
-  else
-    std::memcpy(op.buf + offset, src, len);
-}
-
-// Message for a receive posted with cap bytes when `total` arrive; "" when it fits.
-std::string size_mismatch(const RecvOp& op, size_t total, int peer, uint64_t tag) {
-  if (op.reduce ? total == op.cap : total <= op.cap) return "";
-  return std::string("hetccl shm: message from peer rank ") + std::to_string(peer) + " with tag " +
-         std::to_string(tag) + " has " + std::to_string(total) + " bytes but the " +
-         (op.reduce ? "irecv_reduce expects exactly " : "receive buffer holds only ") +
-         std::to_string(op.cap) + " bytes";
-}
 
 class ShmTransport;
 
@@ -229,23 +203,11 @@ class ShmTransport final : public Transport {
   void connect(const std::vector<std::string>& addresses, int64_t timeout_ms) override;
   RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override;
   RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {
-    RecvOp op;
-    op.buf = static_cast<char*>(buf);
-    op.cap = nbytes;
-    return post_recv(peer, op, tag);
+    return post_recv(peer, RecvOp::copying(buf, nbytes), tag);
   }
   RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp rop,
                           DType dtype) override {
-    if (nbytes % dtype_size(dtype))
-      throw CommError("hetccl shm: irecv_reduce of " + std::to_string(nbytes) +
-                      " bytes is not a whole number of " + dtype_name(dtype) + " elements");
-    RecvOp op;
-    op.buf = static_cast<char*>(dst);
-    op.cap = nbytes;
-    op.reduce = true;
-    op.op = rop;
-    op.dtype = dtype;
-    return post_recv(peer, op, tag);
+    return post_recv(peer, RecvOp::reducing("hetccl shm", dst, nbytes, rop, dtype), tag);
   }
   void close() override;
 
@@ -568,7 +530,7 @@ RequestPtr ShmTransport::post_recv(int peer, RecvOp op, uint64_t tag) {
     ux = it->second.front();
     it->second.pop_front();
     if (it->second.empty()) p.unexpected.erase(it);
-    std::string bad = size_mismatch(op, ux->total, peer, tag);
+    std::string bad = size_mismatch("hetccl shm", op, ux->total, peer, tag);
     if (!bad.empty()) {
       op.req->fail(Request::ErrorKind::Truncated, bad);
       return op.req;  // the message is consumed; the receiver thread drops it when complete
@@ -693,7 +655,7 @@ void ShmTransport::recv_loop(Peer* pp) {
         op = it->second.front();
         it->second.pop_front();
         if (it->second.empty()) p.posted.erase(it);
-        std::string why = size_mismatch(op, total, p.rank, tag);
+        std::string why = size_mismatch("hetccl shm", op, total, p.rank, tag);
         if (!why.empty()) {
           op.req->fail(Request::ErrorKind::Truncated, why);
           discard = true;

@@ -72,22 +72,6 @@ constexpr size_t kMaxFrame = size_t(256) << 20;  // sanity bound on a received f
 constexpr size_t kBudget = size_t(4) << 20;      // bytes per connection per turn (fairness)
 constexpr int kMaxPendingHandshakes = 64;
 
-struct RecvOp {
-  RequestPtr req;
-  char* buf = nullptr;
-  size_t cap = 0;
-  bool reduce = false;
-  ReduceOp op = ReduceOp::SUM;
-  DType dtype = DType::FLOAT32;
-};
-
-void deliver(const RecvOp& op, size_t offset, const char* src, size_t len) {
-  if (len == 0) return;
-  if (op.reduce)
-    reduce_into(op.op, op.dtype, op.buf + offset, src, len / dtype_size(op.dtype), 1);
-  else
-    std::memcpy(op.buf + offset, src, len);
-}
 
 struct SendMsg {
   RequestPtr req;
@@ -243,23 +227,11 @@ class TcpTransport final : public Transport {
   void connect(const std::vector<std::string>& addresses, int64_t timeout_ms) override;
   RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override;
   RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {
-    RecvOp op;
-    op.buf = static_cast<char*>(buf);
-    op.cap = nbytes;
-    return post_recv(peer, op, tag);
+    return post_recv(peer, RecvOp::copying(buf, nbytes), tag);
   }
   RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp rop,
                           DType dtype) override {
-    if (nbytes % dtype_size(dtype))
-      throw CommError("hetccl tcp: irecv_reduce of " + std::to_string(nbytes) +
-                      " bytes is not a whole number of " + dtype_name(dtype) + " elements");
-    RecvOp op;
-    op.buf = static_cast<char*>(dst);
-    op.cap = nbytes;
-    op.reduce = true;
-    op.op = rop;
-    op.dtype = dtype;
-    return post_recv(peer, op, tag);
+    return post_recv(peer, RecvOp::reducing("hetccl tcp", dst, nbytes, rop, dtype), tag);
   }
   void close() override;
 
@@ -275,13 +247,6 @@ class TcpTransport final : public Transport {
   }
   std::string who(const Peer& p) const {
     return "peer rank " + std::to_string(p.rank) + " (" + p.addr + ")";
-  }
-  std::string mismatch(const RecvOp& op, size_t total, int peer, uint64_t tag) const {
-    if (op.reduce ? total == op.cap : total <= op.cap) return "";
-    return "hetccl tcp: message from peer rank " + std::to_string(peer) + " with tag " +
-           std::to_string(tag) + " has " + std::to_string(total) + " bytes but the " +
-           (op.reduce ? "irecv_reduce expects exactly " : "receive buffer holds only ") +
-           std::to_string(op.cap) + " bytes";
   }
   RequestPtr post_recv(int peer, RecvOp op, uint64_t tag);
   void acceptor_loop();
@@ -732,7 +697,7 @@ RequestPtr TcpTransport::post_recv(int peer, RecvOp op, uint64_t tag) {
   std::shared_ptr<InMsg> m = it->second;
   m->has_op = true;
   m->op = op;
-  std::string bad = mismatch(op, m->total, peer, tag);
+  std::string bad = size_mismatch("hetccl tcp", op, m->total, peer, tag);
   if (!bad.empty()) {
     // The message is consumed: frames still arriving are discarded (the heap buffer stays until
     // then: a connection may be reading into it right now).
@@ -909,7 +874,7 @@ bool TcpTransport::begin_frame(Conn& c, std::string* err) {
       m->have_total = true;
       m->total = c.f_total;
       if (m->has_op) {
-        std::string bad = mismatch(m->op, m->total, p.rank, c.f_tag);
+        std::string bad = size_mismatch("hetccl tcp", m->op, m->total, p.rank, c.f_tag);
         if (!bad.empty()) {
           m->op_failed = true;
           m->op.req->fail(Request::ErrorKind::Truncated, bad);

@@ -15,9 +15,45 @@
 #include <fstream>
 
 #include "common.h"
+#include "reduce.h"
 #include "transport.h"
 
 namespace hetccl {
+
+RecvOp RecvOp::copying(void* buf, size_t cap) {
+  RecvOp op;
+  op.buf = static_cast<char*>(buf);
+  op.cap = cap;
+  return op;
+}
+
+RecvOp RecvOp::reducing(const char* who, void* dst, size_t nbytes, ReduceOp rop, DType dtype) {
+  if (nbytes % dtype_size(dtype))
+    throw CommError(std::string(who) + ": irecv_reduce of " + std::to_string(nbytes) +
+                    " bytes is not a whole number of " + dtype_name(dtype) + " elements");
+  RecvOp op = copying(dst, nbytes);
+  op.reduce = true;
+  op.op = rop;
+  op.dtype = dtype;
+  return op;
+}
+
+void deliver(const RecvOp& op, size_t offset, const char* src, size_t len) {
+  if (len == 0) return;
+  if (op.reduce)
+    reduce_into(op.op, op.dtype, op.buf + offset, src, len / dtype_size(op.dtype), 1);
+  else
+    std::memcpy(op.buf + offset, src, len);
+}
+
+std::string size_mismatch(const char* who, const RecvOp& op, size_t total, int peer,
+                          uint64_t tag) {
+  if (op.reduce ? total == op.cap : total <= op.cap) return "";
+  return std::string(who) + ": message from peer rank " + std::to_string(peer) + " with tag " +
+         std::to_string(tag) + " has " + std::to_string(total) + " bytes but the " +
+         (op.reduce ? "irecv_reduce expects exactly " : "receive buffer holds only ") +
+         std::to_string(op.cap) + " bytes";
+}
 
 std::string proc_start(pid_t pid, bool* zombie) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
