@@ -420,6 +420,26 @@ class UcxTransport final : public Transport {
     }
   }
 
+  // Posts a receive of `kind` from `peer`; `fill` sets the op's destination fields. A peer
+  // that already failed fails the request at once, unless its message is stashed here.
+  template <class Fill>
+  RequestPtr post_receive(int peer, size_t nbytes, uint64_t tag, OpKind kind, Fill fill) {
+    check_tag(tag);
+    auto req = std::make_shared<Request>(peer, tag, nbytes);
+    std::lock_guard<std::mutex> g(mu_);
+    Peer& pr = peer_locked(peer);
+    const uint64_t utag = make_tag(uint64_t(peer), tag);
+    if (pr.failed && !stashed_ready_locked(utag)) {
+      req->fail(Request::ErrorKind::Peer, pr.reason);
+      return req;
+    }
+    Op* op = new_op(req, peer, kind, nbytes);
+    fill(op);
+    post_recv_locked(op, utag);
+    wake_locked();
+    return req;
+  }
+
   RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
     check_tag(tag);
     auto req = std::make_shared<Request>(peer, tag, nbytes);
@@ -435,42 +455,19 @@ class UcxTransport final : public Transport {
   }
 
   RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {
-    check_tag(tag);
-    auto req = std::make_shared<Request>(peer, tag, nbytes);
-    std::lock_guard<std::mutex> g(mu_);
-    Peer& pr = peer_locked(peer);
-    if (pr.failed && !stashed_ready_locked(make_tag(uint64_t(peer), tag))) {
-      req->fail(Request::ErrorKind::Peer, pr.reason);
-      return req;
-    }
-    Op* op = new_op(req, peer, OpKind::Recv, nbytes);
-    op->buf = buf;
-    post_recv_locked(op, make_tag(uint64_t(peer), tag));
-    wake_locked();
-    return req;
+    return post_receive(peer, nbytes, tag, OpKind::Recv, [&](Op* op) { op->buf = buf; });
   }
 
   RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp op,
                           DType dtype) override {
-    check_tag(tag);
-    size_t es = dtype_size(dtype);
-    if (nbytes % es != 0)
+    if (nbytes % dtype_size(dtype) != 0)
       throw CommError("hetccl ucx: irecv_reduce of " + std::to_string(nbytes) +
                       " bytes is not a whole number of elements");
-    auto req = std::make_shared<Request>(peer, tag, nbytes);
-    std::lock_guard<std::mutex> g(mu_);
-    Peer& pr = peer_locked(peer);
-    if (pr.failed && !stashed_ready_locked(make_tag(uint64_t(peer), tag))) {
-      req->fail(Request::ErrorKind::Peer, pr.reason);
-      return req;
-    }
-    Op* o = new_op(req, peer, OpKind::RecvReduce, nbytes);
-    o->dst = dst;
-    o->rop = op;
-    o->dtype = dtype;
-    post_recv_locked(o, make_tag(uint64_t(peer), tag));
-    wake_locked();
-    return req;
+    return post_receive(peer, nbytes, tag, OpKind::RecvReduce, [&](Op* o) {
+      o->dst = dst;
+      o->rop = op;
+      o->dtype = dtype;
+    });
   }
 
   void close() override {
