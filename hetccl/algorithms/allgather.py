@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .allreduce import _ranges
 from .common import CollCtx, copy
-from .layout import intersect, padded_shard
+from .layout import intersect, padded_ranges, padded_shard, peer_pieces
 from .transfer import transfer
 
 
@@ -40,7 +39,7 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
             continue
         nh = len(ranks)
         # what I receive of h's block
-        lo, hi = _ranges(nh * n, ng)[li]
+        lo, hi = padded_ranges(nh * n, ng)[li]
         stage = torch.empty(padded_shard(nh * n, ng), dtype=x.dtype, device=x.device)
         stages[h] = stage
         for j, r in enumerate(ranks):
@@ -50,7 +49,7 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
         # what I send to h: my input, split over h's ranks by the sharding of my block
         my_rng = (li * n, (li + 1) * n)
         for j, r in enumerate(ranks):
-            rng = intersect(my_rng, _ranges(ng * n, nh)[j])
+            rng = intersect(my_rng, padded_ranges(ng * n, nh)[j])
             if rng:
                 sends.append((r, rng[0], rng[1], x[rng[0] - li * n:rng[1] - li * n]))
     transfer(ctx, phase, sends, recvs)
@@ -76,7 +75,7 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
         for h in order:
             ranks = topo.groups[h]
             nh = len(ranks)
-            lo, hi = _ranges(nh * n, ng)[i]
+            lo, hi = padded_ranges(nh * n, ng)[i]
             piece = gathered[off:off + (hi - lo)]
             off += stages[h].numel()
             # piece holds elements [lo, hi) of h's block; scatter them to their ranks' slots
@@ -95,28 +94,18 @@ def broadcast_hier(ctx: CollCtx, x: torch.Tensor, root: int) -> None:
     if g == g0:
         if ng > 1:
             ctx.wait_native(ctx.local.broadcast(x, topo.local_rank_of[root]))
-        mine = _ranges(n, ng)[li]
-        sends = []
-        for h, ranks in enumerate(topo.groups):
-            if h == g0:
-                continue
-            for j, rng in enumerate(_ranges(n, len(ranks))):
-                x_rng = intersect(mine, rng)
-                if x_rng:
-                    sends.append((ranks[j], x_rng[0], x_rng[1], x[x_rng[0]:x_rng[1]]))
+        mine = padded_ranges(n, ng)[li]
+        others = [r for h, r in enumerate(topo.groups) if h != g0]
+        sends = [(p, lo, hi, x[lo:hi]) for p, lo, hi in peer_pieces(mine, n, others)]
         transfer(ctx, 0, sends, [])
         return
     senders = topo.groups[g0]
-    mine = _ranges(n, ng)[li]
+    mine = padded_ranges(n, ng)[li]
     s = padded_shard(n, ng)
     full = torch.empty(s * ng, dtype=x.dtype, device=x.device) if ng > 1 else x
     shard = full[li * s:li * s + (mine[1] - mine[0])] if ng > 1 else x
-    recvs = []
-    for j, rng in enumerate(_ranges(n, len(senders))):
-        x_rng = intersect(mine, rng)
-        if x_rng:
-            recvs.append((senders[j], x_rng[0], x_rng[1],
-                          shard[x_rng[0] - mine[0]:x_rng[1] - mine[0]]))
+    recvs = [(p, lo, hi, shard[lo - mine[0]:hi - mine[0]])
+             for p, lo, hi in peer_pieces(mine, n, [senders])]
     transfer(ctx, 0, [], recvs)
     if ng > 1:
         mine_shard = full[li * s:(li + 1) * s].clone()

@@ -17,13 +17,8 @@ from __future__ import annotations
 import torch
 
 from .common import CollCtx, copy, pad_to
-from .layout import overlaps, padded_shard
+from .layout import padded_ranges, padded_shard, peer_pieces
 from .transfer import transfer
-
-
-def _ranges(n: int, parts: int) -> list[tuple[int, int]]:
-    s = padded_shard(n, parts)
-    return [(min(i * s, n), min((i + 1) * s, n)) for i in range(parts)]
 
 
 def all_reduce_hier(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
@@ -37,7 +32,7 @@ def all_reduce_hier(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
         ctx.wait_native(ctx.local.reduce_scatter(shard, full, op))
     else:
         s, full, shard = n, x, x
-    mine = _ranges(n, ng)[li]
+    mine = padded_ranges(n, ng)[li]
     my = shard[: mine[1] - mine[0]]
     if topo.num_groups == 2 and not x.is_cuda:
         _exchange_pairwise_ring(ctx, my, mine, n, op)
@@ -56,12 +51,9 @@ def _exchange_pairwise_ring(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: st
     memory reduced), then send their reduced half back. Same bytes on the wire as a direct
     exchange, one pass less over memory per byte (docs/algorithms.md)."""
     topo = ctx.topo
-    h = 1 - topo.my_group
-    ranks = topo.groups[h]
     base = mine[0]
     a_s, a_r, b_s, b_r = [], [], [], []
-    for j, (lo, hi) in overlaps(mine, _ranges(n, len(ranks))):
-        peer = ranks[j]
+    for peer, lo, hi in peer_pieces(mine, n, [topo.groups[1 - topo.my_group]]):
         mid = lo + (hi - lo) // 2
         own, other = ((lo, mid), (mid, hi)) if topo.rank < peer else ((mid, hi), (lo, mid))
         v_own = my[own[0] - base:own[1] - base]
@@ -76,15 +68,11 @@ def _exchange_pairwise_ring(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: st
 
 def _exchange_direct(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: str) -> None:
     topo = ctx.topo
-    sends, recvs = [], []
-    for h, ranks in enumerate(topo.groups):
-        if h == topo.my_group:
-            continue
-        for j, (lo, hi) in overlaps(mine, _ranges(n, len(ranks))):
-            sends.append((ranks[j], lo, hi, None))
-            recvs.append((ranks[j], lo, hi, my[lo - mine[0]:hi - mine[0]]))
+    others = [r for g, r in enumerate(topo.groups) if g != topo.my_group]
+    pieces = list(peer_pieces(mine, n, others))
     src = my.clone() if topo.num_groups > 2 else my
-    sends = [(p, lo, hi, src[lo - mine[0]:hi - mine[0]]) for p, lo, hi, _ in sends]
+    sends = [(p, lo, hi, src[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
+    recvs = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
     transfer(ctx, 0, sends, recvs, op)
 
 

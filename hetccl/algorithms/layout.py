@@ -1,31 +1,27 @@
 """Index math shared by every algorithm (kept in one place).
 
-A buffer of `n` elements is sharded over a vendor group of `parts` ranks in contiguous,
-near-equal ranges: the first n % parts shards get one extra element. Cross-vendor traffic is
-planned by intersecting the shard ranges of two groups: rank i of group A exchanges with rank j
-of group B exactly the elements in range_A(i) ∩ range_B(j). When group sizes are equal this is a
-one-to-one pairing; when they differ each rank talks to the (few) ranks whose shards overlap its
-own, so every byte crosses once and no rank acts as a leader.
+A buffer of `n` elements is sharded over a vendor group of `parts` ranks by *padded sharding*:
+shard i is [i * s, min((i + 1) * s, n)) with s = ceil(n / parts), because the native
+reduce-scatter and all-gather need equal shards (the last shards may be short or empty).
+Cross-vendor traffic is planned by intersecting the shard ranges of two groups: rank i of group
+A exchanges with rank j of group B exactly the elements in range_A(i) ∩ range_B(j). When group
+sizes are equal this is a one-to-one pairing; when they differ each rank talks to the (few)
+ranks whose shards overlap its own, so every byte crosses once and no rank acts as a leader.
 """
 from __future__ import annotations
 
-from typing import Iterator
-
-
-def shard_ranges(n: int, parts: int) -> list[tuple[int, int]]:
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append((start, start + size))
-        start += size
-    return out
+from typing import Iterator, Sequence
 
 
 def padded_shard(n: int, parts: int) -> int:
-    """Shard length when a buffer is padded to parts * ceil(n / parts) (native collectives
-    need equal shards)."""
+    """Shard length when a buffer is padded to parts * ceil(n / parts)."""
     return -(-n // parts) if parts else 0
+
+
+def padded_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) of every shard of an n-element buffer over `parts` ranks (padded sharding)."""
+    s = padded_shard(n, parts)
+    return [(min(i * s, n), min((i + 1) * s, n)) for i in range(parts)]
 
 
 def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
@@ -39,3 +35,12 @@ def overlaps(mine: tuple[int, int], theirs: list[tuple[int, int]]) -> Iterator[t
         x = intersect(mine, r)
         if x is not None:
             yield j, x
+
+
+def peer_pieces(mine: tuple[int, int], n: int,
+                groups: Sequence[Sequence[int]]) -> Iterator[tuple[int, int, int]]:
+    """(peer rank, lo, hi) for every rank of `groups` whose padded shard of the n-element
+    buffer intersects `mine`: the pieces this rank exchanges with those groups."""
+    for ranks in groups:
+        for j, (lo, hi) in overlaps(mine, padded_ranges(n, len(ranks))):
+            yield ranks[j], lo, hi

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .allreduce import _ranges
 from .common import CollCtx, copy, pad_to
-from .layout import intersect, padded_shard
+from .layout import intersect, padded_ranges, padded_shard, peer_pieces
 from .transfer import transfer
 
 
@@ -39,7 +38,7 @@ def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: 
         for i, r in enumerate(topo.groups[g]):
             base = i * (n + ps)
             copy(lay[base:base + n], inp[r * n:(r + 1) * n])
-            lo, hi = _ranges(region, ng)[i]
+            lo, hi = padded_ranges(region, ng)[i]
             # elements [lo, hi) of the others region, gathered from the ranks' chunks
             for k, q in enumerate(o):
                 x = intersect((lo, hi), (k * n, (k + 1) * n))
@@ -53,7 +52,7 @@ def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: 
         own = out
         copy(own, inp[topo.rank * n:(topo.rank + 1) * n])
         share = torch.cat([inp[q * n:(q + 1) * n] for q in o]) if o else inp[:0]
-    my_lo, my_hi = _ranges(region, ng)[li]
+    my_lo, my_hi = padded_ranges(region, ng)[li]
     sends = []
     for k, q in enumerate(o):
         x = intersect((my_lo, my_hi), (k * n, (k + 1) * n))
@@ -67,7 +66,7 @@ def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: 
         oh = others(h)
         idx = oh.index(me)
         for i2, r2 in enumerate(ranks):
-            x = intersect(_ranges(len(oh) * n, len(ranks))[i2], (idx * n, (idx + 1) * n))
+            x = intersect(padded_ranges(len(oh) * n, len(ranks))[i2], (idx * n, (idx + 1) * n))
             if x:
                 recvs.append((r2, x[0], x[1], own[x[0] - idx * n:x[1] - idx * n]))
     transfer(ctx, 0, sends, recvs, op)
@@ -86,26 +85,16 @@ def reduce_hier(ctx: CollCtx, x: torch.Tensor, root: int, op: str) -> None:
         shard = torch.empty(s, dtype=x.dtype, device=x.device)
         ctx.wait_native(ctx.local.reduce_scatter(shard, full, op))
     else:
-        shard = x if g != g0 else x
-    mine = _ranges(n, ng)[li]
+        shard = x
+    mine = padded_ranges(n, ng)[li]
     my = shard[: mine[1] - mine[0]]
     if g != g0:
-        dst_ranks = topo.groups[g0]
-        sends = []
-        for j, rng in enumerate(_ranges(n, len(dst_ranks))):
-            xr = intersect(mine, rng)
-            if xr:
-                sends.append((dst_ranks[j], xr[0], xr[1], my[xr[0] - mine[0]:xr[1] - mine[0]]))
+        sends = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]])
+                 for p, lo, hi in peer_pieces(mine, n, [topo.groups[g0]])]
         transfer(ctx, 0, sends, [])
         return
-    recvs = []
-    for h, ranks in enumerate(topo.groups):
-        if h == g0:
-            continue
-        for j, rng in enumerate(_ranges(n, len(ranks))):
-            xr = intersect(mine, rng)
-            if xr:
-                recvs.append((ranks[j], xr[0], xr[1], my[xr[0] - mine[0]:xr[1] - mine[0]]))
+    others = [r for h, r in enumerate(topo.groups) if h != g0]
+    recvs = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in peer_pieces(mine, n, others)]
     transfer(ctx, 0, [], recvs, op)
     if ng > 1:
         lroot = topo.local_rank_of[root]

@@ -14,7 +14,6 @@ busbw factors are nccl-tests' (hetccl.bench.report.BUS_FACTOR).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from datetime import timedelta
