@@ -103,7 +103,7 @@ class Bridge:
         if any(k in ("tcp", "ucx") for k in kinds):
             opts["bind_addr"] = _default_bind_addr(topo)
         self.transports: dict[str, object] = {}
-        self._seams = []
+        self._seams: list = []  # device seams that registered our rings (see staging.py)
         try:
             for k in kinds:
                 t = _C.Transport(k, topo.rank, topo.size, opts)
@@ -120,7 +120,6 @@ class Bridge:
         except BaseException:
             self.close()
             raise
-        self._seams: list = []  # device seams that registered our rings (see staging.py)
         log.info("hetccl bridge: rank %d connected to %d peers via %s", topo.rank,
                  len(self.peers), dict(sorted(self.kind_of.items())))
 

@@ -334,7 +334,7 @@ class EngineCtx:
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t.reshape(-1).view(torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
 
 
 _TORCH_OPS = {

@@ -101,10 +101,6 @@ class NativeGroup:
     def recv(self, t: torch.Tensor, src: int, tag: int):
         return self._b(t).recv([_bytes(t)], src, tag)
 
-    def barrier(self):
-        t = torch.zeros(1)
-        return self.all_reduce(t, "sum")
-
     def close(self):
         for b in self._backends.values():
             for name in ("shutdown", "abort"):
