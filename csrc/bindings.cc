@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "common.h"
+#include "exchange.h"
 #include "reduce.h"
 #include "transport.h"
 
@@ -152,6 +153,23 @@ PYBIND11_MODULE(_C, m) {
            py::arg("peer"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
       .def("zc_recv_release", [](PyTransport& s, int peer) { s.t().zc_recv_release(peer); },
            py::arg("peer"))
+      .def("zc_send_try",
+           [](PyTransport& s, int peer) {
+             auto r = s.t().zc_send_try(peer);
+             return std::make_pair(reinterpret_cast<uintptr_t>(r.first), r.second);
+           },
+           py::arg("peer"), "(ptr, capacity) of a free slot, or (0, 0) at once when none is free.")
+      .def("zc_recv_try",
+           [](PyTransport& s, int peer) {
+             auto r = s.t().zc_recv_try(peer);
+             return std::make_tuple(reinterpret_cast<uintptr_t>(std::get<0>(r)), std::get<1>(r), std::get<2>(r));
+           },
+           py::arg("peer"), "(ptr, nbytes, tag) of the next committed slot, or (0, 0, 0) at once.")
+      .def("zc_send_counts", [](PyTransport& s, int peer) { return s.t().zc_send_counts(peer); },
+           py::arg("peer"), "(slots acquired by this side, slots the peer has released).")
+      .def("zc_depth", [](PyTransport& s, int peer) { return s.t().zc_depth(peer); }, py::arg("peer"))
+      .def("zc_wait", [](PyTransport& s, int peer, int64_t timeout_ms) { s.t().zc_wait(peer, timeout_ms); },
+           py::arg("peer"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyTransport& s, py::args) { py::gil_scoped_release nogil; s.t().close(); })
       .def("__repr__", [](PyTransport& s) { return "<hetccl._C.Transport " + s.t().name() + ">"; });
@@ -207,6 +225,21 @@ PYBIND11_MODULE(_C, m) {
           scale_div(d, as_ptr(ptr), count, n, threads);
         },
         py::arg("dtype"), py::arg("ptr"), py::arg("count"), py::arg("n"), py::arg("threads") = 0);
+  m.def("pair_allreduce",
+        [](PyTransport& t, int peer, uintptr_t give, size_t give_bytes, uintptr_t keep,
+           size_t keep_bytes, const std::string& op, const std::string& dtype, size_t chunk_bytes,
+           uint64_t tag, int64_t timeout_ms) {
+          ReduceOp o = parse_op(op);
+          DType d = parse_dtype(dtype);
+          py::gil_scoped_release nogil;
+          pair_allreduce(t.t(), peer, as_ptr(give), give_bytes, as_ptr(keep), keep_bytes, o, d,
+                         chunk_bytes, tag, timeout_ms);
+        },
+        py::arg("transport"), py::arg("peer"), py::arg("give_ptr"), py::arg("give_bytes"),
+        py::arg("keep_ptr"), py::arg("keep_bytes"), py::arg("op"), py::arg("dtype"),
+        py::arg("chunk_bytes"), py::arg("tag"), py::arg("timeout_ms"),
+        "Two-rank ring all-reduce of one range with `peer` on the calling thread over the "
+        "transport's zero-copy ring (csrc/exchange.h states the contract).");
   m.def("dtype_names", &dtype_names);
   m.def("op_names", &op_names);
 }

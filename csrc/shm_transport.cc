@@ -179,6 +179,7 @@ struct Peer {
 
   std::mutex zmu;  // zero-copy ring counters (one caller at a time, but be safe)
   uint32_t zs_acq = 0, zs_commit = 0, zr_acq = 0, zr_rel = 0;
+  int64_t zc_last_check = 0;  // zc_wait's liveness check clock
 };
 
 class ShmTransport final : public Transport {
@@ -217,6 +218,11 @@ class ShmTransport final : public Transport {
   void zc_send_commit(int peer, size_t nbytes, uint64_t tag) override;
   std::tuple<void*, size_t, uint64_t> zc_recv_acquire(int peer, int64_t timeout_ms) override;
   void zc_recv_release(int peer) override;
+  std::pair<void*, size_t> zc_send_try(int peer) override;
+  std::tuple<void*, size_t, uint64_t> zc_recv_try(int peer) override;
+  std::pair<uint32_t, uint32_t> zc_send_counts(int peer) override;
+  uint32_t zc_depth(int peer) override { return peer_ref(peer).out.nslots; }
+  void zc_wait(int peer, int64_t timeout_ms) override;
 
  private:
   std::string seg_name(const std::string& src_nonce, int src, int dst) const {
@@ -828,6 +834,61 @@ void ShmTransport::zc_recv_release(int peer) {
   ++p.zr_rel;
   h->ztail.v.store(p.zr_rel, std::memory_order_seq_cst);
   if (h->ztail_waiting.v.load(std::memory_order_seq_cst)) futex_wake(&h->ztail.v);
+}
+
+std::pair<void*, size_t> ShmTransport::zc_send_try(int peer) {
+  Peer& p = peer_ref(peer);
+  std::lock_guard<std::mutex> g(p.zmu);
+  if (!p.out.h) throw CommError("hetccl shm: transport closed");
+  const uint32_t n = p.out.nslots;
+  if (p.zs_acq - p.out.h->ztail.v.load(std::memory_order_acquire) >= n) return {nullptr, 0};
+  uint32_t slot = p.zs_acq++ % n;
+  return {p.out.zdata + size_t(slot) * p.out.slot_bytes, p.out.slot_bytes};
+}
+
+std::tuple<void*, size_t, uint64_t> ShmTransport::zc_recv_try(int peer) {
+  Peer& p = peer_ref(peer);
+  std::lock_guard<std::mutex> g(p.zmu);
+  if (!p.in.h) throw CommError("hetccl shm: transport closed");
+  if (p.in.h->zhead.v.load(std::memory_order_acquire) == p.zr_acq) return {nullptr, 0, 0};
+  uint32_t slot = p.zr_acq++ % p.in.nslots;
+  ZcHdr zh = p.in.zslots[slot];
+  if (zh.nbytes > p.in.slot_bytes)
+    throw PeerFailure("hetccl shm: " + who(p) + " committed a corrupt zero-copy slot");
+  return {p.in.zdata + size_t(slot) * p.in.slot_bytes, size_t(zh.nbytes), zh.tag};
+}
+
+std::pair<uint32_t, uint32_t> ShmTransport::zc_send_counts(int peer) {
+  Peer& p = peer_ref(peer);
+  std::lock_guard<std::mutex> g(p.zmu);
+  if (!p.out.h) throw CommError("hetccl shm: transport closed");
+  return {p.zs_acq, p.out.h->ztail.v.load(std::memory_order_acquire)};
+}
+
+void ShmTransport::zc_wait(int peer, int64_t timeout_ms) {
+  Peer& p = peer_ref(peer);
+  std::lock_guard<std::mutex> g(p.zmu);
+  if (!p.out.h || !p.in.h) throw CommError("hetccl shm: transport closed");
+  SegHeader* ho = p.out.h;
+  SegHeader* hi = p.in.h;
+  if (now_ms() - p.zc_last_check >= kCheckMs) {  // wait_on's own check needs longer sleeps
+    p.zc_last_check = now_ms();
+    std::string why = check_peer_alive(p, true);
+    if (why.empty()) why = check_peer_alive(p, false);
+    if (!why.empty()) throw PeerFailure(why);
+  }
+  // Sleeps on the incoming ring's head (the peer's commits wake us); a release of one of our
+  // slots is noticed by the predicate within the sleep slice, kept short for that reason.
+  const uint32_t tail0 = ho->ztail.v.load(std::memory_order_acquire);
+  Deadline d(std::min<int64_t>(timeout_ms, 2));
+  auto ready = [&] {
+    return hi->zhead.v.load(std::memory_order_acquire) != p.zr_acq ||
+           ho->ztail.v.load(std::memory_order_acquire) != tail0;
+  };
+  std::string err = wait_on(p, true, hi->zhead, hi->zhead_waiting, ready, &d);
+  if (err == "timeout" || err.empty()) return;
+  if (stop_.load()) throw CommError("hetccl shm: transport closed");
+  throw PeerFailure(err);
 }
 
 }  // namespace

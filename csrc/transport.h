@@ -182,6 +182,21 @@ class Transport {
     throw no_zc();
   }
   virtual void zc_recv_release(int peer) { throw no_zc(); }
+  // For a caller that drives both directions of one peer from one thread (exchange.cc):
+  //  * zc_send_try / zc_recv_try never wait: {nullptr, 0} when no slot is free, {nullptr, 0, 0}
+  //    when nothing has arrived.
+  //  * Round trip: a receiver may write into a slot it holds (e.g. reduce into it in place), and
+  //    the sender may read a slot back after the receiver released it, until it reacquires it.
+  //    zc_send_counts(peer) returns {slots acquired by this side, slots the peer has released}
+  //    as free-running counters; the i-th acquired slot is released once released > i.
+  //    zc_depth(peer) is the number of slots of the outgoing ring.
+  //  * zc_wait sleeps until the peer moves either ring (commits a slot to us or releases one of
+  //    ours) or timeout_ms passes (then it just returns); PeerFailure if the peer died or closed.
+  virtual std::pair<void*, size_t> zc_send_try(int peer) { throw no_zc(); }
+  virtual std::tuple<void*, size_t, uint64_t> zc_recv_try(int peer) { throw no_zc(); }
+  virtual std::pair<uint32_t, uint32_t> zc_send_counts(int peer) { throw no_zc(); }
+  virtual uint32_t zc_depth(int peer) { throw no_zc(); }
+  virtual void zc_wait(int peer, int64_t timeout_ms) { throw no_zc(); }
 
  private:
   CommError no_zc() const {

@@ -14,6 +14,7 @@ share nothing but the host.
 """
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import socket
@@ -92,6 +93,9 @@ class Bridge:
         secret = store.get("hetccl/secret").decode()
         self.slot_bytes = int(config.get("HETCCL_SHM_SLOT_BYTES")) or (
             8 << 20 if vendor.build_kind() in ("cuda", "rocm") else 1 << 20)
+        _check_settings_agree(store, topo, timeout, {
+            **{k: config.get(k) for k in config.MUST_AGREE},
+            "HETCCL_SHM_SLOT_BYTES (in force)": self.slot_bytes})
         opts = {
             "secret": secret,
             "nconn": str(config.get("HETCCL_TCP_NCONN")),
@@ -142,6 +146,13 @@ class Bridge:
                                                    torch_dtype_name(t.dtype))
         return _Req(req, t)
 
+    def pair_allreduce(self, peer: int, give: torch.Tensor, keep: torch.Tensor, op: str,
+                       tag: int, chunk_bytes: int, deadline: float) -> None:
+        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        _C.pair_allreduce(self.transport_of(peer), peer, give.data_ptr(), _nbytes(give),
+                          keep.data_ptr(), _nbytes(keep), op, torch_dtype_name(keep.dtype),
+                          chunk_bytes, tag, left_ms)
+
     def zero_copy(self, peers) -> bool:
         """True when every peer is reached through a transport with a zero-copy ring."""
         return all(getattr(self.transport_of(p), "zc_supported", False) for p in peers)
@@ -157,6 +168,28 @@ class Bridge:
             except Exception as e:  # noqa: BLE001
                 log.warning("hetccl: closing transport failed: %s", e)
         self.transports = {}
+
+
+def _check_settings_agree(store, topo: Topology, timeout: timedelta, mine: dict) -> None:
+    """Raise the same ValueError on every rank when ranks run with different values of a
+    setting both ends of a transfer depend on (config.MUST_AGREE): otherwise the two ends of
+    a transfer would cut or route it differently and fail later with a timeout."""
+    store.set(f"hetccl/settings/{topo.rank}", json.dumps(mine, sort_keys=True))
+    keys = [f"hetccl/settings/{r}" for r in range(topo.size)]
+    store.wait(keys, timeout)
+    table = [json.loads(store.get(k)) for k in keys]
+    problems = []
+    for name in sorted(mine):
+        by_value: dict[str, list[int]] = {}
+        for r, theirs in enumerate(table):
+            by_value.setdefault(json.dumps(theirs.get(name)), []).append(r)
+        if len(by_value) > 1:
+            problems.append(f"{name}: " + ", ".join(
+                f"{v} on ranks {rs}" for v, rs in sorted(by_value.items(), key=lambda x: x[1])))
+    if problems:
+        raise ValueError("hetccl: ranks run with different values of settings that both ends of "
+                         "a cross-vendor transfer must share; set them identically on every "
+                         "rank: " + "; ".join(problems))
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -49,6 +49,10 @@ _SETTINGS = [
     Setting("HETCCL_REDUCE_THREADS", int, 0, "Host reduction threads (0: all cores)."),
     Setting("HETCCL_CHUNK_BYTES", int, 4 << 20,
             "Pipeline chunk size for hierarchical collectives (bytes)."),
+    Setting("HETCCL_HOST_KERNEL", _bool, True,
+            "Two vendor groups, host tensors, one peer on shared memory: run the exchange of "
+            "all-reduce as one C++ loop on the calling thread (csrc/exchange.cc). 0: the "
+            "Python-driven chunk pipeline over the transport's threads (for comparison)."),
     Setting("HETCCL_ALGO", str, "",
             "Algorithm overrides, e.g. 'all_reduce=flat,all_gather=hier' (see docs/algorithms.md)."),
     Setting("HETCCL_LOG_LEVEL", str, "WARNING", "Log level of the 'hetccl' logger."),
@@ -59,6 +63,12 @@ _SETTINGS = [
             "compute time by this factor."),
 ]
 SETTINGS = {s.name: s for s in _SETTINGS}
+
+# Settings that decide how both ends of a cross-vendor transfer route and cut their data (the
+# algorithm, its chunks, which ring carries them): every rank of a group must use the same
+# values. The bridge compares them across ranks when it starts and names any difference.
+MUST_AGREE = ("HETCCL_TRANSPORT", "HETCCL_ALGO", "HETCCL_CHUNK_BYTES", "HETCCL_HOST_KERNEL",
+              "HETCCL_ZC_MIN_BYTES", "HETCCL_CHECK_ARGS")
 
 
 def get(name: str) -> Any:

@@ -47,6 +47,9 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
 HEADER_LEN = 6
 TAG_WINDOW = 1024
+# Chunk of the host pair kernel: small enough that a reduced chunk is still in L2 when it is
+# forwarded, large enough to amortise the per-slot handshake (measured: docs/benchmarks.md).
+PAIR_CHUNK_BYTES = 128 << 10
 
 
 class HetcclWork(dist.Work):
@@ -111,7 +114,7 @@ class Engine:
         self._streams: dict[Any, Any] = {}
         self._seam_of: dict[torch.device, Any] = {}
         # bytes sent by the zero-copy GPU path and by the staged path (tests and doctor read it)
-        self.stats = {"zero_copy_bytes": 0, "staged_bytes": 0}
+        self.stats = {"zero_copy_bytes": 0, "staged_bytes": 0, "pair_kernel_bytes": 0}
         self._q: queue.Queue = queue.Queue()
         self._exec = threading.Lock()
         self._worker = threading.Thread(target=self._run, name=f"hetccl-{name or rank}",
@@ -299,6 +302,20 @@ class EngineCtx:
 
     def irecv_reduce(self, peer: int, t: torch.Tensor, tag: int, op: str):
         return self.engine.bridge.irecv_reduce(peer, t, tag, op)
+
+    def pair_allreduce(self, peer: int, give: torch.Tensor, keep: torch.Tensor, op: str,
+                       tag: int) -> bool:
+        """Two-rank ring all-reduce of give|keep with `peer` as one C++ loop on this thread
+        (csrc/exchange.h); False when it does not apply (device tensors, a transport without a
+        zero-copy ring, HETCCL_HOST_KERNEL=0) and the caller takes the generic path."""
+        if self._dev or not config.get("HETCCL_HOST_KERNEL"):
+            return False
+        bridge = self.engine.bridge
+        if not bridge.zero_copy([peer]):
+            return False
+        bridge.pair_allreduce(peer, give, keep, op, tag, PAIR_CHUNK_BYTES, self.deadline)
+        self.engine.stats["pair_kernel_bytes"] += (give.numel() + keep.numel()) * keep.element_size()
+        return True
 
     def finish_recv(self, t: torch.Tensor, slot) -> None:
         if t.is_cuda:

@@ -68,6 +68,81 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+class _TorchOps:
+    """Copies and events through torch's own calls (fallback when vendor.raw_runtime() is
+    None). Tokens are torch Events."""
+
+    raw = False
+
+    def __init__(self, d2h, h2d):
+        self.streams = {"d2h": d2h, "h2d": h2d}
+
+    def start(self):
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, kind: str) -> None:
+        with torch.cuda.stream(self.streams[kind]):
+            dst.copy_(src, non_blocking=True)
+
+    def mark(self, kind: str):
+        ev = torch.cuda.Event()
+        ev.record(self.streams[kind])
+        return ev
+
+    def done(self, token) -> bool:
+        return token.query()
+
+    def wait(self, kind: str, token) -> None:
+        self.streams[kind].wait_event(token)
+
+
+class _RawOps:
+    """Copies and events through the vendor runtime (vendor.RawRuntime): one ctypes call each
+    instead of torch's Python wrappers. Events come from a pool owned by the engine and are
+    reused from call to call: when device_transfer returns, every event it recorded has
+    completed (all sends committed, all receives released)."""
+
+    raw = True
+
+    def __init__(self, rt, d2h, h2d, pool: list):
+        self.rt = rt
+        self.handles = {"d2h": d2h.cuda_stream, "h2d": h2d.cuda_stream}
+        self.kinds = {"d2h": rt.D2H, "h2d": rt.H2D}
+        self.pool = pool
+        self.next = 0
+
+    def start(self):
+        self.next = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, kind: str) -> None:
+        self.rt.memcpy_async(dst.data_ptr(), src.data_ptr(), src.numel(), self.kinds[kind],
+                             self.handles[kind])
+
+    def mark(self, kind: str):
+        if self.next == len(self.pool):
+            self.pool.append(self.rt.event())
+        ev = self.pool[self.next]
+        self.next += 1
+        self.rt.record(ev, self.handles[kind])
+        return ev
+
+    def done(self, token) -> bool:
+        return self.rt.done(token)
+
+    def wait(self, kind: str, token) -> None:
+        self.rt.stream_wait(self.handles[kind], token)
+
+
+def _ops(ctx, device: torch.device, d2h, h2d):
+    from . import vendor
+
+    rt = vendor.raw_runtime()
+    if rt is None:
+        return _TorchOps(d2h, h2d)
+    pools = ctx.engine.__dict__.setdefault("_raw_event_pools", {})
+    return _RawOps(rt, d2h, h2d, pools.setdefault(device.index, []))
+
+
 def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) -> None:
     """transfer() for device tensors whose peers all have a zero-copy ring."""
     from .engine import reduce_into
@@ -79,6 +154,9 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
     start.record(comm)
     d2h.wait_event(start)
     h2d.wait_event(start)
+    ops = _ops(ctx, comm.device, d2h, h2d)
+    ops.start()
+    ctx.engine.stats["raw_runtime"] = ops.raw
 
     per_peer = {}
     send_ptrs = set()
@@ -102,60 +180,56 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
     for peer, lo, hi, view in sorted(recvs, key=lambda s: (s[0], s[1])):
         chunks(peer, lo, hi, view, "recv")
     regs = {p: _regions(bridge.transport_of(p), seam) for p in per_peer}
-    sent_events: dict[int, torch.cuda.Event] = {}
-    nslots = 8
+    sent_events: dict[int, object] = {}
+    nslots = min(bridge.transport_of(p).zc_depth(p) for p in per_peer) if per_peer else 1
     bounce: dict[int, torch.Tensor] = {}
 
     idle = 0
-    while True:
-        progressed, busy = False, False
-        for peer, q in per_peer.items():
-            t = bridge.transport_of(peer)
-            # 1. D2H into free slots of the ring to peer
-            while q["send"] and len(q["ps"]) < nslots:
-                try:
-                    ptr, cap = t.zc_send_acquire(peer, 0)
-                except CommTimeout:
-                    break
-                tag, v = q["send"].popleft()
-                src = _bytes(v)
-                if src.numel() > cap:
-                    raise RuntimeError(f"hetccl: chunk of {src.numel()} bytes exceeds the "
-                                       f"zero-copy slot ({cap} bytes)")
-                ev = torch.cuda.Event()
-                with torch.cuda.stream(d2h):
-                    _slot(regs[peer], ptr, src.numel()).copy_(src, non_blocking=True)
-                    ev.record(d2h)
-                sent_events[v.data_ptr()] = ev
-                q["ps"].append((ev, src.numel(), tag))
-                ctx.engine.stats["zero_copy_bytes"] += src.numel()
-                progressed = True
-            # 2. commit slots whose copy finished, in order
-            while q["ps"] and q["ps"][0][0].query():
-                _, n, tag = q["ps"].popleft()
-                t.zc_send_commit(peer, n, tag)
-                progressed = True
-            # 3. H2D out of filled slots from peer
-            while q["recv"] and len(q["pr"]) < nslots:
-                tag, v = q["recv"][0]
-                if op is not None and v.data_ptr() in send_ptrs and \
-                        v.data_ptr() not in sent_events:
-                    break  # its own send has not been issued yet: reduce must follow it
-                try:
-                    ptr, n, got_tag = t.zc_recv_acquire(peer, 0)
-                except CommTimeout:
-                    break
-                q["recv"].popleft()
-                dst = _bytes(v)
-                if got_tag != tag or n != dst.numel():
-                    raise RuntimeError(f"hetccl: zero-copy stream from rank {peer} out of step: "
-                                       f"expected tag {tag} with {dst.numel()} bytes, got tag "
-                                       f"{got_tag} with {n} bytes")
-                slot = _slot(regs[peer], ptr, n)
-                ev = torch.cuda.Event()
-                with torch.cuda.stream(h2d):
+    # Reductions (the only kernels launched here) and bounce buffers belong to the H2D stream.
+    with torch.cuda.stream(h2d):
+        while True:
+            progressed, busy = False, False
+            for peer, q in per_peer.items():
+                t = bridge.transport_of(peer)
+                # 1. D2H into free slots of the ring to peer
+                while q["send"] and len(q["ps"]) < nslots:
+                    ptr, cap = t.zc_send_try(peer)  # never waits: this loop serves every ring
+                    if not ptr:
+                        break
+                    tag, v = q["send"].popleft()
+                    src = _bytes(v)
+                    if src.numel() > cap:
+                        raise RuntimeError(f"hetccl: chunk of {src.numel()} bytes exceeds the "
+                                           f"zero-copy slot ({cap} bytes)")
+                    ops.copy(_slot(regs[peer], ptr, src.numel()), src, "d2h")
+                    ev = ops.mark("d2h")
+                    sent_events[v.data_ptr()] = ev
+                    q["ps"].append((ev, src.numel(), tag))
+                    ctx.engine.stats["zero_copy_bytes"] += src.numel()
+                    progressed = True
+                # 2. commit slots whose copy finished, in order
+                while q["ps"] and ops.done(q["ps"][0][0]):
+                    _, n, tag = q["ps"].popleft()
+                    t.zc_send_commit(peer, n, tag)
+                    progressed = True
+                # 3. H2D out of filled slots from peer
+                while q["recv"] and len(q["pr"]) < nslots:
+                    tag, v = q["recv"][0]
+                    if op is not None and v.data_ptr() in send_ptrs and \
+                            v.data_ptr() not in sent_events:
+                        break  # its own send has not been issued yet: reduce must follow it
+                    ptr, n, got_tag = t.zc_recv_try(peer)
+                    if not ptr:
+                        break
+                    q["recv"].popleft()
+                    dst = _bytes(v)
+                    if got_tag != tag or n != dst.numel():
+                        raise RuntimeError(f"hetccl: zero-copy stream from rank {peer} out of "
+                                           f"step: expected tag {tag} with {dst.numel()} bytes, "
+                                           f"got tag {got_tag} with {n} bytes")
+                    slot = _slot(regs[peer], ptr, n)
                     if op is None:
-                        dst.copy_(slot, non_blocking=True)
+                        ops.copy(dst, slot, "h2d")
                     else:
                         i = len(q["pr"]) % nslots + 100 * peer
                         buf = bounce.get(i)
@@ -163,35 +237,38 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
                             buf = bounce[i] = torch.empty(max(n, slot_bytes), dtype=torch.uint8,
                                                           device=v.device)
                         tmp = buf[:n]
-                        tmp.copy_(slot, non_blocking=True)
+                        ops.copy(tmp, slot, "h2d")
                         sev = sent_events.get(v.data_ptr())
                         if sev is not None:
-                            h2d.wait_event(sev)
+                            ops.wait("h2d", sev)
                         reduce_into(v, tmp.view(v.dtype), op)
-                    ev.record(h2d)
-                q["pr"].append(ev)
-                progressed = True
-            # 4. release slots whose copy finished, in order
-            while q["pr"] and q["pr"][0].query():
-                q["pr"].popleft()
-                t.zc_recv_release(peer)
-                progressed = True
-            if q["send"] or q["recv"] or q["ps"] or q["pr"]:
-                busy = True
-        if not busy:
-            break
-        if progressed:
-            idle = 0
-        else:
-            idle += 1
-            if time.monotonic() > ctx.deadline:
-                waiting = [p for p, q in per_peer.items()
-                           if q["send"] or q["recv"] or q["ps"] or q["pr"]]
-                raise CommTimeout(f"hetccl: timed out moving device data with peer ranks "
-                                  f"{waiting}")
-            # spin while copies are short-lived, then yield the core
-            if idle > 2000:
-                time.sleep(5e-5)
+                    q["pr"].append(ops.mark("h2d"))
+                    progressed = True
+                # 4. release slots whose copy finished, in order
+                while q["pr"] and ops.done(q["pr"][0]):
+                    q["pr"].popleft()
+                    t.zc_recv_release(peer)
+                    progressed = True
+                if q["send"] or q["recv"] or q["ps"] or q["pr"]:
+                    busy = True
+            if not busy:
+                break
+            if progressed:
+                idle = 0
+            else:
+                idle += 1
+                if time.monotonic() > ctx.deadline:
+                    waiting = [p for p, q in per_peer.items()
+                               if q["send"] or q["recv"] or q["ps"] or q["pr"]]
+                    raise CommTimeout(f"hetccl: timed out moving device data with peer ranks "
+                                      f"{waiting}")
+                # spin while copies are short-lived, then wait a little on the transport (GIL
+                # released; it also notices a dead or closed peer: PeerFailure)
+                if idle > 2000:
+                    for peer, q in per_peer.items():
+                        if q["send"] or q["recv"] or q["ps"] or q["pr"]:
+                            bridge.transport_of(peer).zc_wait(peer, 0)
+                            break
     # later work on the comm stream sees the copied and reduced data
     done = torch.cuda.Event()
     done.record(h2d)

@@ -90,16 +90,8 @@ class Cases:
             self.results[name] = traceback.format_exc(limit=6)
 
 
-def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
-    import hetccl  # noqa: F401 - registers the backend
-
-    rank, world = ctx.rank, ctx.world_size
-    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    c = Cases(rank, world)
-    W = world
-
-    # all_reduce: every op x dtype, several sizes
+def _all_reduce_matrix(c: Cases, rank: int, W: int) -> None:
+    """all_reduce: every op x dtype, several sizes."""
     for dtype in REDUCE_DTYPES:
         for opn, op in OPS.items():
             if opn == "avg" and not dtype.is_floating_point:
@@ -111,6 +103,31 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
                     ref = reference([data(r, case, n, dtype, opn) for r in range(W)], opn, dtype)
                     return close(x, ref, dtype, W)
                 c.run(f"all_reduce/{opn}/{str(dtype)[6:]}/n{n}", f)
+
+
+def run_all_reduce(ctx) -> dict:
+    """Only the all_reduce matrix, plus which host path carried it (engine stats)."""
+    import hetccl  # noqa: F401 - registers the backend
+
+    rank, world = ctx.rank, ctx.world_size
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    c = Cases(rank, world)
+    _all_reduce_matrix(c, rank, world)
+    stats = dict(dist.group.WORLD.engine.stats)
+    dist.destroy_process_group()
+    return {"results": c.results, "stats": stats}
+
+
+def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
+    import hetccl  # noqa: F401 - registers the backend
+
+    rank, world = ctx.rank, ctx.world_size
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    c = Cases(rank, world)
+    W = world
+    _all_reduce_matrix(c, rank, W)
 
     # async all_reduce with futures, non-contiguous input, 2-D tensor
     def f(case):

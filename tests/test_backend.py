@@ -39,3 +39,26 @@ def test_collectives(split):
     assert not failed, f"{len(failed)} failing cases: {sorted(failed)[:40]}\n" + "\n".join(
         f"{case}: " + "; ".join(f"rank {r}: {v}" for r, v in sorted(vs.items()) if v != "ok")
         for case, vs in sorted(failed.items())[:20])
+
+
+@functools.lru_cache(maxsize=None)
+def all_reduce_results(split: str, host_kernel: str) -> list[dict]:
+    world = sum(int(x) for x in split.split("+"))
+    env = dict(ENV, HETCCL_HOST_KERNEL=host_kernel)
+    return spawn(collective_cases.run_all_reduce, world, vendors=split, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("split", ["1+1", "2+2"])
+@pytest.mark.parametrize("host_kernel", ["1", "0"])
+def test_all_reduce_host_paths(split, host_kernel):
+    """Both host paths of the two-group all-reduce (the C++ pair kernel, default, and the
+    Python chunk pipeline, HETCCL_HOST_KERNEL=0) give the reference results for every op and
+    dtype, and the one asked for is the one that ran (no silent fallback)."""
+    per_rank = all_reduce_results(split, host_kernel)
+    bad = {f"rank {r} {case}": v for r, res in enumerate(per_rank)
+           for case, v in res["results"].items() if v != "ok"}
+    assert len(per_rank[0]["results"]) > 50
+    assert not bad, sorted(bad.items())[:10]
+    for r, res in enumerate(per_rank):
+        used = res["stats"]["pair_kernel_bytes"]
+        assert (used > 0) if host_kernel == "1" else (used == 0), (r, res["stats"])

@@ -53,11 +53,20 @@ def _exchange_pairwise_ring(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: st
     topo = ctx.topo
     base = mine[0]
     a_s, a_r, b_s, b_r = [], [], [], []
-    for peer, lo, hi in peer_pieces(mine, n, [topo.groups[1 - topo.my_group]]):
+    pieces = list(peer_pieces(mine, n, [topo.groups[1 - topo.my_group]]))
+    for peer, lo, hi in pieces:
         mid = lo + (hi - lo) // 2
         own, other = ((lo, mid), (mid, hi)) if topo.rank < peer else ((mid, hi), (lo, mid))
         v_own = my[own[0] - base:own[1] - base]
         v_other = my[other[0] - base:other[1] - base]
+        # Equal group sizes shard identically, so every rank has at most one peer and so does
+        # that peer: then the whole exchange runs as one C++ loop on this thread when the
+        # pair's transport allows. Both ends take the same decision: it depends on the
+        # topology, the pair's (shared) transport and settings that every rank must agree on
+        # (checked when the bridge starts, bridge.py).
+        if (len(pieces) == 1 and len(topo.groups[0]) == len(topo.groups[1])
+                and ctx.pair_allreduce(peer, v_other, v_own, op, ctx.tag(0, 0))):
+            return
         a_s.append((peer, other[0], other[1], v_other))
         a_r.append((peer, own[0], own[1], v_own))
         b_s.append((peer, own[0], own[1], v_own))
