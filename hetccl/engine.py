@@ -155,14 +155,15 @@ class Engine:
             fut.set_exception(e)
 
     def copy_streams(self, device: torch.device):
-        """(d2h, h2d) streams of the GPU data path, one pair per device."""
+        """(d2h, h2d, reduce) streams of the GPU data path, one set per device: the copy
+        engines of both directions and the reductions of received chunks each get their own
+        stream, so an H2D copy never queues behind a reduction kernel."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
         key = ("copy", idx)
-        pair = self._streams.get(key)
-        if pair is None:
-            pair = self._streams[key] = (torch.cuda.Stream(device=idx),
-                                         torch.cuda.Stream(device=idx))
-        return pair
+        trio = self._streams.get(key)
+        if trio is None:
+            trio = self._streams[key] = tuple(torch.cuda.Stream(device=idx) for _ in range(3))
+        return trio
 
     def seam(self, device: torch.device):
         s = self._seam_of.get(device)

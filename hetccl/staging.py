@@ -74,8 +74,8 @@ class _TorchOps:
 
     raw = False
 
-    def __init__(self, d2h, h2d):
-        self.streams = {"d2h": d2h, "h2d": h2d}
+    def __init__(self, d2h, h2d, red):
+        self.streams = {"d2h": d2h, "h2d": h2d, "red": red}
 
     def start(self):
         pass
@@ -99,14 +99,15 @@ class _TorchOps:
 class _RawOps:
     """Copies and events through the vendor runtime (vendor.RawRuntime): one ctypes call each
     instead of torch's Python wrappers. Events come from a pool owned by the engine and are
-    reused from call to call: when device_transfer returns, every event it recorded has
-    completed (all sends committed, all receives released)."""
+    reused from call to call. Re-recording an event is safe: a stream wait already enqueued
+    keeps the state the event had when it was enqueued, and a call only queries events it
+    recorded itself."""
 
     raw = True
 
-    def __init__(self, rt, d2h, h2d, pool: list):
+    def __init__(self, rt, d2h, h2d, red, pool: list):
         self.rt = rt
-        self.handles = {"d2h": d2h.cuda_stream, "h2d": h2d.cuda_stream}
+        self.handles = {"d2h": d2h.cuda_stream, "h2d": h2d.cuda_stream, "red": red.cuda_stream}
         self.kinds = {"d2h": rt.D2H, "h2d": rt.H2D}
         self.pool = pool
         self.next = 0
@@ -133,14 +134,14 @@ class _RawOps:
         self.rt.stream_wait(self.handles[kind], token)
 
 
-def _ops(ctx, device: torch.device, d2h, h2d):
+def _ops(ctx, device: torch.device, d2h, h2d, red):
     from . import vendor
 
     rt = vendor.raw_runtime()
     if rt is None:
-        return _TorchOps(d2h, h2d)
+        return _TorchOps(d2h, h2d, red)
     pools = ctx.engine.__dict__.setdefault("_raw_event_pools", {})
-    return _RawOps(rt, d2h, h2d, pools.setdefault(device.index, []))
+    return _RawOps(rt, d2h, h2d, red, pools.setdefault(device.index, []))
 
 
 def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) -> None:
@@ -149,12 +150,12 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
 
     bridge = ctx.engine.bridge
     comm = torch.cuda.current_stream()
-    d2h, h2d = ctx.engine.copy_streams(comm.device)
+    d2h, h2d, red = ctx.engine.copy_streams(comm.device)
     start = torch.cuda.Event()
     start.record(comm)
-    d2h.wait_event(start)
-    h2d.wait_event(start)
-    ops = _ops(ctx, comm.device, d2h, h2d)
+    for s in (d2h, h2d, red):
+        s.wait_event(start)
+    ops = _ops(ctx, comm.device, d2h, h2d, red)
     ops.start()
     ctx.engine.stats["raw_runtime"] = ops.raw
 
@@ -182,11 +183,16 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
     regs = {p: _regions(bridge.transport_of(p), seam) for p in per_peer}
     sent_events: dict[int, object] = {}
     nslots = min(bridge.transport_of(p).zc_depth(p) for p in per_peer) if per_peer else 1
-    bounce: dict[int, torch.Tensor] = {}
+    # Received chunks to reduce land in bounce buffers (2 x nslots per peer, reused in turn);
+    # each remembers the reduction that last read it, which the next H2D into it waits for.
+    bounce: dict[tuple, tuple] = {}
+    nbounce = 2 * nslots
+    received = {p: 0 for p in per_peer}
 
     idle = 0
-    # Reductions (the only kernels launched here) and bounce buffers belong to the H2D stream.
-    with torch.cuda.stream(h2d):
+    # Reductions (the only kernels launched here) run on their own stream: the H2D stream only
+    # copies, so a slot is released as soon as its bytes are on the device.
+    with torch.cuda.stream(red):
         while True:
             progressed, busy = False, False
             for peer, q in per_peer.items():
@@ -231,17 +237,26 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
                     if op is None:
                         ops.copy(dst, slot, "h2d")
                     else:
-                        i = len(q["pr"]) % nslots + 100 * peer
-                        buf = bounce.get(i)
+                        key = (peer, received[peer] % nbounce)
+                        received[peer] += 1
+                        buf, last = bounce.get(key, (None, None))
                         if buf is None or buf.numel() < n:
-                            buf = bounce[i] = torch.empty(max(n, slot_bytes), dtype=torch.uint8,
-                                                          device=v.device)
+                            buf = torch.empty(max(n, slot_bytes), dtype=torch.uint8,
+                                              device=v.device)
+                        elif last is not None:
+                            ops.wait("h2d", last)  # the reduction that read it has run
                         tmp = buf[:n]
                         ops.copy(tmp, slot, "h2d")
+                        copied = ops.mark("h2d")
+                        ops.wait("red", copied)
                         sev = sent_events.get(v.data_ptr())
                         if sev is not None:
-                            ops.wait("h2d", sev)
+                            ops.wait("red", sev)  # our own send of this range has read it
                         reduce_into(v, tmp.view(v.dtype), op)
+                        bounce[key] = (buf, ops.mark("red"))
+                        q["pr"].append(copied)
+                        progressed = True
+                        continue
                     q["pr"].append(ops.mark("h2d"))
                     progressed = True
                 # 4. release slots whose copy finished, in order
@@ -270,11 +285,9 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
                             bridge.transport_of(peer).zc_wait(peer, 0)
                             break
     # later work on the comm stream sees the copied and reduced data
-    done = torch.cuda.Event()
-    done.record(h2d)
-    comm.wait_event(done)
-    done2 = torch.cuda.Event()
-    done2.record(d2h)
-    comm.wait_event(done2)
-    for buf in bounce.values():
+    for s in (h2d, d2h, red):
+        done = torch.cuda.Event()
+        done.record(s)
+        comm.wait_event(done)
+    for buf, _ in bounce.values():
         buf.record_stream(h2d)

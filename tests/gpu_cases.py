@@ -79,5 +79,6 @@ def run(ctx) -> dict:
         out["device_mismatch"] = "ok" if "device type" in str(e) else str(e)
     out["zero_copy_bytes"] = pg.engine.stats["zero_copy_bytes"]
     out["staged_bytes"] = pg.engine.stats["staged_bytes"]
+    out["raw_runtime"] = pg.engine.stats.get("raw_runtime")
     dist.destroy_process_group()
     return out

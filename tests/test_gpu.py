@@ -28,4 +28,7 @@ def test_cuda_tensors_across_emulated_vendors():
         assert out["stream"]["issue_s"] < 0.05, out["stream"]
         # large transfers took the zero-copy path; small ones are staged (HETCCL_ZC_MIN_BYTES)
         assert out["zero_copy_bytes"] > 0, out
+        # the staging loop drove copies and events through the vendor runtime (not the
+        # slower torch-call fallback)
+        assert out["raw_runtime"] is True, out
         assert out["device_mismatch"] == "ok", out["device_mismatch"]
