@@ -139,17 +139,21 @@ def rank_main(ctx):
 
     x = torch.arange(20_000, dtype=torch.float32)
 
-    def mismatched_sizes():
-        tt = fresh("mis")
-        give, keep = (x[:10_000], x[10_000:]) if rank == 0 else (x[:9_000], x[9_000:])
+    def outcome(tt, give, keep, tag, timeout_ms):
+        """'no error', or 'ErrorClass|seconds|message' of what the kernel raised."""
         t0 = time.monotonic()
         try:
             _C.pair_allreduce(tt, peer, _ptr(give), _nbytes(give), _ptr(keep), _nbytes(keep),
-                              "sum", "float32", 4096, 5, 3000)
+                              "sum", "float32", 4096, tag, timeout_ms)
             return "no error"
         except _C.CommError as e:
-            took = time.monotonic() - t0
-            return f"{type(e).__name__}|{took:.2f}|{e}"
+            return f"{type(e).__name__}|{time.monotonic() - t0:.2f}|{e}"
+
+    def mismatched_sizes():
+        tt = fresh("mis")
+        give, keep = (x[:10_000], x[10_000:]) if rank == 0 else (x[:9_000], x[9_000:])
+        try:
+            return outcome(tt, give, keep, 5, 3000)
         finally:
             tt.close()
 
@@ -157,11 +161,7 @@ def rank_main(ctx):
         tt = fresh("tag")
         give, keep = (x[:10_000], x[10_000:]) if rank == 0 else (x[10_000:], x[:10_000])
         try:
-            _C.pair_allreduce(tt, peer, _ptr(give), _nbytes(give), _ptr(keep), _nbytes(keep),
-                              "sum", "float32", 4096, 5 + rank, 3000)
-            return "no error"
-        except _C.CommError as e:
-            return f"{type(e).__name__}|{e}"
+            return outcome(tt, give, keep, 5 + rank, 3000)
         finally:
             tt.close()
 
@@ -175,25 +175,10 @@ def rank_main(ctx):
             tt.close()
             st.set("absent/closed", "1")
             return "ok"
-        out = []
-        t0 = time.monotonic()
-        try:
-            _C.pair_allreduce(tt, peer, _ptr(give), _nbytes(give), _ptr(keep), _nbytes(keep),
-                              "sum", "float32", 4096, 5, 400)
-            out.append("no timeout")
-        except _C.CommTimeout as e:
-            out.append(f"CommTimeout|{time.monotonic() - t0:.2f}|{e}")
+        out = [outcome(tt, give, keep, 5, 400)]
         st.set("absent/timed_out", "1")
         st.wait(["absent/closed"])
-        t0 = time.monotonic()
-        try:
-            _C.pair_allreduce(tt, peer, _ptr(give), _nbytes(give), _ptr(keep), _nbytes(keep),
-                              "sum", "float32", 4096, 6, 20_000)
-            out.append("no error")
-        except _C.PeerFailure as e:
-            out.append(f"PeerFailure|{time.monotonic() - t0:.2f}|{e}")
-        except Exception as e:  # noqa: BLE001
-            out.append(f"{type(e).__name__}|{e}")
+        out.append(outcome(tt, give, keep, 6, 20_000))
         tt.close()
         return out
 
@@ -257,7 +242,7 @@ def test_mismatched_sizes_raise_on_both_ranks():
 
 def test_other_tag_is_an_error_not_a_result():
     for rank, v in enumerate(_case("other_tag")):
-        kind, msg = v.split("|", 1)
+        kind, _, msg = v.split("|", 2)
         assert kind in ("CommError", "PeerFailure", "CommTimeout"), v
     assert any("tag" in v and "disagree" in v for v in _case("other_tag"))
 
