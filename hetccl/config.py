@@ -50,9 +50,10 @@ _SETTINGS = [
     Setting("HETCCL_CHUNK_BYTES", int, 4 << 20,
             "Pipeline chunk size for hierarchical collectives (bytes)."),
     Setting("HETCCL_HOST_KERNEL", _bool, True,
-            "Two vendor groups, host tensors, one peer on shared memory: run the exchange of "
-            "all-reduce as one C++ loop on the calling thread (csrc/exchange.cc). 0: the "
-            "Python-driven chunk pipeline over the transport's threads (for comparison)."),
+            "Two vendor groups of equal size, host tensors, peers on shared memory: run the "
+            "cross-vendor exchange of all-reduce as one C++ loop on the calling thread "
+            "(csrc/exchange.cc). 0: the Python-driven chunk pipeline over the transport's "
+            "threads (for comparison). Must be equal on every rank."),
     Setting("HETCCL_ALGO", str, "",
             "Algorithm overrides, e.g. 'all_reduce=flat,all_gather=hier' (see docs/algorithms.md)."),
     Setting("HETCCL_LOG_LEVEL", str, "WARNING", "Log level of the 'hetccl' logger."),
