@@ -47,8 +47,9 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
 HEADER_LEN = 6
 TAG_WINDOW = 1024
-# Chunk of the host pair kernel: small enough that a reduced chunk is still in L2 when it is
-# forwarded, large enough to amortise the per-slot handshake (measured: docs/benchmarks.md).
+# Chunk of the host pair kernel: small enough that a reduced chunk is still in L1/L2 when its
+# sum is written back into the slot, large enough to amortise the per-slot handshake (128 KiB
+# measured best on the CPU machines against 64 KiB-1 MiB; docs/benchmarks.md).
 PAIR_CHUNK_BYTES = 128 << 10
 
 
@@ -99,6 +100,8 @@ class Engine:
         self._seq = 0
         self._broken: BaseException | None = None
         self._closed = False
+        # raw runtime events of the GPU staging loop, per device index (staging._RawOps)
+        self.raw_events: dict[int, list] = {}
         self.chunk_bytes = int(config.get("HETCCL_CHUNK_BYTES"))
         self.check_args = bool(config.get("HETCCL_CHECK_ARGS"))
         try:
@@ -246,6 +249,14 @@ class Engine:
             self.bridge.close()
         if self.local is not None:
             self.local.close()
+        if self.raw_events:
+            from . import vendor
+
+            rt = vendor.raw_runtime()
+            for events in self.raw_events.values():
+                for ev in events:
+                    rt.destroy(ev)
+            self.raw_events = {}
 
 
 class _ArgMismatch(ValueError):

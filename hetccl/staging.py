@@ -98,7 +98,8 @@ class _TorchOps:
 
 class _RawOps:
     """Copies and events through the vendor runtime (vendor.RawRuntime): one ctypes call each
-    instead of torch's Python wrappers. Events come from a pool owned by the engine and are
+    instead of torch's Python wrappers. Events come from a pool owned by the engine (destroyed
+    when it closes) and are
     reused from call to call. Re-recording an event is safe: a stream wait already enqueued
     keeps the state the event had when it was enqueued, and a call only queries events it
     recorded itself."""
@@ -140,8 +141,7 @@ def _ops(ctx, device: torch.device, d2h, h2d, red):
     rt = vendor.raw_runtime()
     if rt is None:
         return _TorchOps(d2h, h2d, red)
-    pools = ctx.engine.__dict__.setdefault("_raw_event_pools", {})
-    return _RawOps(rt, d2h, h2d, red, pools.setdefault(device.index, []))
+    return _RawOps(rt, d2h, h2d, red, ctx.engine.raw_events.setdefault(device.index, []))
 
 
 def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) -> None:
