@@ -21,7 +21,9 @@
 // shared (non-private) futex; the other side wakes it only when the flag is set (seq_cst on both
 // sides, Dekker style, so a wake cannot be lost). Sleeps time out every kCheckMs to check the
 // peer: its `closed` flag, and whether its pid still names the same live process (kill(pid, 0),
-// zombie state and start time from /proc, so a reused pid is not mistaken for the peer). A peer
+// zombie state and start time from /proc, so a reused pid is not mistaken for the peer). The
+// check's clock is per peer, shared by all its waiters (so many short waits check as often as
+// one long one), and a peer found gone stays gone for every waiter. A peer
 // in another pid namespace cannot be checked that way; then only the closed flag and the
 // caller's timeouts apply.
 //
@@ -179,7 +181,13 @@ struct Peer {
 
   std::mutex zmu;  // zero-copy ring counters (one caller at a time, but be safe)
   uint32_t zs_acq = 0, zs_commit = 0, zr_acq = 0, zr_rel = 0;
-  int64_t zc_last_check = 0;  // zc_wait's liveness check clock
+
+  // Liveness, shared by every wait on this peer (send/recv threads, zero-copy callers), so that
+  // many short waits check it as often as one long wait: when it was last checked, and, once a
+  // check found the peer gone, why (sticky; gone_state 2 publishes gone_why).
+  std::atomic<int64_t> checked_ms{0};
+  std::atomic<int> gone_state{0};  // 0 alive, 1 being recorded, 2 recorded
+  std::string gone_why;
 };
 
 class ShmTransport final : public Transport {
@@ -257,13 +265,47 @@ class ShmTransport final : public Transport {
     }
     return "";
   }
+  // "" while the peer looks alive; else why not. Checks at most every kCheckMs per peer (any
+  // caller's check counts); a peer found gone stays gone.
+  std::string liveness(Peer& p, bool as_sender) {
+    if (p.gone_state.load(std::memory_order_acquire) == 2) return p.gone_why;
+    const int64_t t = now_ms();
+    if (t - p.checked_ms.load() < kCheckMs) return "";
+    p.checked_ms.store(t);
+    std::string why = check_peer_alive(p, as_sender);
+    int alive = 0;
+    if (!why.empty() && p.gone_state.compare_exchange_strong(alive, 1)) {
+      p.gone_why = why;
+      p.gone_state.store(2, std::memory_order_release);
+    }
+    return why;
+  }
+  // Zero-copy ring slots, under p.zmu: whether the next one is free / filled, and taking it.
+  bool zc_send_free(Peer& p) {
+    return p.zs_acq - p.out.h->ztail.v.load(std::memory_order_acquire) < p.out.nslots;
+  }
+  bool zc_recv_filled(Peer& p) {
+    return p.in.h->zhead.v.load(std::memory_order_acquire) != p.zr_acq;
+  }
+  std::pair<void*, size_t> zc_take_send(Peer& p) {
+    uint32_t slot = p.zs_acq++ % p.out.nslots;
+    return {p.out.zdata + size_t(slot) * p.out.slot_bytes, p.out.slot_bytes};
+  }
+  std::tuple<void*, size_t, uint64_t> zc_take_recv(Peer& p) {
+    uint32_t slot = p.zr_acq++ % p.in.nslots;
+    ZcHdr zh = p.in.zslots[slot];
+    if (zh.nbytes > p.in.slot_bytes)
+      throw PeerFailure("hetccl shm: " + who(p) + " committed a corrupt zero-copy slot");
+    return {p.in.zdata + size_t(slot) * p.in.slot_bytes, size_t(zh.nbytes), zh.tag};
+  }
   void fail_peer(Peer& p, Request::ErrorKind kind, const std::string& msg);
   void fail_all_locked(Peer& p, Request::ErrorKind kind, const std::string& msg);
   RequestPtr post_recv(int peer, RecvOp op, uint64_t tag);
   void send_loop(Peer* p);
   void recv_loop(Peer* p);
   // Waits until pred() or failure; returns "" or the failure message. Spins, then futex-sleeps
-  // on `word` (with `waiting` flag) checking the peer every kCheckMs.
+  // on `word` (with `waiting` flag), checking the peer's liveness when due (liveness()), also
+  // once the deadline has passed.
   template <typename Pred>
   std::string wait_on(Peer& p, bool as_sender, Word& word, Word& waiting, Pred pred,
                       const Deadline* deadline);
@@ -288,16 +330,11 @@ std::string ShmTransport::wait_on(Peer& p, bool as_sender, Word& word, Word& wai
       cpu_relax();
     }
   } while (now_ns() < spin_until);
-  int64_t last_check = now_ms();
   for (;;) {
     if (pred()) return "";
     if (stop_.load()) return "hetccl shm: transport closed";
-    int64_t t = now_ms();
-    if (t - last_check >= kCheckMs) {
-      last_check = t;
-      std::string why = check_peer_alive(p, as_sender);
-      if (!why.empty() && !pred()) return why;
-    }
+    std::string why = liveness(p, as_sender);
+    if (!why.empty() && !pred()) return why;
     int64_t sleep = kCheckMs;
     if (deadline) {
       if (deadline->expired()) return "timeout";
@@ -723,21 +760,18 @@ void ShmTransport::close() {
   if (closed_) return;
   closed_ = true;
   stop_.store(true);
+  auto wake_all = [](SegHeader* h) {  // every sleeper on either ring of this segment
+    for (Word* w : {&h->head, &h->tail, &h->zhead, &h->ztail}) futex_wake(&w->v);
+  };
   for (auto& pp : peers_) {
     if (!pp) continue;
     if (pp->out.h) {
       pp->out.h->src_closed.v.store(1);
-      futex_wake(&pp->out.h->head.v);
-      futex_wake(&pp->out.h->tail.v);
-      futex_wake(&pp->out.h->zhead.v);
-      futex_wake(&pp->out.h->ztail.v);
+      wake_all(pp->out.h);
     }
     if (pp->in.h) {
       pp->in.h->dst_closed.v.store(1);
-      futex_wake(&pp->in.h->head.v);
-      futex_wake(&pp->in.h->tail.v);
-      futex_wake(&pp->in.h->zhead.v);
-      futex_wake(&pp->in.h->ztail.v);
+      wake_all(pp->in.h);
     }
     std::lock_guard<std::mutex> g(pp->mu);
     pp->cv.notify_all();
@@ -772,17 +806,14 @@ std::pair<void*, size_t> ShmTransport::zc_send_acquire(int peer, int64_t timeout
   std::lock_guard<std::mutex> g(p.zmu);
   if (!p.out.h) throw CommError("hetccl shm: transport closed");
   SegHeader* h = p.out.h;
-  const uint32_t n = p.out.nslots;
   Deadline d(timeout_ms);
-  std::string err = wait_on(p, true, h->ztail, h->ztail_waiting,
-                            [&] { return p.zs_acq - h->ztail.v.load(std::memory_order_acquire) < n; }, &d);
+  std::string err = wait_on(p, true, h->ztail, h->ztail_waiting, [&] { return zc_send_free(p); }, &d);
   if (err == "timeout")
     throw CommTimeout("hetccl shm: timed out after " + std::to_string(timeout_ms) +
                       " ms waiting for a free zero-copy slot to peer rank " + std::to_string(peer));
   if (stop_.load()) throw CommError("hetccl shm: transport closed");
   if (!err.empty()) throw PeerFailure(err);
-  uint32_t slot = p.zs_acq++ % n;
-  return {p.out.zdata + size_t(slot) * p.out.slot_bytes, p.out.slot_bytes};
+  return zc_take_send(p);
 }
 
 void ShmTransport::zc_send_commit(int peer, size_t nbytes, uint64_t tag) {
@@ -809,18 +840,13 @@ std::tuple<void*, size_t, uint64_t> ShmTransport::zc_recv_acquire(int peer, int6
   if (!p.in.h) throw CommError("hetccl shm: transport closed");
   SegHeader* h = p.in.h;
   Deadline d(timeout_ms);
-  std::string err = wait_on(p, false, h->zhead, h->zhead_waiting,
-                            [&] { return h->zhead.v.load(std::memory_order_acquire) != p.zr_acq; }, &d);
+  std::string err = wait_on(p, false, h->zhead, h->zhead_waiting, [&] { return zc_recv_filled(p); }, &d);
   if (err == "timeout")
     throw CommTimeout("hetccl shm: timed out after " + std::to_string(timeout_ms) +
                       " ms waiting for a zero-copy slot from peer rank " + std::to_string(peer));
   if (stop_.load()) throw CommError("hetccl shm: transport closed");
   if (!err.empty()) throw PeerFailure(err);
-  uint32_t slot = p.zr_acq++ % p.in.nslots;
-  ZcHdr zh = p.in.zslots[slot];
-  if (zh.nbytes > p.in.slot_bytes)
-    throw PeerFailure("hetccl shm: " + who(p) + " committed a corrupt zero-copy slot");
-  return {p.in.zdata + size_t(slot) * p.in.slot_bytes, size_t(zh.nbytes), zh.tag};
+  return zc_take_recv(p);
 }
 
 void ShmTransport::zc_recv_release(int peer) {
@@ -840,22 +866,15 @@ std::pair<void*, size_t> ShmTransport::zc_send_try(int peer) {
   Peer& p = peer_ref(peer);
   std::lock_guard<std::mutex> g(p.zmu);
   if (!p.out.h) throw CommError("hetccl shm: transport closed");
-  const uint32_t n = p.out.nslots;
-  if (p.zs_acq - p.out.h->ztail.v.load(std::memory_order_acquire) >= n) return {nullptr, 0};
-  uint32_t slot = p.zs_acq++ % n;
-  return {p.out.zdata + size_t(slot) * p.out.slot_bytes, p.out.slot_bytes};
+  return zc_send_free(p) ? zc_take_send(p) : std::pair<void*, size_t>{nullptr, 0};
 }
 
 std::tuple<void*, size_t, uint64_t> ShmTransport::zc_recv_try(int peer) {
   Peer& p = peer_ref(peer);
   std::lock_guard<std::mutex> g(p.zmu);
   if (!p.in.h) throw CommError("hetccl shm: transport closed");
-  if (p.in.h->zhead.v.load(std::memory_order_acquire) == p.zr_acq) return {nullptr, 0, 0};
-  uint32_t slot = p.zr_acq++ % p.in.nslots;
-  ZcHdr zh = p.in.zslots[slot];
-  if (zh.nbytes > p.in.slot_bytes)
-    throw PeerFailure("hetccl shm: " + who(p) + " committed a corrupt zero-copy slot");
-  return {p.in.zdata + size_t(slot) * p.in.slot_bytes, size_t(zh.nbytes), zh.tag};
+  if (!zc_recv_filled(p)) return {nullptr, 0, 0};
+  return zc_take_recv(p);
 }
 
 std::pair<uint32_t, uint32_t> ShmTransport::zc_send_counts(int peer) {
@@ -871,19 +890,12 @@ void ShmTransport::zc_wait(int peer, int64_t timeout_ms) {
   if (!p.out.h || !p.in.h) throw CommError("hetccl shm: transport closed");
   SegHeader* ho = p.out.h;
   SegHeader* hi = p.in.h;
-  if (now_ms() - p.zc_last_check >= kCheckMs) {  // wait_on's own check needs longer sleeps
-    p.zc_last_check = now_ms();
-    std::string why = check_peer_alive(p, true);
-    if (why.empty()) why = check_peer_alive(p, false);
-    if (!why.empty()) throw PeerFailure(why);
-  }
   // Sleeps on the incoming ring's head (the peer's commits wake us); a release of one of our
   // slots is noticed by the predicate within the sleep slice, kept short for that reason.
   const uint32_t tail0 = ho->ztail.v.load(std::memory_order_acquire);
   Deadline d(std::min<int64_t>(timeout_ms, 2));
   auto ready = [&] {
-    return hi->zhead.v.load(std::memory_order_acquire) != p.zr_acq ||
-           ho->ztail.v.load(std::memory_order_acquire) != tail0;
+    return zc_recv_filled(p) || ho->ztail.v.load(std::memory_order_acquire) != tail0;
   };
   std::string err = wait_on(p, true, hi->zhead, hi->zhead_waiting, ready, &d);
   if (err == "timeout" || err.empty()) return;

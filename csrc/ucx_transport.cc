@@ -510,15 +510,7 @@ class UcxTransport final : public Transport {
       if (op->kind != OpKind::Send && op->ucp_req) cancel.push_back(op->ucp_req);
     }
     for (void* r : cancel) ucp_request_cancel(worker_, r);
-    for (Peer& pr : peers_) {
-      if (!pr.ep) continue;
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      void* r = ucp_ep_close_nbx(pr.ep, &prm);
-      pr.ep = nullptr;
-      if (r && !UCS_PTR_IS_ERR(r)) close_reqs_.push_back(r);
-    }
+    for (Peer& pr : peers_) force_close_ep_locked(pr);
     for (void* r : close_reqs_) wait_ucp_locked(r, 1000);
     close_reqs_.clear();
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
@@ -882,6 +874,17 @@ class UcxTransport final : public Transport {
     ucp_request_free(r);  // an unfinished request is released when UCX completes it
   }
 
+  // Starts a forced close of pr's endpoint (if any); the close request joins close_reqs_.
+  void force_close_ep_locked(Peer& pr) {
+    if (!pr.ep) return;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* r = ucp_ep_close_nbx(pr.ep, &prm);
+    pr.ep = nullptr;
+    if (r && !UCS_PTR_IS_ERR(r)) close_reqs_.push_back(r);
+  }
+
   // Failed peers: cancel their receives and force-close their endpoint (not allowed inside the
   // error callback itself).
   void reap_failed_peers_locked() {
@@ -892,14 +895,7 @@ class UcxTransport final : public Transport {
       for (Op* op : pending_)
         if (op->peer == pr.rank && op->kind != OpKind::Send && op->ucp_req) cancel.push_back(op->ucp_req);
       for (void* r : cancel) ucp_request_cancel(worker_, r);
-      if (pr.ep) {
-        ucp_request_param_t prm{};
-        prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        void* r = ucp_ep_close_nbx(pr.ep, &prm);
-        pr.ep = nullptr;
-        if (r && !UCS_PTR_IS_ERR(r)) close_reqs_.push_back(r);
-      }
+      force_close_ep_locked(pr);
     }
     for (size_t i = 0; i < close_reqs_.size();) {
       if (ucp_request_check_status(close_reqs_[i]) != UCS_INPROGRESS) {

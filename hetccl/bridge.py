@@ -148,10 +148,9 @@ class Bridge:
 
     def pair_allreduce(self, peer: int, give: torch.Tensor, keep: torch.Tensor, op: str,
                        tag: int, chunk_bytes: int, deadline: float) -> None:
-        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
         _C.pair_allreduce(self.transport_of(peer), peer, give.data_ptr(), _nbytes(give),
                           keep.data_ptr(), _nbytes(keep), op, torch_dtype_name(keep.dtype),
-                          chunk_bytes, tag, left_ms)
+                          chunk_bytes, tag, _left_ms(deadline))
 
     def zero_copy(self, peers) -> bool:
         """True when every peer is reached through a transport with a zero-copy ring."""
@@ -192,6 +191,11 @@ def _check_settings_agree(store, topo: Topology, timeout: timedelta, mine: dict)
                          "rank: " + "; ".join(problems))
 
 
+def _left_ms(deadline: float) -> int:
+    """Milliseconds until `deadline` (time.monotonic() seconds), never negative."""
+    return max(0, int((deadline - time.monotonic()) * 1000))
+
+
 def _nbytes(t: torch.Tensor) -> int:
     if not t.is_contiguous():
         raise ValueError("hetccl: internal error: bridge tensors must be contiguous")
@@ -207,11 +211,9 @@ class _Req:
         self.req, self.tensor = req, tensor
 
     def wait(self, deadline: float) -> int:
-        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        return self.req.wait(left_ms)
+        return self.req.wait(_left_ms(deadline))
 
 
 def wait_all(reqs, deadline: float) -> None:
     if reqs:
-        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        _C.wait_all([r.req for r in reqs], left_ms)
+        _C.wait_all([r.req for r in reqs], _left_ms(deadline))

@@ -104,6 +104,9 @@ class Engine:
         self.raw_events: dict[int, list] = {}
         self.chunk_bytes = int(config.get("HETCCL_CHUNK_BYTES"))
         self.check_args = bool(config.get("HETCCL_CHECK_ARGS"))
+        # read once, as the bridge checked them across ranks at start (config.MUST_AGREE)
+        self.host_kernel = bool(config.get("HETCCL_HOST_KERNEL"))
+        self.zc_min_bytes = int(config.get("HETCCL_ZC_MIN_BYTES"))
         try:
             if topo.local_size > 1:
                 self.local = NativeGroup(store, topo.labels[topo.my_group], topo.local_rank,
@@ -320,7 +323,7 @@ class EngineCtx:
         """Two-rank ring all-reduce of give|keep with `peer` as one C++ loop on this thread
         (csrc/exchange.h); False when it does not apply (device tensors, a transport without a
         zero-copy ring, HETCCL_HOST_KERNEL=0) and the caller takes the generic path."""
-        if self._dev or not config.get("HETCCL_HOST_KERNEL"):
+        if self._dev or not self.engine.host_kernel:
             return False
         bridge = self.engine.bridge
         if not bridge.zero_copy([peer]):
@@ -350,7 +353,7 @@ class EngineCtx:
             return False
         peers = {s[0] for s in sends} | {r[0] for r in recvs}
         nbytes = sum(v.numel() * v.element_size() for *_, v in list(sends) + list(recvs))
-        if nbytes < int(config.get("HETCCL_ZC_MIN_BYTES")):
+        if nbytes < self.engine.zc_min_bytes:
             return False
         bridge = self.engine.bridge
         if not peers or not bridge.zero_copy(peers):

@@ -77,9 +77,6 @@ class _TorchOps:
     def __init__(self, d2h, h2d, red):
         self.streams = {"d2h": d2h, "h2d": h2d, "red": red}
 
-    def start(self):
-        pass
-
     def copy(self, dst: torch.Tensor, src: torch.Tensor, kind: str) -> None:
         with torch.cuda.stream(self.streams[kind]):
             dst.copy_(src, non_blocking=True)
@@ -111,9 +108,6 @@ class _RawOps:
         self.handles = {"d2h": d2h.cuda_stream, "h2d": h2d.cuda_stream, "red": red.cuda_stream}
         self.kinds = {"d2h": rt.D2H, "h2d": rt.H2D}
         self.pool = pool
-        self.next = 0
-
-    def start(self):
         self.next = 0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, kind: str) -> None:
@@ -156,7 +150,6 @@ def device_transfer(ctx, phase: int, sends, recvs, op, seam, slot_bytes: int) ->
     for s in (d2h, h2d, red):
         s.wait_event(start)
     ops = _ops(ctx, comm.device, d2h, h2d, red)
-    ops.start()
     ctx.engine.stats["raw_runtime"] = ops.raw
 
     per_peer = {}
