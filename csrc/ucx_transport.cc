@@ -636,16 +636,23 @@ class UcxTransport final : public Transport {
       buf = op->bounce.p.get();
     }
     ucp_tag_recv_info_t info{};
+    ucp_request_param_t prm = recv_param(op, &info);
+    pending_.insert(op);
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, buf, op->nbytes, key, kFullMask, &prm);
+    after_post_locked(op, r, info.length);
+  }
+
+  // Parameters of a tagged receive of bytes completing through recv_cb with `op`; *info gets
+  // the message's length when it completes at once.
+  static ucp_request_param_t recv_param(Op* op, ucp_tag_recv_info_t* info) {
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
     prm.cb.recv = recv_cb;
     prm.user_data = op;
     prm.datatype = ucp_dt_make_contig(1);
-    prm.recv_info.tag_info = &info;
-    pending_.insert(op);
-    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, buf, op->nbytes, key, kFullMask, &prm);
-    after_post_locked(op, r, info.length);
+    prm.recv_info.tag_info = info;
+    return prm;
   }
 
   // Moves unexpected messages into the stash (progress thread).
@@ -664,14 +671,8 @@ class UcxTransport final : public Transport {
       s->bye = bye;
       s->bounce = pool_.get(info.length);
       if (!bye) stash_[s->key].push_back(s);
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
-      prm.cb.recv = recv_cb;
-      prm.user_data = s;
-      prm.datatype = ucp_dt_make_contig(1);
       ucp_tag_recv_info_t info2{};
-      prm.recv_info.tag_info = &info2;
+      ucp_request_param_t prm = recv_param(s, &info2);
       pending_.insert(s);
       ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, s->bounce.p.get(), info.length, msg, &prm);
       after_post_locked(s, r, info.length);
