@@ -9,7 +9,8 @@
 #include <thread>
 
 #include "common.h"
-#include "exchange.h"
+#include "device_ops.h"
+#include "engine.h"
 #include "reduce.h"
 #include "transport.h"
 
@@ -22,6 +23,7 @@ PyObject* g_comm_error = nullptr;
 PyObject* g_comm_timeout = nullptr;
 PyObject* g_peer_failure = nullptr;
 PyObject* g_truncated = nullptr;
+PyObject* g_arg_mismatch = nullptr;
 
 void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
@@ -31,12 +33,13 @@ class PyTransport {
   PyTransport(const std::string& name, int rank, int size, const py::dict& options) {
     Options opts;
     for (auto kv : options) opts[py::str(kv.first)] = py::str(kv.second);
-    t_ = make_transport(name, rank, size, opts);
+    t_ = std::shared_ptr<Transport>(make_transport(name, rank, size, opts));
   }
   Transport& t() { return *t_; }
+  std::shared_ptr<Transport> shared() { return t_; }
 
  private:
-  std::unique_ptr<Transport> t_;
+  std::shared_ptr<Transport> t_;  // shared with an Engine that drives it
 };
 
 std::string to_bytes_str(const py::handle& h) {
@@ -61,9 +64,18 @@ PYBIND11_MODULE(_C, m) {
   m.attr("CommTimeout") = py::handle(g_comm_timeout);
   m.attr("PeerFailure") = py::handle(g_peer_failure);
   m.attr("MessageTruncated") = py::handle(g_truncated);
+  {
+    // Ranks disagree on a collective's arguments: a ValueError (the verdict is the same on every
+    // rank and the group stays usable when it is raised synchronously) and a CommError.
+    py::tuple bases = py::make_tuple(py::handle(g_comm_error), py::handle(PyExc_ValueError));
+    g_arg_mismatch = PyErr_NewException("hetccl._C.ArgMismatch", bases.ptr(), nullptr);
+  }
+  m.attr("ArgMismatch") = py::handle(g_arg_mismatch);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const ArgMismatch& e) {
+      PyErr_SetString(g_arg_mismatch, e.what());
     } catch (const MessageTruncated& e) {
       PyErr_SetString(g_truncated, e.what());
     } catch (const PeerFailure& e) {
@@ -225,21 +237,103 @@ PYBIND11_MODULE(_C, m) {
           scale_div(d, as_ptr(ptr), count, n, threads);
         },
         py::arg("dtype"), py::arg("ptr"), py::arg("count"), py::arg("n"), py::arg("threads") = 0);
-  m.def("pair_allreduce",
-        [](PyTransport& t, int peer, uintptr_t give, size_t give_bytes, uintptr_t keep,
-           size_t keep_bytes, const std::string& op, const std::string& dtype, size_t chunk_bytes,
-           uint64_t tag, int64_t timeout_ms) {
-          ReduceOp o = parse_op(op);
-          DType d = parse_dtype(dtype);
-          py::gil_scoped_release nogil;
-          pair_allreduce(t.t(), peer, as_ptr(give), give_bytes, as_ptr(keep), keep_bytes, o, d,
-                         chunk_bytes, tag, timeout_ms);
-        },
-        py::arg("transport"), py::arg("peer"), py::arg("give_ptr"), py::arg("give_bytes"),
-        py::arg("keep_ptr"), py::arg("keep_bytes"), py::arg("op"), py::arg("dtype"),
-        py::arg("chunk_bytes"), py::arg("tag"), py::arg("timeout_ms"),
-        "Two-rank ring all-reduce of one range with `peer` on the calling thread over the "
-        "transport's zero-copy ring (csrc/exchange.h states the contract).");
+  py::class_<DeviceOps, std::shared_ptr<DeviceOps>>(m, "DeviceOps",
+      "A vendor runtime's stream memory operations, copies, events and host registration "
+      "(csrc/device_ops.h), opened from the library the framework loaded.")
+      .def_property_readonly("name", &DeviceOps::name)
+      .def("stream_mem_ops", &DeviceOps::stream_mem_ops, py::arg("device_index"))
+      .def("host_register",
+           [](DeviceOps& d, uintptr_t p, size_t n) { return d.host_register(as_ptr(p), n); },
+           py::arg("ptr"), py::arg("nbytes"))
+      .def("host_unregister", [](DeviceOps& d, uintptr_t p) { d.host_unregister(as_ptr(p)); },
+           py::arg("ptr"))
+      .def("device_address", [](DeviceOps& d, uintptr_t p) { return d.device_address(as_ptr(p)); },
+           py::arg("ptr"));
+  m.def("device_ops", &make_device_ops, py::arg("vendor"), py::arg("library"));
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
+      "The progress engine of one multi-vendor group (csrc/engine.h states the contracts).")
+      .def(py::init([](const py::dict& transports, int rank, int threads, std::vector<int> check_peers,
+                       std::vector<std::vector<int>> groups, std::vector<int> group_of,
+                       std::vector<std::map<int64_t, std::string>> field_names,
+                       size_t device_slot_bytes, uint32_t device_slots, int msg_window,
+                       EngineOptions::Table host_chunks, EngineOptions::Table device_chunks,
+                       EngineOptions::Table msg_chunks, uint64_t force_chunk,
+                       bool abort_on_device_failure) {
+             std::map<int, std::shared_ptr<Transport>> links;
+             for (auto kv : transports)
+               links[kv.first.cast<int>()] = kv.second.cast<PyTransport&>().shared();
+             EngineOptions o;
+             o.rank = rank;
+             o.threads = threads;
+             o.check_peers = std::move(check_peers);
+             o.groups = std::move(groups);
+             o.group_of = std::move(group_of);
+             o.field_names = std::move(field_names);
+             o.device_slot_bytes = device_slot_bytes;
+             o.device_slots = device_slots;
+             o.msg_window = msg_window;
+             o.host_chunks = std::move(host_chunks);
+             o.device_chunks = std::move(device_chunks);
+             o.msg_chunks = std::move(msg_chunks);
+             o.force_chunk = force_chunk;
+             o.abort_on_device_failure = abort_on_device_failure;
+             return std::make_shared<Engine>(std::move(links), std::move(o));
+           }),
+           py::arg("transports"), py::arg("rank"), py::arg("threads"), py::arg("check_peers"),
+           py::arg("groups"), py::arg("group_of"), py::arg("field_names"),
+           py::arg("device_slot_bytes"), py::arg("device_slots"), py::arg("msg_window"),
+           py::arg("host_chunks"), py::arg("device_chunks"), py::arg("msg_chunks"),
+           py::arg("force_chunk"), py::arg("abort_on_device_failure"),
+           "transports: {peer rank: Transport} for every cross-vendor peer.")
+      .def("post",
+           [](Engine& e, const std::vector<std::tuple<int, bool, uintptr_t, size_t>>& items,
+              uint64_t tag_base, uint32_t index_bits, const std::string& op, const std::string& dtype,
+              bool reduce, bool roundtrip, size_t chunk_bytes, int64_t timeout_ms, const std::string& what,
+              bool check, const std::vector<int64_t>& header, uint32_t compare_mask,
+              const std::string& error, bool header_for_group, uint64_t header_tag, bool wait_check,
+              bool device, int device_index, uintptr_t stream, uintptr_t side_stream) {
+             PlanSpec s;
+             s.items.reserve(items.size());
+             for (auto& it : items)
+               s.items.push_back(PlanItem{std::get<0>(it), std::get<1>(it), std::get<2>(it), std::get<3>(it)});
+             s.tag_base = tag_base;
+             s.index_bits = index_bits;
+             s.reduce = reduce;
+             if (reduce) s.op = parse_op(op);
+             if (reduce) s.dtype = parse_dtype(dtype);
+             s.roundtrip = roundtrip;
+             s.chunk_bytes = chunk_bytes;
+             s.timeout_ms = timeout_ms;
+             s.what = what;
+             s.check = check;
+             for (size_t i = 0; i < header.size() && i < size_t(CheckHeader::kFields); ++i)
+               s.header.f[i] = header[i];
+             s.compare_mask = compare_mask;
+             s.error = error;
+             s.header_for_group = header_for_group;
+             s.header_tag = header_tag;
+             s.device = device;
+             s.device_index = device_index;
+             s.stream = stream;
+             s.side_stream = side_stream;
+             py::gil_scoped_release nogil;
+             return e.post(s, wait_check);
+           },
+           py::arg("items"), py::arg("tag_base"), py::arg("index_bits"), py::arg("op"),
+           py::arg("dtype"), py::arg("reduce"), py::arg("roundtrip"), py::arg("chunk_bytes"),
+           py::arg("timeout_ms"), py::arg("what"), py::arg("check"), py::arg("header"),
+           py::arg("compare_mask"), py::arg("error"), py::arg("header_for_group"),
+           py::arg("header_tag"), py::arg("wait_check"), py::arg("device"), py::arg("device_index"),
+           py::arg("stream"), py::arg("side_stream"),
+           "Posts one plan (items: (peer, is_send, ptr, nbytes)); returns its id.")
+      .def("wait", &Engine::wait, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
+      .def("test", &Engine::test, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
+      .def("set_device_ops", &Engine::set_device_ops, py::arg("ops"))
+      .def("broken", &Engine::broken)
+      .def("stats", &Engine::stats)
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
+
   m.def("dtype_names", &dtype_names);
   m.def("op_names", &op_names);
 }

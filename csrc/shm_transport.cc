@@ -230,6 +230,17 @@ class ShmTransport final : public Transport {
   std::tuple<void*, size_t, uint64_t> zc_recv_try(int peer) override;
   std::pair<uint32_t, uint32_t> zc_send_counts(int peer) override;
   uint32_t zc_depth(int peer) override { return peer_ref(peer).out.nslots; }
+  size_t zc_slot_bytes(int peer) override { return peer_ref(peer).out.slot_bytes; }
+  uint32_t zc_recv_pos(int peer) override {
+    Peer& p = peer_ref(peer);
+    std::lock_guard<std::mutex> g(p.zmu);
+    return p.zr_acq;
+  }
+  void* zc_slot(int peer, bool outgoing, uint32_t pos) override {
+    Channel& c = outgoing ? peer_ref(peer).out : peer_ref(peer).in;
+    if (!c.zdata) throw CommError("hetccl shm: transport closed");
+    return c.zdata + size_t(pos % c.nslots) * c.slot_bytes;
+  }
   void zc_wait(int peer, int64_t timeout_ms) override;
 
  private:

@@ -182,7 +182,7 @@ class Transport {
     throw no_zc();
   }
   virtual void zc_recv_release(int peer) { throw no_zc(); }
-  // For a caller that drives both directions of one peer from one thread (exchange.cc):
+  // For a caller that drives both directions of one peer from one thread (engine.cc):
   //  * zc_send_try / zc_recv_try never wait: {nullptr, 0} when no slot is free, {nullptr, 0, 0}
   //    when nothing has arrived.
   //  * Round trip: a receiver may write into a slot it holds (e.g. reduce into it in place), and
@@ -196,6 +196,13 @@ class Transport {
   virtual std::tuple<void*, size_t, uint64_t> zc_recv_try(int peer) { throw no_zc(); }
   virtual std::pair<uint32_t, uint32_t> zc_send_counts(int peer) { throw no_zc(); }
   virtual uint32_t zc_depth(int peer) { throw no_zc(); }
+  // Slot capacity in bytes, and the address of the slot that carries ring position `pos` of the
+  // outgoing (or incoming) ring: position i lives in slot i % depth. For callers that let a
+  // device fill or drain slots ahead of the host-side protocol (engine.cc).
+  virtual size_t zc_slot_bytes(int peer) { throw no_zc(); }
+  // Positions already taken from the incoming ring (slots acquired so far).
+  virtual uint32_t zc_recv_pos(int peer) { throw no_zc(); }
+  virtual void* zc_slot(int peer, bool outgoing, uint32_t pos) { throw no_zc(); }
   virtual void zc_wait(int peer, int64_t timeout_ms) { throw no_zc(); }
 
  private:

@@ -15,16 +15,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import compat, vendor
+from . import compat, device as devices, tags
 from .algorithms import select
-from .engine import Engine, HetcclWork, check_headers
+from .engine import Engine
 from .native import REDUCE_DTYPES
 from .topology import Topology
+from .work import AllWork as _AllWork
+from .work import HetcclWork
 
 log = logging.getLogger("hetccl")
 
 BACKEND_NAME = "hetccl"
-P2P_TAG_BIT = 1 << 47
 
 _OPS = {
     dist.ReduceOp.SUM: "sum", dist.ReduceOp.PRODUCT: "prod", dist.ReduceOp.MIN: "min",
@@ -104,9 +105,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
         device = next(iter(devices), torch.device("cpu"))
         engine = self.engine
 
-        def run():
-            ctx = engine.next_ctx(device)
+        def run(launch):
+            ctx = engine.next_ctx(device, launch)
             body(ctx, algo)
+            ctx.flush()
 
         async_op = self._coalescing is not None or bool(getattr(opts, "asyncOp", True))
         work = engine.submit(run, outputs, tensors, async_op=async_op)
@@ -118,8 +120,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return work
 
     def _check(self, ctx, coll, numel, dtype, op=None, root=-1, same_numel=True):
-        if self.engine.check_args:
-            check_headers(ctx, coll, numel, dtype, op, root, same_numel)
+        ctx.begin(coll, numel, dtype, op, root, same_numel)
 
     def _validate_reduce(self, t: torch.Tensor, op: str) -> None:
         ok = REDUCE_DTYPES.get(t.device.type, set())
@@ -332,7 +333,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def _check_a2a_counts(self, ctx, in_counts, out_counts):
         """Every rank learns what every rank sends to and expects from every rank (all-gathered
         like the headers) and checks every pair, so all ranks reach the same verdict."""
-        if not self.engine.check_args:
+        if self.engine.check_mode == "off":
             return
         w = self.size()
         mine = torch.tensor(list(in_counts) + list(out_counts), dtype=torch.int64)
@@ -435,7 +436,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         topo = self.topo
         if topo.group_of[dst] == topo.my_group:
             return self._track(self.engine.local.send(_flat(t)[0], topo.local_rank_of[dst], tag))
-        return self._track(_P2PWork.send(self.engine, dst, t, P2P_TAG_BIT | (tag & 0xFFFFFFFFFF)))
+        return self._track(_P2PWork.send(self.engine, dst, t, tags.p2p(tag)))
 
     def recv(self, tensors, src, tag=0):
         self._p2p_peer(src, "source")
@@ -446,7 +447,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             if copied:
                 raise ValueError("hetccl: recv into a non-contiguous tensor is not supported")
             return self._track(self.engine.local.recv(f, topo.local_rank_of[src], tag))
-        return self._track(_P2PWork.recv(self.engine, src, t, P2P_TAG_BIT | (tag & 0xFFFFFFFFFF)))
+        return self._track(_P2PWork.recv(self.engine, src, t, tags.p2p(tag)))
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError("hetccl: recv from any source is not supported; name the "
@@ -464,33 +465,6 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
 
 compat.install_aliases(HetcclProcessGroup)
-
-
-class _AllWork(HetcclWork):
-    """Completes when every child work completes; wait() raises the first error."""
-
-    def __init__(self, works, outputs):
-        fut = torch.futures.collect_all([w.get_future() for w in works]) if works else None
-        if fut is None:
-            fut = torch.futures.Future()
-            fut.set_result([])
-        super().__init__(fut, outputs)
-        self.works = works
-
-    def wait(self, timeout=None):
-        for w in self.works:
-            w.wait()
-        return True
-
-    def get_future(self):
-        outputs = self.outputs
-
-        def unwrap(f):
-            for x in f.value():
-                x.value()  # re-raise a child's error
-            return outputs
-
-        return self.fut.then(unwrap)
 
 
 class _P2PWork(HetcclWork):
@@ -553,11 +527,11 @@ def _create(dist_backend_opts, pg_options=None):
     store = dist.PrefixStore(f"hetccl/{generation}/", store)
     topo = Topology.exchange(store, rank, size, timeout)
     if topo.num_groups == 1:
-        backends = {"cpu": ("gloo", compat.new_native_gloo(
-            dist.PrefixStore("hetccl/native/cpu/", store), rank, size, timeout))}
-        if vendor.build_kind() in ("cuda", "rocm"):
-            backends["cuda"] = ("nccl", compat.new_native_nccl(
-                dist.PrefixStore("hetccl/native/cuda/", store), rank, size, timeout,
+        backends = {}
+        for dtype in ["cpu", *devices.accelerator_types()]:
+            seam = devices.seam(dtype)
+            backends[dtype] = (seam.native_backend, seam.new_native(
+                dist.PrefixStore(f"hetccl/native/{dtype}/", store), rank, size, timeout,
                 group_id, global_ranks))
         log.info("hetccl: group %r is single-vendor (%s): native pass-through", group_id,
                  topo.labels[0])

@@ -7,10 +7,10 @@ shm when they share a host, tcp otherwise, ucx when HETCCL_TRANSPORT=ucx (HETCCL
 forces tcp even on one host). Addresses and the group's random secret go through the group's
 torch store: no rendezvous of our own.
 
-Tensors handed to isend/irecv must be contiguous. Host tensors are sent from their own memory.
-Device tensors are staged through pinned host memory (see the GPU data path in engine.py);
-the bridge itself only ever sees host memory, exactly as between real vendors, whose devices
-share nothing but the host.
+The collectives' data does not go through this module: the C++ engine (engine.py,
+csrc/engine.h) drives these transports directly. isend/irecv here serve point-to-point
+operations on host tensors; device data crosses only through host memory, exactly as between
+real vendors, whose devices share nothing but the host.
 """
 from __future__ import annotations
 
@@ -107,7 +107,6 @@ class Bridge:
         if any(k in ("tcp", "ucx") for k in kinds):
             opts["bind_addr"] = _default_bind_addr(topo)
         self.transports: dict[str, object] = {}
-        self._seams: list = []  # device seams that registered our rings (see staging.py)
         try:
             for k in kinds:
                 t = _C.Transport(k, topo.rank, topo.size, opts)
@@ -146,22 +145,12 @@ class Bridge:
                                                    torch_dtype_name(t.dtype))
         return _Req(req, t)
 
-    def pair_allreduce(self, peer: int, give: torch.Tensor, keep: torch.Tensor, op: str,
-                       tag: int, chunk_bytes: int, deadline: float) -> None:
-        _C.pair_allreduce(self.transport_of(peer), peer, give.data_ptr(), _nbytes(give),
-                          keep.data_ptr(), _nbytes(keep), op, torch_dtype_name(keep.dtype),
-                          chunk_bytes, tag, _left_ms(deadline))
-
     def zero_copy(self, peers) -> bool:
         """True when every peer is reached through a transport with a zero-copy ring."""
         return all(getattr(self.transport_of(p), "zc_supported", False) for p in peers)
 
     def close(self) -> None:
         for t in self.transports.values():
-            for seam in self._seams:
-                from . import staging
-
-                staging.forget(t, seam)
             try:
                 t.close()
             except Exception as e:  # noqa: BLE001
@@ -212,8 +201,3 @@ class _Req:
 
     def wait(self, deadline: float) -> int:
         return self.req.wait(_left_ms(deadline))
-
-
-def wait_all(reqs, deadline: float) -> None:
-    if reqs:
-        _C.wait_all([r.req for r in reqs], _left_ms(deadline))

@@ -62,24 +62,6 @@ def backend_opts(dist_backend_opts: Any) -> tuple[Any, int, int, Any, list[int],
             str(getattr(o, "group_id", "") or ""))
 
 
-def new_native_gloo(store, rank: int, size: int, timeout):
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
-def new_native_nccl(store, rank: int, size: int, timeout, group_name: str = "",
-                    global_ranks: list[int] | None = None):
-    """NCCL on CUDA builds, RCCL on ROCm builds (torch names both 'nccl'). Options mirror what
-    torch's own init_process_group("nccl") sets."""
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = False
-    opts._timeout = timeout
-    if group_name and hasattr(opts, "group_name"):
-        opts.group_name = group_name
-    if global_ranks and hasattr(opts, "global_ranks_in_group"):
-        opts.global_ranks_in_group = list(global_ranks)
-    return dist.ProcessGroupNCCL(store, rank, size, opts)
-
-
 def passthrough_group(store, rank: int, size: int, backends: dict[str, Any]) -> dist.ProcessGroup:
     """A plain c10d ProcessGroup with native backends registered per device type: torch then
     dispatches straight to them, so a single-vendor group runs at native speed with no Python

@@ -23,6 +23,21 @@ def _bool(s: str) -> bool:
     return s.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _check_mode(s: str) -> str:
+    v = s.strip().lower()
+    v = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(v, v)
+    if v not in ("on", "full", "off"):
+        raise ValueError("expected on, full or off")
+    return v
+
+
+def _async_mode(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("abort", "raise"):
+        raise ValueError("expected abort or raise")
+    return v
+
+
 _SETTINGS = [
     Setting("HETCCL_VENDOR", str, "",
             "Vendor label of this rank; ranks with equal labels form one vendor group. "
@@ -41,24 +56,30 @@ _SETTINGS = [
             "Shared-memory ring slot size in bytes; 0: 1 MiB on CPU-only builds (stays in "
             "cache), 8 MiB where a GPU is driven (fewer, larger PCIe copies per slot)."),
     Setting("HETCCL_SHM_NSLOTS", int, 8, "Shared-memory ring slots per direction and peer."),
-    Setting("HETCCL_ZC_MIN_BYTES", int, 0,
-            "Device transfers of at least this many bytes per call take the zero-copy GPU path "
-            "(PCIe copies straight into/out of pinned shm slots); smaller ones are staged through "
-            "pinned bounce buffers. 0 (default): always zero-copy, which measured faster at "
-            "every size from 1 MiB up (docs/benchmarks.md)."),
     Setting("HETCCL_REDUCE_THREADS", int, 0, "Host reduction threads (0: all cores)."),
-    Setting("HETCCL_CHUNK_BYTES", int, 4 << 20,
-            "Pipeline chunk size for hierarchical collectives (bytes)."),
+    Setting("HETCCL_CHUNK_BYTES", int, 0,
+            "Engine chunk size in bytes for every cross-vendor transfer; 0 (default): the "
+            "measured tables of hetccl/tuning.py (one chunk for small messages, pipelined "
+            "chunks for large ones). Must be equal on every rank."),
     Setting("HETCCL_HOST_KERNEL", _bool, True,
-            "Two vendor groups of equal size, host tensors, peers on shared memory: run the "
-            "cross-vendor exchange of all-reduce as one C++ loop on the calling thread "
-            "(csrc/exchange.cc). 0: the Python-driven chunk pipeline over the transport's "
-            "threads (for comparison). Must be equal on every rank."),
+            "Two vendor groups of equal size, host tensors, peers on shared memory: the "
+            "cross-vendor step of all-reduce is a round trip through the shared slots (the peer "
+            "reduces in place and the sum comes back: three passes over memory per byte). "
+            "0: a plain exchange in both directions (for comparison). Must be equal on every "
+            "rank."),
     Setting("HETCCL_ALGO", str, "",
             "Algorithm overrides, e.g. 'all_reduce=flat,all_gather=hier' (see docs/algorithms.md)."),
     Setting("HETCCL_LOG_LEVEL", str, "WARNING", "Log level of the 'hetccl' logger."),
-    Setting("HETCCL_CHECK_ARGS", _bool, True,
-            "Exchange and check tensor shapes/dtypes across ranks on cross-vendor collectives."),
+    Setting("HETCCL_CHECK_ARGS", _check_mode, "on",
+            "Argument checks across ranks (hetccl/checks.py): on (default: host collectives "
+            "every call; device collectives the first call of each signature before data moves, "
+            "later calls asynchronously with the data), full (every call before data moves), "
+            "off."),
+    Setting("HETCCL_ASYNC_ERROR_HANDLING", _async_mode, "abort",
+            "A device collective that fails after it was issued (peer died, timeout, arguments "
+            "found to differ): abort (default) logs the error and stops the process, as torch's "
+            "NCCL backend does, so a result of a failed collective is never consumed; raise "
+            "releases the streams and raises the error at the next call on the group."),
     Setting("HETCCL_SLOWDOWN", float, 1.0,
             "TEST ONLY: emulate a slower device; hetccl.balance.emulate multiplies this rank's "
             "compute time by this factor."),
@@ -69,7 +90,7 @@ SETTINGS = {s.name: s for s in _SETTINGS}
 # algorithm, its chunks, which ring carries them): every rank of a group must use the same
 # values. The bridge compares them across ranks when it starts and names any difference.
 MUST_AGREE = ("HETCCL_TRANSPORT", "HETCCL_ALGO", "HETCCL_CHUNK_BYTES", "HETCCL_HOST_KERNEL",
-              "HETCCL_ZC_MIN_BYTES", "HETCCL_CHECK_ARGS")
+              "HETCCL_CHECK_ARGS")
 
 
 def get(name: str) -> Any:

@@ -31,9 +31,19 @@ def local_report() -> list[str]:
             lines.append(f"device {i}          : {torch.cuda.get_device_name(i)}")
     else:
         lines.append("devices           : none (host tensors only)")
-    lines.append(f"native backends   : cpu -> {vendor.native_backend('cpu')}"
-                 + (f", cuda -> {vendor.native_backend('cuda')}"
+    from . import device as devices
+
+    lines.append(f"native backends   : cpu -> {devices.native_backend('cpu')}"
+                 + (f", cuda -> {devices.native_backend('cuda')}"
                     f" ({'RCCL' if kind == 'rocm' else 'NCCL'})" if kind in ("cuda", "rocm") else ""))
+    if kind in ("cuda", "rocm"):
+        try:
+            ops = devices.seam("cuda").runtime()
+            memops = ops.stream_mem_ops(torch.cuda.current_device())
+            lines.append(f"device data path  : engine copies through {ops.name} runtime; stream "
+                         f"memory operations {'yes (issue never blocks)' if memops else 'NO: the issuing thread drives device copies (blocking)'}")
+        except Exception as e:  # noqa: BLE001 - report, do not fail the doctor
+            lines.append(f"device data path  : vendor runtime not usable: {e}")
     names = transport_names()
     forced = config.get("HETCCL_TRANSPORT")
     same = forced if forced != "auto" else "shm"
@@ -57,23 +67,24 @@ def local_report() -> list[str]:
 
 def copy_test(nbytes: int = 256 << 20) -> list[str]:
     """PCIe copy rates per device: torch pinned memory vs a shared-memory mapping registered
-    the way the GPU data path registers its zero-copy slots (vendor.DeviceSeam)."""
+    the way the engine registers its zero-copy slots (the device seam's runtime)."""
     import ctypes
     import mmap
     import time
 
-    from . import vendor
+    from . import device as devices
 
     lines = []
+    rt = devices.seam("cuda").runtime()
     for i in range(torch.cuda.device_count()):
         dev = torch.device("cuda", i)
-        seam = vendor.seam_for(dev)
+        torch.cuda.set_device(dev)
         d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         m = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
         base = ctypes.addressof(ctypes.c_char.from_buffer(m))
         shm = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base), dtype=torch.uint8)
         shm.fill_(1)
-        ok = seam.host_register(base, nbytes)
+        ok = rt.host_register(base, nbytes)
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         res = []
         for name, h in (("pinned", pinned), ("shm registered" if ok else "shm NOT registered", shm)):
@@ -87,7 +98,7 @@ def copy_test(nbytes: int = 256 << 20) -> list[str]:
                 torch.cuda.synchronize(dev)
                 res.append(f"{name} {direction} {5 * nbytes / (time.perf_counter() - t0) / 1e9:.1f}")
         if ok:
-            seam.host_unregister(base)
+            rt.host_unregister(base)
         del shm
         m.close()
         lines.append(f"device {i} copy GB/s: " + ", ".join(res))

@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import compat
+from . import device as devices
 
 # dtypes each native library can reduce (checked before any communication starts, so an
 # unsupported dtype is a clear error on every rank rather than a failure on some of them).
@@ -47,12 +47,7 @@ class NativeGroup:
         b = self._backends.get(device_type)
         if b is None:
             sub = dist.PrefixStore(device_type + "/", self._store)
-            if device_type == "cpu":
-                b = compat.new_native_gloo(sub, self.rank, self.size, self.timeout)
-            elif device_type == "cuda":
-                b = compat.new_native_nccl(sub, self.rank, self.size, self.timeout)
-            else:
-                raise ValueError(f"hetccl: no native backend for device type {device_type!r}")
+            b = devices.seam(device_type).new_native(sub, self.rank, self.size, self.timeout)
             self._backends[device_type] = b
         return b
 

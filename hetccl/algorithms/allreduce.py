@@ -5,8 +5,8 @@ group g holds g's partial sum of shard i (padded sharding, n_g shards); 2) every
 its shard with the ranks of every other group whose shards intersect it and reduces what it
 receives; 3) all-gather inside each group. Per rank, cross-vendor traffic is (G-1) * N / n_g
 bytes each way (G groups, N bytes, n_g ranks in its group): the minimum for G = 2, spread over
-all ranks, no leader. With G > 2 the send side reads a snapshot of the shard (one extra copy)
-because the same range goes to several groups while received data is reduced into it.
+all ranks, no leader. With G > 2 the same range goes to several groups while received data is
+reduced into it: the engine lets no reduction touch a range before every send of it has left.
 
 flat: native all-reduce inside each group, then rank i of group g exchanges the whole buffer
 with rank i mod n_h of every other group h (and answers every rank j of h with j mod n_g = i).
@@ -65,13 +65,13 @@ def _exchange_pairwise_ring(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: st
         # topology, the pair's (shared) transport and settings that every rank must agree on
         # (checked when the bridge starts, bridge.py).
         if (len(pieces) == 1 and len(topo.groups[0]) == len(topo.groups[1])
-                and ctx.pair_allreduce(peer, v_other, v_own, op, ctx.tag(0, 0))):
+                and ctx.pair_allreduce(peer, v_other, v_own, op)):
             return
         a_s.append((peer, other[0], other[1], v_other))
         a_r.append((peer, own[0], own[1], v_own))
         b_s.append((peer, own[0], own[1], v_own))
         b_r.append((peer, other[0], other[1], v_other))
-    transfer(ctx, 0, a_s, a_r, op, fused=True)
+    transfer(ctx, 0, a_s, a_r, op)
     transfer(ctx, 1, b_s, b_r)
 
 
@@ -79,8 +79,7 @@ def _exchange_direct(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: str) -> N
     topo = ctx.topo
     others = [r for g, r in enumerate(topo.groups) if g != topo.my_group]
     pieces = list(peer_pieces(mine, n, others))
-    src = my.clone() if topo.num_groups > 2 else my
-    sends = [(p, lo, hi, src[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
+    sends = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
     recvs = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
     transfer(ctx, 0, sends, recvs, op)
 
@@ -100,8 +99,8 @@ def all_reduce_flat(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
         for j in range(nh):
             if j % ng == li:
                 sends.append((ranks[j], 0, n, x))
-    # Received sums land in separate buffers and are reduced only after every send of x has
-    # completed, so x itself can be sent without a snapshot.
+    # Received sums land in separate buffers, reduced after the transfer: every peer gets
+    # this group's sum, not a partly reduced one.
     bufs = [torch.empty_like(x) for _ in recvs]
     transfer(ctx, 0, sends, [(p, lo, hi, b) for (p, lo, hi, _), b in zip(recvs, bufs)])
     for b in bufs:

@@ -1,15 +1,12 @@
-"""What an algorithm sees: a CollCtx (topology, native vendor-group ops, bridge transfers,
-reductions) and a chunked transfer pipeline. Algorithms never touch a transport or a device
-API directly; the engine implements CollCtx for host and device tensors alike.
-
-Tags: a collective owns the tag space seq<<16 | phase<<13 | index (phase < 8, index < 8192);
-both ends of a transfer derive (phase, index) from the same shard intersection, so they agree
-without negotiation.
+"""What an algorithm sees: a CollCtx (topology, native vendor-group ops, cross-vendor
+transfers, reductions) and small helpers. Algorithms never touch a transport or a device API
+directly; the engine (hetccl/engine.py over csrc/engine.h) implements CollCtx for host and
+device tensors alike. Tags belong to hetccl/tags.py.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -18,63 +15,19 @@ from ..topology import Topology
 MAX_CHUNKS_PER_PAIR = 8191
 
 
-class Req(Protocol):
-    def wait(self, deadline: float) -> int: ...
-
-
 class CollCtx(Protocol):
     topo: Topology
     local: object      # hetccl.native.NativeGroup (or None in a group of one)
     deadline: float
-    chunk_bytes: int
 
     def tag(self, phase: int, index: int) -> int: ...
-    def isend(self, peer: int, t: torch.Tensor, tag: int) -> Req: ...
-    def irecv(self, peer: int, t: torch.Tensor, tag: int) -> Req: ...
-    def irecv_reduce(self, peer: int, t: torch.Tensor, tag: int, op: str) -> Req: ...
-    def pair_allreduce(self, peer: int, give: torch.Tensor, keep: torch.Tensor, op: str,
-                       tag: int) -> bool: ...
-    def bounce(self, slot: int, like: torch.Tensor, numel: int) -> torch.Tensor: ...
+    # transfer.py's primitive (one engine plan); op=None copies, else reduces into the receives
+    def transfer(self, phase: int, sends, recvs, op: str | None = None) -> None: ...
+    # two-rank round trip of one range (engine.h); False when it does not apply
+    def pair_allreduce(self, peer: int, give: torch.Tensor, keep: torch.Tensor,
+                       op: str) -> bool: ...
     def reduce_into(self, dst: torch.Tensor, src: torch.Tensor, op: str) -> None: ...
-    def finish_recv(self, req: Req) -> None: ...
     def wait_native(self, work) -> None: ...
-
-
-def chunk_ranges(lo: int, hi: int, elem_size: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Split [lo, hi) into pipeline chunks of about chunk_bytes (at most MAX_CHUNKS_PER_PAIR)."""
-    n = hi - lo
-    if n <= 0:
-        return []
-    per = max(1, chunk_bytes // max(1, elem_size))
-    per = max(per, -(-n // MAX_CHUNKS_PER_PAIR))
-    return [(a, min(a + per, hi)) for a in range(lo, hi, per)]
-
-
-def run_pipeline(items: Sequence, post: Callable, finish: Callable, window: int,
-                 deadline: float) -> None:
-    """post(i, item) -> list of requests; finish(i, item) runs after they complete.
-    Keeps `window` items in flight and finishes them in order (item i may reuse the
-    resources of item i - window)."""
-    inflight: list[tuple[int, list]] = []
-    nxt = 0
-    for i in range(len(items)):
-        while nxt < len(items) and nxt < i + window:
-            inflight.append((nxt, post(nxt, items[nxt])))
-            nxt += 1
-        j, reqs = inflight.pop(0)
-        for r in reqs:
-            r.wait(deadline)
-        finish(j, items[j])
-
-
-def interleave(per_peer: list[list]) -> list:
-    """Round-robin merge so that every peer's transfer progresses at once."""
-    out = []
-    for k in range(max((len(x) for x in per_peer), default=0)):
-        for lst in per_peer:
-            if k < len(lst):
-                out.append(lst[k])
-    return out
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:

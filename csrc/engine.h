@@ -1,0 +1,216 @@
+// hetccl engine: the one progress engine behind every cross-vendor collective.
+//
+// Layering (docs/architecture.md): Python algorithms decide *what* crosses vendors (which ranges
+// go to which peer, reduced or copied); they hand each cross-vendor step to the engine as one
+// Plan. The engine moves the bytes over the Transport interface (transport.h) -- it never
+// includes a transport's file -- for host memory and for device memory alike, with no Python
+// per chunk and no GIL held:
+//
+//  * Host plans run on whichever thread waits for them (wait() drives progress itself, so a
+//    synchronous collective has no thread hand-off), or on the engine's proxy thread.
+//  * Device plans are enqueued on the caller's streams when they are posted (device_ops.h:
+//    copies between device memory and pinned ring slots, stream waits on and writes to flag
+//    words in pinned host memory); the proxy thread plays the host side of the protocol by
+//    reading and writing those words. Posting returns in microseconds; the stream is what waits.
+//
+// Channels. Each cross-vendor peer is one Link over that peer's transport:
+//  * zero-copy links (transports with a zc ring: shm) carry data through the ring's slots: host
+//    data is copied (or reduced) in and out of the slots by the engine, device data is copied by
+//    the device's copy engines straight into and out of the slots (registered as pinned memory);
+//  * message links (every other transport: tcp, ucx) carry host data straight from and into the
+//    caller's memory with isend/irecv(_reduce), and device data through engine-owned pinned
+//    staging slots.
+// Ring positions are assigned in post order, so plans of one engine (host or device) use each
+// link's slots strictly in the order every rank posts them; both ends cut a peer's data into
+// chunks of the plan's chunk_bytes in the order the items are listed, so chunk k of a plan has
+// the same position, length and tag on both sides (tag = tag_base | k mod 2^index_bits).
+//
+// Argument checks ride on the plan: when spec.check is set, the plan sends its CheckHeader (the
+// collective's code, element count, dtype, op, root and device type, plus an error text when
+// this rank already knows the call is wrong) to every cross-vendor peer of the engine, on the
+// transport's tagged path, and expects theirs. With wait_check the posting thread waits for all
+// headers and compares them before any data moves: a difference throws ArgMismatch with the
+// same text on every rank and leaves every ring untouched (the group stays usable). Without
+// wait_check (device plans whose arguments were already checked once) the proxy compares them
+// as they arrive and holds the plan's data back until they match; a difference then breaks the
+// engine (the streams already hold the plan's copies).
+//
+// Failure. A timeout, a dead peer or a protocol error fails the plan and breaks the engine:
+// every pending and later plan fails with the first error (message includes "Timed out" for
+// timeouts, as torch's backends word them), and the flag words are released so that no stream
+// stays blocked on them. close() does the same and joins the proxy thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device_ops.h"
+#include "reduce.h"
+#include "transport.h"
+
+namespace hetccl {
+
+// Raised when ranks disagree on a collective's arguments (headers differ). Python maps it to
+// ValueError: the verdict is the same on every rank.
+struct ArgMismatch : CommError {
+  using CommError::CommError;
+};
+
+struct CheckHeader {
+  static constexpr int kFields = 6;  // collective, numel, dtype, op, root, device type
+  int64_t f[kFields] = {0, 0, 0, 0, 0, 0};
+};
+
+struct PlanItem {
+  int peer;
+  bool send;      // true: send [ptr, ptr+nbytes) to peer; false: receive into it
+  uintptr_t ptr;
+  size_t nbytes;
+};
+
+struct PlanSpec {
+  std::vector<PlanItem> items;  // per peer, in the order both ends list them
+  uint64_t tag_base = 0;        // the collective's tag bits; chunk index goes in the low bits
+  uint32_t index_bits = 13;
+  // Host receives: reduce into the buffer instead of copying (AVG reduces as SUM). Device plans
+  // never reduce: their receives land in scratch buffers the caller reduces on its stream.
+  bool reduce = false;
+  ReduceOp op = ReduceOp::SUM;
+  DType dtype = DType::UINT8;
+  // Round trip (host, zero-copy links, two ranks): items are {peer, send, give} and
+  // {peer, recv, keep}; the peer reduces our give chunks in its slots and writes the sums back,
+  // which we copy out over give; we do the same with its chunks into keep (exchange contract of
+  // docs/algorithms.md: three passes over memory per byte instead of four).
+  bool roundtrip = false;
+  size_t chunk_bytes = 0;  // > 0: this chunk size (round trips); 0: the engine's tables
+  int64_t timeout_ms = -1;
+  // argument check (see the file comment)
+  bool check = false;
+  CheckHeader header;
+  uint32_t compare_mask = 0x3F;  // which header fields must agree
+  std::string error;             // non-empty: this rank already knows the call is wrong
+  bool header_for_group = false; // the header holds for this rank's whole vendor group (checked)
+  uint64_t header_tag = 0;
+  std::string what;              // collective name for messages ("all_reduce #12")
+  // device plans: data on device `device`; `stream` runs the receives (H2D) and is what later
+  // work waits on; `side_stream` runs the sends (D2H) so both copy directions overlap.
+  bool device = false;
+  int device_index = 0;
+  uintptr_t stream = 0;
+  uintptr_t side_stream = 0;
+};
+
+struct EngineOptions {
+  int rank = 0;
+  int threads = 1;                 // host reduction threads
+  std::vector<int> check_peers;    // every cross-vendor peer (check headers go to all of them)
+  std::vector<std::vector<int>> groups;  // vendor groups (ranks), for header messages
+  std::vector<int> group_of;             // rank -> index in groups
+  // names of header codes, for messages: field -> code -> name
+  std::vector<std::map<int64_t, std::string>> field_names;
+  size_t device_slot_bytes = 8 << 20;   // staging slots of message links for device data
+  uint32_t device_slots = 8;
+  int msg_window = 8;              // message links: requests in flight per peer and direction
+  // Chunk size by the bytes one link carries in one direction during one plan (rows: max bytes,
+  // chunk; hetccl/tuning.py): host data on zero-copy rings, device data, host data on message
+  // transports. force_chunk > 0 replaces all three (HETCCL_CHUNK_BYTES).
+  using Table = std::vector<std::pair<uint64_t, uint64_t>>;
+  Table host_chunks, device_chunks, msg_chunks;
+  uint64_t force_chunk = 0;
+  // A device plan fails after its issue returned: log and stop the process (true), or release
+  // the streams and let the next call raise (false). Never while closing.
+  bool abort_on_device_failure = true;
+};
+
+class Engine {
+ public:
+  Engine(std::map<int, std::shared_ptr<Transport>> links, EngineOptions opts);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Posts a plan; returns its id. wait_check: see the file comment (throws ArgMismatch).
+  // Throws CommError at once when the engine is broken or closed.
+  uint64_t post(const PlanSpec& spec, bool wait_check);
+  // Host plans: waits (driving progress) until done; rethrows the plan's error. CommTimeout
+  // after the plan's own deadline.
+  void wait(uint64_t id);
+  bool test(uint64_t id);  // true once done; rethrows the plan's error
+  // Device registration of host memory the device plans copy from/to (ring slots): called once
+  // per device runtime before the first device plan.
+  void set_device_ops(std::shared_ptr<DeviceOps> ops);
+  std::string broken();  // "" while healthy, else the first failure
+  std::map<std::string, uint64_t> stats();
+  void close();
+
+ private:
+  struct Plan;
+  struct Link;
+  struct SendChunk;
+  struct RecvChunk;
+  void proxy_loop();
+  bool progress_locked();  // one pass over every link; true if anything moved
+  bool progress_headers(Plan& p);
+  bool progress_link(Link& l);
+  bool send_zc(Link& l);
+  bool recv_zc(Link& l);
+  bool send_msg(Link& l);
+  bool recv_msg(Link& l);
+  struct DeviceCopy {
+    void* dst;
+    const void* src;
+    size_t len;
+    uint32_t pos;
+  };
+  struct DeviceLane {
+    Link* link;
+    std::vector<DeviceCopy> sends, recvs;
+  };
+  using DevicePart = std::vector<DeviceLane>;
+  void start_locked(std::shared_ptr<Plan> p);
+  DevicePart device_part_locked(Plan& p);
+  void enqueue_device(Plan& p, const DevicePart& part);
+  void drive_device_sync(Plan& p, const DevicePart& part);
+  void post_headers(Plan& p);
+  std::string compare_headers(Plan& p);
+  void finish_chunk(Plan& p);
+  void mark_done(Plan& p);
+  void fail_plan(Plan& p, const std::string& msg, int kind);
+  void break_engine(const std::string& msg, int kind);
+  void release_device_waits();
+  void check_deadlines();
+  void check_liveness();
+  void ensure_device_state();
+  std::shared_ptr<Plan> find(uint64_t id);
+
+  EngineOptions opts_;
+  std::map<int, std::unique_ptr<Link>> links_;
+  std::shared_ptr<DeviceOps> dev_;
+  std::mutex mu_;                 // plans_, link queues and positions, broken_ (progress state)
+  std::condition_variable cv_;    // proxy wake-up
+  std::map<uint64_t, std::shared_ptr<Plan>> plans_;
+  uint64_t next_id_ = 1;
+  std::string broken_;
+  int broken_kind_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> device_active_{0};  // device plans in flight: the proxy polls while > 0
+  std::atomic<int> waiters_{0};        // threads driving progress in wait()
+  std::thread proxy_;
+  bool closed_ = false;
+  // flag words for device plans (one page per link, registered with the device runtime)
+  std::vector<void*> flag_pages_;
+  std::vector<void*> registered_;
+  std::vector<void*> events_;  // fork/join events of device plans (reused)
+  int64_t last_liveness_ms_ = 0;
+  std::map<std::string, uint64_t> stats_;
+};
+
+}  // namespace hetccl

@@ -1,0 +1,87 @@
+"""Argument checks: every rank must call the same collective with matching tensors.
+
+A check header is six integers -- collective, element count, dtype, reduction op, root, device
+type. The engine carries it to every cross-vendor peer with the collective's first transfer
+(csrc/engine.h: no extra round trip) and compares what it receives; inside a vendor group, where
+data moves on the native library, the headers are all-gathered natively first (one tiny native
+collective) so that a call that is wrong inside one group is refused before any native call and
+the verdict travels to the other groups in the header's error text. Every rank thus raises the
+same ValueError, and an error raised this way leaves the group usable.
+
+HETCCL_CHECK_ARGS:
+  on   (default) host tensors: checked before data moves, every call. Device tensors: the first
+       call with each signature is checked the same way (the issuing thread waits for the
+       headers); later calls with a signature already checked carry their header with the
+       data and the engine compares it asynchronously, so issuing never waits for the peers.
+       A mismatch found that way is reported at the next call and makes the group unusable
+       (the streams already hold the collective's copies); like the native library, a
+       mismatch only inside one vendor group is then not caught on those calls.
+  full every call of every device type is checked before data moves (debugging).
+  off  no checks (a mismatch then fails as a timeout or a protocol error, never silently).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+COLL_CODES = {name: i + 1 for i, name in enumerate(
+    ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+     "gather", "scatter", "barrier"])}
+OP_CODES = {None: 0, "sum": 1, "prod": 2, "min": 3, "max": 4, "avg": 5, "band": 6, "bor": 7,
+            "bxor": 8}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int32, torch.int64, torch.int16, torch.bool, torch.complex64, torch.complex128,
+          torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
+DEVICE_CODES = {"cpu": 1, "cuda": 2}
+HEADER_LEN = 6
+FIELDS = ["collective", "number of elements", "dtype", "reduction op", "root", "device type"]
+# bit i set: field i must agree (all_to_all: element counts differ by design)
+MASK_ALL = 0x3F
+MASK_NO_NUMEL = MASK_ALL & ~(1 << 1)
+
+# code -> name per field, for messages (the C++ engine formats with the same table)
+FIELD_NAMES: list[dict[int, str]] = [
+    {v: k for k, v in COLL_CODES.items()},
+    {},
+    {v: str(k) for k, v in DTYPE_CODES.items()},
+    {v: str(k) for k, v in OP_CODES.items()},
+    {},
+    {v: k for k, v in DEVICE_CODES.items()},
+]
+
+
+def header(coll: str, numel: int, dtype: torch.dtype, op: str | None, root: int,
+           device: torch.device) -> list[int]:
+    return [COLL_CODES[coll], int(numel), DTYPE_CODES.get(dtype, 0), OP_CODES[op], int(root),
+            DEVICE_CODES.get(device.type, 3)]
+
+
+def mismatch_text(coll: str, table: dict[int, list[int]], mask: int) -> str | None:
+    """The error every rank prints when headers differ (first differing field, ranks grouped by
+    value in order of their lowest rank), or None. Same wording as the engine's (engine.cc)."""
+    for f, what in enumerate(FIELDS):
+        if not mask & (1 << f):
+            continue
+        by: dict[Any, list[int]] = {}
+        for r in sorted(table):
+            by.setdefault(table[r][f], []).append(r)
+        if len(by) > 1:
+            names = FIELD_NAMES[f]
+            detail = "; ".join(f"ranks {rs}: {names.get(v, v)}" for v, rs in by.items())
+            return (f"hetccl: {coll}: {what} differs across ranks ({detail}). Every rank must "
+                    f"call the same collective with matching tensors.")
+    return None
+
+
+def within_group(local, local_ranks: list[int], mine: list[int], coll: str, mask: int) -> str | None:
+    """All-gathers the headers inside this rank's vendor group on the native library (host
+    tensors; a group of one has nothing to compare) and returns the mismatch text, or None."""
+    if local is None or len(local_ranks) < 2:
+        return None
+    t = torch.tensor(mine, dtype=torch.int64)
+    got = torch.empty(len(local_ranks) * HEADER_LEN, dtype=torch.int64)
+    local.all_gather(got, t).wait()
+    rows = got.view(len(local_ranks), HEADER_LEN).tolist()
+    return mismatch_text(coll, dict(zip(local_ranks, rows)), mask)

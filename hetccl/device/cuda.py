@@ -1,0 +1,114 @@
+"""torch's "cuda" device type: NVIDIA GPUs (CUDA) and AMD GPUs (ROCm/HIP, which torch exposes
+under the same name). The one module that calls torch.cuda.
+
+Stream semantics of a collective on device tensors (what DDP and FSDP expect, as with NCCL):
+  * launch() makes the engine's comm stream of the device wait for the caller's current stream
+    (everything queued before the call), records the tensors on it for the caching allocator,
+    and returns the comm stream (receives, reductions, native steps) and a side stream (sends):
+    the engine enqueues its copies on them and the two copy directions overlap;
+  * the Work's future is completed on the comm stream, so work.wait() makes the caller's stream
+    wait and never blocks the host.
+The engine's copies and flag operations go through the vendor runtime the process already
+loaded (libcuda for CUDA, libamdhip64 for ROCm), opened by the C++ core (csrc/device_ops.cc).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def _loaded_library(stems: tuple[str, ...]) -> str | None:
+    """Path of an already-loaded shared library whose file name starts with one of stems."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                name = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(name).startswith(stems):
+                    return name
+    except OSError:
+        pass
+    return None
+
+
+class Launch:
+    """One collective's streams: `comm` (current inside `with launch:`), `side`, and their raw
+    handles for the engine."""
+
+    __slots__ = ("comm", "side", "comm_handle", "side_handle", "index", "_ctx")
+
+    def __init__(self, comm, side, index):
+        self.comm, self.side, self.index = comm, side, index
+        self.comm_handle = comm.cuda_stream
+        self.side_handle = side.cuda_stream
+        self._ctx = None
+
+    def __enter__(self):
+        self._ctx = contextlib.ExitStack()
+        self._ctx.enter_context(torch.cuda.device(self.index))
+        self._ctx.enter_context(torch.cuda.stream(self.comm))
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.close()
+        return False
+
+    def future(self) -> torch.futures.Future:
+        return torch.futures.Future(devices=[torch.device("cuda", self.index)])
+
+
+class CudaSeam:
+    type = "cuda"
+    native_backend = "nccl"  # NCCL on CUDA builds, RCCL on ROCm builds
+    asynchronous = True
+
+    def __init__(self):
+        self.is_rocm = bool(getattr(torch.version, "hip", None))
+        self._streams: dict[int, tuple] = {}
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+    def new_native(self, store, rank: int, size: int, timeout, group_name: str = "",
+                   global_ranks=None):
+        """Options mirror what torch's own init_process_group("nccl") sets."""
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        if group_name and hasattr(opts, "group_name"):
+            opts.group_name = group_name
+        if global_ranks and hasattr(opts, "global_ranks_in_group"):
+            opts.global_ranks_in_group = list(global_ranks)
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+    @functools.lru_cache(maxsize=1)
+    def runtime(self):
+        """hetccl._C.DeviceOps over the vendor runtime torch loaded (CUDA driver / HIP)."""
+        from .._core import _C
+
+        torch.cuda.init()
+        if self.is_rocm:
+            lib = _loaded_library(("libamdhip64.so",)) or "libamdhip64.so"
+            return _C.device_ops("hip", lib)
+        lib = _loaded_library(("libcuda.so",)) or "libcuda.so.1"
+        return _C.device_ops("cuda", lib)
+
+    def launch(self, device: torch.device, tensors) -> Launch:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        pair = self._streams.get(idx)
+        if pair is None:
+            pair = self._streams[idx] = (torch.cuda.Stream(device=idx), torch.cuda.Stream(device=idx))
+        comm, side = pair
+        caller = torch.cuda.current_stream(idx)
+        comm.wait_stream(caller)
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(comm)
+        return Launch(comm, side, idx)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)

@@ -1,0 +1,40 @@
+"""The one owner of the bridge's tag space (transport tags are below 2**48, transport.h).
+
+    bit 47         point-to-point (send/recv/isend/irecv across vendors): user tag in bits 0..39
+    bits 16..25    sequence number of the group's collective, modulo SEQ_WINDOW
+    bits 13..15    phase inside the collective (0..6: data; 7: control)
+    bits 0..12     chunk index inside (peer, phase), modulo 2**INDEX_BITS
+
+Collectives of one group run one after another in the same order on every rank, so a
+sequence window of 1024 cannot match a stale message: matching is FIFO per (peer, tag), and
+a tag comes back only 1024 collectives later. Both ends of a transfer derive (phase, index)
+from the same shard intersection, so they agree without negotiation; the engine numbers
+chunks (csrc/engine.cc) with the index bits.
+"""
+from __future__ import annotations
+
+SEQ_WINDOW = 1024
+SEQ_SHIFT = 16
+PHASE_SHIFT = 13
+INDEX_BITS = 13
+PHASES = 7  # data phases 0..6
+CONTROL_PHASE = 7
+P2P_BIT = 1 << 47
+P2P_USER_BITS = 40
+
+
+def collective(seq: int, phase: int) -> int:
+    """Tag base of data phase `phase` of collective number `seq` (chunk index goes below)."""
+    if not 0 <= phase < PHASES:
+        raise ValueError(f"hetccl: internal error: phase {phase} outside 0..{PHASES - 1}")
+    return ((seq % SEQ_WINDOW) << SEQ_SHIFT) | (phase << PHASE_SHIFT)
+
+
+def header(seq: int) -> int:
+    """Tag of the argument-check headers of collective `seq`."""
+    return ((seq % SEQ_WINDOW) << SEQ_SHIFT) | (CONTROL_PHASE << PHASE_SHIFT) | ((1 << INDEX_BITS) - 1)
+
+
+def p2p(user_tag: int) -> int:
+    """Tag of a cross-vendor point-to-point message with torch's user tag."""
+    return P2P_BIT | (int(user_tag) & ((1 << P2P_USER_BITS) - 1))

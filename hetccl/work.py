@@ -1,0 +1,91 @@
+"""Work objects the torch face returns (c10d's Work protocol, backed by torch Futures).
+
+Contract: wait() raises the operation's error, if any. Host operations complete their future
+when their data has moved. Device operations complete their future on the engine's comm stream
+when everything has been enqueued, so wait() (torch's Future semantics for device futures) only
+makes the caller's current stream wait; the host never blocks there. A device operation that
+fails after issue (a peer dies mid-transfer) breaks the engine: wait() and every later call on
+the group raise that error (and with HETCCL_ASYNC_ERROR_HANDLING=abort the process stops, as
+torch's NCCL backend does, so results of a failed collective are never consumed).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class HetcclWork(dist.Work):
+    """Work backed by a torch Future that the engine completes (or fails)."""
+
+    def __init__(self, fut: torch.futures.Future, outputs: Any = None, engine=None):
+        super().__init__()
+        self.fut = fut
+        self.outputs = outputs
+        self._engine = engine  # device works: asks the engine whether it broke meanwhile
+
+    def wait(self, timeout: timedelta | None = None) -> bool:  # noqa: ARG002 - group timeout applies
+        self.fut.wait()
+        if self._engine is not None:
+            self._engine.raise_if_broken()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.fut.done()
+
+    def is_success(self) -> bool:
+        if not self.fut.done():
+            return False
+        try:
+            self.fut.value()
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def exception(self):
+        try:
+            self.fut.value()
+        except Exception as e:  # noqa: BLE001
+            return e
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        return self.fut
+
+    def result(self):
+        return self.outputs
+
+
+class AllWork(HetcclWork):
+    """Completes when every child work completes; wait() raises the first error."""
+
+    def __init__(self, works, outputs):
+        fut = torch.futures.collect_all([w.get_future() for w in works]) if works else None
+        if fut is None:
+            fut = torch.futures.Future()
+            fut.set_result([])
+        super().__init__(fut, outputs)
+        self.works = works
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            w.wait()
+        return True
+
+    def get_future(self):
+        outputs = self.outputs
+
+        def unwrap(f):
+            for x in f.value():
+                x.value()  # re-raise a child's error
+            return outputs
+
+        return self.fut.then(unwrap)
+
+
+def done_work(outputs: Any = None) -> HetcclWork:
+    fut = torch.futures.Future()
+    fut.set_result(outputs)
+    return HetcclWork(fut, outputs)

@@ -1,0 +1,257 @@
+"""The C++ progress engine (hetccl._C.Engine, csrc/engine.h) between two real processes, over
+every transport this build has: zero-copy links (shm) and message links (tcp, ucx).
+
+What is checked, on random data against references computed independently (test_reduce):
+  * copy exchange: every size class (0, 1, odd, chunk boundaries, many ring wrap-arounds);
+  * reduce exchange where the memory sent is the memory reduced into (the engine's ordering
+    contract: no receive touches memory before every send reading it has left), every dtype x op,
+    bit-exact, both ranks identical;
+  * round trip (zero-copy links): the host pair all-reduce, every dtype x op x shape;
+  * the latency path (one chunk) and the bandwidth path (pipelined small chunks) give the same
+    bytes on the same data;
+  * several plans posted before any is waited for complete in order;
+  * argument headers: a mismatch raises the same ArgMismatch text on both ranks before any data
+    moves, and the engine stays usable;
+  * errors: a peer that never posts -> "Timed out" naming it; a peer that dies mid-plan ->
+    PeerFailure naming it, within the timeout; later posts fail at once.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+import traceback
+
+import pytest
+import torch
+
+from hetccl import checks, tuning
+from hetccl._core import _C
+from hetccl.launch import spawn
+from test_reduce import DTYPES, OPS, _rand, _reference, _same
+from test_transport import _connect, _opts
+
+NAMES = _C.transport_names()
+TIMEOUT_MS = 15_000
+COPY_SIZES = [0, 1, 4099, (1 << 20) + 3, 5 << 20]
+# (give elements of rank 0, keep elements of rank 0); rank 1 mirrors them
+SHAPES = [(0, 0), (1, 0), (0, 1), (1, 1), (1000, 1001), (70_001, 69_999), (300_000, 300_001)]
+
+
+def _engine(t, rank, force_chunk=0):
+    peer = 1 - rank
+    return _C.Engine({peer: t}, rank, 1, [peer], [[0], [1]], [0, 1], checks.FIELD_NAMES,
+                     1 << 20, 8, 8, tuning.HOST, tuning.DEVICE, tuning.MESSAGE, force_chunk, False)
+
+
+def _post(e, items, tag, op=None, dtype="uint8", roundtrip=False, chunk=0, timeout=TIMEOUT_MS,
+          header=None, error="", wait_check=True, what="test"):
+    check = header is not None
+    return e.post(items, tag << 16, 13, op or "sum", dtype, op is not None, roundtrip, chunk,
+                  timeout, what, check, list(header or []), checks.MASK_ALL, error, True,
+                  (tag << 16) | 0xFFFF, wait_check, False, 0, 0, 0)
+
+
+def _b(t):
+    return t.numel() * t.element_size()
+
+
+def _exchange_cases(e, rank, peer, tag0):
+    """Copy exchange over every size, then reduce-in-place exchange over every dtype x op."""
+    out = {}
+    tag = tag0
+    for n in COPY_SIZES:
+        mine = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n + rank),
+                             dtype=torch.uint8)
+        theirs = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n + peer),
+                               dtype=torch.uint8)
+        got = torch.empty(n, dtype=torch.uint8)
+        tag += 1
+        e.wait(_post(e, [(peer, True, mine.data_ptr(), n), (peer, False, got.data_ptr(), n)], tag))
+        out[f"copy/{n}"] = "ok" if torch.equal(got, theirs) else "wrong bytes"
+    for dname, dtype in DTYPES.items():
+        for op in OPS:
+            n = 200_003
+            a = _rand(dtype, n, 11)
+            b = _rand(dtype, n, 12)
+            x = (a if rank == 0 else b).clone()
+            tag += 1
+            # the same memory is sent and reduced into: the engine must send every chunk of x
+            # before the peer's chunk of the same range is reduced into it
+            e.wait(_post(e, [(peer, True, x.data_ptr(), _b(x)), (peer, False, x.data_ptr(), _b(x))],
+                         tag, op=op, dtype=dname))
+            ref = _reference(op, a, b) if rank == 0 else _reference(op, b, a)
+            out[f"reduce/{dname}/{op}"] = "ok" if _same(x, ref) else "wrong result"
+    return out, tag
+
+
+def _roundtrip_cases(e, rank, peer, tag0):
+    out = {}
+    tag = tag0
+    for dname, dtype in DTYPES.items():
+        for op in OPS:
+            for si, (g0, k0) in enumerate(SHAPES):
+                n = g0 + k0
+                a = _rand(dtype, n, 1000 + si)
+                b = _rand(dtype, n, 2000 + si)
+                x = (a if rank == 0 else b).clone()
+                give, keep = (x[:g0], x[g0:]) if rank == 0 else (x[g0:], x[:g0])
+                tag += 1
+                items = [i for i in [(peer, True, give.data_ptr(), _b(give)),
+                                     (peer, False, keep.data_ptr(), _b(keep))] if i[3]]
+                e.wait(_post(e, items, tag, op=op, dtype=dname, roundtrip=True,
+                             chunk=tuning.ROUNDTRIP_CHUNK if si % 2 else 4096))
+                ref = torch.cat([_reference(op, b[:g0], a[:g0]), _reference(op, a[g0:], b[g0:])])
+                out[f"roundtrip/{dname}/{op}/{si}"] = "ok" if _same(x, ref) else "wrong result"
+    return out, tag
+
+
+def _paths_agree(t, rank, peer, tag0, st, name):
+    """The latency path (one chunk) and the bandwidth path (4 KiB chunks) on the same data."""
+    res = []
+    for k, force in enumerate((1 << 30, 4096)):
+        e = _engine(t, rank, force_chunk=force) if force != 1 << 30 else _engine(t, rank)
+        x = _rand(torch.float32, 50_001, 5 + rank)
+        e.wait(_post(e, [(peer, True, x.data_ptr(), _b(x)), (peer, False, x.data_ptr(), _b(x))],
+                     tag0 + k, op="sum", dtype="float32"))
+        res.append(x)
+        e.close()
+    return "ok" if _same(res[0], res[1]) else "latency and bandwidth paths differ"
+
+
+def _many_in_flight(e, rank, peer, tag0):
+    """Eight plans posted before any wait; waited in reverse order."""
+    xs = [torch.full((30_000 + k,), float(rank + k)) for k in range(8)]
+    ids = [_post(e, [(peer, True, x.data_ptr(), _b(x)), (peer, False, x.data_ptr(), _b(x))],
+                 tag0 + k, op="sum", dtype="float32") for k, x in enumerate(xs)]
+    for i in reversed(ids):
+        e.wait(i)
+    ok = all(bool((x == float(2 * k + 1)).all()) for k, x in enumerate(xs))
+    return "ok" if ok else "wrong"
+
+
+def _header_mismatch(e, rank, peer, tag0):
+    h = [1, 100 + rank, 1, 1, -1, 1]  # element counts differ
+    x = torch.ones(10)
+    try:
+        _post(e, [(peer, True, x.data_ptr(), 40), (peer, False, x.data_ptr(), 40)], tag0,
+              op="sum", dtype="float32", header=h)
+        return "no error", ""
+    except _C.ArgMismatch as err:
+        text = str(err)
+    # still usable: a correct plan right after
+    y = torch.full((1000,), float(rank))
+    e.wait(_post(e, [(peer, True, y.data_ptr(), 4000), (peer, False, y.data_ptr(), 4000)],
+                 tag0 + 1, op="sum", dtype="float32", header=[1, 1000, 1, 1, -1, 1]))
+    ok = "number of elements differs across ranks (ranks [0]: 100; ranks [1]: 101)" in text
+    return ("ok" if ok and bool((y == 1.0).all()) else f"text/usable wrong: {text}"), text
+
+
+def rank_main(ctx, name):
+    torch.set_num_threads(1)
+    st = ctx.store()
+    rank, peer = ctx.rank, 1 - ctx.rank
+    res = {}
+    t = _C.Transport(name, rank, 2, _opts())
+    _connect(t, st, "main", rank)
+    e = _engine(t, rank)
+
+    def attempt(key, fn):
+        try:
+            r = fn()
+            if isinstance(r, dict):
+                res.update(r)
+            else:
+                res[key] = r
+        except BaseException:  # noqa: BLE001
+            res[key] = traceback.format_exc()
+
+    state = {"tag": 100}
+
+    def exch():
+        out, state["tag"] = _exchange_cases(e, rank, peer, state["tag"])
+        return out
+
+    attempt("exchange", exch)
+    if t.zc_supported:
+        def rt():
+            out, state["tag"] = _roundtrip_cases(e, rank, peer, state["tag"] + 1)
+            return out
+        attempt("roundtrip", rt)
+    attempt("in_flight", lambda: _many_in_flight(e, rank, peer, 700))
+    hdr = {}
+
+    def mism():
+        verdict, hdr["text"] = _header_mismatch(e, rank, peer, 800)
+        return verdict
+    attempt("header_mismatch", mism)
+    res["header_text"] = hdr.get("text", "")
+    e.close()
+    attempt("paths_agree", lambda: _paths_agree(t, rank, peer, 900, st, name))
+    t.close()
+    return res
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name):
+    return spawn(rank_main, 2, args=(name,), timeout=600)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_engine_paths(name):
+    per_rank = _run(name)
+    for r, res in enumerate(per_rank):
+        bad = {k: v for k, v in res.items() if v != "ok" and k != "header_text"}
+        assert not bad, f"{name} rank {r}: " + "\n".join(f"{k}: {v}" for k, v in sorted(bad.items()))
+        assert any(k.startswith("reduce/") for k in res)
+    assert per_rank[0]["header_text"] == per_rank[1]["header_text"]
+
+
+# ------------------------------------------------------------------ failures
+def _failure_rank(ctx, name, how):
+    st = ctx.store()
+    rank, peer = ctx.rank, 1 - ctx.rank
+    t = _C.Transport(name, rank, 2, _opts())
+    _connect(t, st, "f", rank)
+    e = _engine(t, rank)
+    x = torch.ones(8 << 20)  # 32 MiB: many chunks in flight when the peer goes
+    if rank == 1:
+        if how == "die":
+            # start the transfer, then die in the middle of it
+            _post(e, [(peer, True, x.data_ptr(), _b(x))], 5)
+            time.sleep(0.05)
+            os._exit(3)
+        time.sleep(4)  # "silent": never posts
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        e.wait(_post(e, [(peer, False, x.data_ptr(), _b(x))], 5, timeout=2500))
+        return "no error"
+    except _C.CommError as err:
+        took = time.monotonic() - t0
+        kind = type(err).__name__
+        later = "no error"
+        try:
+            _post(e, [(peer, True, x.data_ptr(), 4)], 6)
+        except _C.CommError as err2:
+            later = str(err2)
+        return {"kind": kind, "msg": str(err), "took": took, "later": later}
+    finally:
+        e.close()
+        t.close()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("how", ["silent", "die"])
+def test_engine_failures(name, how):
+    res = spawn(_failure_rank, 2, args=(name, how), timeout=120, may_die=[1])[0]
+    assert isinstance(res, dict), res
+    if how == "silent":
+        assert res["kind"] == "CommTimeout", res
+        assert "Timed out" in res["msg"] and "peer rank 1" in res["msg"], res
+    else:
+        assert res["kind"] in ("PeerFailure", "CommTimeout"), res
+        assert "rank 1" in res["msg"], res
+        if name == "shm":  # pid liveness: noticed well within the timeout
+            assert res["kind"] == "PeerFailure" and res["took"] < 2.0, res
+    assert res["later"] == res["msg"], res  # the engine stays broken with the first error
