@@ -1,36 +1,63 @@
 #!/usr/bin/env bash
-# One script that builds, checks and times the GPU data path on the GPU box (2 GPUs, Python 3.12,
-# torch 2.11, no network). Results land in $OUT (the device tool brings them back):
-#   gpu_tests.log            pytest -m gpu (CUDA correctness, stream semantics, no NCCL across vendors)
-#   collectives_gpu.jsonl    hetccl (1+1 emulated vendors), hetccl:1v (pass-through), nccl, gloo
-#   collectives_gpu.png      busbw vs size
-#   ddp_gpu.jsonl            small GPT DDP: NCCL reference vs hetccl 1+1, losses and step times
-# Usage: bash .ci/gpu-box.sh [tests] [bench] [ddp]   (default: all three)
+# Builds, checks and times hetccl on the GPU box (2 GPUs, Python 3.12, torch 2.11, no network).
+# Results land in $OUT (the device tool brings them back):
+#   gpu_tests.log          pytest -m gpu: CUDA correctness, stream semantics, async issue, DDP,
+#                          argument errors, no NCCL across emulated vendors
+#   collectives.jsonl      all_reduce / all_gather / reduce_scatter, hetccl 1+1 beside nccl
+#   sweep.jsonl            all_reduce with forced engine chunk sizes (tuning.py's evidence)
+#   train.jsonl            `hetccl bench train`: GPT-2-small DDP efficiency, single / nccl / hetccl
+#   host.jsonl             host tensors: hetccl 2+2 and 1+1 beside gloo on the box's CPUs
+#   doctor.log             `hetccl doctor --copy-test`: the box's PCIe copy ceiling, same session
+#   profile.txt            tests/gpu_profile.py: where a small all-reduce spends its time
+# Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [sweep] [train] [host] [profile] [doctor]
+# (default: all, in that order). Each step is bounded by STEP_TIMEOUT seconds (default 240).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore CMAKE_BUILD_PARALLEL_LEVEL=16
 OUT=${OUT:-$(mktemp -d)}
-STEPS=${STEPS:-all}
-what=${*:-tests bench ddp}
-nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
-if ! python3 -c "import hetccl._C" 2>/dev/null || [ "${REBUILD:-0}" = 1 ]; then
-  python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-fi
-python3 -m hetccl.cli doctor | head -8
+T=${STEP_TIMEOUT:-240}
+what=${*:-build tests bench sweep train host doctor}
+B="python3 -m hetccl.cli bench"
 for w in $what; do
+  echo "=== $w ($(date +%T))"
   case $w in
-    tests) python3 -m pytest -q -x tests/test_gpu.py -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    build)
+      nvidia-smi -L
+      python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+      python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+      python3 -m hetccl.cli doctor | head -12 ;;
+    tests)
+      PYTHONFAULTHANDLER=1 timeout $T python3 -m pytest -q -x tests/test_gpu.py -m gpu \
+        -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -25 ;;
     bench)
       for dt in ${DTYPES:-bfloat16 float32}; do
-        python3 -m hetccl.cli bench collectives --device cuda --vendors 1+1 \
-          --backends hetccl,hetccl:1v,nccl,gloo --minbytes 1M --maxbytes ${MAXBYTES:-256M} \
-          --dtype $dt --iters ${ITERS:-10} --no-progress --jsonl "$OUT/collectives_gpu.jsonl" \
-          --plot "$OUT/collectives_gpu_$dt.png"
+        timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl,nccl \
+          --colls ${COLLS:-all_reduce,all_gather,reduce_scatter} --minbytes ${MINBYTES:-8K} \
+          --maxbytes ${MAXBYTES:-256M} --factor 4 --dtype $dt --iters ${ITERS:-20} --no-progress \
+          --jsonl "$OUT/collectives.jsonl"
       done ;;
-    ddp)
-      python3 -m hetccl.cli bench ddp --backend nccl --device cuda --nranks 2 --jsonl "$OUT/ddp_gpu.jsonl"
-      python3 -m hetccl.cli bench ddp --backend hetccl --device cuda --vendors 1+1 \
-        --jsonl "$OUT/ddp_gpu.jsonl" --compare "$OUT/ddp_gpu.jsonl" ;;
+    sweep)
+      for c in ${CHUNKS:-262144 1048576 4194304 8388608}; do
+        HETCCL_CHUNK_BYTES=$c timeout $T $B collectives --device cuda --vendors 1+1 \
+          --backends hetccl --colls all_reduce --minbytes 256K --maxbytes 64M --factor 4 \
+          --dtype bfloat16 --iters 20 --no-progress --jsonl "$OUT/sweep_$c.jsonl"
+      done ;;
+    train)
+      timeout $((T * 2)) $B train --device cuda --steps ${TRAIN_STEPS:-8} --no-progress \
+        --jsonl "$OUT/train.jsonl" ;;
+    host)
+      timeout $T $B collectives --device cpu --vendors 2+2 --backends hetccl,gloo \
+        --colls all_reduce --minbytes 8K --maxbytes 32M --factor 8 --iters 10 --no-progress \
+        --jsonl "$OUT/host.jsonl"
+      timeout $T $B collectives --device cpu --vendors 1+1 --backends hetccl,gloo \
+        --colls all_reduce --minbytes 8K --maxbytes 32M --factor 8 --iters 20 --no-progress \
+        --jsonl "$OUT/host.jsonl" ;;
+    profile)
+      timeout $T python3 tests/gpu_profile.py "$OUT" 2>&1 | head -60 ;;
+    doctor)
+      timeout $T python3 -m hetccl.cli doctor --copy-test 2>&1 | tee "$OUT/doctor.log" | tail -4 ;;
   esac
 done
+echo "=== done ($(date +%T))"

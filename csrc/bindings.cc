@@ -248,8 +248,13 @@ PYBIND11_MODULE(_C, m) {
       .def("host_unregister", [](DeviceOps& d, uintptr_t p) { d.host_unregister(as_ptr(p)); },
            py::arg("ptr"))
       .def("device_address", [](DeviceOps& d, uintptr_t p) { return d.device_address(as_ptr(p)); },
-           py::arg("ptr"));
-  m.def("device_ops", &make_device_ops, py::arg("vendor"), py::arg("library"));
+           py::arg("ptr"))
+      .def("emulated_stream",
+           [](DeviceOps& d) { return reinterpret_cast<uintptr_t>(emulated_stream(d)); },
+           "A new stream of the emulated device (tests).")
+      .def("synchronize", [](DeviceOps& d, uintptr_t s) { d.sync(as_ptr(s)); }, py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>());
+  m.def("device_ops", &make_device_ops, py::arg("vendor"), py::arg("library") = "");
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
       "The progress engine of one multi-vendor group (csrc/engine.h states the contracts).")
@@ -330,6 +335,8 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", &Engine::wait, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
       .def("test", &Engine::test, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
       .def("set_device_ops", &Engine::set_device_ops, py::arg("ops"))
+      .def("stream_join", &Engine::stream_join, py::arg("device_index"), py::arg("waiter"),
+           py::arg("waitee"))
       .def("broken", &Engine::broken)
       .def("stats", &Engine::stats)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());

@@ -5,9 +5,16 @@
 #include "device_ops.h"
 
 #include <dlfcn.h>
+#include <sched.h>
 
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "errors.h"
@@ -243,12 +250,131 @@ class HipOps final : public DeviceOps {
   const char* (*errstr_)(Res);
 };
 
+
+// ----------------------------------------------------------------------------- emulated device
+// A device whose "streams" are host threads executing their queued operations in order: waits
+// spin on the word, copies are memcpy, writes are stores. It runs the engine's device protocol
+// (positions, flag words, ring wrap-around, fork/join of the two streams, failure release) on a
+// machine without a GPU, for tests; it is never chosen for real tensors.
+class EmulatedOps final : public DeviceOps {
+  struct Stream {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> q;
+    bool stop = false;
+    uint64_t queued = 0;
+    std::atomic<uint64_t> done{0};
+    std::thread th;
+  };
+  struct Event {
+    std::atomic<uint64_t> fired{0};
+    uint64_t recorded = 0;
+  };
+
+ public:
+  ~EmulatedOps() override {
+    for (auto* s : streams_) {
+      {
+        std::lock_guard<std::mutex> g(s->mu);
+        s->stop = true;
+      }
+      s->cv.notify_all();
+      s->th.join();
+      delete s;
+    }
+  }
+  std::string name() const override { return "emulated"; }
+  void set_device(int) override {}
+  bool stream_mem_ops(int) override { return true; }
+  void* create_stream() {
+    auto* s = new Stream();
+    s->th = std::thread([s] {
+      for (;;) {
+        std::function<void()> op;
+        {
+          std::unique_lock<std::mutex> g(s->mu);
+          s->cv.wait(g, [&] { return s->stop || !s->q.empty(); });
+          if (s->q.empty()) return;
+          op = std::move(s->q.front());
+          s->q.pop_front();
+        }
+        op();
+        s->done.fetch_add(1);
+      }
+    });
+    std::lock_guard<std::mutex> g(mu_);
+    streams_.push_back(s);
+    return s;
+  }
+  void wait_geq(void* stream, uint64_t word, uint32_t value) override {
+    auto* w = reinterpret_cast<std::atomic<uint32_t>*>(uintptr_t(word));
+    enqueue(stream, [w, value] {
+      int spins = 0;
+      while (int32_t(w->load(std::memory_order_acquire) - value) < 0)
+        if (++spins > 64) sched_yield();
+    });
+  }
+  void write(void* stream, uint64_t word, uint32_t value) override {
+    auto* w = reinterpret_cast<std::atomic<uint32_t>*>(uintptr_t(word));
+    enqueue(stream, [w, value] { w->store(value, std::memory_order_release); });
+  }
+  void memcpy_async(void* dst, const void* src, size_t nbytes, void* stream) override {
+    enqueue(stream, [dst, src, nbytes] { std::memcpy(dst, src, nbytes); });
+  }
+  void sync(void* stream) override {
+    auto* s = static_cast<Stream*>(stream);
+    uint64_t target;
+    {
+      std::lock_guard<std::mutex> g(s->mu);
+      target = s->queued;
+    }
+    while (s->done.load() < target) sched_yield();
+  }
+  void* event_create() override { return new Event(); }
+  void event_record(void* event, void* stream) override {
+    auto* e = static_cast<Event*>(event);
+    uint64_t gen = ++e->recorded;
+    enqueue(stream, [e, gen] { e->fired.store(gen); });
+  }
+  void stream_wait_event(void* stream, void* event) override {
+    auto* e = static_cast<Event*>(event);
+    uint64_t gen = e->recorded;
+    enqueue(stream, [e, gen] {
+      while (e->fired.load() < gen) sched_yield();
+    });
+  }
+  void event_destroy(void* event) override { delete static_cast<Event*>(event); }
+  bool host_register(void*, size_t) override { return true; }
+  void host_unregister(void*) override {}
+  uint64_t device_address(void* host) override { return uint64_t(reinterpret_cast<uintptr_t>(host)); }
+
+ private:
+  void enqueue(void* stream, std::function<void()> op) {
+    auto* s = static_cast<Stream*>(stream);
+    {
+      std::lock_guard<std::mutex> g(s->mu);
+      s->q.push_back(std::move(op));
+      ++s->queued;
+    }
+    s->cv.notify_one();
+  }
+  std::mutex mu_;
+  std::vector<Stream*> streams_;
+};
+
 }  // namespace
+
+void* emulated_stream(DeviceOps& ops) {
+  auto* e = dynamic_cast<EmulatedOps*>(&ops);
+  if (!e) throw CommError("hetccl: streams can be created only on the emulated device");
+  return e->create_stream();
+}
 
 std::shared_ptr<DeviceOps> make_device_ops(const std::string& vendor, const std::string& library) {
   if (vendor == "cuda") return std::make_shared<CudaOps>(library);
   if (vendor == "hip") return std::make_shared<HipOps>(library);
-  throw CommError("hetccl: unknown device runtime '" + vendor + "' (known: cuda, hip)");
+  if (vendor == "emulated") return std::make_shared<EmulatedOps>();
+  throw CommError("hetccl: unknown device runtime '" + vendor + "' (known: cuda, hip, emulated)");
 }
 
 }  // namespace hetccl

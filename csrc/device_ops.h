@@ -54,7 +54,10 @@ class DeviceOps {
 };
 
 // Opens the vendor runtime at `library` ("cuda": a libcuda path; "hip": a libamdhip64 path).
-// Throws CommError when the library or a required symbol is missing.
+// Throws CommError when the library or a required symbol is missing. "emulated" (tests only)
+// is a device whose streams are host threads running their operations in order, so the
+// engine's device protocol runs on machines without a GPU; emulated_stream() makes a stream.
 std::shared_ptr<DeviceOps> make_device_ops(const std::string& vendor, const std::string& library);
+void* emulated_stream(DeviceOps& ops);
 
 }  // namespace hetccl

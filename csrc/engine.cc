@@ -161,6 +161,15 @@ void Engine::set_device_ops(std::shared_ptr<DeviceOps> ops) {
   dev_ = std::move(ops);
 }
 
+void Engine::stream_join(int device_index, uintptr_t waiter, uintptr_t waitee) {
+  if (!dev_) throw CommError("hetccl engine: stream_join without a device runtime");
+  std::lock_guard<std::mutex> g(issue_mu_);
+  dev_->set_device(device_index);
+  if (!join_event_) join_event_ = dev_->event_create();
+  dev_->event_record(join_event_, reinterpret_cast<void*>(waitee));
+  dev_->stream_wait_event(reinterpret_cast<void*>(waiter), join_event_);
+}
+
 std::string Engine::broken() {
   std::lock_guard<std::mutex> g(mu_);
   return broken_;
@@ -365,6 +374,8 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
         enqueue_device(*p, part);
       else
         drive_device_sync(*p, part);
+      std::lock_guard<std::mutex> g(mu_);
+      ++stats_["device_enqueues"];
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> g(mu_);
       break_engine(std::string("hetccl: ") + spec.what + ": device copies failed: " + e.what(),
@@ -535,6 +546,7 @@ Engine::DevicePart Engine::device_part_locked(Plan& p) {
 }
 
 void Engine::enqueue_device(Plan& p, const DevicePart& part) {
+  std::lock_guard<std::mutex> g(issue_mu_);
   const PlanSpec& s = p.spec;
   dev_->set_device(s.device_index);
   void* S = reinterpret_cast<void*>(s.stream);
@@ -1139,6 +1151,7 @@ void Engine::close() {
   }
   if (dev_) {
     for (void* e : events_) dev_->event_destroy(e);
+    if (join_event_) dev_->event_destroy(join_event_);
     for (void* r : registered_) dev_->host_unregister(r);
   }
   events_.clear();

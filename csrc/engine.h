@@ -147,6 +147,9 @@ class Engine {
   // Device registration of host memory the device plans copy from/to (ring slots): called once
   // per device runtime before the first device plan.
   void set_device_ops(std::shared_ptr<DeviceOps> ops);
+  // Orders `waiter` after the work queued on `waitee` so far (one reused event: a stream wait
+  // keeps the event's state at the time it is enqueued).
+  void stream_join(int device_index, uintptr_t waiter, uintptr_t waitee);
   std::string broken();  // "" while healthy, else the first failure
   std::map<std::string, uint64_t> stats();
   void close();
@@ -209,6 +212,8 @@ class Engine {
   std::vector<void*> flag_pages_;
   std::vector<void*> registered_;
   std::vector<void*> events_;  // fork/join events of device plans (reused)
+  void* join_event_ = nullptr;
+  std::mutex issue_mu_;        // device enqueueing (events_ and join_event_ are reused)
   int64_t last_liveness_ms_ = 0;
   std::map<std::string, uint64_t> stats_;
 };

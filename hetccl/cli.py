@@ -11,7 +11,7 @@ COMMANDS = {
              "collectives and train a small model"),
     "doctor": ("hetccl.doctor", "print what this rank sees: vendor, device, backends, transports"),
     "run": ("hetccl.run", "torchrun wrapper: run an unchanged script over hetccl"),
-    "bench": (None, "benchmarks: transport | collectives | straggler | soak | ddp"),
+    "bench": (None, "benchmarks: transport | collectives | straggler | soak | ddp | train"),
     "deepspeed": ("hetccl.integrations.deepspeed", "deepspeed launcher wrapper accepting "
                   "--comm_backend hetccl"),
     "megatron": ("hetccl.integrations.megatron", "train a megatron-core GPT from a recipe YAML"),
@@ -22,6 +22,7 @@ BENCHES = {
     "straggler": "hetccl.bench.straggler",
     "soak": "hetccl.bench.soak",
     "ddp": "hetccl.bench.ddp",
+    "train": "hetccl.bench.train",
 }
 
 

@@ -59,6 +59,7 @@ class Engine:
         self.timeout_ms = int(timeout.total_seconds() * 1000)
         self._checked: set[tuple] = set()  # device signatures already checked before data moved
         self._device_ops: dict[str, Any] = {}
+        self._launches: dict[int, Any] = {}  # this group's own comm/side streams per device
         try:
             if topo.local_size > 1:
                 self.local = NativeGroup(store, topo.labels[topo.my_group], topo.local_rank,
@@ -147,7 +148,8 @@ class Engine:
         launch = None
         if dev is not None:
             seam = devices.seam(dev.type)
-            launch = seam.launch(dev, tensors)
+            self.device_ops(dev.type)
+            launch = seam.launch(dev, tensors, self._launches, self.core.stream_join)
             fut = launch.future()
             inline = True
         else:

@@ -13,7 +13,11 @@ What is checked, on random data against references computed independently (test_
   * argument headers: a mismatch raises the same ArgMismatch text on both ranks before any data
     moves, and the engine stays usable;
   * errors: a peer that never posts -> "Timed out" naming it; a peer that dies mid-plan ->
-    PeerFailure naming it, within the timeout; later posts fail at once.
+    PeerFailure naming it, within the timeout; later posts fail at once;
+  * device plans, on the emulated device (csrc/device_ops.h: streams are host threads that run
+    the enqueued waits, copies and flag writes in order): many plans issued before any stream
+    work ran (issue never waits), ring wrap-around, both copy streams, message-link staging;
+    an argument mismatch found asynchronously breaks the engine and releases the streams.
 """
 from __future__ import annotations
 
@@ -45,11 +49,13 @@ def _engine(t, rank, force_chunk=0):
 
 
 def _post(e, items, tag, op=None, dtype="uint8", roundtrip=False, chunk=0, timeout=TIMEOUT_MS,
-          header=None, error="", wait_check=True, what="test"):
+          header=None, error="", wait_check=True, what="test", streams=None):
     check = header is not None
+    dev = streams is not None
     return e.post(items, tag << 16, 13, op or "sum", dtype, op is not None, roundtrip, chunk,
                   timeout, what, check, list(header or []), checks.MASK_ALL, error, True,
-                  (tag << 16) | 0xFFFF, wait_check, False, 0, 0, 0)
+                  (tag << 16) | 0xFFFF, wait_check, dev, 0, streams[0] if dev else 0,
+                  streams[1] if dev else 0)
 
 
 def _b(t):
@@ -147,6 +153,62 @@ def _header_mismatch(e, rank, peer, tag0):
     return ("ok" if ok and bool((y == 1.0).all()) else f"text/usable wrong: {text}"), text
 
 
+def _device_cases(e, rank, peer, tag0):
+    """Device plans on the emulated device: issue many, then let the streams run."""
+    ops = _C.device_ops("emulated")
+    e.set_device_ops(ops)
+    S, Sd = ops.emulated_stream(), ops.emulated_stream()
+    out = {}
+    sizes = [1, 4099, 3 << 20, 20 << 20]  # the last wraps the 8-slot rings several times
+    xs, gots = [], []
+    t0 = time.monotonic()
+    for k, n in enumerate(sizes * 2):
+        x = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(k * 2 + rank),
+                          dtype=torch.uint8)
+        got = torch.zeros(n, dtype=torch.uint8)
+        _post(e, [(peer, True, x.data_ptr(), n), (peer, False, got.data_ptr(), n)], tag0 + k,
+              header=[1, n, 6, 0, -1, 2], wait_check=k < len(sizes), streams=(S, Sd))
+        xs.append(x)
+        gots.append(got)
+    out["device/issue_s"] = time.monotonic() - t0
+    ops.synchronize(S)
+    ops.synchronize(Sd)
+    deadline = time.monotonic() + 30
+    while e.stats().get("plans_device", 0) < len(xs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for k, n in enumerate(sizes * 2):
+        theirs = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(k * 2 + peer),
+                               dtype=torch.uint8)
+        out[f"device/{k}/{n}"] = "ok" if torch.equal(gots[k], theirs) else "wrong bytes"
+    out["device/async_checks"] = "ok" if e.stats().get("checks_async", 0) == len(sizes) else \
+        f"stats {e.stats()}"
+    return out, (ops, S, Sd)
+
+
+def _device_async_mismatch(e, rank, peer, tag0, dev):
+    """A mismatch found after issue: the engine breaks, the streams are released, the next post
+    raises the same error."""
+    ops, S, Sd = dev
+    n = 1 << 20
+    x = torch.ones(n + rank, dtype=torch.uint8)
+    got = torch.zeros(n + rank, dtype=torch.uint8)
+    _post(e, [(peer, True, x.data_ptr(), n + rank), (peer, False, got.data_ptr(), n + rank)], tag0,
+          header=[1, n + rank, 6, 0, -1, 2], wait_check=False, streams=(S, Sd))
+    ops.synchronize(S)  # must return: the engine releases every wait when it breaks
+    ops.synchronize(Sd)
+    deadline = time.monotonic() + 10
+    while not e.broken() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    msg = e.broken()
+    try:
+        _post(e, [(peer, True, x.data_ptr(), 4)], tag0 + 1)
+        later = "no error"
+    except _C.CommError as err:
+        later = str(err)
+    ok = "number of elements differs" in msg and later == msg
+    return "ok" if ok else f"broken={msg!r} later={later!r}"
+
+
 def rank_main(ctx, name):
     torch.set_num_threads(1)
     st = ctx.store()
@@ -186,6 +248,16 @@ def rank_main(ctx, name):
         return verdict
     attempt("header_mismatch", mism)
     res["header_text"] = hdr.get("text", "")
+    dev = {}
+
+    def devc():
+        out, dev["d"] = _device_cases(e, rank, peer, 1000)
+        res["device_issue_s"] = out.pop("device/issue_s")
+        return out
+    attempt("device", devc)
+    if "d" in dev:
+        attempt("device_async_mismatch",
+                lambda: _device_async_mismatch(e, rank, peer, 1100, dev["d"]))
     e.close()
     attempt("paths_agree", lambda: _paths_agree(t, rank, peer, 900, st, name))
     t.close()
@@ -201,9 +273,13 @@ def _run(name):
 def test_engine_paths(name):
     per_rank = _run(name)
     for r, res in enumerate(per_rank):
-        bad = {k: v for k, v in res.items() if v != "ok" and k != "header_text"}
+        bad = {k: v for k, v in res.items()
+               if v != "ok" and k not in ("header_text", "device_issue_s")}
         assert not bad, f"{name} rank {r}: " + "\n".join(f"{k}: {v}" for k, v in sorted(bad.items()))
         assert any(k.startswith("reduce/") for k in res)
+        assert any(k.startswith("device/") for k in res)
+        # eight device plans (48 MiB each way) were issued without waiting for the streams
+        assert res["device_issue_s"] < 5.0, res["device_issue_s"]
     assert per_rank[0]["header_text"] == per_rank[1]["header_text"]
 
 

@@ -13,7 +13,6 @@ loaded (libcuda for CUDA, libamdhip64 for ROCm), opened by the C++ core (csrc/de
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -38,22 +37,26 @@ class Launch:
     """One collective's streams: `comm` (current inside `with launch:`), `side`, and their raw
     handles for the engine."""
 
-    __slots__ = ("comm", "side", "comm_handle", "side_handle", "index", "_ctx")
+    __slots__ = ("comm", "side", "comm_handle", "side_handle", "index", "_prev")
 
     def __init__(self, comm, side, index):
         self.comm, self.side, self.index = comm, side, index
         self.comm_handle = comm.cuda_stream
         self.side_handle = side.cuda_stream
-        self._ctx = None
+        self._prev = None
 
     def __enter__(self):
-        self._ctx = contextlib.ExitStack()
-        self._ctx.enter_context(torch.cuda.device(self.index))
-        self._ctx.enter_context(torch.cuda.stream(self.comm))
+        # torch.cuda.set_stream also makes the stream's device current; both are restored
+        # on exit (cheaper than the device and stream context managers, per collective)
+        self._prev = (torch.cuda.current_device(), torch.cuda.current_stream(self.index))
+        torch.cuda.set_stream(self.comm)
         return self
 
     def __exit__(self, *exc):
-        self._ctx.close()
+        dev, stream = self._prev
+        torch.cuda.set_stream(stream)
+        if dev != self.index:
+            torch.cuda.set_device(dev)
         return False
 
     def future(self) -> torch.futures.Future:
@@ -67,7 +70,6 @@ class CudaSeam:
 
     def __init__(self):
         self.is_rocm = bool(getattr(torch.version, "hip", None))
-        self._streams: dict[int, tuple] = {}
 
     @staticmethod
     def available() -> bool:
@@ -97,18 +99,20 @@ class CudaSeam:
         lib = _loaded_library(("libcuda.so",)) or "libcuda.so.1"
         return _C.device_ops("cuda", lib)
 
-    def launch(self, device: torch.device, tensors) -> Launch:
+    def launch(self, device: torch.device, tensors, cache: dict, join) -> Launch:
+        """cache: the process group's own streams (per device): two groups never share a
+        stream, or their collectives could wait on each other across ranks in different orders.
+        join(index, waiter_handle, waitee_handle): orders waiter after waitee's queued work."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        pair = self._streams.get(idx)
-        if pair is None:
-            pair = self._streams[idx] = (torch.cuda.Stream(device=idx), torch.cuda.Stream(device=idx))
-        comm, side = pair
-        caller = torch.cuda.current_stream(idx)
-        comm.wait_stream(caller)
+        launch = cache.get(idx)
+        if launch is None:
+            launch = cache[idx] = Launch(torch.cuda.Stream(device=idx),
+                                         torch.cuda.Stream(device=idx), idx)
+        join(idx, launch.comm_handle, torch.cuda.current_stream(idx).cuda_stream)
         for t in tensors:
             if t.is_cuda:
-                t.record_stream(comm)
-        return Launch(comm, side, idx)
+                t.record_stream(launch.comm)
+        return launch
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
