@@ -25,12 +25,16 @@ for w in $what; do
     build)
       nvidia-smi -L
       python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
-      python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+      # RelWithDebInfo, unstripped: a crash backtrace (tests step) names functions and lines
+      python3 -m pip install -q --no-build-isolation --no-deps -e . \
+        --config-settings=cmake.build-type=RelWithDebInfo --config-settings=install.strip=false \
+        2>&1 | tail -3
       python3 -m hetccl.cli doctor | head -12 ;;
     tests)
-      PYTHONFAULTHANDLER=1 timeout $T python3 -m pytest -q -x tests/test_gpu.py -m gpu \
-        -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu_tests.log" | tail -25 ;;
+      HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 timeout $T python3 -m pytest -q -x \
+        tests/test_gpu.py -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+      grep -o "hetccl-frame [^ ]* +0x[0-9a-f]*" "$OUT/gpu_tests.log" | sort -u | head -40 \
+        | while read -r _ obj off; do echo "$obj $off $(addr2line -f -C -e "$obj" "${off#+}" 2>/dev/null | tr '\n' ' ')"; done ;;
     bench)
       for dt in ${DTYPES:-bfloat16 float32}; do
         timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl,nccl \

@@ -5,7 +5,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
 #include <thread>
 
 #include "common.h"
@@ -41,6 +47,25 @@ class PyTransport {
  private:
   std::shared_ptr<Transport> t_;  // shared with an Engine that drives it
 };
+
+// Opt-in (HETCCL_CRASH_BACKTRACE=1, read in hetccl/_core.py): on SIGSEGV/SIGBUS/SIGFPE print the
+// native frames as "hetccl-frame <object> +<offset>" lines (addr2line -e <object> <offset> names
+// them), then let the default action run. Only async-signal-safe calls.
+void crash_handler(int sig) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  char line[512];
+  for (int i = 0; i < n; ++i) {
+    Dl_info info;
+    if (dladdr(frames[i], &info) && info.dli_fname) {
+      int len = snprintf(line, sizeof line, "hetccl-frame %s +0x%lx\n", info.dli_fname,
+                         (unsigned long)((char*)frames[i] - (char*)info.dli_fbase));
+      if (len > 0) (void)!write(2, line, size_t(len));
+    }
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
 
 std::string to_bytes_str(const py::handle& h) {
   if (py::isinstance<py::bytes>(h)) return std::string(py::reinterpret_borrow<py::bytes>(h));
@@ -187,6 +212,9 @@ PYBIND11_MODULE(_C, m) {
       .def("__repr__", [](PyTransport& s) { return "<hetccl._C.Transport " + s.t().name() + ">"; });
 
   m.def("transport_names", &transport_names);
+  m.def("enable_crash_backtrace", [] {
+    for (int sig : {SIGSEGV, SIGBUS, SIGFPE}) signal(sig, crash_handler);
+  });
 
   m.def("wait_all",
         [](std::vector<std::shared_ptr<Request>> reqs, int64_t timeout_ms) {

@@ -213,7 +213,9 @@ void Engine::post_headers(Plan& p) {
     p.hdr_out.push_back(it->second->t->isend(peer, p.my_hdr.data(), p.my_hdr.size(), s.header_tag));
   }
   p.headers_done = false;
-  p.gate = false;
+  // Data is not held back for the headers: data tags carry the arguments' signature, so data of
+  // a collective whose arguments differ never matches (message links) or is refused on arrival
+  // (zero-copy rings), and the headers, compared as they arrive, name the difference.
 }
 
 // "" when every header received matches ours (and nobody reported an error), else the text
@@ -286,6 +288,8 @@ bool Engine::progress_headers(Plan& p) {
   if (p.headers_done) return false;
   for (auto& in : p.hdr_in)
     if (!in.req->test()) return false;  // test() throws the request's failure
+  for (auto& r : p.hdr_out)
+    if (!r->test()) return false;  // our header's buffer lives in the plan until it has left
   p.headers_done = true;
   std::string bad = compare_headers(p);
   if (!bad.empty()) {
@@ -333,14 +337,17 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
       for (auto& r : p->hdr_out) r->wait(to_ms_left(p->deadline_ms));
     } catch (const CommTimeout& e) {
       std::lock_guard<std::mutex> g(mu_);
+      bury(p);
       break_engine(e.what(), kTimeout);
       throw;
     } catch (const PeerFailure& e) {
       std::lock_guard<std::mutex> g(mu_);
+      bury(p);
       break_engine(e.what(), kPeer);
       throw;
     } catch (const CommError& e) {
       std::lock_guard<std::mutex> g(mu_);
+      bury(p);
       break_engine(e.what(), kGeneric);
       throw;
     }
@@ -652,6 +659,15 @@ void Engine::drive_device_sync(Plan& p, const DevicePart& part) {
 }
 
 // ----------------------------------------------------------------------------- progress
+// A plan leaving plans_ whose header requests may still be posted in a transport (it failed
+// before they completed) keeps its buffers alive until close().
+void Engine::bury(const std::shared_ptr<Plan>& p) {
+  bool pending = false;
+  for (auto& in : p->hdr_in) pending = pending || !in.req->test_nothrow();
+  for (auto& r : p->hdr_out) pending = pending || !r->test_nothrow();
+  if (pending) graveyard_.push_back(p);
+}
+
 void Engine::mark_done(Plan& p) {
   if (p.state != Plan::Pending) return;
   p.state = Plan::Done;
@@ -742,6 +758,16 @@ bool Engine::recv_zc(Link& l) {
     if (!src) break;
     if (std::get<1>(m) != c.len || std::get<2>(m) != c.tag) {
       l.t->zc_recv_release(l.peer);
+      if (!p.hdr_in.empty()) {
+        // the headers may already name the difference
+        bool all = true;
+        for (auto& in : p.hdr_in) all = all && in.req->test();
+        if (all) {
+          std::string bad = compare_headers(p);
+          if (!bad.empty()) throw ArgMismatch(bad + " (detected after the collective was issued; the "
+                                                    "group is unusable from here on)");
+        }
+      }
       throw PeerFailure("hetccl: " + p.spec.what + ": peer rank " + std::to_string(l.peer) +
                         " sent a " + std::to_string(std::get<1>(m)) + "-byte chunk with tag " +
                         std::to_string(std::get<2>(m)) + " where a " + std::to_string(c.len) +
@@ -883,13 +909,18 @@ bool Engine::progress_locked() {
     }
     // drop finished device plans (host plans are dropped by their waiter)
     for (auto it = plans_.begin(); it != plans_.end();) {
-      if (it->second->spec.device && it->second->state != Plan::Pending)
+      if (it->second->spec.device && it->second->state != Plan::Pending) {
+        bury(it->second);
         it = plans_.erase(it);
-      else
+      } else {
         ++it;
+      }
     }
     for (auto& kv : links_)
       if (progress_link(*kv.second)) moved = true;
+  } catch (const ArgMismatch& e) {
+    break_engine(e.what(), kArg);
+    return true;
   } catch (const CommTimeout& e) {
     break_engine(e.what(), kTimeout);
     return true;
@@ -1031,6 +1062,7 @@ void Engine::wait(uint64_t id) {
         spin_until = now_ns() + 50000;
       }
       if (p->state != Plan::Pending) {
+        bury(p);
         plans_.erase(id);
         if (p->state == Plan::Failed) throw_kind(p->error_kind, p->error);
         return;
@@ -1071,6 +1103,7 @@ bool Engine::test(uint64_t id) {
   }
   progress_locked();
   if (p->state == Plan::Failed) {
+    bury(p);
     plans_.erase(id);
     throw_kind(p->error_kind, p->error);
   }
@@ -1156,6 +1189,8 @@ void Engine::close() {
   }
   events_.clear();
   registered_.clear();
+  // graveyard_ stays until the destructor: the transports close after the engine, and a
+  // receive still posted in one may complete until then.
   for (void* pg : flag_pages_) free(pg);
   flag_pages_.clear();
 }

@@ -186,6 +186,7 @@ class Engine {
   std::string compare_headers(Plan& p);
   void finish_chunk(Plan& p);
   void mark_done(Plan& p);
+  void bury(const std::shared_ptr<Plan>& p);
   void fail_plan(Plan& p, const std::string& msg, int kind);
   void break_engine(const std::string& msg, int kind);
   void release_device_waits();
@@ -200,6 +201,7 @@ class Engine {
   std::mutex mu_;                 // plans_, link queues and positions, broken_ (progress state)
   std::condition_variable cv_;    // proxy wake-up
   std::map<uint64_t, std::shared_ptr<Plan>> plans_;
+  std::vector<std::shared_ptr<Plan>> graveyard_;  // see bury()
   uint64_t next_id_ = 1;
   std::string broken_;
   int broken_kind_ = 0;

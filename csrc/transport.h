@@ -89,6 +89,11 @@ class Request {
     if (state_ == State::Failed) rethrow_locked();
     return state_ == State::Done;
   }
+  // Finished (done or failed), without raising.
+  bool test_nothrow() {
+    std::lock_guard<std::mutex> g(mu_);
+    return state_ != State::Pending;
+  }
 
   // Blocks until done (returns bytes transferred), failed (throws) or timeout_ms passes
   // (throws CommTimeout naming the peer and tag; the request stays pending). timeout_ms < 0: forever.

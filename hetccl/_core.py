@@ -13,6 +13,11 @@ except Exception:  # noqa: BLE001 - absent or unloadable UCX simply means no UCX
 
 from . import _C  # noqa: E402
 
+import os as _os
+
+if _os.environ.get("HETCCL_CRASH_BACKTRACE") == "1":  # debugging aid (csrc/bindings.cc)
+    _C.enable_crash_backtrace()
+
 CommError = _C.CommError
 CommTimeout = _C.CommTimeout
 PeerFailure = _C.PeerFailure

@@ -101,7 +101,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if len(devices) > 1:
             raise ValueError(f"hetccl: {coll}: tensors of one collective must be on one device, "
                              f"got {sorted(str(d) for d in devices)}")
-        algo_name, algo = select(coll, nbytes)
+        algo_name, algo = select(coll, nbytes, self.engine.algo_overrides)
         device = next(iter(devices), torch.device("cpu"))
         engine = self.engine
 
@@ -150,7 +150,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         def body(ctx, algo):
             for (t, (f, copied)) in zip(tensors, flats):
                 self._check(ctx, "all_reduce", f.numel(), f.dtype, op)
-                _, fn = select("all_reduce", f.numel() * f.element_size())
+                _, fn = select("all_reduce", f.numel() * f.element_size(),
+                               self.engine.algo_overrides)
                 fn(ctx, f, "sum" if op == "avg" else op)
                 if op == "avg":
                     f.div_(world) if f.is_floating_point() or f.is_complex() else None

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from . import checks, config, device as devices, tags, tuning
+from .algorithms import overrides as algo_overrides
 from ._core import HOST_REDUCE_DTYPES, CommError, _C
 from .bridge import Bridge, torch_dtype_name
 from .native import NativeGroup
@@ -57,6 +58,7 @@ class Engine:
         self.check_mode = config.get("HETCCL_CHECK_ARGS")
         self.host_kernel = bool(config.get("HETCCL_HOST_KERNEL"))
         self.timeout_ms = int(timeout.total_seconds() * 1000)
+        self.algo_overrides = algo_overrides()
         self._checked: set[tuple] = set()  # device signatures already checked before data moved
         self._device_ops: dict[str, Any] = {}
         self._launches: dict[int, Any] = {}  # this group's own comm/side streams per device
@@ -78,6 +80,7 @@ class Engine:
             raise
         self._q: queue.Queue = queue.Queue()
         self._exec = threading.Lock()
+        self._queued = 0  # items put on the queue and not yet executed (under _exec)
         self._worker = threading.Thread(target=self._run, name=f"hetccl-{name or rank}",
                                         daemon=True)
         self._worker.start()
@@ -118,7 +121,10 @@ class Engine:
             if item is None:
                 return
             with self._exec:
-                self._execute(*item)
+                try:
+                    self._execute(*item)
+                finally:
+                    self._queued -= 1
 
     def _execute(self, fn, fut, outputs, launch) -> None:
         try:
@@ -157,14 +163,15 @@ class Engine:
             inline = not async_op
         work = HetcclWork(fut, outputs, self if launch is not None else None)
         item = (fn, fut, outputs, launch)
-        if inline and self._q.empty() and self._exec.acquire(blocking=False):
-            try:
-                if self._q.empty():
-                    self._execute(*item)
-                    return work
-            finally:
-                self._exec.release()
-        self._q.put(item)
+        # Inline only when no queued item is pending: _queued drops only after the worker has
+        # executed an item (under _exec), so an item the worker has taken off the queue but not
+        # run yet still counts, and the issue order holds.
+        with self._exec:
+            if inline and self._queued == 0:
+                self._execute(*item)
+                return work
+            self._queued += 1
+            self._q.put(item)
         return work
 
     def next_ctx(self, device: torch.device, launch) -> "EngineCtx":
@@ -203,9 +210,10 @@ class EngineCtx:
         self.launch = launch
         self.what = f"collective #{seq}"
         self._header = None  # the check header the next transfer carries
+        self._sig = 0        # tags.signature of this collective's header (in every data tag)
 
     def tag(self, phase: int, index: int) -> int:
-        return tags.collective(self.seq, phase) | index
+        return tags.collective(self.seq, phase, self._sig) | index
 
     # ------------------------------------------------------------------ argument checks
     def begin(self, coll: str, numel: int, dtype: torch.dtype, op: str | None = None,
@@ -224,6 +232,7 @@ class EngineCtx:
         if wait:
             err = checks.within_group(self.local, self.topo.local_ranks, mine, coll, mask)
         self._header = (mine, mask, err or "", wait, wait, sig)
+        self._sig = tags.signature([v for f, v in enumerate(mine) if mask & (1 << f)])
         if err:
             self.flush()  # tells the other groups, then raises the same error here
 
@@ -250,7 +259,8 @@ class EngineCtx:
         reduce = op is not None and not dev
         dname = torch_dtype_name(dtype) if dtype is not None else "uint8"
         left = max(0, int((self.deadline - time.monotonic()) * 1000))
-        pid = core.post(items, tags.collective(self.seq, phase), tags.INDEX_BITS, op or "sum",
+        pid = core.post(items, tags.collective(self.seq, phase, self._sig), tags.INDEX_BITS,
+                        op or "sum",
                         dname, reduce, roundtrip, chunk, left, self.what, header is not None,
                         mine, mask, err, for_group, tags.header(self.seq), wait, dev,
                         launch.index if launch else 0, launch.comm_handle if launch else 0,
@@ -326,6 +336,15 @@ _TORCH_OPS = {
 }
 
 
+_THREADS: list[int] = []
+
+
+def _reduce_threads() -> int:
+    if not _THREADS:
+        _THREADS.append(int(config.get("HETCCL_REDUCE_THREADS")))
+    return _THREADS[0]
+
+
 def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
     """dst = op(dst, src), elementwise. Host tensors of the core's dtypes use the C++ kernels;
     device tensors and other dtypes use torch's own kernels (on the current stream)."""
@@ -338,8 +357,7 @@ def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
         return
     name = torch_dtype_name(dst.dtype)
     if name in HOST_REDUCE_DTYPES and op in ("sum", "prod", "min", "max"):
-        _C.reduce_into(op, name, dst.data_ptr(), src.data_ptr(), dst.numel(),
-                       int(config.get("HETCCL_REDUCE_THREADS")))
+        _C.reduce_into(op, name, dst.data_ptr(), src.data_ptr(), dst.numel(), _reduce_threads())
     elif dst.dtype == torch.bool and op in ("sum", "max", "prod", "min"):
         r = {"sum": torch.logical_or, "max": torch.logical_or, "prod": torch.logical_and,
              "min": torch.logical_and}[op]

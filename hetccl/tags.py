@@ -1,6 +1,9 @@
 """The one owner of the bridge's tag space (transport tags are below 2**48, transport.h).
 
     bit 47         point-to-point (send/recv/isend/irecv across vendors): user tag in bits 0..39
+    bits 26..45    signature of the collective's arguments (checks.py; 0 when not checked):
+                   data of a collective whose arguments differ from the receiver's never
+                   matches, and on shared-memory rings it is refused on arrival
     bits 16..25    sequence number of the group's collective, modulo SEQ_WINDOW
     bits 13..15    phase inside the collective (0..6: data; 7: control)
     bits 0..12     chunk index inside (peer, phase), modulo 2**INDEX_BITS
@@ -18,16 +21,26 @@ SEQ_SHIFT = 16
 PHASE_SHIFT = 13
 INDEX_BITS = 13
 PHASES = 7  # data phases 0..6
+SIG_SHIFT = 26
+SIG_BITS = 20
 CONTROL_PHASE = 7
 P2P_BIT = 1 << 47
 P2P_USER_BITS = 40
 
 
-def collective(seq: int, phase: int) -> int:
+def collective(seq: int, phase: int, sig: int = 0) -> int:
     """Tag base of data phase `phase` of collective number `seq` (chunk index goes below)."""
     if not 0 <= phase < PHASES:
         raise ValueError(f"hetccl: internal error: phase {phase} outside 0..{PHASES - 1}")
-    return ((seq % SEQ_WINDOW) << SEQ_SHIFT) | (phase << PHASE_SHIFT)
+    return (((sig & ((1 << SIG_BITS) - 1)) << SIG_SHIFT) | ((seq % SEQ_WINDOW) << SEQ_SHIFT)
+            | (phase << PHASE_SHIFT))
+
+
+def signature(header: list[int]) -> int:
+    """A 20-bit digest of a check header, equal on every rank for equal headers."""
+    import zlib
+
+    return zlib.crc32(b",".join(str(v).encode() for v in header)) & ((1 << SIG_BITS) - 1)
 
 
 def header(seq: int) -> int:

@@ -60,9 +60,14 @@ def _overrides() -> dict[str, str]:
     return out
 
 
-def select(coll: str, nbytes: int):
+def overrides() -> dict[str, str]:
+    """HETCCL_ALGO, parsed (an engine reads it once: it must agree across ranks anyway)."""
+    return dict(_overrides())
+
+
+def select(coll: str, nbytes: int, forced: dict[str, str] | None = None):
     """(name, function) of the algorithm to run for this collective and message size."""
-    algo = _overrides().get(coll)
+    algo = (_overrides() if forced is None else forced).get(coll)
     if algo is None:
         algo = next(a for c, limit, a in TABLE if c == coll and nbytes <= limit)
     return algo, ALGORITHMS[coll][algo]

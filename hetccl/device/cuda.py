@@ -37,10 +37,11 @@ class Launch:
     """One collective's streams: `comm` (current inside `with launch:`), `side`, and their raw
     handles for the engine."""
 
-    __slots__ = ("comm", "side", "comm_handle", "side_handle", "index", "_prev")
+    __slots__ = ("comm", "side", "comm_handle", "side_handle", "index", "_prev", "_devices")
 
     def __init__(self, comm, side, index):
         self.comm, self.side, self.index = comm, side, index
+        self._devices = [torch.device("cuda", index)]
         self.comm_handle = comm.cuda_stream
         self.side_handle = side.cuda_stream
         self._prev = None
@@ -60,7 +61,7 @@ class Launch:
         return False
 
     def future(self) -> torch.futures.Future:
-        return torch.futures.Future(devices=[torch.device("cuda", self.index)])
+        return torch.futures.Future(devices=self._devices)
 
 
 class CudaSeam:
