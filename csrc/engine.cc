@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
-#include <sstream>
 
 #include "common.h"
 
@@ -254,17 +253,18 @@ std::string Engine::compare_headers(Plan& p) {
     std::map<int64_t, std::vector<int>> vals;
     for (auto& kv : by_rank) vals[kv.second.h->f[f]].push_back(kv.first);
     if (vals.size() <= 1) continue;
-    // order values by their lowest rank, so every rank prints them alike
+    // order values by their lowest rank, so every rank prints them alike. (Plain string
+    // building: no iostreams in the engine -- their locale machinery is one more thing that can
+    // differ between the process's C++ runtime and ours.)
     std::vector<std::pair<int, int64_t>> order;
     for (auto& v : vals) order.emplace_back(v.second.front(), v.first);
     std::sort(order.begin(), order.end());
-    std::ostringstream os;
     std::string coll = std::to_string(mine->f[0]);
     if (!opts_.field_names.empty()) {
       auto it = opts_.field_names[0].find(mine->f[0]);
       if (it != opts_.field_names[0].end()) coll = it->second;
     }
-    os << "hetccl: " << coll << ": " << kFieldWhat[f] << " differs across ranks (";
+    std::string msg = "hetccl: " + coll + ": " + kFieldWhat[f] + " differs across ranks (";
     bool first = true;
     for (auto& o : order) {
       auto& ranks = vals[o.second];
@@ -273,13 +273,14 @@ std::string Engine::compare_headers(Plan& p) {
         auto it = opts_.field_names[f].find(o.second);
         if (it != opts_.field_names[f].end()) name = it->second;
       }
-      os << (first ? "" : "; ") << "ranks [";
-      for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-      os << "]: " << name;
+      msg += (first ? "" : "; ");
+      msg += "ranks [";
+      for (size_t i = 0; i < ranks.size(); ++i) msg += (i ? ", " : "") + std::to_string(ranks[i]);
+      msg += "]: " + name;
       first = false;
     }
-    os << "). Every rank must call the same collective with matching tensors.";
-    return os.str();
+    msg += "). Every rank must call the same collective with matching tensors.";
+    return msg;
   }
   return "";
 }
@@ -954,17 +955,16 @@ void Engine::check_deadlines() {
     if (!p.headers_done)
       for (auto& in : p.hdr_in)
         if (!in.req->test()) waiting.insert(in.peer);
-    std::ostringstream os;
-    os << "hetccl: Timed out after " << p.spec.timeout_ms << " ms in " << p.spec.what
-       << " waiting for peer rank" << (waiting.size() == 1 ? " " : "s [");
+    std::string msg = "hetccl: Timed out after " + std::to_string(p.spec.timeout_ms) + " ms in " +
+                      p.spec.what + " waiting for peer rank" + (waiting.size() == 1 ? " " : "s [");
     bool first = true;
     for (int r : waiting) {
-      os << (first ? "" : ", ") << r;
+      msg += (first ? "" : ", ") + std::to_string(r);
       first = false;
     }
-    if (waiting.size() != 1) os << "]";
-    if (p.spec.device) os << " (or for this rank's own stream to reach the collective)";
-    break_engine(os.str(), kTimeout);
+    if (waiting.size() != 1) msg += "]";
+    if (p.spec.device) msg += " (or for this rank's own stream to reach the collective)";
+    break_engine(msg, kTimeout);
     return;
   }
 }

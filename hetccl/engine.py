@@ -60,6 +60,7 @@ class Engine:
         self.timeout_ms = int(timeout.total_seconds() * 1000)
         self.algo_overrides = algo_overrides()
         self._checked: set[tuple] = set()  # device signatures already checked before data moved
+        self._headers: dict[tuple, tuple] = {}  # call -> (header, mask, signature key, tag bits)
         self._device_ops: dict[str, Any] = {}
         self._launches: dict[int, Any] = {}  # this group's own comm/side streams per device
         try:
@@ -208,7 +209,7 @@ class EngineCtx:
         self.deadline = deadline
         self.device = device
         self.launch = launch
-        self.what = f"collective #{seq}"
+        self.what = "collective"
         self._header = None  # the check header the next transfer carries
         self._sig = 0        # tags.signature of this collective's header (in every data tag)
 
@@ -221,18 +222,23 @@ class EngineCtx:
         """Checks this collective's arguments across ranks (checks.py). Raises ValueError on
         every rank when they differ and the check waits for the headers."""
         e = self.engine
-        self.what = f"{coll} #{self.seq}"
+        self.what = coll
         if e.check_mode == "off":
             return
-        mine = checks.header(coll, numel, dtype, op, root, self.device)
-        mask = checks.MASK_ALL if same_numel else checks.MASK_NO_NUMEL
-        sig = (tuple(mine), mask)
+        key = (coll, numel, dtype, op, root, self.device.type, same_numel)
+        cached = e._headers.get(key)
+        if cached is None:
+            mine = checks.header(coll, numel, dtype, op, root, self.device)
+            mask = checks.MASK_ALL if same_numel else checks.MASK_NO_NUMEL
+            cached = e._headers[key] = (
+                mine, mask, (tuple(mine), mask),
+                tags.signature([v for f, v in enumerate(mine) if mask & (1 << f)]))
+        mine, mask, sig, self._sig = cached
         wait = self.launch is None or e.check_mode == "full" or sig not in e._checked
         err = None
-        if wait:
+        if wait and self.local is not None:
             err = checks.within_group(self.local, self.topo.local_ranks, mine, coll, mask)
         self._header = (mine, mask, err or "", wait, wait, sig)
-        self._sig = tags.signature([v for f, v in enumerate(mine) if mask & (1 << f)])
         if err:
             self.flush()  # tells the other groups, then raises the same error here
 
@@ -257,11 +263,11 @@ class EngineCtx:
         if dev:
             e.device_ops(self.device.type)
         reduce = op is not None and not dev
-        dname = torch_dtype_name(dtype) if dtype is not None else "uint8"
+        dname = _DTYPE_NAMES.get(dtype) or ("uint8" if dtype is None else torch_dtype_name(dtype))
         left = max(0, int((self.deadline - time.monotonic()) * 1000))
         pid = core.post(items, tags.collective(self.seq, phase, self._sig), tags.INDEX_BITS,
-                        op or "sum",
-                        dname, reduce, roundtrip, chunk, left, self.what, header is not None,
+                        op or "sum", dname, reduce, roundtrip, chunk, left,
+                        f"{self.what} #{self.seq}", header is not None,
                         mine, mask, err, for_group, tags.header(self.seq), wait, dev,
                         launch.index if launch else 0, launch.comm_handle if launch else 0,
                         launch.side_handle if launch else 0)
@@ -324,6 +330,8 @@ class EngineCtx:
         # stream after it, the host does not wait
         work.wait()
 
+
+_DTYPE_NAMES = {d: torch_dtype_name(d) for d in checks.DTYPES}
 
 _TORCH_OPS = {
     "sum": lambda d, s: d.add_(s),
