@@ -559,6 +559,12 @@ void Engine::enqueue_device(Plan& p, const DevicePart& part) {
   dev_->set_device(s.device_index);
   void* S = reinterpret_cast<void*>(s.stream);
   void* Sd = reinterpret_cast<void*>(s.side_stream ? s.side_stream : s.stream);
+  // Latency path: at most one chunk each way per peer -- nothing to overlap, so the sends go on
+  // the main stream too and the fork/join of the side stream (four calls, two cross-stream
+  // dependencies on the device) is skipped.
+  bool single = true;
+  for (auto& lane : part) single = single && lane.sends.size() <= 1 && lane.recvs.size() <= 1;
+  if (single) Sd = S;
   if (events_.empty()) {
     events_.push_back(dev_->event_create());
     events_.push_back(dev_->event_create());

@@ -36,7 +36,7 @@ from ._core import HOST_REDUCE_DTYPES, CommError, _C
 from .bridge import Bridge, torch_dtype_name
 from .native import NativeGroup
 from .topology import Topology
-from .work import HetcclWork
+from .work import DeviceWork, HetcclWork
 
 log = logging.getLogger("hetccl")
 
@@ -157,12 +157,12 @@ class Engine:
             seam = devices.seam(dev.type)
             self.device_ops(dev.type)
             launch = seam.launch(dev, tensors, self._launches, self.core.stream_join)
-            fut = launch.future()
+            work = fut = DeviceWork(self, launch, outputs)
             inline = True
         else:
             fut = torch.futures.Future()
+            work = HetcclWork(fut, outputs)
             inline = not async_op
-        work = HetcclWork(fut, outputs, self if launch is not None else None)
         item = (fn, fut, outputs, launch)
         # Inline only when no queued item is pending: _queued drops only after the worker has
         # executed an item (under _exec), so an item the worker has taken off the queue but not
@@ -172,8 +172,14 @@ class Engine:
                 self._execute(*item)
                 return work
             self._queued += 1
+            if launch is not None:
+                work._issued = threading.Event()
             self._q.put(item)
         return work
+
+    def join_current(self, launch) -> None:
+        """The caller's current stream waits for everything queued on the launch's comm stream."""
+        self.core.stream_join(launch.index, launch.current_handle(), launch.comm_handle)
 
     def next_ctx(self, device: torch.device, launch) -> "EngineCtx":
         """A context with a fresh sequence number and deadline (called in issue order)."""
@@ -324,6 +330,9 @@ class EngineCtx:
 
     def reduce_into(self, dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
         reduce_into(dst, src, op)
+
+    def zero_copy(self, peers) -> bool:
+        return self.engine.bridge.zero_copy(peers)
 
     def wait_native(self, work) -> None:
         # host: blocks until the native collective is done; device: orders the current (comm)

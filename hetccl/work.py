@@ -85,6 +85,72 @@ class AllWork(HetcclWork):
         return self.fut.then(unwrap)
 
 
+class DeviceWork(dist.Work):
+    """Work of a device collective: everything it does is enqueued on its group's comm stream.
+
+    wait() makes the caller's current stream wait for the comm stream (one stream-wait through
+    the engine; the host never blocks once the collective has been issued); get_future() makes
+    the torch Future that DDP and friends chain on, completed on the comm stream, only when it
+    is asked for. A collective queued behind earlier asynchronous host work (engine.submit) is
+    issued by the group's worker: wait() first waits on the host for it to be issued.
+    """
+
+    def __init__(self, engine, launch, outputs: Any):
+        super().__init__()
+        self._engine, self._launch, self.outputs = engine, launch, outputs
+        self._exc: BaseException | None = None
+        self._issued = None  # threading.Event while queued behind host work
+        self._fut = None
+
+    # engine side (called once the body has run, with the comm stream current)
+    def set_result(self, outputs) -> None:
+        if self._issued is not None:
+            self._issued.set()
+
+    def set_exception(self, e: BaseException) -> None:
+        self._exc = e
+        if self._issued is not None:
+            self._issued.set()
+
+    # c10d side
+    def _ready(self) -> None:
+        if self._issued is not None:
+            self._issued.wait()
+        if self._exc is not None:
+            raise self._exc
+
+    def wait(self, timeout: timedelta | None = None) -> bool:  # noqa: ARG002
+        self._ready()
+        self._engine.join_current(self._launch)
+        self._engine.raise_if_broken()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._issued is None or self._issued.is_set()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._exc is None
+
+    def exception(self):
+        return self._exc
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            fut = self._launch.future()
+            try:
+                self._ready()
+            except BaseException as e:  # noqa: BLE001
+                fut.set_exception(e)
+            else:
+                with self._launch:
+                    fut.set_result(self.outputs)
+            self._fut = fut
+        return self._fut
+
+    def result(self):
+        return self.outputs
+
+
 def done_work(outputs: Any = None) -> HetcclWork:
     fut = torch.futures.Future()
     fut.set_result(outputs)

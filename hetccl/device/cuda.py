@@ -60,6 +60,10 @@ class Launch:
             torch.cuda.set_device(dev)
         return False
 
+    def current_handle(self) -> int:
+        """The caller's current stream on this device (what a Work's wait() orders)."""
+        return torch.cuda.current_stream(self.index).cuda_stream
+
     def future(self) -> torch.futures.Future:
         return torch.futures.Future(devices=self._devices)
 
