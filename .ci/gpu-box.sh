@@ -9,7 +9,9 @@
 #   host.jsonl             host tensors: hetccl 2+2 and 1+1 beside gloo on the box's CPUs
 #   doctor.log             `hetccl doctor --copy-test`: the box's PCIe copy ceiling, same session
 #   profile.txt            tests/gpu_profile.py: where a small all-reduce spends its time
-# Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [sweep] [train] [host] [profile] [doctor]
+#   passthrough.jsonl      one vendor (hetccl:1v, native pass-through) beside nccl, interleaved
+# Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [passthrough] [sweep] [train] [host]
+#                            [profile] [doctor]
 # (default: all, in that order). Each step is bounded by STEP_TIMEOUT seconds (default 240).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,9 +41,13 @@ for w in $what; do
       for dt in ${DTYPES:-bfloat16 float32}; do
         timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl,nccl \
           --colls ${COLLS:-all_reduce,all_gather,reduce_scatter} --minbytes ${MINBYTES:-8K} \
-          --maxbytes ${MAXBYTES:-256M} --factor 4 --dtype $dt --iters ${ITERS:-20} --no-progress \
-          --jsonl "$OUT/collectives.jsonl"
+          --maxbytes ${MAXBYTES:-256M} --factor ${FACTOR:-2} --dtype $dt --iters ${ITERS:-20} \
+          --no-progress --jsonl "$OUT/collectives.jsonl"
       done ;;
+    passthrough)
+      timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl:1v,nccl,hetccl:1v,nccl \
+        --colls all_reduce --minbytes 64M --maxbytes 256M --factor 2 --dtype bfloat16 --iters 20 \
+        --no-progress --jsonl "$OUT/passthrough.jsonl" ;;
     sweep)
       for c in ${CHUNKS:-262144 1048576 4194304 8388608}; do
         HETCCL_CHUNK_BYTES=$c timeout $T $B collectives --device cuda --vendors 1+1 \
@@ -53,7 +59,7 @@ for w in $what; do
         --jsonl "$OUT/train.jsonl" ;;
     host)
       timeout $T $B collectives --device cpu --vendors 2+2 --backends hetccl,gloo \
-        --colls all_reduce --minbytes 8K --maxbytes 32M --factor 8 --iters 10 --no-progress \
+        --colls all_reduce --minbytes 8K --maxbytes 32M --factor 4 --iters 10 --no-progress \
         --jsonl "$OUT/host.jsonl"
       timeout $T $B collectives --device cpu --vendors 1+1 --backends hetccl,gloo \
         --colls all_reduce --minbytes 8K --maxbytes 32M --factor 8 --iters 20 --no-progress \
