@@ -68,14 +68,19 @@ def test_balancer_single_process_with_meter():
     assert b.rank == 0 and b.world_size == 1
     b.begin_step(); c.t += 5.0
     assert not b.end_step()                    # warm-up step: not measured
-    assert b.meter.rate is None
+    assert b.local_model is None
     b.begin_step(); c.t += 0.5
     assert not b.end_step()                    # one rank: the plan never changes
-    assert b.meter.rate == pytest.approx(64)
+    m = b.local_model
+    assert m.count == 1 and m.time(32) == pytest.approx(0.5)
+    assert m.speed == pytest.approx(64)         # one point: prior (no fixed cost) slope
+    assert b.speeds == [None]                   # not yet used: fewer than min_count points
     b0 = Balancer(32, 8, clock=c, warmup_steps=0)
     b0.begin_step(); c.t += 0.25
     b0.end_step(16)
-    assert b0.meter.rate == pytest.approx(64)
+    assert b0.local_model.time(16) == pytest.approx(0.25)
+    with pytest.raises(RuntimeError):
+        Balancer(32, 8, clock=c).end_step()     # end without begin
 
 
 def test_sampler_union_is_global_batch():
