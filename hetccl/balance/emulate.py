@@ -247,6 +247,108 @@ def slow_down(fn_or_factor: Callable | float | None = None, factor: float | None
     return _SlowDown(f)
 
 
+def _work_of(args, kwargs) -> float:
+    import torch
+    x = kwargs.get("input_ids") if kwargs else None
+    if x is None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return float(x.numel()) if isinstance(x, torch.Tensor) and x.numel() else 1.0
+
+
+def slow_down_module(model, factor: float | None = None, device=None, embeddings=None):
+    """TEST ONLY: make ``model``'s forward AND backward ``factor`` times slower (default
+    HETCCL_SLOWDOWN; 1.0: nothing is installed). Returns the handles (call .remove()).
+
+    Forward: pre/post hooks around the model's forward. Backward: the model's output loss
+    (``output["loss"]``/``output.loss``, or the output tensor itself) and the output of its
+    input embeddings (``embeddings``, default ``model.get_input_embeddings()``) pass through
+    identity autograd functions whose backward opens and closes a slowed block: the backward
+    from the loss down to the embeddings is what a slower device would stretch. Without an
+    embedding module only the forward is slowed (by 1 + 3 (f - 1): a backward costs about two
+    forwards). On CUDA (``device`` or the parameters' device) the slow-down consumes the GPU,
+    on CPU it sleeps. The work of a block is the number of input ids (or elements of the
+    first tensor argument)."""
+    import torch
+    f = slowdown_factor() if factor is None else _check(factor)
+    if f == 1.0:
+        return []
+    if embeddings is None and hasattr(model, "get_input_embeddings"):
+        try:
+            embeddings = model.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            embeddings = None
+    f_fwd = f if embeddings is not None else 1.0 + 3.0 * (f - 1.0)
+    state = {"work": 1.0, "open": False}
+    slow = {}
+
+    def get(which):
+        # created on first use: the model may move to its device after this call
+        if not slow:
+            dev = device
+            if dev is None:
+                p = next(model.parameters(), None)
+                dev = p.device if p is not None else None
+            slow["fwd"] = slow_down(f_fwd, device=dev)
+            slow["bwd"] = slow_down(f, device=dev)
+        return slow[which]
+
+    class _Mark(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, cb):
+            ctx.cb = cb
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            ctx.cb()
+            return g, None
+
+    def bwd_begin():
+        if not state["open"]:
+            get("bwd").block(state["work"]).__enter__()
+            state["open"] = True
+
+    def bwd_end():
+        if state["open"]:
+            state["open"] = False
+            get("bwd").__exit__(None, None, None)
+
+    def pre(module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            state["work"] = _work_of(args, kwargs)
+            get("fwd").block(state["work"]).__enter__()
+            state["fwd"] = True
+
+    def post(module, args, kwargs, output):
+        if not state.pop("fwd", False):
+            return None
+        get("fwd").__exit__(None, None, None)
+        if embeddings is None:
+            return None
+        loss = None
+        if isinstance(output, torch.Tensor):
+            return _Mark.apply(output, bwd_begin) if output.requires_grad else None
+        try:
+            loss = output["loss"]
+        except (KeyError, TypeError, IndexError):
+            loss = getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            output["loss"] = _Mark.apply(loss, bwd_begin)
+        return output
+
+    def emb_post(module, args, output):
+        if module.training and torch.is_grad_enabled() and isinstance(output, torch.Tensor) \
+                and output.requires_grad:
+            return _Mark.apply(output, bwd_end)
+        return None
+
+    handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+               model.register_forward_hook(post, with_kwargs=True)]
+    if embeddings is not None:
+        handles.append(embeddings.register_forward_hook(emb_post))
+    return handles
+
+
 def emulated_work(n_samples: int, per_sample_s: float, fixed_s: float = 0.0) -> None:
     """Stand-in compute: sleeps fixed_s + n_samples * per_sample_s (no CPU use)."""
     t = fixed_s + n_samples * per_sample_s
@@ -254,4 +356,5 @@ def emulated_work(n_samples: int, per_sample_s: float, fixed_s: float = 0.0) -> 
         time.sleep(t)
 
 
-__all__ = ["slow_down", "slowdown_factor", "emulated_work", "GpuBurner", "gpu_burner"]
+__all__ = ["slow_down", "slow_down_module", "slowdown_factor", "emulated_work", "GpuBurner",
+           "gpu_burner"]

@@ -113,7 +113,9 @@ class Balancer:
     A rank that processed 0 samples keeps its last model; a rank never measured counts as the
     slowest known one. Planning options passed to plan_microbatches: max_micro (memory cap
     per micro-batch; set_max_micro() changes it), micro_batch, overhead, micro_steps (a fixed
-    number of micro-batches per rank: HF Trainer, DeepSpeed ZeRO-2/3), min_samples.
+    number of micro-batches per rank, e.g. the HF Trainer's gradient_accumulation_steps, or
+    "lockstep": the same number on every rank, chosen by the planner, for DeepSpeed
+    ZeRO-2/3), min_samples.
     ``threshold`` is the old name of min_gain. rank/world_size override what torch.distributed
     says (e.g. a data-parallel group's rank).
 
@@ -232,7 +234,7 @@ class Balancer:
             n = plan.samples(r)
             if n == 0:
                 continue
-            k = plan.num_micro(r) if self.micro_steps is None else self.micro_steps
+            k = plan.num_micro(r) if plan.micro_steps is None else plan.micro_steps
             t = m.time(n) + ov[r] * k
             if t > best:
                 best, se, arg = t, m.level_se(), r
@@ -284,8 +286,8 @@ class Balancer:
             n_samples = int(n_samples)
             micro = self.plan.num_micro(self.rank) if n_samples == self.plan.samples(self.rank) \
                 else 0
-        if self.micro_steps is not None and n_samples > 0:
-            micro = self.micro_steps
+        if self.plan.micro_steps is not None and n_samples > 0:
+            micro = self.plan.micro_steps
         if self._last_n is not None and n_samples != self._last_n:
             self._settle = self.settle_steps
         self._last_n = n_samples

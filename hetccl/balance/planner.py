@@ -261,7 +261,7 @@ def plan_microbatches(global_batch: int, speeds: Sequence[float] | None,
                       overhead: Sequence[float] | float = 0.0, *,
                       fixed: Sequence[float] | float = 0.0,
                       per_sample: Sequence[float] | None = None,
-                      micro_steps: int | None = None, min_samples: int = 0,
+                      micro_steps: int | str | None = None, min_samples: int = 0,
                       bounds: Sequence[tuple[int, int]] | None = None) -> Plan:
     """Optimal micro-batch plan for a fixed global batch (see the module docstring).
 
@@ -278,10 +278,16 @@ def plan_microbatches(global_batch: int, speeds: Sequence[float] | None,
     fixed         fixed seconds per step of each rank that holds samples; default 0.
     micro_steps   every rank holding samples runs exactly this many micro-batches (or n_r
                   of size 1 when n_r is smaller); its cap then bounds n_r <= micro_steps * cap.
+                  "lockstep": the same number k on every rank, k chosen by the planner: the
+                  fastest plan over all k (frameworks whose every micro-batch is a collective,
+                  e.g. DeepSpeed ZeRO-2/3; Plan.micro_steps holds the k chosen).
     min_samples   every usable rank takes at least this many samples.
     bounds        optional (lo, hi) samples per rank, intersected with the constraints above
                   (the Balancer's trust region); the plan is optimal within them.
     """
+    if micro_steps == "lockstep":
+        return _lockstep(global_batch, speeds, max_micro, overhead, fixed, per_sample,
+                         min_samples, bounds)
     B = int(global_batch)
     if B < 0:
         raise ValueError("global_batch must be >= 0")
@@ -392,6 +398,41 @@ def plan_microbatches(global_batch: int, speeds: Sequence[float] | None,
                 lower_bound=lb, optimal=True, speeds=tuple(sp), max_micro=tuple(caps),
                 micro_batch=micro_batch, overhead=tuple(ov), fixed=tuple(fx),
                 micro_steps=micro_steps, min_samples=min_samples)
+
+
+def _lockstep(B, speeds, max_micro, overhead, fixed, per_sample, min_samples, bounds) -> Plan:
+    """Fastest plan over every common micro-batch count k (module docstring: each k is an
+    exact plan_microbatches(micro_steps=k); larger k relaxes the caps n_r <= k * cap_r and adds
+    k * overhead, so the scan stops once no cap binds (overhead 0) or once k * overhead alone
+    exceeds the best time found)."""
+    kw = dict(overhead=overhead, fixed=fixed, per_sample=per_sample, min_samples=min_samples,
+              bounds=bounds)
+    W = len(speeds if speeds is not None else per_sample)
+    caps = _per_rank(max_micro, W, "max_micro", int)
+    ov = _per_rank(overhead, W, "overhead", float)
+    fx = _per_rank(fixed, W, "fixed", float)
+    pos = [c for c in caps if c > 0]
+    if not pos or int(B) == 0:
+        return plan_microbatches(B, speeds, max_micro, micro_steps=1, **kw)
+    k_lo = max(1, -(-int(B) // sum(pos)))
+    k_hi = max(-(-int(B) // c) for c in pos)
+    best, err = None, None
+    for k in range(k_lo, k_hi + 1):
+        try:
+            p = plan_microbatches(B, speeds, max_micro, micro_steps=k, **kw)
+        except ValueError as e:          # caps too small for this k, or min_samples > ...
+            err = e
+            continue
+        if best is None or p.est_step_time < best.est_step_time * (1 - 1e-12):
+            best = p
+        binding = any(p.samples(r) >= k * caps[r] for r in range(W) if caps[r] > 0)
+        if not binding and all(o == 0 for o in ov):
+            break                         # a larger k changes nothing
+        if min(f + o * (k + 1) for f, o, c in zip(fx, ov, caps) if c > 0) >= best.est_step_time:
+            break                         # the per-micro-batch cost alone is already worse
+    if best is None:
+        raise err
+    return best
 
 
 def plan_cost(plan: Plan, rank: int, n: int | None = None) -> float:

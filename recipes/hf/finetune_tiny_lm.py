@@ -127,25 +127,11 @@ def make_model(vocab: int, max_len: int, seed: int, layers: int, hidden: int):
 
 
 def emulate_slow_vendor(model):
-    """TEST ONLY: HETCCL_SLOWDOWN=f makes this rank's forward f times slower
-    (hetccl.balance.emulate), standing in for a slower GPU vendor."""
-    from hetccl.balance.emulate import slow_down, slowdown_factor
-    f = slowdown_factor()
-    if f == 1.0:
-        return
-    state = {}
-
-    def pre(module, args):
-        if module.training:
-            state["ctx"] = slow_down(f).__enter__()
-
-    def post(module, args, output):
-        ctx = state.pop("ctx", None)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-
-    model.register_forward_pre_hook(pre)
-    model.register_forward_hook(post)
+    """TEST ONLY: HETCCL_SLOWDOWN=f makes this rank's forward and backward f times slower
+    (hetccl.balance.emulate.slow_down_module: extra GPU kernels on CUDA, a sleep on CPU),
+    standing in for a slower GPU vendor."""
+    from hetccl.balance.emulate import slow_down_module
+    slow_down_module(model)
 
 
 # ------------------------------------------------------------------------------------------
