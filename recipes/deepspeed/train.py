@@ -132,6 +132,9 @@ def parse_args(argv=None):
     p.add_argument("--speeds", default=None, help="static plan: relative rank speeds, e.g. 3,1")
     p.add_argument("--max_micro", type=int, default=None,
                    help="largest micro-batch (default: the config's micro-batch size)")
+    p.add_argument("--hetccl_slowdown", default=None, metavar="F0,F1,...",
+                   help="TEST ONLY: per-rank slow-down factors (sets HETCCL_SLOWDOWN on each "
+                        "rank; under torchrun every rank gets the same environment)")
     p.add_argument("--out", default=None, help="JSONL file; rank 0 writes one line per step")
     p.add_argument("--tag", default="", help="free text copied into every JSONL line")
     # The one-line difference from a plain DeepSpeed script: hds.add_config_arguments adds
@@ -178,6 +181,11 @@ def run(argv=None) -> list[dict]:
     # TEST ONLY: HETCCL_SLOWDOWN=f stretches this rank's compute f times (a slower vendor):
     # extra GPU kernels on CUDA, a sleep on CPU; forward only (by 1 + 3 (f - 1): ZeRO-2/3
     # reduce gradients inside the backward, which must not be stretched)
+    if args.hetccl_slowdown:
+        factors = args.hetccl_slowdown.split(",")
+        if len(factors) != world:
+            raise SystemExit(f"--hetccl_slowdown has {len(factors)} factors for {world} ranks")
+        os.environ["HETCCL_SLOWDOWN"] = factors[rank]
     from hetccl.balance.emulate import slow_down_module
     slow_down_module(model)
     engine, _, _, _ = deepspeed.initialize(args=args, model=model,
@@ -238,7 +246,8 @@ def run(argv=None) -> list[dict]:
                "micro_per_rank": [int(g[1].item()) for g in gathered],
                "samples_per_rank": [int(g[3].item()) for g in gathered],
                "backend": backend, "zero_stage": engine.zero_optimization_stage(),
-               "world_size": world, "balance": args.balance, "tag": args.tag}
+               "world_size": world, "balance": args.balance, "tag": args.tag,
+               "global_batch": global_batch}
         records.append(rec)
         if rank == 0 and args.out:
             with open(args.out, "a") as f:
