@@ -271,7 +271,9 @@ def slow_down_module(model, factor: float | None = None, device=None, embeddings
     import torch
     f = slowdown_factor() if factor is None else _check(factor)
     if f == 1.0:
-        return []
+        out = _Handles()
+        out.slow = {}
+        return out
     if embeddings is None and hasattr(model, "get_input_embeddings"):
         try:
             embeddings = model.get_input_embeddings()
@@ -342,11 +344,22 @@ def slow_down_module(model, factor: float | None = None, device=None, embeddings
             return _Mark.apply(output, bwd_end)
         return None
 
-    handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
-               model.register_forward_hook(post, with_kwargs=True)]
+    handles = _Handles([model.register_forward_pre_hook(pre, with_kwargs=True),
+                        model.register_forward_hook(post, with_kwargs=True)])
     if embeddings is not None:
         handles.append(embeddings.register_forward_hook(emb_post))
+    handles.slow = slow
     return handles
+
+
+class _Handles(list):
+    """Hook handles of slow_down_module; ``slow`` holds its forward/backward slow-downs once
+    used ({"fwd": ..., "bwd": ...})."""
+    slow: dict
+
+    def remove(self) -> None:
+        for h in self:
+            h.remove()
 
 
 def emulated_work(n_samples: int, per_sample_s: float, fixed_s: float = 0.0) -> None:
