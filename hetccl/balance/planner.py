@@ -233,6 +233,36 @@ class _Costs:
         return min(float(hi), (T - base) / rate_den)
 
 
+def _relaxed_bound(C: _Costs, W: int, B: int) -> float:
+    """Smallest T with sum_r relaxed_r(T) >= B: relaxed_r is 0 up to base_r, then grows with
+    slope 1 / den_r until it reaches hi_r (piecewise linear; walked over its breakpoints)."""
+    ev = []                                   # (T, slope change, jump)
+    for r in range(W):
+        hi = C.hi[r]
+        if hi <= 0:
+            continue
+        den = C.b[r] + (C.c[r] / C.m[r] if C.k is None else 0.0)
+        base = C.a[r] + (C.c[r] * C.k if C.k is not None else 0.0)
+        if den <= 0:
+            ev.append((base, 0.0, float(hi)))
+        else:
+            ev.append((base, 1.0 / den, 0.0))
+            ev.append((base + hi * den, -1.0 / den, 0.0))
+    ev.sort()
+    val, slope, t_prev = 0.0, 0.0, 0.0
+    need = B * (1 - 1e-12)                    # float round-off at the breakpoints
+    for t, ds, jump in ev:
+        nxt = val + slope * (t - t_prev)
+        if nxt >= need and slope > 0:
+            return min(t, t_prev + (B - val) / slope)
+        val, t_prev = nxt, t
+        if val + jump >= need:
+            return t
+        val += jump
+        slope += ds
+    return t_prev if slope <= 0 else t_prev + (B - val) / slope
+
+
 def _explain_infeasible(B, W, lo, hi, caps, usable, micro_steps, min_samples):
     if sum(hi) < B:
         if micro_steps is not None:
@@ -356,17 +386,23 @@ def plan_microbatches(global_batch: int, speeds: Sequence[float] | None,
         def cnt(T):
             return sum(max(lo[r], C.maxn(r, T)) for r in range(W))
         t_lo, t_hi = 0.0, max(C.cost(r, hi[r]) for r in range(W))
-        if cnt(t_lo) >= B:
+        c_lo = cnt(t_lo)
+        if c_lo >= B:
             n = list(lo)
         else:
+            # until few samples lie between the two ends (the greedy places those exactly)
+            c_hi = cnt(t_hi)
             for _ in range(200):
+                if c_hi - c_lo <= W:
+                    break
                 mid = 0.5 * (t_lo + t_hi)
                 if not t_lo < mid < t_hi:
                     break
-                if cnt(mid) >= B:
-                    t_hi = mid
+                c = cnt(mid)
+                if c >= B:
+                    t_hi, c_hi = mid, c
                 else:
-                    t_lo = mid
+                    t_lo, c_lo = mid, c
             n = [max(lo[r], C.maxn(r, t_lo)) for r in range(W)]
         # Greedy for the rest: next sample to the rank that finishes it first (ties: low rank).
         heap = [(C.cost(r, n[r] + 1), r) for r in range(W) if usable[r] and n[r] < hi[r]]
@@ -380,19 +416,7 @@ def plan_microbatches(global_batch: int, speeds: Sequence[float] | None,
     per_rank = [split_micro(n[r], m[r], micro_batch is not None, micro_steps)
                 for r in range(W)]
     # continuous relaxation (lower bound of the optimum)
-    if B == 0:
-        lb = 0.0
-    else:
-        a_, b_ = 0.0, max(C.cost(r, hi[r]) for r in range(W) if usable[r])
-        for _ in range(200):
-            mid = 0.5 * (a_ + b_)
-            if not a_ < mid < b_:
-                break
-            if sum(C.relaxed(r, mid) for r in range(W)) >= B:
-                b_ = mid
-            else:
-                a_ = mid
-        lb = b_
+    lb = 0.0 if B == 0 else _relaxed_bound(C, W, B)
     return Plan(per_rank=per_rank, global_batch=B,
                 est_step_time=max(C.cost(r, n[r]) for r in range(W)),
                 lower_bound=lb, optimal=True, speeds=tuple(sp), max_micro=tuple(caps),

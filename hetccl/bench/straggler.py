@@ -138,7 +138,13 @@ def _worker(ctx, cfg):
                 plans.append(plan.counts())
                 opt.zero_grad(set_to_none=True)
                 tc = time.perf_counter()
+                if cuda:                # device time of the compute (host time is launches)
+                    ev = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+                    ev[0].record()
                 compute(plan.per_rank[rank], micro_loss_scales(plan, rank))
+                if cuda:
+                    ev[1].record()
                 tc = time.perf_counter() - tc
                 tx = time.perf_counter()
                 if bal and cfg["exchange"] == "gather":
@@ -154,7 +160,7 @@ def _worker(ctx, cfg):
                 t = time.perf_counter()
                 if step >= cfg["warmup"]:
                     times.append(t - t_prev)
-                    comp.append(tc)
+                    comp.append(ev[0].elapsed_time(ev[1]) / 1e3 if cuda else tc)
                     xchg.append(ta - tx)
                     ared.append(tb - ta)
                 t_prev = t
@@ -217,6 +223,10 @@ def run_config(world: int, gap: float, args) -> list[dict]:
             "sum_alone_throughput": sum_thr, "efficiency": achieved / sum_thr,
             "plan_samples": m["plan"], "plan_micro": m["micro"], "plans_per_step": m["plans"],
             "replans": m["replans"], "compute_ms": [1e3 * c[i] for c in r0["compute_s"]],
+            # the balancer's own part: ideal compute time (B / sum of solo throughputs) over
+            # the slowest rank's mean compute time per step (no communication in either)
+            "compute_efficiency": (args.global_batch / sum_thr) / max(c[i] for c in
+                                                                      r0["compute_s"]),
             "models": m["models"],
             "rank0_exchange_ms": 1e3 * m["exchange_s"], "rank0_allreduce_ms": 1e3 * m["allreduce_s"],
         })
@@ -301,12 +311,14 @@ def main(argv: list[str] | None = None) -> int:
                        row["throughput"], row["sum_alone_throughput"],
                        100 * row["efficiency"]], record=row)
         summary.append((w, g, rows[0]["efficiency"], rows[1]["efficiency"],
-                        rows[0]["step_ms"] / rows[1]["step_ms"], rows[1]["plan_samples"]))
+                        rows[0]["step_ms"] / rows[1]["step_ms"], rows[1]["plan_samples"],
+                        rows[1]["compute_efficiency"], rows[1]["rank0_allreduce_ms"]))
     table.close()
     print("\nsummary (efficiency = achieved / sum of ranks' solo throughputs):")
-    for w, g, eu, eb, sp, plan in summary:
+    for w, g, eu, eb, sp, plan, ce, ar in summary:
         print(f"  {w} ranks, {g:g}x gap: unbalanced {100 * eu:5.1f}%  ->  balanced "
-              f"{100 * eb:5.1f}%   ({sp:.2f}x faster steps, plan {'/'.join(map(str, plan))})")
+              f"{100 * eb:5.1f}%   ({sp:.2f}x faster steps, plan {'/'.join(map(str, plan))}; "
+              f"compute alone {100 * ce:5.1f}%, all-reduce {ar:.1f} ms/step on rank 0)")
     return 0
 
 
