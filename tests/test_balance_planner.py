@@ -181,7 +181,7 @@ def brute_force2(B, per_sample, fixed, caps, overhead, k, min_samples, bounds=No
     W = len(per_sample)
     if B == 0:
         return 0.0
-    best, arg = math.inf, None
+    best = math.inf
     for head in itertools.product(range(B + 1), repeat=W - 1):
         last = B - sum(head)
         if last < 0:
@@ -196,8 +196,7 @@ def brute_force2(B, per_sample, fixed, caps, overhead, k, min_samples, bounds=No
                 lo, hi = max(lo, bounds[r][0]), min(hi, bounds[r][1])
             cost = max(cost, _cost2(n, per_sample[r], fixed[r], max(caps[r], 1), overhead[r],
                                     k, lo, hi))
-        if cost < best:
-            best, arg = cost, alloc
+        best = min(best, cost)
     return best
 
 

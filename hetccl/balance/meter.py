@@ -6,6 +6,7 @@ of the best plan is shorter than that of the current plan by more than the measu
 and more than ``min_gain`` (hysteresis)."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Callable, Sequence
@@ -13,6 +14,8 @@ from typing import Callable, Sequence
 from .model import StepModel, StepTimeFitter
 from .planner import Plan, plan_microbatches
 from .timing import HostTimer, default_timer
+
+logger = logging.getLogger("hetccl.balance")
 
 
 class ThroughputMeter:
@@ -225,8 +228,6 @@ class Balancer:
         """(modelled step time, its standard error, bottleneck rank) of ``plan`` under
         ``models`` (default: the current ones; unknown ranks count as the slowest known)."""
         models = self._filled(self.models) if models is None else list(models)
-        caps = plan.max_micro or tuple(self.max_micro if not isinstance(self.max_micro, int)
-                                       else [self.max_micro] * self.world_size)
         ov = self.overhead if not isinstance(self.overhead, (int, float)) \
             else [float(self.overhead)] * self.world_size
         best, se, arg = 0.0, 0.0, -1
@@ -393,8 +394,13 @@ class Balancer:
         self.last_decision = {"step": self.steps, "current": self.plan.counts(),
                               "best": new.counts(), "t_current": t_cur, "t_best": t_new,
                               "gain": gain, "needed": need, "adopted": adopt}
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("hetccl balance step %d: %s models %s", self.steps, self.last_decision,
+                         [str(m) for m in cur])
         if not adopt:
             return False
+        logger.info("hetccl balance step %d: plan %s -> %s (predicted %.4g -> %.4g s)",
+                    self.steps, self.plan.counts(), new.counts(), t_cur, t_new)
         self.plan = new
         self.replans += 1
         self.history.append((self.steps, new))

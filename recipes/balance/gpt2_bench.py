@@ -24,7 +24,7 @@ reference run (no slow-down, equal split) whose per-step losses the others are c
 efficiency = (B / mean step time) / (sum of the ranks' solo throughputs).
 memcap: rank 1 limits itself with torch.cuda.set_per_process_memory_fraction(F); every rank
 measures its largest micro-batch (probe_max_micro: doubling + bisection until out-of-memory,
-10 % margin) and the plans use those caps (no out-of-memory); balanced run and solo throughputs
+with the optimizer's state allocated, 15 % margin) and the plans use those caps (no out-of-memory); balanced run and solo throughputs
 as above (no slow-down). On CPU (--smoke) the cap is emulated: rank 1's probe step raises
 torch.OutOfMemoryError above --smoke-cap samples.
 
@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -230,6 +229,10 @@ class Job:
 
         from hetccl.balance import probe_max_micro
         model = build_model(self.cfg, self.dev)
+        # allocate what training holds besides activations (gradients, AdamW's two moments)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+        self.forward_backward(model, self.batch(0, 0, 1), 1.0)
+        opt.step()
         limit = self.a["probe_limit"]
 
         def step(b):
@@ -242,8 +245,8 @@ class Job:
             finally:
                 model.zero_grad(set_to_none=True)
 
-        cap = probe_max_micro(step, limit, start=min(8, limit), device=self.dev, margin=0.1)
-        del model
+        cap = probe_max_micro(step, limit, start=min(8, limit), device=self.dev, margin=0.15)
+        model = opt = None      # noqa: F841 - frees the probe's model before training
         self._free()
         return cap
 
