@@ -202,7 +202,10 @@ def make_balancer(engine, global_batch: int, max_micro, **kwargs):
     events on CUDA; ZeRO-2's backward waits for the other ranks in its gradient reductions, the
     forward does not), with the ZeRO stage's micro-batch constraint. ``kwargs`` go to Balancer
     (min_gain, initial_speeds, group, ...). ZeRO-3 all-gathers parameters inside the forward,
-    so its timings include waits: give it initial_speeds (or replan rarely) there."""
+    so its timings include waits: give it initial_speeds (or replan rarely) there. On ZeRO-2/3
+    every pass also reduces the gradients, which the step-time model does not see: leave
+    ``max_micro`` room for the fast rank's share in as many passes as the homogeneous run uses,
+    or pass the per-pass reduction time as ``overhead``."""
     from hetccl.balance import Balancer, ForwardTimer
     kwargs.setdefault("micro_steps", _plan_mode(engine))
     return Balancer(global_batch, max_micro, timer=ForwardTimer(engine.module), **kwargs)
