@@ -4,7 +4,8 @@ an emulated slower rank (HETCCL_SLOWDOWN), with losses equal to the homogeneous 
 * HF Trainer, balance(trainer): 2 ranks over hetccl, vendor v1 3x slower (forward and backward
   slowed, hetccl.balance.emulate.slow_down_module); a second run with memory caps that forbid
   the move (max_micro [4, 8] with gradient_accumulation_steps 2: rank 0 holds at most 8).
-* DeepSpeed ZeRO-2, balanced_step(..., balancer=make_balancer(...)): 2 ranks, rank 1 3x slower.
+* DeepSpeed ZeRO-2, balanced_step(..., balancer=make_balancer(...)): 2 ranks, rank 1 3x slower
+  (marked slow; the default suite runs balanced_step with static plans in test_deepspeed.py).
 * Plain loops (DDP with no_sync, allreduce_gradients): tests/test_balance_dist.py (gradients
   equal to a single-process run to 1e-12 while the plan changes).
 
@@ -66,6 +67,7 @@ def _ds_ranks(ctx, runs):
     return {key: mod.run(argv) for key, argv in runs}
 
 
+@pytest.mark.slow        # ~30-60 s on 2 cores (DeepSpeed start-up twice)
 @pytest.mark.skipif(not HAVE_DS, reason="deepspeed not installed")
 def test_deepspeed_zero2_balancer_replans_and_matches_plain(tmp_path):
     cfg = json.loads((REPO / "recipes" / "deepspeed" / "zero2.json").read_text())
