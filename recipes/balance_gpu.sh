@@ -205,7 +205,7 @@ EOF
   if [ $SMOKE = 1 ]; then
     HF=(--steps 12 --samples 512 --seq 48)
   else
-    HF=(--steps 40 --layers 8 --hidden 2048 --lr 3e-4 --global-batch 128 --grad-accum 4
+    HF=(--steps 40 --layers 8 --hidden 1024 --lr 3e-4 --global-batch 128 --grad-accum 4
         --max-micro 64)
   fi
   HFR=($PY recipes/hf/finetune_tiny_lm.py --no-reference --no-progress "${HF[@]}")

@@ -116,18 +116,19 @@ class Job:
         (out.loss * scale).backward()
         return out.loss.detach()
 
-    def fresh(self, factor: float):
-        """Model, optimizer, DDP wrapper; this rank slowed by ``factor``."""
+    def fresh(self, factor: float, ddp: bool = True):
+        """Model, optimizer, DDP wrapper (ddp=False: none); this rank slowed by ``factor``."""
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from hetccl.balance.emulate import slow_down_module
+        self._free()                  # what the previous phase left (its model, optimizer)
         model = build_model(self.cfg, self.dev)
         handles = slow_down_module(model, factor) if factor > 1 else []
-        ddp = DDP(model, device_ids=[self.dev.index] if self.cuda else None,
-                  bucket_cap_mb=25, gradient_as_bucket_view=True)
+        wrapped = DDP(model, device_ids=[self.dev.index] if self.cuda else None,
+                      bucket_cap_mb=25, gradient_as_bucket_view=True) if ddp else None
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
-        return model, ddp, opt, handles
+        return model, wrapped, opt, handles
 
     # -- phases -------------------------------------------------------------------------------
     def solo(self, factor: float, cap: int) -> list[float]:
@@ -135,7 +136,7 @@ class Job:
         import torch.distributed as dist
 
         from hetccl.balance import equal_plan, micro_loss_scales
-        model, _, opt, handles = self.fresh(factor)
+        model, _, opt, handles = self.fresh(factor, ddp=False)
         thr = 0.0
         for r in range(self.W):
             dist.barrier()
@@ -215,14 +216,17 @@ class Job:
         peak = torch.cuda.max_memory_allocated(self.dev) / 2**30 if self.cuda else None
         peaks = [None] * W
         dist.all_gather_object(peaks, peak)
+        replans = bal.replans if bal else 0
         for h in handles:
             h.remove()
-        del model, ddp, opt
+        if bal is not None:
+            bal.timer.detach()
+        del model, ddp, opt, bal
         self._free()
         return {"step_ms": 1e3 * statistics.mean(times),
                 "step_median_ms": 1e3 * statistics.median(times), "losses": losses,
                 "plans": plans, "micro": plan.per_rank, "models": models,
-                "replans": bal.replans if bal else 0, "peak_mem_gib": peaks}
+                "replans": replans, "peak_mem_gib": peaks}
 
     def probe_cap(self) -> int:
         import torch
