@@ -93,3 +93,38 @@ def test_deepspeed_zero2_balancer_replans_and_matches_plain(tmp_path):
         assert r["micro_per_rank"] == [min(k, n) for n in r["samples_per_rank"]], r
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(auto, plain)) <= 2e-4
     assert abs(plain[-1]["loss"] - plain[0]["loss"]) > 50 * 2e-4      # the check has teeth
+
+
+@pytest.mark.skipif(not HAVE_TF, reason="transformers/accelerate not installed")
+def test_trainer_memory_probe(tmp_path, monkeypatch):
+    """probe_trainer_max_micro (balance(trainer, max_micro="probe")): the Trainer's own model,
+    collator and longest samples, doubling + bisection up to the first out-of-memory, margin."""
+    import torch
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    sys.path.insert(0, str(REPO / "recipes" / "hf"))
+    import finetune_tiny_lm as rec
+    from transformers import Trainer, TrainingArguments
+    hhf = rec.import_integration()
+
+    tok = rec.CharTokenizer()
+    ds = rec.TextDataset(rec.make_corpus(64, 0), tok, 48)
+    model = rec.make_model(len(tok), 48, 0, 1, 32)
+    seen = []
+    real_forward = model.forward
+
+    def forward(*a, **k):
+        b = k["input_ids"].shape[0]
+        seen.append((b, k["input_ids"].shape[1]))
+        if b > 11:
+            raise torch.OutOfMemoryError("emulated")
+        return real_forward(*a, **k)
+
+    model.forward = forward
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                             report_to="none", use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=rec.collate)
+    cap = hhf.probe_trainer_max_micro(trainer, 64, margin=0.1)
+    assert cap == 9                                         # floor(11 * 0.9)
+    longest = max(len(x["input_ids"]) for x in ds)
+    assert all(t == longest for _, t in seen)               # probed with the longest samples
+    assert all(p.grad is None for p in model.parameters())  # nothing left behind
