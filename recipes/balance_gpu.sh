@@ -65,6 +65,10 @@ EOF
 }
 
 log "== balance_gpu.sh $(date -Is) DEVICE=$DEVICE parts: $PARTS  out: $OUT"
+if ! $PY -c "import hetccl._C" >/dev/null 2>&1 || [ "${REBUILD:-0}" = 1 ]; then
+  log "== building hetccl (pip install --no-build-isolation --no-deps -e .)"
+  $PY -m pip install -q --no-build-isolation --no-deps -e . >>"$LOG" 2>&1 || log "== build failed"
+fi
 $PY - <<'EOF' 2>&1 | tee -a "$LOG"
 import torch
 print(f"== torch {torch.__version__}, {torch.cuda.device_count()} GPUs"
