@@ -14,8 +14,9 @@ Three entry points, from least to most code in the user's script (docs/integrati
 2. ``add_config_arguments(parser)`` + ``init_distributed(args)``: a script-level
    ``--comm_backend`` argument for scripts started by torchrun, srun or mpirun.
 3. ``balanced_step(...)``: one optimizer step in which ranks run different numbers of
-   micro-batches, planned by ``hetccl.balance`` (what a mixed-vendor job needs to keep its
-   fast ranks busy).
+   micro-batches (ZeRO-0/1) or micro-batches of different sizes (ZeRO-2/3), planned by
+   ``hetccl.balance`` (what a mixed-vendor job needs to keep its fast ranks busy);
+   ``make_balancer(engine, ...)`` re-plans from measured step times.
 
 DeepSpeed is an optional extra: it is imported only inside the functions that need it, and its
 absence raises an ImportError that names ``pip install hetccl[deepspeed]``.
@@ -172,15 +173,47 @@ def lockstep_micro_steps(engine, plan) -> int | None:
     ZeRO-0/1 reduce gradients only in ``engine.step()``. ZeRO-2 reduces gradient buckets during
     every backward and ZeRO-3 also all-gathers parameters in every forward, so their ranks must
     run the same number of forward/backward passes: a rank with fewer planned micro-batches
-    pads with empty ones (0 samples, no compute, only the collectives)."""
+    pads with empty ones (0 samples, no compute, only the collectives). Plans from
+    balanced_plan()/make_balancer() give every rank the same count on ZeRO-2/3 (the planner's
+    "lockstep" mode), so nothing is padded and every pass is balanced."""
     if engine.zero_optimization_stage() >= 2:
         return max(len(p) for p in plan.per_rank)
     return None
 
 
+def _plan_mode(engine) -> str | None:
+    """micro_steps for hetccl.balance.plan_microbatches: "lockstep" on ZeRO-2/3 (every pass
+    is a collective, so every rank runs the same number and each pass is balanced), free on
+    ZeRO-0/1."""
+    return "lockstep" if engine.zero_optimization_stage() >= 2 else None
+
+
+def balanced_plan(engine, global_batch: int, speeds, max_micro):
+    """Optimal plan of ``global_batch`` samples for relative rank ``speeds`` (samples/s) and
+    micro-batch caps ``max_micro`` (int or per rank), in the form the engine's ZeRO stage
+    needs (same micro-batch count on every rank for ZeRO-2/3)."""
+    from hetccl.balance import plan_microbatches
+    return plan_microbatches(global_batch, speeds, max_micro, micro_steps=_plan_mode(engine))
+
+
+def make_balancer(engine, global_batch: int, max_micro, **kwargs):
+    """A hetccl.balance.Balancer for balanced_step(..., balancer=...): the same planner and
+    step-time model as plain loops, timing the forward passes of ``engine.module`` (device
+    events on CUDA; ZeRO-2's backward waits for the other ranks in its gradient reductions, the
+    forward does not), with the ZeRO stage's micro-batch constraint. ``kwargs`` go to Balancer
+    (min_gain, initial_speeds, group, ...). ZeRO-3 all-gathers parameters inside the forward,
+    so its timings include waits: give it initial_speeds (or replan rarely) there. On ZeRO-2/3
+    every pass also reduces the gradients, which the step-time model does not see: leave
+    ``max_micro`` room for the fast rank's share in as many passes as the homogeneous run uses,
+    or pass the per-pass reduction time as ``overhead``."""
+    from hetccl.balance import Balancer, ForwardTimer
+    kwargs.setdefault("micro_steps", _plan_mode(engine))
+    return Balancer(global_batch, max_micro, timer=ForwardTimer(engine.module), **kwargs)
+
+
 def balanced_step(engine, plan, rank: int, make_batch: Callable[[int, int], Any],
                   loss_sum: Callable[[Any, Any], Any], *, world_size: int | None = None,
-                  empty_batch: Callable[[], Any] | None = None):
+                  empty_batch: Callable[[], Any] | None = None, balancer=None):
     """One optimizer step over this rank's share of the global batch, as planned by ``plan``.
 
     make_batch(offset, size) -> batch holding samples [offset, offset+size) of the global batch;
@@ -190,6 +223,10 @@ def balanced_step(engine, plan, rank: int, make_batch: Callable[[int, int], Any]
     over the whole global batch, whatever the split (hetccl.balance.loss_scale's contract).
     ``engine`` must be built from ``balanced_config(...)``. Returns the detached sum of this
     rank's per-sample losses (before scaling).
+
+    balancer: a Balancer from make_balancer(); the step then follows balancer.plan (``plan``
+    may be None), times its forwards, and ends with balancer.end_step() (a collective: every
+    rank calls balanced_step); a new plan applies from the next call.
     """
     import torch
     from hetccl.balance import micro_loss_scales
@@ -197,6 +234,11 @@ def balanced_step(engine, plan, rank: int, make_batch: Callable[[int, int], Any]
     if engine.managed_gradient_accumulation():
         raise ValueError("balanced_step needs a DeepSpeed config made by balanced_config(): "
                          "'managed_gradient_accumulation' must be false")
+    if balancer is not None:
+        plan = balancer.plan
+        balancer.begin_step()
+    if plan is None:
+        raise ValueError("balanced_step needs a plan or a balancer")
     sizes = list(plan.per_rank[rank])
     # Weight of micro-batch j's loss SUM: micro_loss_scales (b_j * W / B, for its mean) / b_j.
     # scale_wrt_gas=False below: DeepSpeed must not also divide by gradient_accumulation_steps.
@@ -216,6 +258,8 @@ def balanced_step(engine, plan, rank: int, make_batch: Callable[[int, int], Any]
         engine.backward(loss * weight, scale_wrt_gas=False)
         total += loss.detach().double().cpu()
     engine.step()
+    if balancer is not None:
+        balancer.end_step(plan.samples(rank))
     return total
 
 

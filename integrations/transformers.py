@@ -52,8 +52,8 @@ logger = logging.getLogger("hetccl.integrations.transformers")
 
 # HetcclBalancedSampler and HetcclBalanceCallback subclass transformers classes and are created
 # on first access (module __getattr__), so they are not in __all__.
-__all__ = ["BACKEND", "init_distributed", "balance", "ComputeClock", "check_trainer_distributed",
-           "require_transformers"]
+__all__ = ["BACKEND", "init_distributed", "balance", "probe_trainer_max_micro",
+           "check_trainer_distributed", "require_transformers"]
 
 
 def require_transformers():
@@ -139,61 +139,19 @@ def check_trainer_distributed(trainer) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Compute-time clock: the Balancer's meter must not time waits on other ranks
+# Compute timing: the Balancer must not time waits on other ranks
 # --------------------------------------------------------------------------------------------
-class ComputeClock:
-    """A clock that advances only while the model's forward runs.
+def _forward_timer():
+    """hetccl.balance.ForwardTimer: sums the model's forward passes of one optimizer step.
 
-    Balancer.begin_step()/end_step() time whatever their clock measures. Wall time of a DDP step
-    includes waiting for the slowest rank in the gradient all-reduce, which would make every rank
-    measure the same speed and freeze the plan (see ThroughputMeter). The forward pass of the
-    unwrapped model (inside DDP's own pre-forward buffer sync) contains no communication, so its
-    duration is this rank's compute speed up to a constant factor (backward costs about twice the
-    forward), which is all the planner needs. On CUDA the hooks synchronise the device so the
-    interval covers the kernels, not only their launch.
-    """
-
-    def __init__(self, model=None):
-        self._total = 0.0
-        self._t0: float | None = None
-        self._depth = 0
-        self._handles: list = []
-        if model is not None:
-            self.attach(model)
-
-    def __call__(self) -> float:
-        return self._total
-
-    def attach(self, model) -> None:
-        # Outermost hooks: start before and stop after any other hook on the model (such as
-        # hetccl.balance.emulate's slow-down in the recipe), so they count as compute.
-        self._handles.append(model.register_forward_pre_hook(self._pre, prepend=True))
-        self._handles.append(model.register_forward_hook(self._post))
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    @staticmethod
-    def _sync(module) -> None:
-        import torch
-        p = next(module.parameters(), None)
-        if p is not None and p.is_cuda:
-            torch.cuda.synchronize(p.device)
-
-    def _pre(self, module, args):
-        if self._depth == 0:
-            self._sync(module)
-            self._t0 = time.perf_counter()
-        self._depth += 1
-
-    def _post(self, module, args, output):
-        self._depth -= 1
-        if self._depth == 0 and self._t0 is not None:
-            self._sync(module)
-            self._total += time.perf_counter() - self._t0
-            self._t0 = None
+    Wall time of a DDP step includes waiting for the slowest rank in the gradient all-reduce
+    (inside the last micro-batch's backward), which would make every rank measure the same
+    speed. The forward pass of the unwrapped model contains no communication, so its duration
+    is this rank's compute up to a constant factor (backward costs about twice the forward),
+    which is what the planner compares. On CUDA it is timed with device events, without
+    synchronising the device (host timing of asynchronous kernels measures launches only)."""
+    from hetccl.balance import ForwardTimer
+    return ForwardTimer()
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,19 +290,24 @@ def _make_callback_class():
     from transformers import TrainerCallback
 
     class HetcclBalanceCallback(TrainerCallback):
-        """Times this rank's compute per optimizer step (ComputeClock), feeds the Balancer
-        (collective end_step on every rank) and schedules each new plan on the sampler
-        ``lag`` steps ahead. Records (step, per-rank sample counts) in ``history``."""
+        """Times this rank's forward passes per optimizer step (hetccl.balance.ForwardTimer,
+        the Balancer's timer), feeds the Balancer (collective end_step on every rank) and
+        schedules each new plan on the sampler ``lag`` steps ahead. Records (step, per-rank
+        sample counts) in ``history``."""
 
-        def __init__(self, balancer, sampler, clock: ComputeClock, lag: int, replan: bool = True):
-            self.balancer, self.sampler, self.clock = balancer, sampler, clock
+        def __init__(self, balancer, sampler, timer, lag: int, replan: bool = True):
+            self.balancer, self.sampler, self.timer = balancer, sampler, timer
             self.lag, self.replan = int(lag), bool(replan)
             self.history: list[tuple[int, list[int]]] = []
 
+        @property
+        def clock(self):          # old name
+            return self.timer
+
         def on_train_begin(self, args, state, control, **kwargs):
             trainer_model = kwargs.get("model")
-            if trainer_model is not None and not self.clock._handles:
-                self.clock.attach(trainer_model)
+            if trainer_model is not None and not self.timer.attached:
+                self.timer.attach(trainer_model)
 
         def on_step_begin(self, args, state, control, **kwargs):
             if self.replan:
@@ -364,13 +327,19 @@ def _make_callback_class():
                 logger.info("hetccl: new plan from step %d: %s", at, self.balancer.plan)
 
         def on_train_end(self, args, state, control, **kwargs):
-            self.clock.detach()
+            self.timer.detach()
 
     return HetcclBalanceCallback
 
 
+def _compute_clock_class():
+    from hetccl.balance import ForwardTimer
+    return ForwardTimer
+
+
 _LAZY = {"HetcclBalancedSampler": _make_sampler_class,
-         "HetcclBalanceCallback": _make_callback_class}
+         "HetcclBalanceCallback": _make_callback_class,
+         "ComputeClock": _compute_clock_class}      # old name of hetccl.balance.ForwardTimer
 _CACHE: dict[str, type] = {}
 
 
@@ -385,22 +354,75 @@ def __getattr__(name: str):
 # --------------------------------------------------------------------------------------------
 # balance(trainer)
 # --------------------------------------------------------------------------------------------
+def probe_trainer_max_micro(trainer, limit: int, *, margin: float = 0.1, scan: int = 4096) -> int:
+    """This rank's largest micro-batch that fits in memory for ``trainer``'s model, measured
+    (hetccl.balance.probe_max_micro): forward + backward of the longest samples among the
+    first ``scan`` of the training set (collated by the Trainer's data collator), doubling then
+    bisecting up to ``limit`` until the device runs out of memory. Keeps ``margin`` free.
+    Call before trainer.train() (the model is not yet wrapped; nothing is communicated)."""
+    require_transformers()
+    import torch
+
+    from hetccl.balance import probe_max_micro
+
+    model = trainer.model
+    ds = trainer.train_dataset
+    collate = trainer.data_collator
+    n = min(len(ds), int(scan))
+
+    def length(i):
+        item = ds[i]
+        ids = item.get("input_ids") if isinstance(item, dict) else None
+        return len(ids) if ids is not None else 0
+
+    longest = sorted(range(n), key=length, reverse=True)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.train()
+
+    def step(b: int) -> None:
+        try:
+            batch = collate([ds[i] for i in longest[:b]])
+            batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+            out = model(**batch)
+            loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
+            loss.backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    try:
+        return probe_max_micro(step, min(int(limit), n), device=device, margin=margin)
+    finally:
+        model.train(was_training)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def balance(trainer, *, global_batch: int | None = None, max_micro=None, balancer=None,
-            speeds=None, threshold: float = 0.1, replan: bool = True, group=None,
-            seed: int | None = None):
+            speeds=None, min_gain: float = 0.03, threshold: float | None = None,
+            replan: bool = True, group=None, seed: int | None = None,
+            probe_limit: int | None = None):
     """Give every data-parallel rank of ``trainer`` its share of a fixed global batch.
 
     global_batch  samples per optimizer step over all ranks (default: per_device_train_batch_size
                   x gradient_accumulation_steps x world_size, what the unbalanced Trainer uses).
-    max_micro     memory cap per micro-batch, int or per rank (default:
-                  per_device_train_batch_size). The Trainer runs gradient_accumulation_steps (G)
-                  micro-batches per step on every rank; a rank's share is cut into G near-equal
-                  micro-batches, so raise G if a share exceeds G x max_micro (warned).
+    max_micro     memory cap per micro-batch: an int, one per rank, or "probe" (each rank
+                  measures its own with probe_trainer_max_micro up to ``probe_limit``, default
+                  4 x per_device_train_batch_size, and the caps are exchanged). Default:
+                  per_device_train_batch_size. The Trainer runs gradient_accumulation_steps (G)
+                  micro-batches per step on every rank, so the plan gives rank r between G and
+                  G x max_micro[r] samples (hetccl.balance.plan_microbatches with
+                  micro_steps=G, min_samples=G: the fastest such plan); a global batch that
+                  cannot fit raises ValueError saying which G would.
     balancer      a hetccl.balance.Balancer to use (default: a new one over ``group``);
     speeds        initial speeds (skips the equal-split warm-up);
-    threshold     re-plan when a rank's speed share drifts by more than this (relative);
+    min_gain      re-plan only when the predicted step time improves by more than this
+                  (relative; ``threshold`` is its old name) and by more than the noise;
     replan        False: keep the initial plan (fixed per-rank batch sizes);
     seed          permutation seed (default: args.data_seed or args.seed).
+
+    Timing: the forwards of the model in each optimizer step (hetccl.balance.ForwardTimer;
+    device events on CUDA, no synchronisation), fitted per rank as fixed + per-sample cost.
 
     Requires ``average_tokens_across_devices=True`` (turned on here, with a warning, if off) and
     a model that takes ``num_items_in_batch`` (all transformers causal LMs) or a
@@ -410,7 +432,7 @@ def balance(trainer, *, global_batch: int | None = None, max_micro=None, balance
     require_transformers()
     import torch.distributed as dist
 
-    from hetccl.balance import Balancer
+    from hetccl.balance import Balancer, gather_max_micro
 
     args = trainer.args
     check_trainer_distributed(trainer)
@@ -425,6 +447,8 @@ def balance(trainer, *, global_batch: int | None = None, max_micro=None, balance
         args.average_tokens_across_devices = True
     if trainer.train_dataset is None or not hasattr(trainer.train_dataset, "__len__"):
         raise ValueError("balance() needs a map-style train_dataset with a length")
+    if threshold is not None:
+        min_gain = threshold
 
     init = dist.is_initialized()
     world = dist.get_world_size(group) if init else 1
@@ -434,22 +458,39 @@ def balance(trainer, *, global_batch: int | None = None, max_micro=None, balance
         global_batch = args.per_device_train_batch_size * G * world
     if max_micro is None:
         max_micro = args.per_device_train_batch_size
-    if balancer is None:
-        clock = ComputeClock()
-        balancer = Balancer(global_batch, max_micro, group=group, threshold=threshold,
-                            initial_speeds=speeds, clock=clock)
-    else:
-        clock = ComputeClock()
-        balancer.meter.clock = clock
-        if balancer.global_batch != global_batch:
-            raise ValueError(f"balancer.global_batch={balancer.global_batch} != {global_batch}")
+    elif isinstance(max_micro, str):
+        if max_micro != "probe":
+            raise ValueError(f"max_micro must be an int, a list or 'probe', not {max_micro!r}")
+        limit = probe_limit or 4 * args.per_device_train_batch_size
+        mine = probe_trainer_max_micro(trainer, limit)
+        max_micro = gather_max_micro(mine, group)
+        logger.info("hetccl balance(): measured micro-batch caps %s", max_micro)
+    timer = _forward_timer()
+    try:
+        if balancer is None:
+            balancer = Balancer(global_batch, max_micro, group=group, min_gain=min_gain,
+                                initial_speeds=speeds, micro_steps=G, min_samples=G,
+                                timer=timer)
+        else:
+            balancer.timer = timer
+            if balancer.global_batch != global_batch:
+                raise ValueError(f"balancer.global_batch={balancer.global_batch} != "
+                                 f"{global_batch}")
+            if balancer.micro_steps != G or balancer.min_samples < G:
+                logger.warning("hetccl balance(): the given Balancer should be built with "
+                               "micro_steps=%d, min_samples=%d (the Trainer's "
+                               "gradient_accumulation_steps)", G, G)
+    except ValueError as e:
+        raise ValueError(f"hetccl balance(): {e} (the Trainer runs gradient_accumulation_steps="
+                         f"{G} non-empty micro-batches on every rank)") from None
     plan = balancer.plan
-    caps = max_micro if not isinstance(max_micro, int) else [max_micro] * world
+    caps = max_micro if isinstance(max_micro, int) else None
+    caps = [caps] * world if caps is not None else list(max_micro)
     worst = max(math.ceil(plan.samples(r) / G) - caps[r] for r in range(world))
     if worst > 0:
         logger.warning("hetccl balance(): a rank's share needs micro-batches above max_micro with "
                        "gradient_accumulation_steps=%d; raise it to >= %d", G,
-                       max(plan.num_micro(r) for r in range(world)))
+                       max(math.ceil(plan.samples(r) / caps[r]) for r in range(world)))
 
     Sampler = __getattr__("HetcclBalancedSampler")
     Callback = __getattr__("HetcclBalanceCallback")
@@ -461,7 +502,7 @@ def balance(trainer, *, global_batch: int | None = None, max_micro=None, balance
     workers = int(args.dataloader_num_workers or 0)
     ahead = 1 + workers * int(args.dataloader_prefetch_factor or 2) if workers else 1
     lag = 1 + math.ceil(ahead / G)
-    callback = Callback(balancer, sampler, clock, lag, replan=replan)
+    callback = Callback(balancer, sampler, timer, lag, replan=replan)
     trainer._get_train_sampler = lambda train_dataset=None: sampler  # noqa: E731
     trainer.add_callback(callback)
     return callback

@@ -164,3 +164,118 @@ def test_stable_under_noise():
     # deterministic: same input, same plan
     assert plan_microbatches(77, [1.3, 2.1, 0.7], [5, 9, 3]) == \
         plan_microbatches(77, [1.3, 2.1, 0.7], [5, 9, 3])
+
+
+# -- fixed costs, fixed micro-batch counts, lower bounds, lockstep (issue 16) ------------------
+def _cost2(n, b, a, m, o, k, lo, hi):
+    if n == 0:
+        return 0.0 if lo == 0 else math.inf
+    if n > hi or n < lo or not math.isfinite(b):
+        return math.inf
+    return a + n * b + o * (k if k is not None else math.ceil(n / m))
+
+
+def brute_force2(B, per_sample, fixed, caps, overhead, k, min_samples, bounds=None):
+    """min over all allocations of max_r cost_r(n_r); inf when none is feasible (B = 0: the
+    empty plan, whatever the lower bounds)."""
+    W = len(per_sample)
+    if B == 0:
+        return 0.0
+    best = math.inf
+    for head in itertools.product(range(B + 1), repeat=W - 1):
+        last = B - sum(head)
+        if last < 0:
+            continue
+        alloc = list(head) + [last]
+        cost = 0.0
+        for r, n in enumerate(alloc):
+            usable = math.isfinite(per_sample[r]) and caps[r] > 0
+            lo = min_samples if usable else 0
+            hi = (B if k is None else k * caps[r]) if usable else 0
+            if bounds is not None and usable:
+                lo, hi = max(lo, bounds[r][0]), min(hi, bounds[r][1])
+            cost = max(cost, _cost2(n, per_sample[r], fixed[r], max(caps[r], 1), overhead[r],
+                                    k, lo, hi))
+        best = min(best, cost)
+    return best
+
+
+def test_optimal_exhaustive_fixed_costs_micro_steps_min_samples():
+    rng = random.Random(11)
+    checked = infeasible = 0
+    for _ in range(500):
+        W = rng.randint(1, 3 if rng.random() < 0.5 else 4)
+        B = rng.randint(0, 12 if W < 4 else 8)
+        per_sample = [rng.choice([math.inf, 0.0]) if rng.random() < 0.08 else rng.uniform(0.1, 3)
+                      for _ in range(W)]
+        fixed = [rng.choice([0.0, rng.uniform(0, 5)]) for _ in range(W)]
+        caps = [rng.randint(0, 4) if rng.random() < 0.1 else rng.randint(1, 4) for _ in range(W)]
+        overhead = [rng.choice([0.0, rng.uniform(0, 1)]) for _ in range(W)]
+        k = rng.choice([None, 1, 2, 3])
+        ms = rng.choice([0, 0, 1, 2])
+        bounds = None
+        if rng.random() < 0.3:
+            bounds = [(rng.randint(0, 2), rng.randint(2, B + 2)) for _ in range(W)]
+        best = brute_force2(B, per_sample, fixed, caps, overhead, k, ms, bounds)
+        try:
+            plan = plan_microbatches(B, None, caps, overhead=overhead, fixed=fixed,
+                                     per_sample=per_sample, micro_steps=k, min_samples=ms,
+                                     bounds=bounds)
+        except ValueError as e:
+            assert math.isinf(best), (B, per_sample, fixed, caps, k, ms, bounds, best)
+            assert str(e)                      # explained
+            infeasible += 1
+            continue
+        assert plan.est_step_time == pytest.approx(best, rel=1e-9, abs=1e-12), \
+            (B, per_sample, fixed, caps, overhead, k, ms, bounds, plan)
+        assert sum(plan.counts()) == B
+        for r, mbs in enumerate(plan.per_rank):
+            assert all(0 < x <= max(caps[r], 0) for x in mbs)
+            if k is not None and mbs:
+                assert len(mbs) == min(k, sum(mbs)) and max(mbs) - min(mbs) <= 1
+        assert plan.est_step_time >= plan.lower_bound * (1 - 1e-9) - 1e-12
+        checked += 1
+    assert checked > 250 and infeasible > 10
+
+
+def test_lockstep_is_fastest_over_every_count():
+    rng = random.Random(12)
+    for _ in range(200):
+        W = rng.randint(2, 3)
+        B = rng.randint(1, 14)
+        per_sample = [rng.uniform(0.1, 3) for _ in range(W)]
+        fixed = [rng.choice([0.0, rng.uniform(0, 3)]) for _ in range(W)]
+        caps = [rng.randint(1, 5) for _ in range(W)]
+        overhead = [rng.choice([0.0, rng.uniform(0, 1)]) for _ in range(W)]
+        p = plan_microbatches(B, None, caps, overhead=overhead, fixed=fixed,
+                              per_sample=per_sample, micro_steps="lockstep")
+        best = min(brute_force2(B, per_sample, fixed, caps, overhead, k, 0)
+                   for k in range(1, B + 1))
+        assert p.est_step_time == pytest.approx(best, rel=1e-9), (B, per_sample, fixed, caps)
+        k = p.micro_steps
+        assert all(len(m) == min(k, sum(m)) for m in p.per_rank)
+
+
+def test_lockstep_gives_ranks_the_same_count_and_respects_caps():
+    p = plan_microbatches(16, [3.0, 1.0], 4, micro_steps="lockstep")
+    assert p.counts() == [12, 4] and p.micro_steps == 3
+    assert p.per_rank == [[4, 4, 4], [2, 1, 1]]
+
+
+def test_memory_caps_bound_micro_batches_and_impossible_cases_are_explained():
+    # a 16 GB card (cap 2) next to an 80 GB one (cap 12): the small card runs more, smaller
+    # micro-batches; the plan is the same optimum as without caps (caps bound micro-batches)
+    p = plan_microbatches(32, [1.0, 1.0], [12, 2])
+    assert p.counts() == [16, 16] and max(p.per_rank[1]) <= 2 and len(p.per_rank[1]) == 8
+    # with a fixed number of micro-batches (HF Trainer: gradient_accumulation_steps) the cap
+    # bounds the samples: at most 2 x 2 on rank 1, the rest goes to rank 0
+    q = plan_microbatches(32, [1.0, 1.0], [16, 2], micro_steps=2)
+    assert q.counts() == [28, 4] and q.per_rank == [[14, 14], [2, 2]]
+    with pytest.raises(ValueError, match=r"micro-batches per step \(gradient accumulation\) to >= 3"):
+        plan_microbatches(40, [1.0, 1.0], [12, 2], micro_steps=2)
+    with pytest.raises(ValueError, match="min_samples=2"):
+        plan_microbatches(3, [1.0, 1.0], 8, min_samples=2)
+    with pytest.raises(ValueError, match="no rank can take samples"):
+        plan_microbatches(3, [1.0, 1.0], [0, 0])
+    with pytest.raises(ValueError, match=r"ranks \[1\] must take at least"):
+        plan_microbatches(6, [1.0, 1.0], [8, 1], micro_steps=1, min_samples=2)

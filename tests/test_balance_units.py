@@ -68,14 +68,19 @@ def test_balancer_single_process_with_meter():
     assert b.rank == 0 and b.world_size == 1
     b.begin_step(); c.t += 5.0
     assert not b.end_step()                    # warm-up step: not measured
-    assert b.meter.rate is None
+    assert b.local_model is None
     b.begin_step(); c.t += 0.5
     assert not b.end_step()                    # one rank: the plan never changes
-    assert b.meter.rate == pytest.approx(64)
+    m = b.local_model
+    assert m.count == 1 and m.time(32) == pytest.approx(0.5)
+    assert m.speed == pytest.approx(64)         # one point: prior (no fixed cost) slope
+    assert b.speeds == [None]                   # not yet used: fewer than min_count points
     b0 = Balancer(32, 8, clock=c, warmup_steps=0)
     b0.begin_step(); c.t += 0.25
     b0.end_step(16)
-    assert b0.meter.rate == pytest.approx(64)
+    assert b0.local_model.time(16) == pytest.approx(0.25)
+    with pytest.raises(RuntimeError):
+        Balancer(32, 8, clock=c).end_step()     # end without begin
 
 
 def test_sampler_union_is_global_batch():
@@ -192,3 +197,60 @@ def test_token_scaling_exact_simulated():
             acc += emb.weight.grad / W
         assert t_r >= 0
     torch.testing.assert_close(acc, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_slow_down_module_slows_forward_and_backward_and_keeps_gradients():
+    from hetccl.balance.emulate import slow_down_module
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.out = torch.nn.Linear(4, 10)
+
+        def get_input_embeddings(self):
+            return self.emb
+
+        def forward(self, input_ids, labels=None):
+            logits = self.out(self.emb(input_ids))
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, 10), labels.view(-1))
+            return {"loss": loss, "logits": logits}
+
+    x = torch.randint(0, 10, (3, 5))
+    grads = []
+    for f in (1.0, 3.0):
+        torch.manual_seed(0)
+        m = Tiny()
+        h = slow_down_module(m, f)
+        m(input_ids=x, labels=x)["loss"].backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+        if f > 1:
+            assert h.slow["fwd"].slept > 0 and h.slow["bwd"].slept > 0   # both passes slowed
+            assert h.slow["bwd"].slept == pytest.approx(2 * h.slow["bwd"].elapsed)
+            h.remove()
+            with torch.no_grad():
+                m(input_ids=x, labels=x)                                  # hooks gone
+        else:
+            assert h.slow == {} and len(h) == 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)                  # identity marks
+
+
+def test_probe_max_micro_finds_the_oom_threshold():
+    from hetccl.balance import probe_max_micro
+    calls = []
+
+    def step(b, fits=37):
+        calls.append(b)
+        if b > fits:
+            raise torch.OutOfMemoryError(f"{b} samples")
+
+    assert probe_max_micro(step, 256) == 37
+    assert len(calls) <= 2 * 8 + 2 and max(calls) <= 256
+    assert probe_max_micro(step, 20) == 20                        # the limit fits
+    assert probe_max_micro(step, 256, margin=0.1) == 33           # floor(37 * 0.9)
+    assert probe_max_micro(lambda b: step(b, fits=0), 64) == 0    # nothing fits
+    with pytest.raises(ValueError, match="boom"):                 # other errors propagate
+        probe_max_micro(lambda b: (_ for _ in ()).throw(ValueError("boom")), 8)
+    with pytest.raises(ValueError):
+        probe_max_micro(step, 0)

@@ -90,9 +90,9 @@ def allreduce_gradients(params: Iterable[torch.Tensor] | torch.nn.Module, group=
     ``average`` (DDP semantics, which loss_scale assumes). Collective: every rank calls it.
 
     balancer: a Balancer whose step is still open (begin_step() called, end_step() not):
-    closes its timing (end_step(exchange=False)), carries its rate_slots() inside the
-    gradient all-reduce instead of a separate exchange, and applies the result
-    (Balancer.update). Returns True when the plan changed (False without a balancer)."""
+    closes its timing (end_step(exchange=False)), carries its model_slots() (9 values per
+    rank) inside the gradient all-reduce instead of a separate exchange, and applies the
+    result (Balancer.update). Returns True when the plan changed (False without a balancer)."""
     import torch.distributed as dist
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
@@ -104,14 +104,15 @@ def allreduce_gradients(params: Iterable[torch.Tensor] | torch.nn.Module, group=
     if balancer is not None:
         balancer.end_step(exchange=False)
         if balancer.sync_due:
-            slots = balancer.rate_slots()
+            slots = balancer.model_slots()
     if not (dist.is_available() and dist.is_initialized()):
-        return balancer.update(slots) if slots is not None else False
+        return balancer.update(balancer.models_from_slots(slots)) if slots is not None else False
     W = dist.get_world_size(group)
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    # the rates ride in a float32/float64 bucket (exact: one non-zero term per slot)
+    # the models ride in a float32/float64 bucket (one non-zero term per slot: the sum is the
+    # value, the same on every rank; float32 only rounds it to 7 digits)
     carrier = next((k for k in buckets if k[0] in (torch.float32, torch.float64)), None)
     rates = None
     if slots is not None and carrier is None:
@@ -136,5 +137,5 @@ def allreduce_gradients(params: Iterable[torch.Tensor] | torch.nn.Module, group=
             g.copy_(flat[off:off + k].view_as(g))
             off += k
     if slots is not None:
-        return balancer.update(rates)
+        return balancer.update(balancer.models_from_slots(rates))
     return False

@@ -132,6 +132,9 @@ def parse_args(argv=None):
     p.add_argument("--speeds", default=None, help="static plan: relative rank speeds, e.g. 3,1")
     p.add_argument("--max_micro", type=int, default=None,
                    help="largest micro-batch (default: the config's micro-batch size)")
+    p.add_argument("--hetccl_slowdown", default=None, metavar="F0,F1,...",
+                   help="TEST ONLY: per-rank slow-down factors (sets HETCCL_SLOWDOWN on each "
+                        "rank; under torchrun every rank gets the same environment)")
     p.add_argument("--out", default=None, help="JSONL file; rank 0 writes one line per step")
     p.add_argument("--tag", default="", help="free text copied into every JSONL line")
     # The one-line difference from a plain DeepSpeed script: hds.add_config_arguments adds
@@ -140,12 +143,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _plan(hb, args, global_batch: int, world: int, max_micro: int):
+def _plan(engine, args, global_batch: int, world: int, max_micro: int):
+    """Static plan from --speeds, in the form the ZeRO stage needs (hds.balanced_plan)."""
     if args.balance == "static":
         speeds = [float(s) for s in (args.speeds or ",".join(["1"] * world)).split(",")]
         if len(speeds) != world:
             raise SystemExit(f"--speeds has {len(speeds)} values for {world} ranks")
-        return hb.plan_microbatches(global_batch, speeds, max_micro, micro_batch=max_micro)
+        return hds.balanced_plan(engine, global_batch, speeds, max_micro)
     return None
 
 
@@ -174,6 +178,16 @@ def run(argv=None) -> list[dict]:
 
     torch.manual_seed(args.seed)
     model = TinyGPT(**mcfg)
+    # TEST ONLY: HETCCL_SLOWDOWN=f stretches this rank's compute f times (a slower vendor):
+    # extra GPU kernels on CUDA, a sleep on CPU; forward only (by 1 + 3 (f - 1): ZeRO-2/3
+    # reduce gradients inside the backward, which must not be stretched)
+    if args.hetccl_slowdown:
+        factors = args.hetccl_slowdown.split(",")
+        if len(factors) != world:
+            raise SystemExit(f"--hetccl_slowdown has {len(factors)} factors for {world} ranks")
+        os.environ["HETCCL_SLOWDOWN"] = factors[rank]
+    from hetccl.balance.emulate import slow_down_module
+    slow_down_module(model)
     engine, _, _, _ = deepspeed.initialize(args=args, model=model,
                                            model_parameters=model.parameters(), config=ds_cfg)
     device = engine.device
@@ -181,13 +195,11 @@ def run(argv=None) -> list[dict]:
 
     balancer = plan = None
     if args.balance != "off":
-        import hetccl.balance as hb
-        from hetccl.balance.emulate import slow_down
-
         max_micro = args.max_micro or micro
-        plan = _plan(hb, args, global_batch, world, max_micro)
+        plan = _plan(engine, args, global_batch, world, max_micro)
         if args.balance == "auto":
-            balancer = hb.Balancer(global_batch, max_micro)
+            # same planner and step-time model as plain loops; forwards timed (events on CUDA)
+            balancer = hds.make_balancer(engine, global_batch, max_micro)
             plan = balancer.plan
 
     records = []
@@ -209,23 +221,22 @@ def run(argv=None) -> list[dict]:
             n_micro = gas
         else:
             if balancer is not None:
-                balancer.begin_step()
                 plan = balancer.plan
-            # slow_down: TEST ONLY, stretches this rank's step by HETCCL_SLOWDOWN (default 1).
-            with slow_down():
-                loss_sum = hds.balanced_step(
-                    engine, plan, rank,
-                    make_batch=lambda off, n: batch[off:off + n],
-                    loss_sum=sample_loss_sum,
-                    empty_batch=lambda: batch[:0])
+            loss_sum = hds.balanced_step(
+                engine, plan, rank,
+                make_batch=lambda off, n: batch[off:off + n],
+                loss_sum=sample_loss_sum,
+                empty_batch=lambda: batch[:0], balancer=balancer)
             n_micro = plan.num_micro(rank)
+            n_samples = plan.samples(rank)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        if balancer is not None:
-            balancer.end_step(plan.samples(rank))
+        if plan is None:
+            n_samples = micro * gas
         # Global mean loss over the global batch: reduced over the same backend as training.
-        stats = torch.tensor([loss_sum.item(), float(n_micro), dt], dtype=torch.float64,
+        stats = torch.tensor([loss_sum.item(), float(n_micro), dt, float(n_samples)],
+                             dtype=torch.float64,
                              device=device)  # NCCL needs device tensors, inputs and outputs
         gathered = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats)
@@ -233,8 +244,10 @@ def run(argv=None) -> list[dict]:
         rec = {"step": step, "loss": sum(g[0].item() for g in gathered) / global_batch,
                "step_time_s": max(g[2].item() for g in gathered),
                "micro_per_rank": [int(g[1].item()) for g in gathered],
+               "samples_per_rank": [int(g[3].item()) for g in gathered],
                "backend": backend, "zero_stage": engine.zero_optimization_stage(),
-               "world_size": world, "balance": args.balance, "tag": args.tag}
+               "world_size": world, "balance": args.balance, "tag": args.tag,
+               "global_batch": global_batch}
         records.append(rec)
         if rank == 0 and args.out:
             with open(args.out, "a") as f:

@@ -127,25 +127,41 @@ def make_model(vocab: int, max_len: int, seed: int, layers: int, hidden: int):
 
 
 def emulate_slow_vendor(model):
-    """TEST ONLY: HETCCL_SLOWDOWN=f makes this rank's forward f times slower
-    (hetccl.balance.emulate), standing in for a slower GPU vendor."""
-    from hetccl.balance.emulate import slow_down, slowdown_factor
-    f = slowdown_factor()
-    if f == 1.0:
-        return
-    state = {}
+    """TEST ONLY: HETCCL_SLOWDOWN=f makes this rank's forward and backward f times slower
+    (hetccl.balance.emulate.slow_down_module: extra GPU kernels on CUDA, a sleep on CPU),
+    standing in for a slower GPU vendor."""
+    from hetccl.balance.emulate import slow_down_module
+    slow_down_module(model)
 
-    def pre(module, args):
-        if module.training:
-            state["ctx"] = slow_down(f).__enter__()
 
-    def post(module, args, output):
-        ctx = state.pop("ctx", None)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+def StepTimes():
+    """A TrainerCallback recording the wall time of every optimizer step (seconds; the device
+    is synchronised at each step end, so the time covers the step's kernels)."""
+    import time
 
-    model.register_forward_pre_hook(pre)
-    model.register_forward_hook(post)
+    import torch
+    from transformers import TrainerCallback
+
+    class _StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+            self._t = None
+
+        def _now(self):
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self._t is None:
+                self._t = self._now()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            t = self._now()
+            self.times.append(t - self._t)
+            self._t = t
+
+    return _StepTimes()
 
 
 # ------------------------------------------------------------------------------------------
@@ -189,6 +205,8 @@ def train(cfg: dict, store=None) -> dict:
         trainer.remove_callback(PrinterCallback)     # no per-step log lines either
     cb = hhf.balance(trainer, global_batch=cfg["global_batch"], max_micro=cfg["max_micro"],
                      replan=cfg["replan"], speeds=cfg.get("speeds"))
+    timer = StepTimes()
+    trainer.add_callback(timer)
     if cfg.get("unsafe_per_rank_mean"):
         # NEGATIVE CONTROL only: each rank averages its own tokens; unequal batches are then
         # mis-weighted and the loss no longer matches the reference.
@@ -205,7 +223,7 @@ def train(cfg: dict, store=None) -> dict:
                                  pad_token_id=tok.pad_id, eos_token_id=tok.eos_id)
         sample = tok.decode(gen[0].tolist())
     return {"rank": rank, "world": world, "losses": losses,
-            "counts": [c for _, c in cb.history],
+            "counts": [c for _, c in cb.history], "step_times": timer.times,
             "backend": str(dist.get_backend()) if dist.is_initialized() else None,
             "vendor": os.environ.get("HETCCL_VENDOR", ""), "sample": sample}
 
@@ -354,6 +372,12 @@ def main(argv=None) -> int:
     first = runs[names[0]]
     print(f"backend {first['backend']}; loss {first['losses'][0]:.4f} -> {first['losses'][-1]:.4f}"
           f"; samples per rank: first step {first['counts'][0]}, last {first['counts'][-1]}")
+    times = first.get("step_times") or []
+    if len(times) > 5:
+        import statistics
+        med = statistics.median(times[5:])
+        print(f"median step time (steps 6..): {1e3 * med:.1f} ms; "
+              f"{cfg['global_batch'] / med:.1f} samples/s")
     if "max_rel_diff" in metrics:
         print(f"max relative loss difference vs reference: {metrics['max_rel_diff']:.3g}")
     if first.get("sample"):
