@@ -80,11 +80,14 @@ def new_native_nccl(store, rank: int, size: int, timeout, group_name: str = "",
     return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
-def passthrough_group(store, rank: int, size: int, backends: dict[str, Any]) -> dist.ProcessGroup:
-    """A plain c10d ProcessGroup with native backends registered per device type: torch then
+def passthrough_group(store, rank: int, size: int, backends: dict[str, Any],
+                      cls: type | None = None) -> dist.ProcessGroup:
+    """A c10d ProcessGroup with native backends registered per device type: torch then
     dispatches straight to them, so a single-vendor group runs at native speed with no Python
-    in the data path."""
-    pg = dist.ProcessGroup(store, rank, size)
+    in the data path. cls: a Python subclass of dist.ProcessGroup that overrides identity
+    methods only (built with the (rank, size) constructor, the one pybind allows for
+    subclasses; the store is used by the backends, not by the group object)."""
+    pg = dist.ProcessGroup(store, rank, size) if cls is None else cls(rank, size)
     types = {"gloo": dist.ProcessGroup.BackendType.GLOO,
              "nccl": dist.ProcessGroup.BackendType.NCCL}
     default = "nccl" if "cuda" in backends else "gloo"

@@ -56,7 +56,11 @@ _SETTINGS = [
             "threads (for comparison). Must be equal on every rank."),
     Setting("HETCCL_ALGO", str, "",
             "Algorithm overrides, e.g. 'all_reduce=flat,all_gather=hier' (see docs/algorithms.md)."),
-    Setting("HETCCL_LOG_LEVEL", str, "WARNING", "Log level of the 'hetccl' logger."),
+    Setting("HETCCL_LOG_LEVEL", str, "NOTICE",
+            "Log level of the 'hetccl' logger. NOTICE (default): warnings plus the one line "
+            "rank 0 logs when the default group starts (vendor groups, bridge transport, "
+            "whether `hetccl run` replaced the script's backend); WARNING silences that line; "
+            "INFO adds per-group details."),
     Setting("HETCCL_CHECK_ARGS", _bool, True,
             "Exchange and check tensor shapes/dtypes across ranks on cross-vendor collectives."),
     Setting("HETCCL_SLOWDOWN", float, 1.0,

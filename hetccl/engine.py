@@ -40,7 +40,8 @@ log = logging.getLogger("hetccl")
 COLL_CODES = {name: i + 1 for i, name in enumerate(
     ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
      "gather", "scatter", "barrier"])}
-OP_CODES = {None: 0, "sum": 1, "prod": 2, "min": 3, "max": 4, "avg": 5}
+OP_CODES = {None: 0, "sum": 1, "prod": 2, "min": 3, "max": 4, "avg": 5,
+            "band": 6, "bor": 7, "bxor": 8}  # bitwise: backend.py builds them from copy ops
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.int16, torch.bool, torch.complex64, torch.complex128,
           torch.float8_e4m3fn, torch.float8_e5m2]
