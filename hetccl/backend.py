@@ -966,8 +966,12 @@ def _start_line(topo: Topology, pg) -> str:
         kinds = sorted(set(pg.engine.bridge.kind_of.values()))
         what = (f"{topo.num_groups} vendor groups ({sizes}), bridge transport "
                 f"{'/'.join(kinds)} (as seen from rank 0)")
-    how = (f"init_process_group({replaced_backend!r}) redirected to hetccl by `hetccl run`"
-           if replaced_backend else "backend 'hetccl'")
+    if replaced_backend is None:
+        how = "backend 'hetccl'"
+    elif replaced_backend == "torch's default":
+        how = "init_process_group() without a backend redirected to hetccl by `hetccl run`"
+    else:
+        how = f"init_process_group({replaced_backend!r}) redirected to hetccl by `hetccl run`"
     return f"hetccl: started, {topo.size} ranks, {what}; {how}"
 
 

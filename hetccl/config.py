@@ -29,8 +29,10 @@ _SETTINGS = [
             "Empty: detected (cuda->nvidia, rocm->amd, xpu->intel, else host). "
             "Set it to emulate several vendors on homogeneous hardware."),
     Setting("HETCCL_VENDOR_SPLIT", str, "",
-            "Emulation shorthand such as '2+2': when HETCCL_VENDOR is unset, rank RANK gets "
-            "label v<k> of the k-th block of consecutive ranks (set by `hetccl run --vendors`)."),
+            "Emulation shorthand such as '2+2': when HETCCL_VENDOR is unset, the process of "
+            "rank r gets label v<k> of the k-th block of consecutive ranks (set by the "
+            "launchers' --vendors). r: RANK if the launcher sets it, else the rank passed to "
+            "init_process_group (mp.spawn)."),
     Setting("HETCCL_TRANSPORT", str, "auto",
             "Bridge transport: auto (shm for peers on this host, tcp otherwise), shm, tcp, ucx."),
     Setting("HETCCL_TCP_NCONN", int, 4, "TCP connections per peer; large messages are striped."),

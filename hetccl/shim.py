@@ -48,9 +48,9 @@ def install() -> None:
 
     @functools.wraps(original)
     def init_process_group(backend=None, *args, **kwargs):
-        if backend not in (None, "hetccl"):
+        if backend != "hetccl":
             log.info("hetccl run: backend %r replaced by 'hetccl'", backend)
-            _backend.replaced_backend = str(backend)
+            _backend.replaced_backend = "torch's default" if backend is None else str(backend)
         device_id = kwargs.pop("device_id", None)
         if device_id is not None and torch.cuda.is_available():
             torch.cuda.set_device(device_id)
