@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging as _logging
 
+from . import compat as _compat
 from . import config
 from .vendor import detect_vendor
 
@@ -30,6 +31,7 @@ _log.setLevel(str(config.get("HETCCL_LOG_LEVEL")).upper())
 from .backend import BACKEND_NAME, HetcclProcessGroup, register  # noqa: E402
 
 register()
+_compat.install_ddp_logging_name(BACKEND_NAME)
 
 
 def vendor_of_ranks(group=None) -> list[str]:

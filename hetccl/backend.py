@@ -932,23 +932,6 @@ class _P2PWork(HetcclWork):
 
 
 # ---------------------------------------------------------------------- registration
-class PassthroughGroup(dist.ProcessGroup):
-    """The group of a single-vendor "hetccl" group: a c10d ProcessGroup with the native backends
-    registered per device type, so torch dispatches every collective straight to them (no
-    method is overridden here but the identity ones). It exists so that C++ callers that ask
-    the group for its backend name (DDP's logging data, for one) get "hetccl", as
-    dist.get_backend() does, instead of the native backend's name."""
-
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return BACKEND_NAME
-
-    def name(self) -> str:
-        return BACKEND_NAME
-
-    def _get_backend_name(self) -> str:
-        return BACKEND_NAME
-
-
 def _global_rank(rank: int, global_ranks: list[int]) -> int:
     """This process's rank in the default group: the creator of the default group gets it as
     its group rank; a subgroup's creator gets the global ranks of its members."""
@@ -996,7 +979,7 @@ def _create(dist_backend_opts, pg_options=None):
                 group_id, global_ranks))
         log.info("hetccl: group %r is single-vendor (%s): native pass-through", group_id,
                  topo.labels[0])
-        pg = compat.passthrough_group(store, rank, size, backends, cls=PassthroughGroup)
+        pg = compat.passthrough_group(store, rank, size, backends)
     else:
         try:
             pg = HetcclProcessGroup(store, rank, size, timeout, topo, group_id)

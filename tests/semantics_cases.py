@@ -275,26 +275,39 @@ class Cases:
 
     # ---------------------------------------------------------------- pass-through identity
     def passthrough_identity(self):
-        """A single-vendor subgroup is a native pass-through whose backend name is hetccl for
-        torch (dist.get_backend) and for C++ callers (DDP's logging data)."""
-        from hetccl.backend import PassthroughGroup
-
+        """A single-vendor subgroup is a plain c10d ProcessGroup: native speed, and no pybind
+        trampoline, which would hold the GIL inside gloo's queue and deadlock (reproduced by
+        Megatron's async tensor-parallel all-reduce in backward, tests/test_megatron.py
+        test_2p2_*; see compat.passthrough_group). DDP on it (several gradient buckets) keeps
+        the replicas equal and reports backend hetccl, like dist.get_backend."""
         v0 = [r for r, lab in enumerate(self.labels) if lab == self.labels[0]]
         sub = dist.new_group(v0)
         res = None
         if self.rank in v0:
-            if not isinstance(sub, PassthroughGroup):
-                res = f"single-vendor group is {type(sub).__name__}"
+            if type(sub) is not dist.ProcessGroup:
+                res = f"single-vendor group is {type(sub).__name__}, not a plain ProcessGroup"
             elif len(v0) > 1:
-                model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2),
-                                                                  process_group=sub)
-                name = model._get_ddp_logging_data().get("backend_name")
-                if name != "hetccl" or dist.get_backend(sub) != "hetccl":
-                    res = f"DDP logs {name!r}, dist.get_backend says {dist.get_backend(sub)!r}"
-                x = torch.ones(4)
-                dist.all_reduce(x, group=sub)
-                if not torch.equal(x, torch.full((4,), float(len(v0)))):
-                    res = "all_reduce over the pass-through group is wrong"
+                torch.manual_seed(0)
+                net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+                model = torch.nn.parallel.DistributedDataParallel(
+                    net, process_group=sub, bucket_cap_mb=0.02)
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+                for step in range(4):
+                    g = torch.Generator().manual_seed(step * 10 + self.rank)
+                    model(torch.randn(8, 64, generator=g)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                data = model._get_ddp_logging_data()
+                if data.get("backend_name") != "hetccl" or dist.get_backend(sub) != "hetccl" \
+                        or data.get("hetccl_native_backend") != "gloo":
+                    res = (f"DDP logs {data.get('backend_name')!r} (native "
+                           f"{data.get('hetccl_native_backend')!r}), dist.get_backend says "
+                           f"{dist.get_backend(sub)!r}")
+                w = torch.cat([p.detach().view(-1) for p in net.parameters()])
+                ws = [torch.empty_like(w) for _ in v0]
+                dist.all_gather(ws, w, group=sub)
+                if not all(torch.equal(x, w) for x in ws):
+                    res = "DDP replicas diverged on the pass-through group"
                 import hetccl
                 hetccl.monitored_barrier(sub, timeout=5)  # the native gloo backend's
         dist.barrier()
