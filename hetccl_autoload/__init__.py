@@ -6,9 +6,9 @@ there. It lives outside the hetccl package so that importing torch never imports
 core, no backend registration): with no HETCCL_* variable set it only scans os.environ.
 
 With HETCCL_* variables set (HETCCL_LOG_LEVEL aside), it wraps
-torch.distributed.init_process_group: a default group created with another backend (plain
-torchrun or deepspeed with init_process_group("nccl"), say) makes rank 0 print one line naming
-the variables that have no effect and how to use hetccl. `hetccl run` redirects the backend to
+torch.distributed.init_process_group: a default group created with another backend by a process
+that never imported hetccl (plain torchrun or deepspeed with init_process_group("nccl"), say)
+makes rank 0 print one line naming the variables that have no effect and how to use hetccl. `hetccl run` redirects the backend to
 hetccl, so this never fires under it. It never raises: a failure here only loses the notice.
 """
 from __future__ import annotations
@@ -58,7 +58,10 @@ def notice_unused_settings() -> None:
         def init_process_group(backend=None, *args, **kwargs):
             try:
                 name = "default (cpu:gloo,cuda:nccl)" if backend is None else str(backend)
-                if name.lower() != "hetccl" and _rank_of(args, kwargs) in (0, None):
+                # a process that imported hetccl knows it is there (a gloo reference run
+                # next to hetccl, say): only jobs that never load it are told
+                if name.lower() != "hetccl" and "hetccl" not in sys.modules and \
+                        _rank_of(args, kwargs) in (0, None):
                     sys.stderr.write(message(name, names) + "\n")
                     sys.stderr.flush()
             except Exception:  # noqa: BLE001 - the notice must never break the job
