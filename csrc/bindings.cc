@@ -166,6 +166,21 @@ PYBIND11_MODULE(_C, m) {
            py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"), py::arg("op"),
            py::arg("dtype"))
       .def("close", [](PyTransport& s) { s.t().close(); }, py::call_guard<py::gil_scoped_release>())
+      .def("info", [](PyTransport& s) { return s.t().info(); },
+           "What this instance runs with (e.g. UCX's transports in force), key -> text.")
+      .def_property_readonly("device_direct", [](PyTransport& s) { return s.t().device_direct(); })
+      .def("isend_device",
+           [](PyTransport& s, int peer, uintptr_t ptr, size_t nbytes, uint64_t tag) {
+             return s.t().isend_device(peer, as_ptr(ptr), nbytes, tag);
+           },
+           py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("irecv_device",
+           [](PyTransport& s, int peer, uintptr_t ptr, size_t nbytes, uint64_t tag) {
+             return s.t().irecv_device(peer, as_ptr(ptr), nbytes, tag);
+           },
+           py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("zc_supported", [](PyTransport& s) { return s.t().zc_supported(); })
       .def("zc_regions",
            [](PyTransport& s) {
@@ -211,7 +226,24 @@ PYBIND11_MODULE(_C, m) {
       .def("__exit__", [](PyTransport& s, py::args) { py::gil_scoped_release nogil; s.t().close(); })
       .def("__repr__", [](PyTransport& s) { return "<hetccl._C.Transport " + s.t().name() + ">"; });
 
-  m.def("transport_names", &transport_names);
+  m.def("transport_names", &transport_names, "Transports in this build, sorted by name.");
+  m.def("transport_table",
+        [] {
+          py::list out;
+          for (auto& c : transport_table()) {
+            py::dict d;
+            d["name"] = c.name;
+            d["preference"] = c.preference;
+            d["same_host"] = c.same_host;
+            d["other_host"] = c.other_host;
+            d["memory"] = c.memory;
+            d["zero_copy"] = c.zero_copy;
+            d["detail"] = c.detail;
+            out.append(d);
+          }
+          return out;
+        },
+        "Every transport's capabilities (csrc/transport.h TransportCaps), most preferred first.");
   m.def("enable_crash_backtrace", [] {
     for (int sig : {SIGSEGV, SIGBUS, SIGFPE}) signal(sig, crash_handler);
   });
