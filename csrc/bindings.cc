@@ -324,7 +324,7 @@ PYBIND11_MODULE(_C, m) {
                        size_t device_slot_bytes, uint32_t device_slots, int msg_window,
                        EngineOptions::Table host_chunks, EngineOptions::Table device_chunks,
                        EngineOptions::Table msg_chunks, uint64_t force_chunk,
-                       bool abort_on_device_failure) {
+                       bool abort_on_device_failure, std::vector<int> device_direct_peers) {
              std::map<int, std::shared_ptr<Transport>> links;
              for (auto kv : transports)
                links[kv.first.cast<int>()] = kv.second.cast<PyTransport&>().shared();
@@ -343,6 +343,7 @@ PYBIND11_MODULE(_C, m) {
              o.msg_chunks = std::move(msg_chunks);
              o.force_chunk = force_chunk;
              o.abort_on_device_failure = abort_on_device_failure;
+             o.device_direct_peers = std::move(device_direct_peers);
              return std::make_shared<Engine>(std::move(links), std::move(o));
            }),
            py::arg("transports"), py::arg("rank"), py::arg("threads"), py::arg("check_peers"),
@@ -350,7 +351,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("device_slot_bytes"), py::arg("device_slots"), py::arg("msg_window"),
            py::arg("host_chunks"), py::arg("device_chunks"), py::arg("msg_chunks"),
            py::arg("force_chunk"), py::arg("abort_on_device_failure"),
-           "transports: {peer rank: Transport} for every cross-vendor peer.")
+           py::arg("device_direct_peers") = std::vector<int>{},
+           "transports: {peer rank: Transport} for every cross-vendor peer; device_direct_peers: "
+           "message links whose device data goes to the transport directly.")
       .def("post",
            [](Engine& e, const std::vector<std::tuple<int, bool, uintptr_t, size_t>>& items,
               uint64_t tag_base, uint32_t index_bits, const std::string& op, const std::string& dtype,
