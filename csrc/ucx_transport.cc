@@ -427,6 +427,7 @@ class UcxTransport final : public Transport {
         if (ucp_config_modify(config, key.c_str(), val.c_str()) != UCS_OK)
           throw CommError("hetccl ucx: UCX rejected the setting " + key + "=" + val +
                           " (HETCCL_UCX_TUNING; see `ucx_info -c` for the names this UCX knows)");
+        tuned_.push_back(key + "=" + val);
       }
       std::string bind = opt_str(opts, "bind_addr", "");
       if (!bind.empty() && is_loopback(bind))
@@ -676,6 +677,7 @@ class UcxTransport final : public Transport {
       if (memory_types_ & (uint64_t(1) << i)) mem.push_back(ucs_memory_type_names[i]);
     m["memory_types"] = join(mem);
     m["lanes"] = std::to_string(lanes_);
+    m["tuning"] = join(tuned_, ";");
     m["version"] = ucp_get_version_string();
     std::string modes;
     for (Peer& pr : peers_)
@@ -1245,6 +1247,9 @@ class UcxTransport final : public Transport {
   std::vector<ucp_worker_h> workers_;  // one per lane
   std::vector<int> efds_;
   std::string tls_;                     // UCX_TLS in force (read back from UCX)
+  // ucx_config settings passed to UCX (component settings such as TCP_* are not printed back by
+  // ucp_config_print; UCX rejects unknown keys at ucp_config_modify, bad values at iface open)
+  std::vector<std::string> tuned_;
   std::vector<std::string> resources_;  // transports the context has resources of
   uint64_t memory_types_ = 1;           // ucp_context_query: memory types UCX can handle
 
