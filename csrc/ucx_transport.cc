@@ -2,16 +2,28 @@
 // shared memory, cma, self; on clusters a system UCX adds RDMA and GPU memory).
 //
 // Design (see the UCX section of docs/transports.md):
-//  * One ucp_context + one ucp_worker per Transport instance. The worker is in SERIALIZED mode:
-//    every UCP call (posting from caller threads, progress from our thread) holds mu_.
-//  * Addressing: address() is text, "hetccl-ucx1 <rank> <pid> <start> <host>/<boot id> <nonce hex>
-//    <ucp worker address hex>" (<start>: the process start time from /proc, "-" if unknown).
-//    connect() creates an endpoint to every peer with a non-empty address (UCX wires up lazily;
-//    there is no listener).
-//  * Tags: UCP tag = source rank (top 16 bits) | user tag (< 2^48). Receives match the full tag,
-//    so matching is per (peer, tag); UCP keeps same-tag messages from one endpoint in order (FIFO).
-//    Source-rank field 0xFFFF is reserved for the handshake and the goodbye that close() sends
-//    (so that peers notice a graceful close even where UCX cannot), so ranks must be < 65535.
+//  * One ucp_context + `lanes` ucp_workers per Transport instance (options["lanes"], default 1).
+//    Workers are in SERIALIZED mode: every UCP call (posting from caller threads, progress from
+//    our thread) holds mu_.
+//  * Addressing: address() is text, "hetccl-ucx2 <rank> <pid> <start> <host>/<boot id> <nonce hex>
+//    <worker address hex>,..." (one per lane; <start>: the process start time from /proc, "-" if
+//    unknown). connect() creates one endpoint per lane to every peer with a non-empty address
+//    (UCX wires up lazily; there is no listener).
+//  * Tags: UCP tag = device bit (63) | source rank (bits 48..62) | user tag (< 2^48). Receives match
+//    the full tag, so matching is per (peer, tag); UCP keeps same-tag messages from one endpoint
+//    in order (FIFO). Source-rank field 0x7FFF is reserved for the handshake and the goodbye that
+//    close() sends (so that peers notice a graceful close even where UCX cannot), so ranks must
+//    be < 32767.
+//  * Lanes: the k-th message of a (peer, tag) travels on lane (tag + k) % lanes on both ends
+//    (next_lane_locked), so each lane keeps FIFO and one tag's stream uses every lane's
+//    connections (UCX's tcp has one connection per endpoint and device).
+//  * Device memory (isend_device/irecv_device): the device bit's tag space, never drained into
+//    the stash (it could not be copied into device memory here); UCX moves device memory itself
+//    (cuda_copy / rocm_copy, GPUDirect RDMA). A device send completes once the peer posted the
+//    receive (transport.h).
+//  * Configuration applied before the context exists: options["ucx_config"] (tuning,
+//    "KEY=VALUE;..."), options["exclude_tls"] (transports removed from the UCX_TLS in force:
+//    restrict_tls()); info() reports what UCX reads back.
 //  * Authentication: each side's first message to a peer, on the reserved tag, carries its rank and
 //    a proof sha256(secret | receiver's nonce | sender rank | receiver rank) of the group secret
 //    (options["secret"]); the secret itself never goes on the wire. connect() returns only when

@@ -81,12 +81,14 @@ _SETTINGS = [
             "TEST ONLY: each vendor group counts as its own host for the bridge: auto picks the "
             "other-host transport (tcp, or ucx per preference) and UCX between the groups is "
             "limited to network transports (no shared memory, no device IPC)."),
-    Setting("HETCCL_UCX_LANES", int, 2,
+    Setting("HETCCL_UCX_LANES", int, 1,
             "UCX workers per transport (lanes), each with its own connections to every peer; "
-            "messages of one (peer, tag) rotate over them. Must be equal on every rank."),
-    Setting("HETCCL_UCX_TUNING", str, "TCP_TX_SEG_SIZE=256K;TCP_RX_SEG_SIZE=1M",
+            "messages of one (peer, tag) rotate over them (1: measured fastest on 2-core "
+            "machines; try 2-4 with several NICs). Must be equal on every rank."),
+    Setting("HETCCL_UCX_TUNING", str, "TCP_TX_SEG_SIZE=1M;TCP_RX_SEG_SIZE=4M",
             "UCX settings hetccl applies to its UCX contexts ('KEY=VALUE;...', UCX names "
-            "without UCX_), each only where the environment does not set UCX_<KEY> itself."),
+            "without UCX_), each only where the environment does not set UCX_<KEY> itself; "
+            "'none': UCX's own defaults."),
     Setting("HETCCL_UCX_DEVICE", _device_mode, "auto",
             "Device tensors over UCX: auto hands device memory to UCX directly when both ranks' "
             "UCX handle their device's memory type; off stages them through host memory in the "
@@ -135,7 +137,10 @@ def ucx_tuning() -> str:
     """HETCCL_UCX_TUNING without the keys the user sets as UCX_<KEY> in the environment (theirs
     win), as the ucx transport's "ucx_config" option. Raises ValueError for a malformed entry."""
     keep = []
-    for item in [x.strip() for x in str(get("HETCCL_UCX_TUNING")).split(";") if x.strip()]:
+    value = str(get("HETCCL_UCX_TUNING")).strip()
+    if value.lower() == "none":
+        return ""
+    for item in [x.strip() for x in value.split(";") if x.strip()]:
         key, eq, val = item.partition("=")
         if not eq or not key.strip() or not val.strip():
             raise ValueError(f"hetccl: HETCCL_UCX_TUNING entry {item!r} is not KEY=VALUE")
