@@ -625,11 +625,15 @@ void Engine::enqueue_device(Plan& p, const DevicePart& part) {
   // position p is ready" (the proxy then hands device memory to the transport), the receive side
   // says "the stream reached position q" (the proxy may then let the transport write the
   // destination). Issued before anything that waits, so a peer never waits on a direct
-  // signal stuck behind one of our staged waits.
+  // signal stuck behind one of our staged waits. The words are monotone positions and all of
+  // a lane's chunks become ready at the same point of the stream, so one write of the last
+  // position covers them all.
   for (auto& lane : part) {
     if (!lane.direct) continue;
-    for (auto& c : lane.sends) dev_->write(Sd, lane.link->flags_dev + sent_off, c.pos + 1);
-    for (auto& c : lane.recvs) dev_->write(S, lane.link->flags_dev + ready_off, c.pos + 1);
+    if (!lane.sends.empty())
+      dev_->write(Sd, lane.link->flags_dev + sent_off, lane.sends.back().pos + 1);
+    if (!lane.recvs.empty())
+      dev_->write(S, lane.link->flags_dev + ready_off, lane.recvs.back().pos + 1);
   }
   size_t most = 0;
   for (auto& lane : part)
@@ -657,12 +661,11 @@ void Engine::enqueue_device(Plan& p, const DevicePart& part) {
   // Direct device path, second part: later work on the main stream waits until every receive
   // has landed and (below) every send has left, so the stream may then reuse or overwrite the
   // buffers -- the same guarantee the staged path's copies give.
+  // (`avail` advances in position order: the proxy completes a link's receives in order.)
   for (auto& lane : part) {
-    if (!lane.direct) continue;
-    for (auto& c : lane.recvs) {
-      dev_->wait_geq(S, lane.link->flags_dev + avail_off, c.pos + 1);
-      dev_->write(S, lane.link->flags_dev + cons_off, c.pos + 1);
-    }
+    if (!lane.direct || lane.recvs.empty()) continue;
+    dev_->wait_geq(S, lane.link->flags_dev + avail_off, lane.recvs.back().pos + 1);
+    dev_->write(S, lane.link->flags_dev + cons_off, lane.recvs.back().pos + 1);
   }
   if (Sd != S) {
     dev_->event_record(events_[1], Sd);
