@@ -84,7 +84,9 @@ class Bridge:
             8 << 20 if vendor.build_kind() in ("cuda", "rocm") else 1 << 20)
         _check_settings_agree(store, topo, timeout, {
             **{k: config.get(k) for k in config.MUST_AGREE},
-            "HETCCL_SHM_SLOT_BYTES (in force)": self.slot_bytes})
+            "HETCCL_SHM_SLOT_BYTES (in force)": self.slot_bytes,
+            # segment sizes of UCX's tcp must fit the peer's receive segments
+            "HETCCL_UCX_TUNING (in force)": config.ucx_tuning()})
         # Capability tables of every rank; every rank computes the choice of every cross-vendor
         # pair (not only its own), so a pair no transport can serve raises the same error on
         # every rank instead of leaving the others waiting in connect().
