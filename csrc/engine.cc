@@ -821,25 +821,37 @@ bool Engine::send_zc(Link& l) {
   return moved;
 }
 
-bool Engine::recv_zc(Link& l) {
+// Device receives the stream has copied out (`consumed`): their slots go back (zero-copy links
+// release them to the peer), in order.
+bool Engine::finish_consumed(Link& l) {
   bool moved = false;
   while (!l.held.empty() &&
          geq(l.flags->consumed.v.load(std::memory_order_acquire), l.held.front().pos + 1)) {
-    l.t->zc_recv_release(l.peer);
+    if (l.zc) l.t->zc_recv_release(l.peer);
     auto plan = l.held.front().plan;
     l.held.pop_front();
     finish_chunk(*plan);
     moved = true;
   }
+  return moved;
+}
+
+// A host receive may touch its memory once every send of its plan that reads it has left.
+static bool sends_left(const std::vector<uint8_t>& send_done, const std::vector<uint32_t>& after) {
+  for (uint32_t i : after)
+    if (!send_done[i]) return false;
+  return true;
+}
+
+bool Engine::recv_zc(Link& l) {
+  bool moved = finish_consumed(l);
   while (!l.rq.empty()) {
     RecvChunk& c = l.rq.front();
     Plan& p = *c.plan;
     if (!p.gate) break;
     if (!c.device) {
       if (!l.held.empty()) break;  // releases go in acquisition order
-      bool ready = true;
-      for (uint32_t i : c.after) ready = ready && p.send_done[i];
-      if (!ready) break;
+      if (!sends_left(p.send_done, c.after)) break;
     }
     auto m = l.t->zc_recv_try(l.peer);
     char* src = static_cast<char*>(std::get<0>(m));
@@ -924,14 +936,7 @@ bool Engine::send_msg(Link& l) {
 }
 
 bool Engine::recv_msg(Link& l) {
-  bool moved = false;
-  while (!l.held.empty() &&
-         geq(l.flags->consumed.v.load(std::memory_order_acquire), l.held.front().pos + 1)) {
-    auto plan = l.held.front().plan;
-    l.held.pop_front();
-    finish_chunk(*plan);
-    moved = true;
-  }
+  bool moved = finish_consumed(l);
   while (!l.rq.empty() && l.rq.front().issued && l.rq.front().req->test()) {
     RecvChunk& c = l.rq.front();
     size_t got = c.req->nbytes();
@@ -974,9 +979,7 @@ bool Engine::recv_msg(Link& l) {
         break;
       c.req = l.t->irecv(l.peer, l.stage_in[c.pos % l.out_depth], c.len, c.tag);
     } else {
-      bool ready = true;
-      for (uint32_t k : c.after) ready = ready && p.send_done[k];
-      if (!ready) break;
+      if (!sends_left(p.send_done, c.after)) break;
       c.req = p.spec.reduce ? l.t->irecv_reduce(l.peer, c.dst, c.len, c.tag, p.spec.op, p.spec.dtype)
                             : l.t->irecv(l.peer, c.dst, c.len, c.tag);
     }

@@ -172,6 +172,7 @@ class Engine {
   bool progress_link(Link& l);
   bool send_zc(Link& l);
   bool recv_zc(Link& l);
+  bool finish_consumed(Link& l);
   bool send_msg(Link& l);
   bool recv_msg(Link& l);
   struct DeviceCopy {

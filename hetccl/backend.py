@@ -8,14 +8,19 @@ translate torch's arguments (flattening, op names, splits) and hand a closure to
 """
 from __future__ import annotations
 
+import collections
+import functools
 import logging
+import re
+import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import compat, device as devices, tags
+from . import compat, device as devices, tags, vendor
+from ._core import CommTimeout
 from .algorithms import select
 from .engine import Engine
 from .native import REDUCE_DTYPES
@@ -26,13 +31,25 @@ from .work import HetcclWork
 log = logging.getLogger("hetccl")
 
 BACKEND_NAME = "hetccl"
+# Level of the one start line (rank 0, default group): shown at the default HETCCL_LOG_LEVEL.
+NOTICE = 25
 
 _OPS = {
     dist.ReduceOp.SUM: "sum", dist.ReduceOp.PRODUCT: "prod", dist.ReduceOp.MIN: "min",
-    dist.ReduceOp.MAX: "max", dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.MAX: "max", dist.ReduceOp.AVG: "avg", dist.ReduceOp.BAND: "band",
+    dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor",
 }
-SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
+SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 _INT_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool}
+# Bitwise reductions: integer and bool dtypes only (as gloo). They move data with copy-type
+# collectives (all-to-all, all-gather) and reduce with torch's kernels, so they need nothing
+# from the native libraries' or the bridge's reduction kernels (see _bitwise_reduce_scatter).
+_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+_BITWISE_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+                   torch.uint16, torch.uint32, torch.uint64}
+# Set by hetccl.shim when `hetccl run` redirected init_process_group: the backend the script
+# asked for (reported in the start line).
+replaced_backend: str | None = None
 
 
 def op_name(op) -> str:
@@ -43,6 +60,20 @@ def op_name(op) -> str:
     raise NotImplementedError(
         f"hetccl: reduction op {red} is not supported across vendor groups "
         f"(supported: {', '.join(SUPPORTED_OPS)})")
+
+
+def torch_timeout_wording(e: BaseException) -> BaseException:
+    """The same error, worded the way torch's backends word timeouts ("Timed out ..."), so that
+    code matching torch's wording also matches hetccl's. Other errors are returned unchanged."""
+    if not isinstance(e, CommTimeout):
+        return e
+    msg = str(e)
+    if "Timed out" in msg:
+        return e
+    new, n = re.subn(r"\btimed out\b", "Timed out", msg, count=1)
+    out = CommTimeout(new if n else f"Timed out: {msg}")
+    out.__cause__ = e.__cause__
+    return out
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -60,6 +91,13 @@ class HetcclProcessGroup(dist.ProcessGroup):
         self.engine = Engine(store, rank, size, timeout, topo, name=group_id)
         self.topo = topo
         self._coalescing: list | None = None
+        # monitored_barrier's rendezvous keys live in the group's (incarnation-prefixed) store
+        self._mb_store = dist.PrefixStore("hetccl/monitored_barrier/", store)
+        self._mb_seq = 0
+        # Receives posted for recv_anysource and not consumed yet, per (peer, tag), oldest
+        # first. Transports match FIFO per (peer, tag), so the oldest posted receive holds the
+        # next message of that pair: a later recv from that peer and tag must take it first.
+        self._posted: dict[tuple[int, int], collections.deque] = {}
         log.info("hetccl: group %r rank %d/%d vendors %s", group_id, rank, size, topo.describe())
 
     # ------------------------------------------------------------------ identity
@@ -107,8 +145,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         def run(launch):
             ctx = engine.next_ctx(device, launch)
-            body(ctx, algo)
-            ctx.flush()
+            try:
+                body(ctx, algo)
+                ctx.flush()
+            except CommTimeout as e:
+                raise torch_timeout_wording(e) from None
 
         async_op = self._coalescing is not None or bool(getattr(opts, "asyncOp", True))
         work = engine.submit(run, outputs, tensors, async_op=async_op)
@@ -123,6 +164,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
         ctx.begin(coll, numel, dtype, op, root, same_numel)
 
     def _validate_reduce(self, t: torch.Tensor, op: str) -> None:
+        if op in _BITWISE:
+            if t.dtype not in _BITWISE_DTYPES:
+                raise ValueError(f"hetccl: ReduceOp.{op.upper()} needs an integer or bool "
+                                 f"dtype, got {t.dtype} (as gloo: bitwise reductions of "
+                                 f"non-integral dtypes are undefined)")
+            return
         ok = REDUCE_DTYPES.get(t.device.type, set())
         if t.dtype not in ok:
             raise NotImplementedError(
@@ -142,6 +189,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ all-reduce
     def allreduce(self, tensors, opts=None):
         op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         for t in tensors:
             self._validate_reduce(t, op)
         flats = [_flat(t) for t in tensors]
@@ -150,6 +199,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
         def body(ctx, algo):
             for (t, (f, copied)) in zip(tensors, flats):
                 self._check(ctx, "all_reduce", f.numel(), f.dtype, op)
+                if op in _BITWISE:
+                    self._bitwise_all_reduce(ctx, f, op)
+                    if copied:
+                        t.copy_(f.view_as(t))
+                    continue
                 _, fn = select("all_reduce", f.numel() * f.element_size(),
                                self.engine.algo_overrides)
                 fn(ctx, f, "sum" if op == "avg" else op)
@@ -160,6 +214,91 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         return self._submit("all_reduce", sum(t.numel() * t.element_size() for t in tensors),
                             body, tensors, tensors, opts)
+
+    # Bitwise reductions (BAND/BOR/BXOR) are built from copy-type collectives: an all-to-all
+    # hands every rank its 1/world slice of every rank's data, the rank reduces its slice with
+    # torch's kernel, and an all-gather returns the reduced slices. Traffic per rank is that of a
+    # ring all-reduce; no reduction kernel of the native libraries or of the bridge is involved.
+    def _bitwise_reduce_scatter(self, ctx, x: torch.Tensor, chunk: int, op: str) -> torch.Tensor:
+        """x: this rank's contribution, world * chunk elements (slice r goes to rank r).
+        Returns this rank's slice reduced over all ranks (chunk elements)."""
+        w = self.size()
+        got = torch.empty(w * chunk, dtype=x.dtype, device=x.device)
+        _, a2a = select("all_to_all", x.numel() * x.element_size())
+        a2a(ctx, got, x, [chunk] * w, [chunk] * w)
+        return functools.reduce(_BITWISE[op], got.view(w, chunk).unbind(0)).contiguous()
+
+    def _bitwise_all_reduce(self, ctx, f: torch.Tensor, op: str) -> None:
+        n, w = f.numel(), self.size()
+        if n == 0:  # every rank has n == 0 (checked by the header exchange): nothing to move
+            return
+        chunk = -(-n // w)
+        x = f if chunk * w == n else torch.cat([f, f.new_zeros(chunk * w - n)])
+        mine = self._bitwise_reduce_scatter(ctx, x, chunk, op)
+        out = torch.empty(w * chunk, dtype=f.dtype, device=f.device)
+        _, ag = select("all_gather", out.numel() * out.element_size())
+        ag(ctx, out, mine)
+        f.copy_(out[:n])
+
+    # Sparse all-reduce (DDP with nn.Embedding(sparse=True)), as gloo does it: every rank's
+    # coalesced indices and values are all-gathered (padded to the largest nnz) and summed
+    # locally. The input tensor is updated in place (sparse copy_) and is the Work's result.
+    def _sparse_allreduce(self, tensors, op: str):
+        if len(tensors) != 1:
+            raise ValueError("hetccl: sparse all_reduce takes exactly one tensor")
+        t = tensors[0]
+        if op != "sum":
+            raise ValueError(f"hetccl: sparse all_reduce supports ReduceOp.SUM only, got "
+                             f"ReduceOp.{op.upper()} (as gloo)")
+        if t.layout != torch.sparse_coo:
+            raise ValueError(f"hetccl: sparse all_reduce supports the sparse_coo layout only, "
+                             f"got {t.layout}")
+        w = self.size()
+        max_dims = 16
+
+        def gather(ctx, x: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous().view(-1)
+            out = torch.empty(w * x.numel(), dtype=x.dtype, device=x.device)
+            _, ag = select("all_gather", out.numel() * out.element_size())
+            ag(ctx, out, x)
+            return out.view(w, x.numel())
+
+        def body(ctx, algo):
+            x = t.coalesce()
+            if t.dim() > max_dims:
+                raise ValueError(f"hetccl: sparse all_reduce supports up to {max_dims} "
+                                 f"dimensions, got {t.dim()}")
+            self._check(ctx, "all_reduce", t.numel(), t.dtype, op)
+            meta = torch.full((3 + max_dims,), -1, dtype=torch.int64)
+            meta[0], meta[1], meta[2] = x._nnz(), x.sparse_dim(), x.dense_dim()
+            meta[3:3 + t.dim()] = torch.tensor(list(t.shape), dtype=torch.int64)
+            metas = gather(ctx, meta)
+            shapes = {tuple(m[1:].tolist()) for m in metas}
+            if len(shapes) > 1:
+                detail = "; ".join(f"rank {r}: sparse_dim {int(m[1])}, dense_dim {int(m[2])}, "
+                                   f"size {[int(v) for v in m[3:] if v >= 0]}"
+                                   for r, m in enumerate(metas))
+                raise ValueError(f"hetccl: sparse all_reduce: tensors differ across ranks "
+                                 f"({detail})")
+            nnz = [int(m[0]) for m in metas]
+            cap = max(nnz)
+            sd = x.sparse_dim()
+            if cap == 0:  # every rank holds an empty tensor: the sum is empty too
+                t.copy_(x)
+                return
+            idx = torch.zeros(sd, cap, dtype=torch.int64, device=t.device)
+            idx[:, :nnz[self.rank()]] = x.indices()
+            vals = torch.zeros((cap, *x.values().shape[1:]), dtype=t.dtype, device=t.device)
+            vals[:nnz[self.rank()]] = x.values()
+            all_idx = gather(ctx, idx).view(w, sd, cap)
+            all_vals = gather(ctx, vals).view(w, cap, *x.values().shape[1:])
+            total = torch.sparse_coo_tensor(
+                torch.cat([all_idx[r, :, :nnz[r]] for r in range(w)], dim=1),
+                torch.cat([all_vals[r, :nnz[r]] for r in range(w)]),
+                t.shape, dtype=t.dtype, device=t.device).coalesce()
+            t.copy_(total)
+
+        return self._submit("all_reduce", 0, body, tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         o = dist.AllreduceOptions()
@@ -194,6 +333,15 @@ class HetcclProcessGroup(dist.ProcessGroup):
         def body(ctx, algo):
             for t, (f, copied) in zip(tensors, flats):
                 self._check(ctx, "reduce", f.numel(), f.dtype, op, root)
+                if op in _BITWISE:
+                    # every rank computes the result; only the root's tensor is written
+                    g = f.clone()
+                    self._bitwise_all_reduce(ctx, g, op)
+                    if me == root:
+                        f.copy_(g)
+                        if copied:
+                            t.copy_(f.view_as(t))
+                    continue
                 algo(ctx, f, root, "sum" if op == "avg" else op)
                 if me == root:
                     if op == "avg":
@@ -244,8 +392,42 @@ class HetcclProcessGroup(dist.ProcessGroup):
                             output_tensors, [inp, *outs])
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list)]
-        return _AllWork(works, output_lists)
+        """torch's layout: output_lists[rank][i] receives input_list[i] of `rank`. One
+        all-gather of the concatenated inputs (as gloo), unpacked into the outputs."""
+        w = self.size()
+        if not input_list:
+            raise ValueError("hetccl: all_gather_coalesced needs a non-empty input tensor list")
+        if len(output_lists) != w:
+            raise ValueError(f"hetccl: all_gather_coalesced needs one output list per rank "
+                             f"(output_tensor_lists[rank][i]): {w} lists, got "
+                             f"{len(output_lists)}")
+        dtypes = {t.dtype for t in input_list} | {o.dtype for outs in output_lists for o in outs}
+        if len(dtypes) > 1:
+            raise TypeError(f"hetccl: all_gather_coalesced: all tensors must have one dtype, "
+                            f"got {sorted(str(d) for d in dtypes)}")
+        sizes = [t.numel() for t in input_list]
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(input_list):
+                raise ValueError(f"hetccl: all_gather_coalesced: output list of rank {r} has "
+                                 f"{len(outs)} tensors, the input list has {len(input_list)}")
+            for i, (o, n) in enumerate(zip(outs, sizes)):
+                if o.numel() != n:
+                    raise ValueError(f"hetccl: all_gather_coalesced: output [{r}][{i}] has "
+                                     f"{o.numel()} elements, input [{i}] has {n}")
+        inp = torch.cat([t.reshape(-1) for t in input_list])
+        total = inp.numel()
+        buf = torch.empty(total * w, dtype=inp.dtype, device=inp.device)
+
+        def unpack():
+            for r, outs in enumerate(output_lists):
+                pos = r * total
+                for o, n in zip(outs, sizes):
+                    o.copy_(buf[pos:pos + n].view_as(o))
+                    pos += n
+
+        outs_flat = [o for outs in output_lists for o in outs]
+        return self._submit("all_gather", 0, self._all_gather_flat(buf, inp, unpack),
+                            output_lists, [inp, *outs_flat])
 
     def _hc_all_gather_single(self, output, input, opts=None):
         out_flat, copied = _flat(output)
@@ -267,6 +449,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
             if inp_flat.numel() != o.numel() * world:
                 raise ValueError(f"hetccl: reduce_scatter input has {inp_flat.numel()} elements,"
                                  f" expected {world} x {o.numel()}")
+            if op in _BITWISE:
+                if o.numel():
+                    o.copy_(self._bitwise_reduce_scatter(ctx, inp_flat, o.numel(), op))
+                if copied:
+                    out.copy_(o.view_as(out))
+                return
             algo(ctx, o, inp_flat, "sum" if op == "avg" else op)
             if op == "avg":
                 o.div_(world)
@@ -443,6 +631,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
         self._p2p_peer(src, "source")
         t = tensors[0]
         topo = self.topo
+        pending = self._posted.get((src, tag))
+        if pending:  # an any-source receive already holds the next message of (src, tag)
+            return self._track(_AnySourceWork(self, t, tag, [src]))
         if topo.group_of[src] == topo.my_group:
             f, copied = _flat(t)
             if copied:
@@ -451,8 +642,90 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return self._track(_P2PWork.recv(self.engine, src, t, tags.p2p(tag)))
 
     def recv_anysource(self, tensors, tag=0):
-        raise NotImplementedError("hetccl: recv from any source is not supported; name the "
-                                  "source rank")
+        """Receive the next message with `tag` from whichever rank sends first.
+
+        Contract: a receive of the tensor's size is posted to every other rank that has none
+        pending for this tag; the first to complete wins (lowest rank first among those already
+        complete), the others stay posted and are consumed, oldest first, by later receives from
+        that rank with that tag (recv(src=...) or recv_anysource). So until those are consumed,
+        a rank's next message with this tag must have this size; a different size fails that
+        receive with an error naming the sizes."""
+        t = tensors[0]
+        if not t.is_contiguous():
+            raise ValueError("hetccl: recv into a non-contiguous tensor is not supported")
+        peers = [r for r in range(self.size()) if r != self.rank()]
+        return self._track(_AnySourceWork(self, t, tag, peers))
+
+    def _post_recv(self, peer: int, tag: int, nbytes: int, device) -> "_PostedRecv":
+        """Post a receive of nbytes from peer with tag into a buffer of our own."""
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        topo = self.topo
+        if topo.group_of[peer] == topo.my_group:
+            work = self.engine.local.recv(buf, topo.local_rank_of[peer], tag)
+            posted = _PostedRecv(peer, buf, native=work)
+        else:
+            host = buf if buf.device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8)
+            req = self.engine.bridge.irecv(peer, host, tags.p2p(tag))
+            posted = _PostedRecv(peer, host, bridge=req)
+        self._posted.setdefault((peer, tag), collections.deque()).append(posted)
+        return posted
+
+    # ------------------------------------------------------------------ monitored barrier
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored_barrier for this group (torch's dist.monitored_barrier refuses
+        backends not named gloo; use hetccl.monitored_barrier). Rank 0 waits up to `timeout`
+        for every other rank and raises naming the first rank that did not arrive (all of them
+        with wait_all_ranks=True); the other ranks wait for rank 0's verdict and raise if it
+        failed or never came. Same wording as gloo's. Runs over the group's store, so it works
+        even when the data path is stuck or broken."""
+        if timeout is None:
+            timeout = self.engine.timeout
+        if not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=float(timeout))
+        ms = int(timeout.total_seconds() * 1000)
+        self._mb_seq += 1
+        prefix = f"{self._mb_seq}/"
+        store, me, w = self._mb_store, self.rank(), self.size()
+        if me != 0:
+            store.set(f"{prefix}arrived/{me}", "1")
+            verdict = None
+            try:
+                store.wait([f"{prefix}verdict"], timeout)
+                verdict = store.get(f"{prefix}verdict").decode()
+            except Exception:  # noqa: BLE001 - a store timeout: rank 0 never answered
+                pass
+            if verdict != "ok":
+                raise RuntimeError(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors while "
+                    f"waiting for send/recv from rank 0. Please check rank 0 logs for faulty "
+                    f"rank." + (f" Rank 0 reported: {verdict}" if verdict else ""))
+            return
+        start = time.monotonic()
+        deadline = start + timeout.total_seconds()
+        missing = list(range(1, w))
+        error = None
+        if timeout.total_seconds() <= 0 and missing:
+            error = (f"Rank 0 timed out in monitoredBarrier after {ms} ms. Successfully "
+                     f"processed ranks: ")
+        pause = 0.001
+        while missing and error is None:
+            missing = [r for r in missing if not store.check([f"{prefix}arrived/{r}"])]
+            if not missing:
+                break
+            if time.monotonic() >= deadline:
+                if wait_all_ranks:
+                    error = (f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass "
+                             f"monitoredBarrier in {ms} ms")
+                else:
+                    error = (f"[Rank 0]: Rank {missing[0]} failed to pass monitoredBarrier in "
+                             f"{ms} ms")
+                break
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.05)
+        store.set(f"{prefix}verdict", "ok" if error is None else error)
+        if error is not None:
+            log.error("hetccl: %s", error)
+            raise RuntimeError(error)
 
     # ------------------------------------------------------------------ coalescing
     def _start_coalescing(self, device=None):
@@ -466,6 +739,118 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
 
 compat.install_aliases(HetcclProcessGroup)
+
+
+class _PostedRecv:
+    """A receive posted by recv_anysource: a native (same-vendor) or bridge request into a
+    byte buffer of the group's own. A native (gloo) receive completes only inside its wait(),
+    which cannot be polled and re-waited, so a daemon thread waits on it (it ends when the
+    message arrives or the group shuts down and fails the receive)."""
+
+    __slots__ = ("peer", "buf", "native", "bridge", "_thread", "_error")
+
+    def __init__(self, peer, buf, native=None, bridge=None):
+        self.peer, self.buf, self.native, self.bridge = peer, buf, native, bridge
+        self._error = None
+        self._thread = None
+        if native is not None:
+            self._thread = threading.Thread(target=self._wait_native, daemon=True,
+                                            name=f"hetccl-recv-any-{peer}")
+            self._thread.start()
+
+    def _wait_native(self) -> None:
+        try:
+            self.native.wait()
+        except BaseException as e:  # noqa: BLE001 - reported by finish()
+            self._error = e
+
+    def done(self) -> bool:
+        """True once complete (or failed: finish() then raises the error)."""
+        if self._thread is not None:
+            return not self._thread.is_alive()
+        try:
+            return self.bridge.req.test()
+        except Exception:  # noqa: BLE001 - failed: finish() re-raises it
+            return True
+
+    def finish(self, deadline: float) -> int:
+        """Wait for it; the number of bytes that arrived."""
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                raise CommTimeout(f"hetccl: Timed out waiting for a message from rank "
+                                  f"{self.peer}")
+            if self._error is not None:
+                raise self._error
+            return self.buf.numel()
+        try:
+            return self.bridge.wait(deadline)
+        except CommTimeout as e:
+            raise torch_timeout_wording(e) from None
+
+
+class _AnySourceWork(HetcclWork):
+    """recv from any of `peers` (recv_anysource), or from one peer whose next message an
+    earlier any-source receive already holds. Completed by wait() (or is_completed())."""
+
+    def __init__(self, pg: HetcclProcessGroup, t: torch.Tensor, tag: int, peers: list[int]):
+        super().__init__(torch.futures.Future(), [t])
+        self.pg, self.t, self.tag, self.peers = pg, t, tag, peers
+        self.nbytes = t.numel() * t.element_size()
+        self.src = -1
+        for p in peers:
+            if not pg._posted.get((p, tag)):
+                pg._post_recv(p, tag, self.nbytes, t.device)
+
+    def _take(self, block_until: float | None) -> bool:
+        """Complete from the first finished oldest posted receive; False if none finished
+        (block_until None: do not wait; else poll until that monotonic time, then raise)."""
+        pause = 1e-5
+        while True:
+            for p in self.peers:
+                q = self.pg._posted.get((p, self.tag))
+                if q and q[0].done():
+                    self._complete(q.popleft())
+                    return True
+            if block_until is None:
+                return False
+            if time.monotonic() >= block_until:
+                raise CommTimeout(
+                    f"hetccl: Timed out after {self.pg.engine.timeout.total_seconds():.0f} s "
+                    f"waiting for a message with tag {self.tag} from any of ranks {self.peers}")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _complete(self, posted: _PostedRecv) -> None:
+        try:
+            got = posted.finish(time.monotonic() + self.pg.engine.timeout.total_seconds())
+            if got != self.nbytes:
+                raise ValueError(f"hetccl: point-to-point message from rank {posted.peer} "
+                                 f"carried {got} bytes, the receiving tensor has {self.nbytes}")
+            self.t.view(-1).view(torch.uint8).copy_(posted.buf[:got].to(self.t.device))
+            self.src = posted.peer
+            self.fut.set_result([self.t])
+        except BaseException as e:
+            self.fut.set_exception(e)
+            raise
+
+    def wait(self, timeout=None):
+        if not self.fut.done():
+            limit = timeout.total_seconds() if timeout else \
+                self.pg.engine.timeout.total_seconds()
+            self._take(time.monotonic() + limit)
+        self.fut.wait()
+        return True
+
+    def is_completed(self):
+        return self.fut.done() or self._take(None)
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self.src
+
+    def get_future(self):
+        return self.fut
 
 
 class _P2PWork(HetcclWork):
@@ -495,7 +880,10 @@ class _P2PWork(HetcclWork):
         if not self._done:
             limit = timeout.total_seconds() if timeout else self.engine.timeout.total_seconds()
             try:
-                nbytes = self.req.wait(time.monotonic() + limit)
+                try:
+                    nbytes = self.req.wait(time.monotonic() + limit)
+                except CommTimeout as e:
+                    raise torch_timeout_wording(e) from None
                 expect = self.tensor.numel() * self.tensor.element_size()
                 if nbytes != expect:
                     raise ValueError(f"hetccl: point-to-point message with peer rank "
@@ -519,14 +907,44 @@ class _P2PWork(HetcclWork):
 
 
 # ---------------------------------------------------------------------- registration
+def _global_rank(rank: int, global_ranks: list[int]) -> int:
+    """This process's rank in the default group: the creator of the default group gets it as
+    its group rank; a subgroup's creator gets the global ranks of its members."""
+    return global_ranks[rank] if global_ranks else rank
+
+
+def _start_line(topo: Topology, pg) -> str:
+    """The one line rank 0 logs at the default log level when the default group starts."""
+    sizes = " + ".join(f"{lab}:{len(rs)}" for lab, rs in zip(topo.labels, topo.groups))
+    if topo.num_groups == 1:
+        what = (f"one vendor ({sizes}): native pass-through "
+                f"({'nccl for cuda, ' if vendor.build_kind() in ('cuda', 'rocm') else ''}"
+                f"gloo for cpu)")
+    else:
+        kinds = sorted(set(pg.engine.bridge.kind_of.values()))
+        what = (f"{topo.num_groups} vendor groups ({sizes}), bridge transport "
+                f"{'/'.join(kinds)} (as seen from rank 0)")
+    if replaced_backend is None:
+        how = "backend 'hetccl'"
+    elif replaced_backend == "torch's default":
+        how = "init_process_group() without a backend redirected to hetccl by `hetccl run`"
+    else:
+        how = f"init_process_group({replaced_backend!r}) redirected to hetccl by `hetccl run`"
+    return f"hetccl: started, {topo.size} ranks, {what}; {how}"
+
+
 def _create(dist_backend_opts, pg_options=None):
     store, rank, size, timeout, global_ranks, group_id = compat.backend_opts(dist_backend_opts)
+    default_group = not dist.is_initialized()
     # torch reuses group names (and so store prefixes) after destroy_process_group: an atomic
     # counter gives every incarnation of the group its own key space, so no rank reads a
     # previous incarnation's addresses.
     generation = (store.add("hetccl/incarnations", 1) - 1) // size
     store = dist.PrefixStore(f"hetccl/{generation}/", store)
-    topo = Topology.exchange(store, rank, size, timeout)
+    # HETCCL_VENDOR_SPLIT labels processes by their launch rank (RANK) or, where the launcher
+    # sets none (mp.spawn, rank= passed to init_process_group), by their default-group rank.
+    label = vendor.detect_vendor(rank=_global_rank(rank, global_ranks))
+    topo = Topology.exchange(store, rank, size, timeout, label=label)
     if topo.num_groups == 1:
         backends = {}
         for dtype in ["cpu", *devices.accelerator_types()]:
@@ -536,8 +954,15 @@ def _create(dist_backend_opts, pg_options=None):
                 group_id, global_ranks))
         log.info("hetccl: group %r is single-vendor (%s): native pass-through", group_id,
                  topo.labels[0])
-        return compat.passthrough_group(store, rank, size, backends)
-    return HetcclProcessGroup(store, rank, size, timeout, topo, group_id)
+        pg = compat.passthrough_group(store, rank, size, backends)
+    else:
+        try:
+            pg = HetcclProcessGroup(store, rank, size, timeout, topo, group_id)
+        except CommTimeout as e:
+            raise torch_timeout_wording(e) from None
+    if default_group and rank == 0:
+        log.log(NOTICE, "%s", _start_line(topo, pg))
+    return pg
 
 
 def register() -> None:

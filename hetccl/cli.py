@@ -10,11 +10,13 @@ COMMANDS = {
     "demo": ("hetccl.demo", "run a local emulated mixed-vendor cluster on CPU: check the "
              "collectives and train a small model"),
     "doctor": ("hetccl.doctor", "print what this rank sees: vendor, device, backends, transports"),
-    "run": ("hetccl.run", "torchrun wrapper: run an unchanged script over hetccl"),
+    "run": ("hetccl.run", "torchrun wrapper: run an unchanged script over hetccl "
+            "[--vendors SPLIT]"),
     "bench": (None, "benchmarks: transport | collectives | straggler | soak | ddp | train"),
-    "deepspeed": ("hetccl.integrations.deepspeed", "deepspeed launcher wrapper accepting "
-                  "--comm_backend hetccl"),
-    "megatron": ("hetccl.integrations.megatron", "train a megatron-core GPT from a recipe YAML"),
+    "deepspeed": ("hetccl.integrations.deepspeed", "deepspeed launcher wrapper: workers over "
+                  "hetccl [--vendors SPLIT]"),
+    "megatron": ("hetccl.integrations.megatron", "train a megatron-core GPT from a recipe YAML "
+                 "[--vendors SPLIT]"),
 }
 BENCHES = {
     "transport": "hetccl.bench.transport",

@@ -65,7 +65,14 @@ def backend_opts(dist_backend_opts: Any) -> tuple[Any, int, int, Any, list[int],
 def passthrough_group(store, rank: int, size: int, backends: dict[str, Any]) -> dist.ProcessGroup:
     """A plain c10d ProcessGroup with native backends registered per device type: torch then
     dispatches straight to them, so a single-vendor group runs at native speed with no Python
-    in the data path."""
+    in the data path.
+
+    It must be the C++ class itself, not a Python subclass (e.g. one overriding
+    getBackendName): C++ callers would then go through pybind's trampoline, which holds the GIL
+    while gloo enqueues work, while a gloo worker that drops a finished work's tensors needs the
+    GIL under gloo's queue lock: a deadlock (seen with Megatron's async tensor-parallel
+    all-reduce in backward). Its backend name for C++ callers is therefore the native one; see
+    install_ddp_logging_name for what DDP reports."""
     pg = dist.ProcessGroup(store, rank, size)
     types = {"gloo": dist.ProcessGroup.BackendType.GLOO,
              "nccl": dist.ProcessGroup.BackendType.NCCL}
@@ -74,3 +81,32 @@ def passthrough_group(store, rank: int, size: int, backends: dict[str, Any]) -> 
         pg._register_backend(torch.device(device), types[kind], backend)
     pg._set_default_backend(types[default])
     return pg
+
+
+def install_ddp_logging_name(backend_name: str) -> None:
+    """DistributedDataParallel._get_ddp_logging_data() reports "backend_name" from the C++
+    group's getBackendName(), which for hetccl's single-vendor pass-through group (a plain
+    c10d ProcessGroup, see passthrough_group) is the native backend ("gloo", "nccl"). Make it
+    report what dist.get_backend(group) says for hetccl groups, and keep the native name under
+    "hetccl_native_backend". Only the Python accessor changes; C++ DDP usage logs (c10's
+    LogPyTorchDDPUsage, TORCH_DISTRIBUTED_DEBUG=INFO) keep the native name. Idempotent."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    original = DDP._get_ddp_logging_data
+    if getattr(original, "_hetccl", False):
+        return
+
+    def _get_ddp_logging_data(self):
+        data = original(self)
+        try:
+            name = str(dist.get_backend(self.process_group))
+        except Exception:  # noqa: BLE001 - never break DDP's own accessor
+            return data
+        if name == backend_name and data.get("backend_name") not in (None, backend_name):
+            data["hetccl_native_backend"] = data["backend_name"]
+            data["backend_name"] = backend_name
+        return data
+
+    _get_ddp_logging_data._hetccl = True
+    _get_ddp_logging_data.__doc__ = original.__doc__
+    DDP._get_ddp_logging_data = _get_ddp_logging_data

@@ -51,8 +51,10 @@ _SETTINGS = [
             "Empty: detected (cuda->nvidia, rocm->amd, xpu->intel, else host). "
             "Set it to emulate several vendors on homogeneous hardware."),
     Setting("HETCCL_VENDOR_SPLIT", str, "",
-            "Emulation shorthand such as '2+2': when HETCCL_VENDOR is unset, rank RANK gets "
-            "label v<k> of the k-th block of consecutive ranks (set by `hetccl run --vendors`)."),
+            "Emulation shorthand such as '2+2': when HETCCL_VENDOR is unset, the process of "
+            "rank r gets label v<k> of the k-th block of consecutive ranks (set by the "
+            "launchers' --vendors). r: RANK if the launcher sets it, else the rank passed to "
+            "init_process_group (mp.spawn)."),
     Setting("HETCCL_TRANSPORT", str, "auto",
             "Bridge transport: auto (per peer, the most preferred transport of both ranks' "
             "capability tables that reaches it: shm on this host; ucx before tcp where UCX has "
@@ -96,7 +98,11 @@ _SETTINGS = [
             "engine. Must be equal on every rank."),
     Setting("HETCCL_ALGO", str, "",
             "Algorithm overrides, e.g. 'all_reduce=flat,all_gather=hier' (see docs/algorithms.md)."),
-    Setting("HETCCL_LOG_LEVEL", str, "WARNING", "Log level of the 'hetccl' logger."),
+    Setting("HETCCL_LOG_LEVEL", str, "NOTICE",
+            "Log level of the 'hetccl' logger. NOTICE (default): warnings plus the one line "
+            "rank 0 logs when the default group starts (vendor groups, bridge transport, "
+            "whether `hetccl run` replaced the script's backend); WARNING silences that line; "
+            "INFO adds per-group details."),
     Setting("HETCCL_CHECK_ARGS", _check_mode, "on",
             "Argument checks across ranks (hetccl/checks.py): on (default: host collectives "
             "every call; device collectives the first call of each signature before data moves, "

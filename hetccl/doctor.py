@@ -19,7 +19,10 @@ def local_report() -> list[str]:
     from ._core import transport_names
 
     lines = []
-    label = vendor.detect_vendor()
+    try:
+        label = vendor.detect_vendor()
+    except ValueError as e:  # HETCCL_VENDOR_SPLIT without RANK: the label depends on the rank
+        label = f"(depends on the rank: {e})"
     src = ("HETCCL_VENDOR" if config.get("HETCCL_VENDOR") else
            "HETCCL_VENDOR_SPLIT" if config.get("HETCCL_VENDOR_SPLIT") else "detected")
     kind = vendor.build_kind()

@@ -232,6 +232,10 @@ class EngineCtx:
         self.what = coll
         if e.check_mode == "off":
             return
+        if self._header is not None:
+            # every begin() sends exactly one header (a body may check several tensors, and a
+            # rank may have had no cross-vendor transfer for the previous one)
+            self.flush()
         key = (coll, numel, dtype, op, root, self.device.type, same_numel)
         cached = e._headers.get(key)
         if cached is None:

@@ -1,35 +1,104 @@
 """`hetccl run`: torchrun, but every worker runs over hetccl.
 
     hetccl run --nproc_per_node 4 train.py --lr 3e-4
+    hetccl run --vendors 2+2 --nproc_per_node 4 train.py     # emulate two vendors
 
-takes exactly torchrun's options (parsed by torchrun's own parser) and runs the script through
-hetccl.shim, so a script that calls init_process_group("nccl") runs unchanged over hetccl.
-Vendor emulation: pass --vendors 2+2 to give consecutive local ranks vendor labels v0, v1, ...
-(sets HETCCL_VENDOR per worker through the shim)."""
+Takes torchrun's options (torchrun's own parser, with hetccl's --vendors added) and runs the
+script through hetccl.shim, so a script that calls init_process_group("nccl") runs unchanged
+over hetccl. Options are read up to the script path only: everything after it, a --vendors
+included, belongs to the script.
+
+The option set shared by `hetccl run`, `hetccl deepspeed` and `hetccl megatron` (one meaning
+everywhere, `--vendors 2+2` and `--vendors=2+2` both accepted):
+
+  --vendors SPLIT   EMULATION: give blocks of consecutive ranks the vendor labels v0, v1, ...
+                    (sets HETCCL_VENDOR_SPLIT; rank r gets the label of the block holding r).
+                    Real mixed clusters detect each rank's vendor and need no flag.
+"""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
+VENDORS_HELP = ("EMULATION ONLY: vendor split such as 2+2 or 1+1+1; blocks of consecutive "
+                "ranks get vendor labels v0, v1, ... (sets HETCCL_VENDOR_SPLIT). Real "
+                "mixed-vendor clusters detect each rank's vendor and need no flag. Read before "
+                "the script path only: a --vendors after it belongs to the script.")
+
+
+def parse_split(text: str) -> list[int]:
+    """'2+2' -> [2, 2]; argparse type for --vendors (a clear error for anything else)."""
+    parts = str(text).split("+")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(
+            f"--vendors {text!r}: expected ranks per vendor joined by '+', e.g. 2+2 or 1+1+1")
+    return sizes
+
+
+def add_vendors_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add hetccl's --vendors (see the module docstring) to a launcher's parser."""
+    group = parser.add_argument_group("hetccl")
+    group.add_argument("--vendors", type=str, default=None, metavar="SPLIT", help=VENDORS_HELP)
+    return parser
+
+
+def parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "hetccl run"
+    p.usage = ("hetccl run [--vendors SPLIT] [torchrun options] training_script "
+               "[training_script_args ...]")
+    p.description = ("torchrun, with every worker over the hetccl backend: the script runs "
+                     "unchanged (init_process_group('nccl'/'gloo'/...) is redirected to "
+                     "'hetccl'). All torchrun options apply; hetccl adds --vendors.")
+    return add_vendors_argument(p)
+
+
+def _expected_world(args) -> int | None:
+    """Total ranks torchrun will start, when the options fix it (else None)."""
+    try:
+        nproc = int(args.nproc_per_node)
+        nnodes = str(args.nnodes)
+        if ":" in nnodes:
+            lo, hi = nnodes.split(":")
+            if lo != hi:
+                return None
+            nnodes = lo
+        return nproc * int(nnodes)
+    except (TypeError, ValueError):
+        return None
+
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    vendors = None
-    if "--vendors" in argv:
-        i = argv.index("--vendors")
-        vendors = argv[i + 1]
-        del argv[i:i + 2]
-    args = get_args_parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.module or args.no_python:
+        p.error("-m/--module and --no-python are not supported: pass a script file "
+                "(hetccl runs it with `python -m hetccl.shim script.py`)")
+    if args.vendors is not None:
+        try:
+            split = parse_split(args.vendors)
+        except argparse.ArgumentTypeError as e:
+            p.error(str(e))
+        world = _expected_world(args)
+        if world is not None and sum(split) != world:
+            p.error(f"--vendors {args.vendors} covers {sum(split)} ranks, but torchrun starts "
+                    f"{world} (--nnodes {args.nnodes} x --nproc-per-node {args.nproc_per_node})")
+        os.environ["HETCCL_VENDOR_SPLIT"] = args.vendors
     script = args.training_script
-    if args.module:
-        raise SystemExit("hetccl run: -m/--module scripts are not supported; pass a file")
     args.module = True
     args.training_script = "hetccl.shim"
     args.training_script_args = [script, *args.training_script_args]
-    if vendors:
-        os.environ["HETCCL_VENDOR_SPLIT"] = vendors
+    del args.vendors
     run(args)
     return 0
 

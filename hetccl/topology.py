@@ -66,8 +66,10 @@ class Topology:
         return " + ".join(f"{lab}:{len(rs)}" for lab, rs in zip(self.labels, self.groups))
 
     @classmethod
-    def exchange(cls, store, rank: int, size: int, timeout: timedelta) -> "Topology":
-        me = RankInfo(vendor.detect_vendor(), vendor.host_identity(), os.getpid())
+    def exchange(cls, store, rank: int, size: int, timeout: timedelta,
+                 label: str | None = None) -> "Topology":
+        """label: this rank's vendor label (default: vendor.detect_vendor())."""
+        me = RankInfo(label or vendor.detect_vendor(), vendor.host_identity(), os.getpid())
         store.set(f"hetccl/topo/{rank}", json.dumps(me.__dict__))
         keys = [f"hetccl/topo/{r}" for r in range(size)]
         store.wait(keys, timeout)

@@ -29,9 +29,16 @@ def build_kind() -> str:
     return "cpu"
 
 
-def detect_vendor() -> str:
+def detect_vendor(rank: int | None = None) -> str:
     """This process's vendor label: HETCCL_VENDOR if set (any non-empty label; this is how
-    several vendors are emulated on one kind of hardware), else derived from the torch build."""
+    several vendors are emulated on one kind of hardware), else HETCCL_VENDOR_SPLIT's label for
+    this process, else derived from the torch build.
+
+    HETCCL_VENDOR_SPLIT labels a process by its launch rank: RANK when a launcher sets it
+    (torchrun, hetccl run; a Megatron layout may renumber ranks later, the label stays with the
+    process), else `rank` (the backend passes the default-group rank it was created with: the
+    mp.spawn / init_process_group(rank=...) case). Neither known: ValueError, as a silent
+    guess would put every process in one vendor group."""
     label = config.get("HETCCL_VENDOR")
     if label:
         return label
@@ -40,8 +47,14 @@ def detect_vendor() -> str:
         from .launch import vendor_labels
 
         labels = vendor_labels(split)
-        rank = int(os.environ.get("RANK", "0"))
-        if rank >= len(labels):
+        env_rank = os.environ.get("RANK")
+        if env_rank is not None and env_rank != "":
+            rank = int(env_rank)
+        elif rank is None:
+            raise ValueError(f"hetccl: HETCCL_VENDOR_SPLIT={split!r} labels processes by rank, "
+                             f"but this process's rank is unknown (no RANK variable, and no "
+                             f"process group yet); set RANK or HETCCL_VENDOR")
+        if not 0 <= rank < len(labels):
             raise ValueError(f"hetccl: HETCCL_VENDOR_SPLIT={split!r} covers {len(labels)} ranks,"
                              f" but this is rank {rank}")
         return labels[rank]

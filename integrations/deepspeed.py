@@ -8,9 +8,11 @@ is initialise the default group with backend "hetccl" before the user script rea
 
 Three entry points, from least to most code in the user's script (docs/integrations/deepspeed.md):
 
-1. ``hetccl deepspeed --comm_backend hetccl [deepspeed launcher args] train.py [args]``:
-   a wrapper around the deepspeed launcher. Each worker starts in this module
-   (launcher ``--module``), initialises the group, then runs the unchanged script.
+1. ``hetccl deepspeed [--vendors SPLIT] [deepspeed launcher args] train.py [args]``:
+   a wrapper around the deepspeed launcher (backend hetccl unless ``--comm_backend`` names
+   another). Each worker starts in this module (launcher ``--module``), initialises the group,
+   then runs the unchanged script. The literal ``deepspeed --comm_backend hetccl ...`` does NOT
+   work: the deepspeed launcher has no such option ("unrecognized arguments").
 2. ``add_config_arguments(parser)`` + ``init_distributed(args)``: a script-level
    ``--comm_backend`` argument for scripts started by torchrun, srun or mpirun.
 3. ``balanced_step(...)``: one optimizer step in which ranks run different numbers of
@@ -268,13 +270,26 @@ def balanced_step(engine, plan, rank: int, make_batch: Callable[[int, int], Any]
 # --------------------------------------------------------------------------------------------
 
 _WRAPPER_USAGE = """\
-usage: hetccl deepspeed [--comm_backend {backends}] [--vendors SPLIT]
+usage: hetccl deepspeed [--vendors SPLIT] [--comm_backend {backends}]
                         [deepspeed launcher options] user_script [user_args ...]
 
-Runs the deepspeed launcher. With --comm_backend, every worker initialises torch.distributed
-with that backend (and DeepSpeed wraps it) before running the unchanged user script.
---vendors SPLIT (e.g. 1+1) emulates mixed vendors: rank r gets HETCCL_VENDOR=v<i>.
-All other options are the deepspeed launcher's (see `deepspeed --help`).
+The deepspeed launcher, with every worker over hetccl: each worker initialises torch.distributed
+with backend hetccl (and DeepSpeed wraps that group) before running the unchanged user script.
+
+Working forms:
+  hetccl deepspeed --num_gpus 8 train.py --deepspeed_config ds.json
+  hetccl deepspeed --vendors 1+1 --num_gpus 2 train.py ...    (emulate two vendors)
+  any launcher, with hetccl.integrations.deepspeed.init_distributed(comm_backend="hetccl")
+  called in the script before deepspeed.initialize (docs/integrations/deepspeed.md)
+Does NOT work: `deepspeed --comm_backend hetccl train.py`: the deepspeed launcher has no
+--comm_backend option and stops with "unrecognized arguments".
+
+hetccl options (read before user_script only; after it they belong to the script):
+  --vendors SPLIT       EMULATION ONLY: vendor split such as 1+1 or 2+2; blocks of consecutive
+                        ranks get labels v0, v1, ... (HETCCL_VENDOR). `--vendors=1+1` works too.
+  --comm_backend NAME   backend for the workers (default hetccl; others: DeepSpeed initialises
+                        them itself)
+All other options are the deepspeed launcher's (listed below, from `deepspeed --help`).
 """
 
 
@@ -331,9 +346,9 @@ def _worker_module() -> str:
 def launcher_argv(argv: list[str]) -> list[str]:
     """Rewrite `hetccl deepspeed` arguments into deepspeed launcher arguments (exposed for tests).
 
-    Without --comm_backend the arguments pass through unchanged. With it, the launcher starts
-    this module on every rank (``--module``), which initialises the backend and then runs the
-    user's script or module with the user's arguments.
+    The launcher starts this module on every rank (``--module``), which initialises the backend
+    (--comm_backend, default hetccl) and then runs the user's script or module with the user's
+    arguments.
     """
     if not argv:
         return argv
@@ -341,10 +356,16 @@ def launcher_argv(argv: list[str]) -> list[str]:
     if not any(not a.startswith("-") for a in argv):
         return argv
     opts, rest = _split_wrapper_args(argv)
-    if "comm_backend" not in opts:
-        if "vendors" in opts:
-            raise SystemExit("hetccl deepspeed: --vendors needs --comm_backend hetccl")
-        return rest
+    opts.setdefault("comm_backend", "hetccl")
+    if "vendors" in opts:
+        if opts["comm_backend"] != "hetccl":
+            raise SystemExit(f"hetccl deepspeed: --vendors emulates vendors for hetccl; it "
+                             f"cannot be combined with --comm_backend {opts['comm_backend']}")
+        from hetccl.run import parse_split
+        try:
+            parse_split(opts["vendors"])
+        except argparse.ArgumentTypeError as e:
+            raise SystemExit(f"hetccl deepspeed: {e}") from None
     if opts["comm_backend"] not in COMM_BACKENDS:
         raise SystemExit(f"hetccl deepspeed: --comm_backend {opts['comm_backend']!r}: expected one "
                          f"of {', '.join(COMM_BACKENDS)}")
@@ -352,8 +373,8 @@ def launcher_argv(argv: list[str]) -> list[str]:
 
     ds_args = parse_args(rest)
     if ds_args.no_python:
-        raise SystemExit("hetccl deepspeed: --comm_backend cannot be combined with --no_python "
-                         "(the workers must be Python processes)")
+        raise SystemExit("hetccl deepspeed: --no_python is not supported (the workers must be "
+                         "Python processes that initialise the backend first)")
     n_launcher = len(rest) - len(ds_args.user_args) - 1
     launcher_opts = [a for a in rest[:n_launcher] if a != "--module"]
     worker = [_WORKER_FLAG, "--comm_backend", opts["comm_backend"]]

@@ -43,7 +43,8 @@ from typing import Any, Sequence
 from .layout import DEFAULT_ORDER, Layout, LayoutError, ParallelSizes, plan_layout
 
 __all__ = ["initialize", "Session", "LayoutError", "plan_layout", "ParallelSizes",
-           "load_recipe", "train", "main", "cli_main", "BACKEND"]
+           "load_recipe", "train", "main", "cli_main", "BACKEND", "install_cpu_shims",
+           "seed_model_parallel_rng"]
 
 # The one place that names the communication backend used by default.
 BACKEND = "hetccl"
@@ -63,10 +64,11 @@ def require_megatron():
     return mc
 
 
-def vendor_label() -> str:
-    """This process's vendor label, as the hetccl backend will see it."""
+def vendor_label(launch_rank: int | None = None) -> str:
+    """This process's vendor label, as the hetccl backend will see it (HETCCL_VENDOR_SPLIT
+    labels by RANK, else by `launch_rank`)."""
     import hetccl
-    return hetccl.detect_vendor()
+    return hetccl.detect_vendor(rank=launch_rank)
 
 
 # --------------------------------------------------------------------------- launch plumbing
@@ -98,12 +100,16 @@ def exchange_labels(store, launch_rank: int, world: int, label: str) -> list[str
 
 
 # --------------------------------------------------------------------------- CPU support
-def _install_cpu_shims() -> None:
-    """Megatron-core hard-codes CUDA in two places a CPU forward/backward reaches: the global
+def install_cpu_shims() -> None:
+    """Make megatron-core's model code run on CPU. Call it after
+    parallel_state.initialize_model_parallel (which creates the buffer this replaces).
+
+    Megatron-core hard-codes CUDA in two places a CPU forward/backward reaches: the global
     memory buffer (torch.cuda.current_device()) and the model-parallel RNG tracker
-    (torch.cuda RNG states). On CPU we install CPU equivalents through Megatron's own globals.
+    (torch.cuda RNG states). This installs CPU equivalents through Megatron's own globals.
     Megatron's schedules, DDP and optimizers allocate on "cuda" unconditionally, which is why
-    the runner here uses its own (small) data-parallel step."""
+    the runner here uses its own (small) data-parallel step. initialize(device="cpu") calls it;
+    under `hetccl run` on a machine without CUDA, model_parallel_cuda_manual_seed does."""
     import torch
     import megatron.core.utils as mu
     from megatron.core import parallel_state as ps
@@ -144,9 +150,10 @@ def _install_cpu_shims() -> None:
     mr._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
-def _seed_model_parallel_rng(seed: int, device: str) -> None:
-    """Megatron's model_parallel_cuda_manual_seed, with the CPU tracker on CPU (same offsets:
-    +2718 + tp_rank for the model-parallel state, +100*ep_rank + etp_rank for experts)."""
+def seed_model_parallel_rng(seed: int, device: str) -> None:
+    """Megatron's model_parallel_cuda_manual_seed for `device` ("cuda": Megatron's own; "cpu":
+    the CPU tracker of install_cpu_shims(), which must have run; same offsets: +2718 + tp_rank
+    for the model-parallel state, +100*ep_rank + etp_rank for experts)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mr
     if device == "cuda":
@@ -160,6 +167,11 @@ def _seed_model_parallel_rng(seed: int, device: str) -> None:
     t.add(mr._EXPERT_PARALLEL_RNG_TRACKER_NAME,
           seed + 1024 + 100 * ps.get_expert_model_parallel_rank()
           + ps.get_expert_tensor_parallel_rank())
+
+
+# the names these helpers had before they were public
+_install_cpu_shims = install_cpu_shims
+_seed_model_parallel_rng = seed_model_parallel_rng
 
 
 # --------------------------------------------------------------------------- one-call init
@@ -238,7 +250,10 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | No
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     base = dist.PrefixStore(f"{_STORE_PREFIX}/{attempt}", store)
 
-    my_label = vendor_label()
+    my_label = vendor_label(launch_rank)
+    # The layout renumbers ranks: pin this process's label so that the backend (which labels a
+    # HETCCL_VENDOR_SPLIT process by RANK, else by its new rank) sees the one planned with.
+    os.environ.setdefault("HETCCL_VENDOR", my_label)
     labels = list(vendors) if vendors is not None else \
         exchange_labels(base, launch_rank, world_size, my_label)
     if expect_vendors is not None:
@@ -271,8 +286,8 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | No
     kwargs.update(megatron_kwargs)
     ps.initialize_model_parallel(**kwargs)
     if device == "cpu":
-        _install_cpu_shims()
-    _seed_model_parallel_rng(seed, device)
+        install_cpu_shims()
+    seed_model_parallel_rng(seed, device)
 
     sess = Session(layout=layout, rank=rank, launch_rank=launch_rank, local_rank=local_rank,
                    world_size=world_size, vendor=my_label, backend=backend, device=device)
@@ -548,6 +563,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="under torchrun: set HETCCL_VENDOR of launch rank i to the i-th label "
                          "of the recipe's vendor groups (several vendors emulated on one kind "
                          "of hardware; the hetccl backend then bridges them like real ones)")
+    ap.add_argument("--vendors", default=None, metavar="SPLIT",
+                    help="EMULATION ONLY, the option `hetccl run` and `hetccl deepspeed` take: "
+                         "vendor split such as 2+2. The recipe's cluster.vendors define the "
+                         "vendor groups, so SPLIT must list their sizes in order; it then "
+                         "emulates them (under torchrun: as --emulate-vendors; without: the "
+                         "local processes the runner starts anyway)")
     ap.add_argument("--layout-only", action="store_true",
                     help="print the layout for the recipe's cluster and exit (no processes)")
     ap.add_argument("--timeout", type=float, default=900.0, help="local emulation timeout (s)")
@@ -555,8 +576,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
     rec = load_recipe(args.config)
+    if args.vendors is not None:
+        from hetccl.run import parse_split
+        try:
+            split = parse_split(args.vendors)
+        except argparse.ArgumentTypeError as e:
+            ap.error(str(e))
+        groups = [(v["name"], int(v["gpus"])) for v in rec["cluster"]["vendors"]]
+        if split != [n for _, n in groups]:
+            ap.error(f"--vendors {args.vendors} does not match the recipe's vendor groups "
+                     f"{' + '.join(f'{name}:{n}' for name, n in groups)}; the recipe's "
+                     f"cluster.vendors define the groups: edit them, or drop --vendors")
+        args.emulate_vendors = True
     p = rec["parallel"]
     sizes = ParallelSizes(tp=int(p["tp"]), pp=int(p["pp"]), cp=int(p["cp"]), ep=int(p["ep"]),
                           etp=p["etp"])

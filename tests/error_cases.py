@@ -38,9 +38,12 @@ def run(ctx) -> dict[str, str]:
         lambda: dist.all_gather_into_tensor(torch.empty(world * (3 + (rank == 1))),
                                             torch.ones(3 + (rank == 1))),
         ValueError, "number of elements")
-    out["unsupported_op"] = _expect(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32),
-                                                            op=dist.ReduceOp.BAND),
-                                    NotImplementedError, "BAND")
+    out["bitwise_op_on_float"] = _expect(lambda: dist.all_reduce(torch.ones(4),
+                                                                 op=dist.ReduceOp.BAND),
+                                         ValueError, "BAND", "integer", "float32")
+    out["sparse_non_sum"] = _expect(
+        lambda: dist.all_reduce(torch.ones(4).to_sparse(), op=dist.ReduceOp.MAX),
+        ValueError, "sparse", "SUM")
     out["avg_on_int"] = _expect(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32),
                                                         op=dist.ReduceOp.AVG),
                                 NotImplementedError, "AVG", "int32")

@@ -217,13 +217,34 @@ def test_launcher_argv_rewrite():
     got = hds.launcher_argv(["--hostfile", "hosts", "--comm_backend=hetccl", "--module", "pkg.train"])
     assert got == ["--hostfile", "hosts", "--module", mod, "--hetccl_worker", "--comm_backend",
                    "hetccl", "--module", "--", "pkg.train"]
-    # Without --comm_backend the launcher arguments pass through unchanged.
-    plain = ["--num_gpus", "2", "train.py", "--x"]
-    assert hds.launcher_argv(plain) == plain
+    # Without --comm_backend the workers run over hetccl, as under `hetccl run`; a --vendors
+    # after the script is the script's.
+    got = hds.launcher_argv(["--num_gpus", "2", "--vendors", "1+1", "train.py", "--vendors", "x"])
+    assert got == ["--num_gpus", "2", "--module", mod, "--hetccl_worker", "--comm_backend",
+                   "hetccl", "--vendors", "1+1", "--", "train.py", "--vendors", "x"]
+    with pytest.raises(SystemExit, match="--vendors '1x1'"):
+        hds.launcher_argv(["--vendors=1x1", "train.py"])
+    with pytest.raises(SystemExit, match="cannot be combined with --comm_backend nccl"):
+        hds.launcher_argv(["--comm_backend", "nccl", "--vendors", "1+1", "train.py"])
     with pytest.raises(SystemExit, match="no_python"):
         hds.launcher_argv(["--comm_backend", "hetccl", "--no_python", "run.sh"])
     with pytest.raises(SystemExit, match="expected one of"):
         hds.launcher_argv(["--comm_backend", "hetcl", "train.py"])
+
+
+def test_help_shows_working_forms_first(capsys):
+    """`hetccl deepspeed --help`: hetccl's usage with --vendors, the working forms, and the
+    literal `deepspeed --comm_backend hetccl` named as not working; then deepspeed's options."""
+    with pytest.raises(SystemExit):
+        hds.cli_main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hetccl deepspeed [--vendors SPLIT]"), out[:200]
+    working = out.index("Working forms:")
+    broken = out.index("Does NOT work: `deepspeed --comm_backend hetccl train.py`")
+    assert working < broken
+    assert "hetccl deepspeed --vendors 1+1 --num_gpus 2 train.py" in out
+    assert "--vendors=1+1" in out and "unrecognized arguments" in out
+    assert "--num_gpus" in out  # the deepspeed launcher's own help follows
 
 
 def test_add_config_arguments():

@@ -8,6 +8,7 @@ tp=2 x dp=2 GPT with unequal micro-batch counts (3 vs 1) and compares its losses
 1-process reference run. A naively normalised run in the same job must NOT match (so the
 comparison can fail).
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 from hetccl.integrations.layout import ParallelSizes, megatron_groups, plan_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 RECIPES = os.path.join(REPO, "recipes", "megatron")
 
 
@@ -195,3 +197,80 @@ def test_pipeline_layout_parallel_state():
 
     for got, vend in spawn(_pp_job, 4, vendors=["a", "b", "a", "b"], timeout=400):
         assert len({vend[r] for r in got}) == 1
+
+
+MEGATRON_UNDER_RUN = r"""
+import os, sys
+rank = int(os.environ["RANK"])
+os.environ["HETCCL_VENDOR"] = "ab"[rank % 2]          # launch ranks interleave two vendors
+import torch, torch.distributed as dist
+dist.init_process_group("nccl")                       # a Megatron-LM style script, unchanged
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+ps.initialize_model_parallel(tensor_model_parallel_size=2)
+model_parallel_cuda_manual_seed(123)                  # CUDA-only in Megatron; CPU under hetccl run
+with get_cuda_rng_tracker().fork():
+    x = torch.rand(4)
+draws = [None] * dist.get_world_size()
+dist.all_gather_object(draws, (ps.get_tensor_model_parallel_rank(), x.tolist()))
+if rank == 0:
+    same_tp = all(a[1] == b[1] for a in draws for b in draws if a[0] == b[0])
+    diff_tp = all(a[1] != b[1] for a in draws for b in draws if a[0] != b[0])
+    print(f"RNG same-tp-rank-equal {same_tp} different-tp-rank-differ {diff_tp}", flush=True)
+ps.destroy_model_parallel()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core not installed "
+                                                "(pip install hetccl[megatron])")
+def test_megatron_under_hetccl_run_warns_on_cross_vendor_tp(tmp_path):
+    """A Megatron-LM style script under `hetccl run` whose launch ranks interleave vendors:
+    tensor-parallel groups span vendors (correct, slowest), so rank 0 warns once with the layout
+    that fixes it; model_parallel_cuda_manual_seed works on CPU (hetccl's CPU RNG tracker:
+    tensor-parallel peers draw different streams, data-parallel peers the same)."""
+    script = tmp_path / "mcore.py"
+    script.write_text(MEGATRON_UNDER_RUN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETCCL_")}
+    p = subprocess.run([sys.executable, "-m", "hetccl.cli", "run", "--standalone",
+                        "--nproc_per_node", "4", str(script)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    assert "RNG same-tp-rank-equal True different-tp-rank-differ True" in out, out[-4000:]
+    warnings = [line for line in out.splitlines() if "tensor-parallel groups span vendors" in line]
+    assert len(warnings) == 1, out[-4000:]
+    assert ("2 of Megatron's 2 tensor-parallel groups span vendors (ranks [0, 1]: a+b; "
+            "ranks [2, 3]: a+b)") in warnings[0], warnings
+    assert "hetccl.integrations.megatron.initialize(tp=..., pp=...)" in warnings[0]
+    # the suggested layout: tensor-parallel groups inside a vendor, only dp crosses
+    assert "groups crossing vendors: dp" in out and "(launch ranks [0, 2])" in out, out[-4000:]
+
+
+def test_vendors_option_is_checked_against_the_recipe(capsys):
+    """`hetccl megatron --vendors SPLIT` (the launchers' shared option, = form too) must match
+    the recipe's vendor groups; a mismatch is refused naming them."""
+    from hetccl.integrations import megatron as hm
+
+    cfg = os.path.join(RECIPES, "cpu_2p2.yaml")
+    assert hm.main(["--config", cfg, "--vendors=2+2", "--layout-only"]) == 0
+    assert "hetccl layout: world 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        hm.main(["--config", cfg, "--vendors", "3+1", "--layout-only"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--vendors 3+1 does not match the recipe's vendor groups v0:2 + v1:2" in err, err
+    with pytest.raises(SystemExit):
+        hm.main(["--config", cfg, "--vendors", "2x2", "--layout-only"])
+    assert "expected ranks per vendor joined by '+'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        hm.main(["--help"])
+    assert "--vendors SPLIT" in capsys.readouterr().out
+
+
+def test_cpu_rng_helpers_are_public():
+    from hetccl.integrations import megatron as hm
+
+    assert {"install_cpu_shims", "seed_model_parallel_rng"} <= set(hm.__all__)
+    assert hm._install_cpu_shims is hm.install_cpu_shims  # old private names still work

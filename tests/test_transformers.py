@@ -136,3 +136,54 @@ def test_missing_transformers_message():
     assert p.returncode == 0, p.stderr[-3000:]
     msgs = [ln for ln in p.stdout.splitlines() if ln.startswith("MSG")]
     assert len(msgs) == 2 and all("pip install hetccl[transformers]" in m for m in msgs), p.stdout
+
+
+TRAINER_SCRIPT = r"""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+import torch.distributed as dist
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=2, max_position_embeddings=32))
+data = [{"input_ids": torch.arange(i, i + 16) % 64, "labels": torch.arange(i, i + 16) % 64}
+        for i in range(16)]
+args = TrainingArguments(output_dir=OUT, per_device_train_batch_size=2, max_steps=2,
+                         report_to=[], save_strategy="no", logging_steps=1,
+                         dataloader_num_workers=0)          # no --use_cpu
+trainer = Trainer(model=model, args=args, train_dataset=data)
+trainer.train()
+print(f"rank {dist.get_rank()} world {args.world_size} mode {args.parallel_mode} "
+      f"backend {dist.get_backend()} ddp {type(trainer.model_wrapped).__name__}", flush=True)
+"""
+
+
+@needs_tf
+@pytest.mark.parametrize("accelerate_use_cpu", [None, "false"])
+def test_trainer_under_hetccl_run_without_use_cpu(tmp_path, accelerate_use_cpu):
+    """An HF Trainer script without --use_cpu under `hetccl run` on a machine without CUDA:
+    hetccl run makes it train data-parallel over hetccl (instead of every rank alone); if
+    ACCELERATE_USE_CPU=false forces the single-process path anyway, building TrainingArguments
+    fails naming --use_cpu."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-only case needs a machine without CUDA")
+    script = tmp_path / "trainer.py"
+    script.write_text(f"OUT = {str(tmp_path / 'out')!r}\n" + TRAINER_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("HETCCL_") and k != "ACCELERATE_USE_CPU"}
+    if accelerate_use_cpu is not None:
+        env["ACCELERATE_USE_CPU"] = accelerate_use_cpu
+    p = subprocess.run([sys.executable, "-m", "hetccl.cli", "run", "--vendors", "1+1",
+                        "--standalone", "--nproc_per_node", "2", str(script)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    if accelerate_use_cpu is None:
+        assert p.returncode == 0, out[-6000:]
+        for r in (0, 1):
+            assert (f"rank {r} world 2 mode ParallelMode.DISTRIBUTED backend hetccl ddp "
+                    f"DistributedDataParallel") in out, out[-4000:]
+    else:
+        assert p.returncode != 0, out[-4000:]
+        assert "this job has 2 ranks, but the HF Trainer would train" in out, out[-4000:]
+        assert "pass --use_cpu" in out, out[-4000:]

@@ -1,7 +1,7 @@
 """Train a tiny GPT-style model with DeepSpeed ZeRO over hetccl (or any other backend).
 
 CPU, emulated 1+1 vendors (tests/test_deepspeed.py runs this briefly):
-    DS_ACCELERATOR=cpu hetccl deepspeed --comm_backend hetccl --vendors 1+1 --num_gpus 2 \\
+    DS_ACCELERATOR=cpu hetccl deepspeed --vendors 1+1 --num_gpus 2 \\
         recipes/deepspeed/train.py --deepspeed_config recipes/deepspeed/zero2.json --steps 20
 torchrun (what recipes/deepspeed/gpu_bench.sh does; the script-level form of --comm_backend):
     torchrun --nproc_per_node 2 recipes/deepspeed/train.py --comm_backend hetccl \\

@@ -1,0 +1,361 @@
+"""Rank-side checks of the torch.distributed semantics of issue 15 across emulated vendors:
+all_gather_coalesced's layout, bitwise reductions, sparse all-reduce (and DDP with a sparse
+embedding), receive from any source, torch's timeout wording, monitored_barrier, the backend
+name DDP logs, the vendor split when the rank is passed to init_process_group, and the start
+line. Every result is compared with a reference computed locally from per-rank seeds.
+run_all() returns {case: "ok" | what went wrong}."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+INT_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+              torch.uint16, torch.uint32, torch.uint64]
+BITWISE = {"BAND": (dist.ReduceOp.BAND, torch.bitwise_and),
+           "BOR": (dist.ReduceOp.BOR, torch.bitwise_or),
+           "BXOR": (dist.ReduceOp.BXOR, torch.bitwise_xor)}
+
+
+def ints(rank: int, case: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * case + rank)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -(2 ** 62)), min(info.max, 2 ** 62)  # within int64
+    return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def expect_error(fn, exc, *words) -> str:
+    try:
+        fn()
+    except exc as e:
+        missing = [w for w in words if w not in str(e)]
+        return f"message lacks {missing}: {e}" if missing else "ok"
+    except Exception as e:  # noqa: BLE001
+        return f"wrong exception {type(e).__name__}: {e}"
+    return "no error raised"
+
+
+class Cases:
+    def __init__(self, rank: int, world: int, labels: list[str]):
+        self.rank, self.world, self.labels = rank, world, labels
+        self.out: dict[str, str] = {}
+
+    def run(self, name, fn, *args):
+        try:
+            r = fn(*args)
+            self.out[name] = "ok" if r in (None, True, "ok") else str(r)
+        except Exception:  # noqa: BLE001
+            self.out[name] = traceback.format_exc(limit=6)
+
+    # ---------------------------------------------------------------- all_gather_coalesced
+    def all_gather_coalesced(self, k: int, case: int):
+        """k tensors of different shapes per rank; output_lists[rank][i] must be rank's i-th."""
+        shapes = [(i + 1, 2) if i % 2 else (3 * i + 1,) for i in range(k)]
+
+        def tensor(rank, i):
+            g = torch.Generator().manual_seed(1000 * case + 10 * rank + i)
+            return torch.randn(shapes[i], generator=g)
+
+        ins = [tensor(self.rank, i) for i in range(k)]
+        outs = [[torch.full(s, -1.0) for s in shapes] for _ in range(self.world)]
+        dist.all_gather_coalesced(outs, ins)
+        for r in range(self.world):
+            for i in range(k):
+                if not torch.equal(outs[r][i], tensor(r, i)):
+                    return f"output [{r}][{i}] is not rank {r}'s input {i}"
+
+    def all_gather_coalesced_bad_layout(self):
+        # [tensor][rank] instead of [rank][tensor], with a tensor count != world size
+        ins = [torch.ones(2)] * (self.world + 1)
+        outs = [[torch.empty(2) for _ in range(self.world)] for _ in ins]
+        return expect_error(lambda: dist.all_gather_coalesced(outs, ins), (ValueError, RuntimeError),
+                            "output list", "per rank")
+
+    # ---------------------------------------------------------------- bitwise
+    def bitwise(self, case: int):
+        bad = []
+        for dtype in INT_DTYPES:
+            for n in (0, 1, 7, 1000, 70001):
+                for name, (op, fn) in BITWISE.items():
+                    case += 1
+                    everyone = [ints(r, case, n, dtype) for r in range(self.world)]
+                    ref = functools.reduce(fn, everyone) if n else everyone[0]
+                    x = everyone[self.rank].clone()
+                    dist.all_reduce(x, op)
+                    if not torch.equal(x, ref):
+                        bad.append(f"all_reduce {name} {dtype} n={n}")
+                    root = self.world - 1
+                    y = everyone[self.rank].clone()
+                    dist.reduce(y, root, op)
+                    if self.rank == root and not torch.equal(y, ref):
+                        bad.append(f"reduce {name} {dtype} n={n}")
+                    if self.rank != root and not torch.equal(y, everyone[self.rank]):
+                        bad.append(f"reduce {name} {dtype} n={n}: non-root input changed")
+                    m = n // self.world
+                    if m:
+                        full = [ints(r, case + 10 ** 6, m * self.world, dtype)
+                                for r in range(self.world)]
+                        o = torch.empty(m, dtype=dtype)
+                        dist.reduce_scatter_tensor(o, full[self.rank], op)
+                        rs_ref = functools.reduce(fn, full)[self.rank * m:(self.rank + 1) * m]
+                        if not torch.equal(o, rs_ref):
+                            bad.append(f"reduce_scatter {name} {dtype} m={m}")
+        # non-contiguous input
+        base = ints(self.rank, 99, 400, torch.int32).view(20, 20)
+        x = base.t()
+        dist.all_reduce(x, dist.ReduceOp.BXOR)
+        ref = functools.reduce(torch.bitwise_xor,
+                               [ints(r, 99, 400, torch.int32).view(20, 20).t()
+                                for r in range(self.world)])
+        if not torch.equal(x, ref):
+            bad.append("all_reduce BXOR non-contiguous")
+        return "; ".join(bad[:10]) or None
+
+    def bitwise_float_error(self):
+        return expect_error(lambda: dist.all_reduce(torch.ones(3), dist.ReduceOp.BOR),
+                            ValueError, "BOR", "integer")
+
+    # ---------------------------------------------------------------- sparse
+    def sparse(self, case: int):
+        size = (50, 3)
+
+        def local(rank):
+            g = torch.Generator().manual_seed(case * 31 + rank)
+            nnz = 0 if rank == 1 else int(torch.randint(1, 40, (1,), generator=g))
+            idx = torch.randint(0, size[0], (1, nnz), generator=g)  # duplicates on purpose
+            vals = torch.randn(nnz, size[1], generator=g, dtype=torch.float64)
+            return torch.sparse_coo_tensor(idx, vals, size)
+
+        t = local(self.rank)
+        dist.all_reduce(t)
+        ref = sum(local(r).to_dense() for r in range(self.world))
+        if not t.is_sparse:
+            return "result is not sparse"
+        err = (t.to_dense() - ref).abs().max().item()
+        return None if err < 1e-12 else f"max error {err}"
+
+    def sparse_shape_mismatch(self):
+        # same number of elements (the generic header check passes), different shapes
+        t = torch.ones(6) if self.rank == 0 else torch.ones(2, 3)
+        msg = expect_error(lambda: dist.all_reduce(t.to_sparse()), ValueError,
+                           "sparse", "differ", "size [6]", "size [2, 3]")
+        x = torch.ones(3)
+        dist.all_reduce(x)  # the group stays usable
+        return msg if msg != "ok" or torch.equal(x, torch.full((3,), float(self.world))) \
+            else "group unusable after the error"
+
+    def ddp_sparse_embedding(self):
+        """DDP with nn.Embedding(sparse=True): one SGD step equals the single-process step on
+        the union of the ranks' batches (mean loss over ranks)."""
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(40, 4, sparse=True)
+        ref = torch.nn.Embedding(40, 4, sparse=True)
+        ref.load_state_dict(emb.state_dict())
+        ddp = torch.nn.parallel.DistributedDataParallel(emb)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+
+        def batch(r):
+            g = torch.Generator().manual_seed(500 + r)
+            return torch.randint(0, 40, (6,), generator=g)
+
+        ddp(batch(self.rank)).pow(2).sum().backward()
+        opt.step()
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        (sum(ref(batch(r)).pow(2).sum() for r in range(self.world)) / self.world).backward()
+        ropt.step()
+        if ddp._get_ddp_logging_data().get("backend_name") != "hetccl":
+            return f"DDP logs backend {ddp._get_ddp_logging_data().get('backend_name')!r}"
+        err = (emb.weight - ref.weight).abs().max().item()
+        return None if err < 1e-6 else f"weights differ from the reference by {err}"
+
+    # ---------------------------------------------------------------- any source
+    def any_source(self, tag: int):
+        """Every rank sends one tensor to every other rank; each receives them with src=None."""
+        w, me = self.world, self.rank
+
+        def payload(src, dst):
+            g = torch.Generator().manual_seed(tag * 100 + src * 10 + dst)
+            return torch.randn(5, generator=g)
+
+        works = [dist.isend(payload(me, d), d, tag=tag) for d in range(w) if d != me]
+        seen = []
+        for _ in range(w - 1):
+            t = torch.empty(5)
+            src = dist.recv(t, src=None, tag=tag)
+            if not torch.equal(t, payload(src, me)):
+                return f"data from rank {src} wrong"
+            seen.append(src)
+        for wk in works:
+            wk.wait()
+        return None if sorted(seen) == [r for r in range(w) if r != me] else f"sources {seen}"
+
+    def any_source_then_named(self, tag: int):
+        """Rank 0 receives from any source first, then names the sources: the receive that
+        any-source posted to the losing rank must hand over that rank's message in order."""
+        w, me = self.world, self.rank
+        if me == 0:
+            got = {}
+            work = dist.irecv(torch.empty(3), src=None, tag=tag)
+            work.wait()
+            first = work._source_rank()
+            t = torch.empty(3)
+            for src in range(1, w):
+                for k in range(2):
+                    if src == first and k == 0:
+                        continue
+                    dist.recv(t, src=src, tag=tag)
+                    got[(src, k)] = t.clone()
+            bad = [(s, k) for (s, k), v in got.items() if not torch.equal(v, torch.full((3,), 10.0 * s + k))]
+            return f"wrong messages {bad}" if bad else None
+        for k in range(2):
+            dist.send(torch.full((3,), 10.0 * me + k), 0, tag=tag)
+
+    def any_source_size_error(self, tag: int):
+        """A cross-vendor message smaller than the receiving tensor: a clear error."""
+        w, me = self.world, self.rank
+        other = w - 1  # in every split the last rank is of a different vendor than rank 0
+        if me == other:
+            dist.send(torch.ones(2), 0, tag=tag)
+        elif me == 0:
+            t = torch.empty(4)
+            res = expect_error(lambda: dist.recv(t, src=other, tag=tag), ValueError, "bytes")
+            return res
+
+    # ---------------------------------------------------------------- timeouts
+    def timeout_wording(self):
+        """A collective only rank 0 joins times out with torch's wording (' Timed out ')."""
+        sub = dist.new_group(timeout=timedelta(seconds=1))
+        if self.rank == 0:
+            t0 = time.monotonic()
+            res = expect_error(lambda: dist.barrier(sub), RuntimeError, " Timed out ")
+            took = time.monotonic() - t0
+            if res == "ok" and not 0.9 <= took < 6:
+                res = f"timed out after {took:.1f} s, expected ~1 s"
+        else:
+            res = None
+        dist.barrier()  # default group: still usable
+        dist.destroy_process_group(sub)
+        return res
+
+    # ---------------------------------------------------------------- monitored barrier
+    def monitored_barrier(self):
+        import hetccl
+
+        w, me = self.world, self.rank
+        res = []
+        hetccl.monitored_barrier(timeout=timedelta(seconds=5))
+        hetccl.monitored_barrier(timeout=5, wait_all_ranks=True)
+        # rank 1 stays away: rank 0 names it, the others learn that rank 0 failed
+        if me == 0:
+            res.append(expect_error(lambda: hetccl.monitored_barrier(timeout=1), RuntimeError,
+                                    "Rank 1 failed to pass monitoredBarrier"))
+        elif me != 1:
+            res.append(expect_error(lambda: hetccl.monitored_barrier(timeout=1), RuntimeError,
+                                    f"Rank {me} successfully reached monitoredBarrier"))
+        dist.barrier()
+        if w >= 3:
+            # ranks 1..w-1 stay away: all are named
+            if me == 0:
+                names = ", ".join(str(r) for r in range(1, w))
+                res.append(expect_error(
+                    lambda: hetccl.monitored_barrier(timeout=0.5, wait_all_ranks=True),
+                    RuntimeError, f"Ranks {names} failed to pass monitoredBarrier"))
+            dist.barrier()
+        # torch's own refuses the backend; ours is the documented equivalent
+        res.append(expect_error(lambda: dist.monitored_barrier(), ValueError, "GLOO"))
+        return "; ".join(r for r in res if r != "ok") or None
+
+    # ---------------------------------------------------------------- pass-through identity
+    def passthrough_identity(self):
+        """A single-vendor subgroup is a plain c10d ProcessGroup: native speed, and no pybind
+        trampoline, which would hold the GIL inside gloo's queue and deadlock (reproduced by
+        Megatron's async tensor-parallel all-reduce in backward, tests/test_megatron.py
+        test_2p2_*; see compat.passthrough_group). DDP on it (several gradient buckets) keeps
+        the replicas equal and reports backend hetccl, like dist.get_backend."""
+        v0 = [r for r, lab in enumerate(self.labels) if lab == self.labels[0]]
+        sub = dist.new_group(v0)
+        res = None
+        if self.rank in v0:
+            if type(sub) is not dist.ProcessGroup:
+                res = f"single-vendor group is {type(sub).__name__}, not a plain ProcessGroup"
+            elif len(v0) > 1:
+                torch.manual_seed(0)
+                net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+                model = torch.nn.parallel.DistributedDataParallel(
+                    net, process_group=sub, bucket_cap_mb=0.02)
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+                for step in range(4):
+                    g = torch.Generator().manual_seed(step * 10 + self.rank)
+                    model(torch.randn(8, 64, generator=g)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                data = model._get_ddp_logging_data()
+                if data.get("backend_name") != "hetccl" or dist.get_backend(sub) != "hetccl" \
+                        or data.get("hetccl_native_backend") != "gloo":
+                    res = (f"DDP logs {data.get('backend_name')!r} (native "
+                           f"{data.get('hetccl_native_backend')!r}), dist.get_backend says "
+                           f"{dist.get_backend(sub)!r}")
+                w = torch.cat([p.detach().view(-1) for p in net.parameters()])
+                ws = [torch.empty_like(w) for _ in v0]
+                dist.all_gather(ws, w, group=sub)
+                if not all(torch.equal(x, w) for x in ws):
+                    res = "DDP replicas diverged on the pass-through group"
+                import hetccl
+                hetccl.monitored_barrier(sub, timeout=5)  # the native gloo backend's
+        dist.barrier()
+        return res
+
+
+def run_all(ctx, start_lines: list | None = None) -> dict[str, str]:
+    import hetccl
+
+    # The rank comes from init_process_group, not from RANK (mp.spawn style): HETCCL_VENDOR_SPLIT
+    # must still label this process by its rank.
+    os.environ.pop("RANK", None)
+    captured: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            captured.append(f"{record.levelname} {record.getMessage()}")
+
+    logging.getLogger("hetccl").addHandler(Grab())
+    dist.init_process_group("hetccl", store=ctx.store(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=30))
+    labels = hetccl.vendor_of_ranks()
+    c = Cases(ctx.rank, ctx.world_size, labels)
+    split = os.environ.get("HETCCL_VENDOR_SPLIT", "")
+    from hetccl.launch import vendor_labels
+    c.out["vendor_split_without_RANK"] = "ok" if labels == vendor_labels(split) else \
+        f"labels {labels}, expected {vendor_labels(split)}"
+    starts = [line for line in captured if "started" in line]
+    if ctx.rank == 0:
+        want = (f"NOTICE hetccl: started, {ctx.world_size} ranks, "
+                f"{len(set(labels))} vendor groups")
+        c.out["start_line"] = "ok" if len(starts) == 1 and starts[0].startswith(want) and \
+            "bridge transport shm" in starts[0] else f"start lines {starts}"
+    else:
+        c.out["start_line"] = "ok" if not starts else f"rank {ctx.rank} logged {starts}"
+    for k in (1, ctx.world_size, ctx.world_size + 2):
+        c.run(f"all_gather_coalesced/k={k}", c.all_gather_coalesced, k, k)
+    c.run("all_gather_coalesced/bad_layout", c.all_gather_coalesced_bad_layout)
+    c.run("bitwise/all", c.bitwise, 1)
+    c.run("bitwise/float_error", c.bitwise_float_error)
+    c.run("sparse/all_reduce", c.sparse, 3)
+    c.run("sparse/shape_mismatch", c.sparse_shape_mismatch)
+    c.run("sparse/ddp_embedding", c.ddp_sparse_embedding)
+    c.run("any_source/all_to_all", c.any_source, 11)
+    c.run("any_source/then_named", c.any_source_then_named, 12)
+    c.run("any_source/size_error", c.any_source_size_error, 13)
+    c.run("timeout/wording", c.timeout_wording)
+    c.run("monitored_barrier", c.monitored_barrier)
+    c.run("passthrough/identity", c.passthrough_identity)
+    dist.destroy_process_group()
+    return c.out
