@@ -90,7 +90,7 @@ for w in $what; do
         tests/test_gpu_ucx.py tests/test_ucx.py tests/test_transport_choice.py -m "gpu or not gpu" \
         -p no:cacheprovider 2>&1 | tee "$OUT/ucx_tests.log" | tail -25
       # ucx-device vs ucx-staged vs tcp, hosts emulated (no shm, no device IPC between vendors)
-      for v in 1+1 2+1; do
+      for v in ${UCX_VENDORS:-1+1 2+1}; do
         for mode in ucx-device ucx-staged tcp; do
           case $mode in
             ucx-device) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_DEVICE=auto" ;;

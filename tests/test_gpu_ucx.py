@@ -16,8 +16,8 @@ import gpu_ucx_cases
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs 2 CUDA GPUs (run .ci/gpu-box.sh ucx on the GPU box)"),
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 1,
+                       reason="needs a CUDA GPU (run .ci/gpu-box.sh ucx on the GPU box)"),
     pytest.mark.skipif("ucx" not in _C.transport_names(),
                        reason="hetccl._C built without UCX (carry the libucx wheel: .ci/gpu-box.sh ucx)"),
 ]
