@@ -87,10 +87,10 @@ for w in $what; do
         2>&1 | tail -3
       python3 -m hetccl.cli doctor 2>&1 | sed -n '/bridge transports/,/^  UCX/p' | tee "$OUT/ucx_doctor.log"
       HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 timeout $((T * 2)) python3 -m pytest -q \
-        tests/test_gpu_ucx.py tests/test_ucx.py tests/test_transport_choice.py -m "gpu or not gpu" \
+        ${BRIDGE_TESTS:-tests/test_gpu_ucx.py tests/test_ucx.py tests/test_transport_choice.py} -m "gpu or not gpu" \
         -p no:cacheprovider 2>&1 | tee "$OUT/ucx_tests.log" | tail -25
       # ucx-device vs ucx-staged vs tcp, hosts emulated (no shm, no device IPC between vendors)
-      for v in ${UCX_VENDORS:-1+1 2+1}; do
+      for v in ${BRIDGE_VENDORS:-1+1 2+1}; do
         for mode in ucx-device ucx-staged tcp; do
           case $mode in
             ucx-device) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_DEVICE=auto" ;;
@@ -99,8 +99,8 @@ for w in $what; do
           esac
           rm -f /tmp/ucx_rows.jsonl
           env HETCCL_EMULATE_HOSTS=1 $e timeout $T $B collectives --device cuda --vendors $v \
-            --backends hetccl --colls ${UCX_COLLS:-all_reduce,all_gather,reduce_scatter} \
-            --minbytes ${UCX_MINBYTES:-64K} --maxbytes ${UCX_MAXBYTES:-256M} --factor 4 \
+            --backends hetccl --colls ${BRIDGE_COLLS:-all_reduce,all_gather,reduce_scatter} \
+            --minbytes ${BRIDGE_MINBYTES:-64K} --maxbytes ${BRIDGE_MAXBYTES:-256M} --factor 4 \
             --dtype bfloat16 --iters ${ITERS:-20} --no-progress --jsonl /tmp/ucx_rows.jsonl
           python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'mode': sys.argv[1], 'vendors': sys.argv[2]})) for l in open('/tmp/ucx_rows.jsonl')]" \
             $mode $v >> "$OUT/ucx_bench.jsonl" 2>/dev/null

@@ -99,6 +99,7 @@ struct Engine::Link {
   std::shared_ptr<Transport> t;
   bool zc;
   bool direct = false;  // message link whose device data goes to the transport directly
+  int bound_device = -1;  // device index the transport was bound to (Transport::bind_device)
   uint32_t out_depth = 0;  // zero-copy: outgoing ring slots; message links: staging slots
   size_t slot_bytes = 0;
   uint32_t send_pos = 0, recv_pos = 0;  // next positions to assign (post order)
@@ -899,6 +900,16 @@ bool Engine::recv_zc(Link& l) {
   return moved;
 }
 
+void Engine::bind_direct(Link& l, int device_index) {
+  if (l.bound_device == device_index) return;
+  // The device runtime's name gives the memory type the transport declares to its library.
+  const std::string kind = dev_->name();
+  const std::string memory = kind == "cuda" ? "cuda" : kind == "hip" ? "rocm" : "host";
+  auto dev = dev_;
+  l.t->bind_device([dev, device_index] { dev->set_device(device_index); }, memory);
+  l.bound_device = device_index;
+}
+
 bool Engine::send_msg(Link& l) {
   bool moved = false;
   // completions, in order
@@ -921,6 +932,7 @@ bool Engine::send_msg(Link& l) {
     if (c.device) {
       if (!geq(l.flags->sent.v.load(std::memory_order_acquire), c.pos + 1)) break;
       if (c.direct) {  // device memory straight to the transport
+        bind_direct(l, c.plan->spec.device_index);
         c.req = l.t->isend_device(l.peer, src, c.len, c.tag);
         c.issued = true;
         moved = true;
@@ -971,6 +983,7 @@ bool Engine::recv_msg(Link& l) {
     if (c.direct) {
       // the destination may be written once the stream has reached this position
       if (!geq(l.flags->ready.v.load(std::memory_order_acquire), c.pos + 1)) break;
+      bind_direct(l, p.spec.device_index);
       c.req = l.t->irecv_device(l.peer, c.dst, c.len, c.tag);
     } else if (c.device) {
       // staging slot pos % depth is free once the chunk depth positions earlier was consumed

@@ -175,6 +175,7 @@ class Engine {
   bool finish_consumed(Link& l);
   bool send_msg(Link& l);
   bool recv_msg(Link& l);
+  void bind_direct(Link& l, int device_index);  // before a direct device message (proxy thread)
   struct DeviceCopy {
     void* dst;
     const void* src;

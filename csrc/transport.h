@@ -38,6 +38,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -189,6 +190,19 @@ class Transport {
   }
   virtual RequestPtr irecv_device(int peer, void* buf, size_t nbytes, uint64_t tag) {
     throw no_device();
+  }
+  // Device binding for transports that take device memory. `make_current` makes the caller's
+  // device context current on the calling thread: the transport runs it on each thread of its
+  // own that calls into its library before that thread next does so (CUDA's and HIP's copy
+  // engines need a current context on the thread that progresses a device copy or arms a
+  // worker; UCX's cuda_copy hangs or crashes without one). `memory` is the memory type of every
+  // later isend_device/irecv_device buffer ("cuda", "rocm", or "host" for the emulated device),
+  // declared to the library instead of being detected per call (detection takes the driver's
+  // context locks on the data path). The engine calls this before its first device message
+  // on a link and again if the plan's device changes. Default: nothing to bind.
+  virtual void bind_device(std::function<void()> make_current, const std::string& memory) {
+    (void)make_current;
+    (void)memory;
   }
 
   // Zero-copy ring (shm only; the defaults say "not supported"). A second strictly ordered ring

@@ -673,10 +673,31 @@ class UcxTransport final : public Transport {
   // its irecv_device (transport.h states that weaker contract).
   bool device_direct() const override { return true; }
   RequestPtr isend_device(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
+    check_bound();
     return post_send(peer, buf, nbytes, tag, true);
   }
   RequestPtr irecv_device(int peer, void* buf, size_t nbytes, uint64_t tag) override {
+    check_bound();
     return post_receive(peer, nbytes, tag, OpKind::Recv, true, [&](Op* op) { op->buf = buf; });
+  }
+  void check_bound() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!bind_error_.empty())
+      throw CommError("hetccl ucx: the progress thread could not make the device context current: " +
+                      bind_error_);
+  }
+  void bind_device(std::function<void()> make_current, const std::string& memory) override {
+    ucs_memory_type_t mt = memory == "cuda"   ? UCS_MEMORY_TYPE_CUDA
+                           : memory == "rocm" ? UCS_MEMORY_TYPE_ROCM
+                           : memory == "host" ? UCS_MEMORY_TYPE_HOST
+                                              : UCS_MEMORY_TYPE_UNKNOWN;
+    if (mt == UCS_MEMORY_TYPE_UNKNOWN)
+      throw CommError("hetccl ucx: unknown device memory type '" + memory + "' (cuda, rocm, host)");
+    std::lock_guard<std::mutex> g(mu_);
+    device_mem_ = mt;
+    make_current_ = std::move(make_current);
+    bind_pending_ = true;  // the progress thread runs it before its next call into UCX
+    wake_locked();
   }
 
   std::map<std::string, std::string> info() override {
@@ -881,6 +902,10 @@ class UcxTransport final : public Transport {
     }
     ucp_tag_recv_info_t info{};
     ucp_request_param_t prm = recv_param(op, &info);
+    if ((key & kDeviceBit) && device_mem_ != UCS_MEMORY_TYPE_UNKNOWN) {
+      prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;  // declared by bind_device, not detected
+      prm.memory_type = device_mem_;
+    }
     pending_.insert(op);
     ucs_status_ptr_t r = ucp_tag_recv_nbx(workers_[op->lane], buf, op->nbytes, key, kFullMask, &prm);
     after_post_locked(op, r, info.length);
@@ -943,6 +968,10 @@ class UcxTransport final : public Transport {
     prm.cb.send = send_cb;
     prm.user_data = op;
     prm.datatype = ucp_dt_make_contig(1);
+    if ((utag & kDeviceBit) && device_mem_ != UCS_MEMORY_TYPE_UNKNOWN) {
+      prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;  // declared by bind_device, not detected
+      prm.memory_type = device_mem_;
+    }
     pending_.insert(op);
     ucs_status_ptr_t r = ucp_tag_send_nbx(pr.eps[lane], buf, nbytes, utag, &prm);
     after_post_locked(op, r, nbytes);
@@ -1212,6 +1241,14 @@ class UcxTransport final : public Transport {
       {
         std::lock_guard<std::mutex> g(mu_);
         armed_ = false;
+        if (bind_pending_) {  // bind_device: this thread's device context, before UCX runs here
+          bind_pending_ = false;
+          try {
+            make_current_();
+          } catch (const std::exception& e) {
+            bind_error_ = e.what();
+          }
+        }
         for (unsigned n; (n = progress_all_locked()) != 0 && events < 4096;) events += n;
         drain_unexpected_locked();
         reap_failed_peers_locked();
@@ -1280,6 +1317,12 @@ class UcxTransport final : public Transport {
 
   std::atomic<bool> stop_{false};
   std::thread thread_;
+  // bind_device (under mu_): the memory type declared for device-tag-space buffers, the
+  // context hook the progress thread still has to run, and its failure (fails device posts).
+  ucs_memory_type_t device_mem_ = UCS_MEMORY_TYPE_UNKNOWN;
+  std::function<void()> make_current_;
+  bool bind_pending_ = false;
+  std::string bind_error_;
   BouncePool pool_;
 };
 

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 
-def run(ctx) -> dict:
+def run(ctx, device: str = "auto") -> dict:
+    """device: "auto" (CUDA where available, else host tensors) or "cpu" (host tensors)."""
     import hetccl
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and device != "cpu"
     if cuda:
         dev = torch.device("cuda", ctx.rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)

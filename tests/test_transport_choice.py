@@ -240,7 +240,7 @@ def test_emulated_hosts_over_ucx_2p1():
     import gpu_ucx_cases
 
     env = {"HETCCL_EMULATE_HOSTS": "1", "HETCCL_TRANSPORT": "ucx", "HETCCL_LOG_LEVEL": "INFO"}
-    res = spawn(gpu_ucx_cases.run, 3, vendors="2+1", env=env, timeout=240)
+    res = spawn(gpu_ucx_cases.run, 3, args=("cpu",), vendors="2+1", env=env, timeout=240)
     for r, out in enumerate(res):
         bad = [k for k, v in out["correct"].items() if not v]
         assert not bad, f"rank {r}: wrong {bad}"
