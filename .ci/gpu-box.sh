@@ -16,7 +16,7 @@
 #   ucx_bench.jsonl        (ucx step) hetccl 1+1 and 2+1, hosts emulated: ucx-device,
 #                          ucx-staged, tcp in one run; each row tagged {"mode", "vendors"}
 # Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [passthrough] [sweep] [train] [host]
-#                            [profile] [doctor] [ucx]
+#                            [profile] [doctor] [ucx] [ucxprobe]
 # (default: all but ucx, in that order). Each step is bounded by STEP_TIMEOUT seconds (default
 # 240). The ucx step needs the UCX wheel carried in .whl/ (recipes/fetch_gpu_wheels.sh; the box
 # has no registry), e.g. with the device tool: carry [".whl"], command
@@ -29,6 +29,17 @@ OUT=${OUT:-$(mktemp -d)}
 T=${STEP_TIMEOUT:-240}
 what=${*:-build tests bench sweep train host doctor}
 B="python3 -m hetccl.cli bench"
+# UCX from the carried wheel (the version pyproject's [ucx] extra pins), then a rebuild so that
+# _C has the UCX transport ("hetccl: UCX transport: ON"); once per run
+ucx_build() {
+  python3 -c "import hetccl._C as c, sys; sys.exit('ucx' not in c.transport_names())" 2>/dev/null && return 0
+  whl=$(ls .whl/libucx_cu13-1.22.0-*.whl 2>/dev/null | head -1)
+  [ -n "$whl" ] || { echo "no .whl/libucx_cu13-1.22.0-*.whl: run recipes/fetch_gpu_wheels.sh here and carry .whl"; return 1; }
+  python3 -m pip install -q --no-index --no-deps "$whl" 2>&1 | tail -2
+  python3 -m pip install -q --no-build-isolation --no-deps -e . \
+    --config-settings=cmake.build-type=RelWithDebInfo --config-settings=install.strip=false \
+    2>&1 | tail -3
+}
 for w in $what; do
   echo "=== $w ($(date +%T))"
   case $w in
@@ -76,15 +87,12 @@ for w in $what; do
       timeout $T python3 tests/gpu_profile.py "$OUT" 2>&1 | head -60 ;;
     doctor)
       timeout $T python3 -m hetccl.cli doctor --copy-test 2>&1 | tee "$OUT/doctor.log" | tail -4 ;;
+    ucxprobe)
+      # which layer of the direct device path stalls, each step bounded (tests/gpu_ucx_probe.py)
+      ucx_build || continue
+      timeout $T python3 tests/gpu_ucx_probe.py 2>&1 | grep -v "UCX  WARN" | tee "$OUT/ucx_probe.log" | tail -8 ;;
     ucx)
-      # UCX from the carried wheel (the version pyproject's [ucx] extra pins), then a rebuild so
-      # that _C has the UCX transport ("hetccl: UCX transport: ON")
-      whl=$(ls .whl/libucx_cu13-1.22.0-*.whl 2>/dev/null | head -1)
-      [ -n "$whl" ] || { echo "no .whl/libucx_cu13-1.22.0-*.whl: run recipes/fetch_gpu_wheels.sh here and carry .whl"; continue; }
-      python3 -m pip install -q --no-index --no-deps "$whl" 2>&1 | tail -2
-      python3 -m pip install -q --no-build-isolation --no-deps -e . \
-        --config-settings=cmake.build-type=RelWithDebInfo --config-settings=install.strip=false \
-        2>&1 | tail -3
+      ucx_build || continue
       python3 -m hetccl.cli doctor 2>&1 | sed -n '/bridge transports/,/^  UCX/p' | tee "$OUT/ucx_doctor.log"
       HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 timeout $((T * 2)) python3 -m pytest -q \
         ${BRIDGE_TESTS:-tests/test_gpu_ucx.py tests/test_ucx.py tests/test_transport_choice.py} -m "gpu or not gpu" \

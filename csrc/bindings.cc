@@ -181,6 +181,13 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"),
            py::call_guard<py::gil_scoped_release>())
+      .def("bind_device",
+           [](PyTransport& s, std::shared_ptr<DeviceOps> d, int index, const std::string& memory) {
+             s.t().bind_device([d, index] { d->set_device(index); }, memory);
+           },
+           py::arg("device_ops"), py::arg("device_index"), py::arg("memory"),
+           "Transport::bind_device with this runtime's device (what the engine does before its "
+           "first direct device message; diagnostics and tests).")
       .def_property_readonly("zc_supported", [](PyTransport& s) { return s.t().zc_supported(); })
       .def("zc_regions",
            [](PyTransport& s) {
