@@ -35,7 +35,6 @@ def _bounded(fn, seconds):
 
 def rank_main(ctx) -> dict:
     import hetccl
-    from hetccl._core import _C
 
     dev = torch.device("cuda", ctx.rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
@@ -73,8 +72,12 @@ def rank_main(ctx) -> dict:
     out["host_1MiB"] = _bounded(pair(1 << 20, 100, False), 15)
     if os.environ.get("PROBE_UNBOUND", "1") == "1":
         out["device_4KiB_unbound"] = _bounded(pair(4096, 200, True), 15)
-    ops = _C.device_ops("cuda")
-    t.bind_device(ops, dev.index, "cuda")
+    from hetccl import device as devices
+    try:
+        t.bind_device(devices.seam("cuda").runtime(), dev.index, "cuda")
+        out["bind"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        out["bind"] = f"error: {e}"
     time.sleep(0.2)
     out["device_4KiB_bound"] = _bounded(pair(4096, 300, True), 15)
     out["device_4MiB_bound"] = _bounded(pair(4 << 20, 301, True), 20)
@@ -86,7 +89,11 @@ def rank_main(ctx) -> dict:
             torch.cuda.synchronize()
             return "ok" if bool((x == 3.0).all().item()) else "wrong data"
         out[f"all_reduce_{n}"] = _bounded(ar, 25)
-    out["stats"] = {k: v for k, v in pg.engine.stats().items() if v}
+    try:
+        out["stats"] = {k: v for k, v in pg.engine.stats().items() if v}
+    except Exception as e:  # noqa: BLE001
+        out["stats"] = f"error: {e}"
+    print(json.dumps(out, default=str), flush=True)  # also if the launcher's teardown stalls
     return out
 
 
