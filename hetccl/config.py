@@ -92,10 +92,12 @@ _SETTINGS = [
             "without UCX_), each only where the environment does not set UCX_<KEY> itself; "
             "'none': UCX's own defaults. The default's larger tcp segments cost about 70 MB "
             "more resident memory on a receiving rank. Must be equal on every rank."),
-    Setting("HETCCL_UCX_DEVICE", _device_mode, "auto",
-            "Device tensors over UCX: auto hands device memory to UCX directly when both ranks' "
-            "UCX handle their device's memory type; off stages them through host memory in the "
-            "engine. Must be equal on every rank."),
+    Setting("HETCCL_UCX_DEVICE", _device_mode, "off",
+            "Device tensors over UCX: off (default) stages them through pinned host memory in "
+            "the engine; auto hands device memory to UCX directly when both ranks' UCX handle "
+            "their device's memory type. auto is experimental: on the H200 box (UCX 1.22 "
+            "cuda_copy over tcp) a collective whose result the caller copies to the host at once "
+            "stalled (docs/transports.md). Must be equal on every rank."),
     Setting("HETCCL_ALGO", str, "",
             "Algorithm overrides, e.g. 'all_reduce=flat,all_gather=hier' (see docs/algorithms.md)."),
     Setting("HETCCL_LOG_LEVEL", str, "NOTICE",

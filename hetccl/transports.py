@@ -62,6 +62,17 @@ def _where(same_host: bool) -> str:
     return "on this host" if same_host else "on another host"
 
 
+def _preference(name: str, entry: dict, device: str) -> int:
+    """A transport's rank for the automatic choice. UCX publishes 20 (before tcp) when it brings
+    RDMA or device memory; device memory is worth nothing while the direct device path is off
+    (HETCCL_UCX_DEVICE=off, the default): staged through host memory, UCX without RDMA is UCX's
+    tcp against hetccl's striped tcp (1.5 against 4.4 GB/s at 64 MiB on the H200 box,
+    docs/benchmarks.md), so it then ranks after tcp (40). RDMA is marked in UCX's detail."""
+    if name == "ucx" and device == "off" and "(RDMA)" not in entry.get("detail", ""):
+        return max(entry["preference"], 40)
+    return entry["preference"]
+
+
 def choose(a: int, b: int, table_a: dict, table_b: dict, same_host: bool, forced: str = "auto",
            kind_a: str = "cpu", kind_b: str = "cpu", device: str = "auto") -> Choice:
     """Transport of the pair (a, b), symmetric in (a, table_a, kind_a) <-> (b, table_b, kind_b).
@@ -90,7 +101,8 @@ def choose(a: int, b: int, table_a: dict, table_b: dict, same_host: bool, forced
             raise ValueError(
                 f"hetccl: no bridge transport reaches rank {b} from rank {a} ({_where(same_host)}): "
                 f"rank {a} has {sorted(table_a)}, rank {b} has {sorted(table_b)}")
-        name = min(both, key=lambda n: (max(table_a[n]["preference"], table_b[n]["preference"]), n))
+        name = min(both, key=lambda n: (max(_preference(n, table_a[n], device),
+                                            _preference(n, table_b[n], device)), n))
     direct = (device != "off" and kind_a in table_a[name]["memory"]
               and kind_b in table_b[name]["memory"])
     return Choice(name, direct)

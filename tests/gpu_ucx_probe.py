@@ -4,7 +4,12 @@ vendors on emulated hosts over UCX, each step bounded in time, one JSON line per
 Steps: host memory through the bridge's UCX transport; device memory handed to it without and
 with Transport.bind_device (the progress thread's device context, memory type declared); then
 small and pipelined all-reduces through the engine. A step that does not finish reports
-"timeout" instead of hanging the run, so one run on the box says which layer stalls."""
+"timeout" instead of hanging the run, so one run on the box says which layer stalls.
+
+Knobs: PROBE_UNBOUND=0 skips the raw device transfer before binding, PROBE_BIND=0 leaves the
+binding to the engine, PROBE_SIZES / PROBE_DTYPES / PROBE_OPS the synchronized all-reduces,
+PROBE_ASYNC sizes for eight all-reduces in flight and for the copy-in / reduce / copy-out pattern
+of tests/gpu_ucx_cases.py. Results of 2026-12-01: docs/benchmarks/ucx_probe_h200x1.txt."""
 from __future__ import annotations
 
 import json
@@ -62,35 +67,64 @@ def rank_main(ctx) -> dict:
             r = t.irecv(peer, got.data_ptr(), nbytes, tag)
             s = t.isend(peer, buf.data_ptr(), nbytes, tag)
 
-        def wait():
+        def wait(buf=buf):  # buf referenced: the send reads it until it completes
             s.wait(30000)
             r.wait(30000)
             return "ok" if bool((got == peer + 1).all().item()) else "wrong data"
         return wait
 
     dist.barrier()
-    out["host_1MiB"] = _bounded(pair(1 << 20, 100, False), 15)
+    out["host_1MiB"] = _bounded(pair(1 << 20, (1 << 47) | 100, False), 15)
     if os.environ.get("PROBE_UNBOUND", "1") == "1":
-        out["device_4KiB_unbound"] = _bounded(pair(4096, 200, True), 15)
+        out["device_4KiB_unbound"] = _bounded(pair(4096, (1 << 47) | 200, True), 15)
     from hetccl import device as devices
-    try:
-        t.bind_device(devices.seam("cuda").runtime(), dev.index, "cuda")
-        out["bind"] = "ok"
-    except Exception as e:  # noqa: BLE001
-        out["bind"] = f"error: {e}"
-    time.sleep(0.2)
-    out["device_4KiB_bound"] = _bounded(pair(4096, 300, True), 15)
-    out["device_4MiB_bound"] = _bounded(pair(4 << 20, 301, True), 20)
-    for n in (1001, 1 << 20):
-        x = torch.full((n,), float(ctx.rank + 1), device=dev)
+    if os.environ.get("PROBE_BIND", "1") == "1":  # else the engine binds on its first message
+        try:
+            t.bind_device(devices.seam("cuda").runtime(), dev.index, "cuda")
+            out["bind"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            out["bind"] = f"error: {e}"
+        time.sleep(0.2)
+        out["device_4KiB_bound"] = _bounded(pair(4096, (1 << 47) | 300, True), 15)
+        out["device_4MiB_bound"] = _bounded(pair(4 << 20, (1 << 47) | 301, True), 20)
+    sizes = [int(v) for v in os.environ.get("PROBE_SIZES", "1001,1048576").split(",")]
+    dtypes = os.environ.get("PROBE_DTYPES", "float32").split(",")
+    ops = os.environ.get("PROBE_OPS", "SUM").split(",")
+    for n, dt, opn in ((n, dt, opn) for n in sizes for dt in dtypes for opn in ops):
+        x = torch.full((n,), float(ctx.rank + 1), device=dev, dtype=getattr(torch, dt))
+        want = 3.0 if opn == "SUM" else 2.0
 
-        def ar(x=x):
-            dist.all_reduce(x)
+        def ar(x=x, opn=opn, want=want):  # synchronized before the result is read
+            dist.all_reduce(x, op=getattr(dist.ReduceOp, opn))
             torch.cuda.synchronize()
-            return "ok" if bool((x == 3.0).all().item()) else "wrong data"
-        out[f"all_reduce_{n}"] = _bounded(ar, 25)
+            return "ok" if bool((x == want).all().item()) else "wrong data"
+        key = f"all_reduce_{n}_{dt}_{opn}"
+        out[key] = _bounded(ar, 20)
+        print(key, out[key], flush=True)
+        if out[key][0] != "ok":
+            break
+    for n in [int(v) for v in os.environ.get("PROBE_ASYNC", "").split(",") if v]:
+        xs = [torch.full((n,), float(ctx.rank + 1), device=dev) for _ in range(8)]
+
+        def many(xs=xs):  # eight in flight, one wait (how the bench issues them)
+            for x in xs:
+                dist.all_reduce(x)
+            torch.cuda.synchronize()
+            return "ok" if all(bool((x == 3.0).all().item()) for x in xs) else "wrong data"
+        key = f"async8_{n}"
+        out[key] = _bounded(many, 20)
+        print(key, out[key], flush=True)
+        host = torch.randn(n, generator=torch.Generator().manual_seed(n))
+
+        def from_host(host=host):  # copied in on the stream, reduced at once (the test's pattern)
+            x = host.to(dev)
+            dist.all_reduce(x)
+            return "ok" if torch.allclose(x.cpu(), 2 * host) else "wrong data"
+        key = f"from_host_{n}"
+        out[key] = _bounded(from_host, 20)
+        print(key, out[key], flush=True)
     try:
-        out["stats"] = {k: v for k, v in pg.engine.stats().items() if v}
+        out["stats"] = {k: v for k, v in pg.engine.stats.items() if v}
     except Exception as e:  # noqa: BLE001
         out["stats"] = f"error: {e}"
     print(json.dumps(out, default=str), flush=True)  # also if the launcher's teardown stalls

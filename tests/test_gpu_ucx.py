@@ -28,7 +28,13 @@ def _ucx_memory():
 
 
 @pytest.mark.parametrize("vendors", ["1+1", "2+1"])
-@pytest.mark.parametrize("device", ["auto", "off"])
+@pytest.mark.parametrize("device", [
+    # the opt-in direct path: stalled on the one-GPU H200 box (2026-12-01) when a collective's
+    # result is copied to the host at once; tests/gpu_ucx_probe.py narrows it down
+    # (docs/transports.md, "Device memory straight to UCX"). Kept running, reported as xfail.
+    pytest.param("auto", marks=pytest.mark.xfail(
+        reason="known stall of UCX's direct device path (docs/transports.md)", strict=False)),
+    "off"])
 def test_cuda_over_ucx_hosts_emulated(vendors, device):
     if device == "auto" and "cuda" not in _ucx_memory():
         pytest.fail(f"UCX on this box does not handle CUDA memory (memory {_ucx_memory()}): the "
@@ -39,7 +45,8 @@ def test_cuda_over_ucx_hosts_emulated(vendors, device):
                     "refuses inside that vendor's group")
     env = {"HETCCL_EMULATE_HOSTS": "1", "HETCCL_TRANSPORT": "ucx", "HETCCL_UCX_DEVICE": device,
            "CUDA_MODULE_LOADING": "EAGER"}
-    res = spawn(gpu_ucx_cases.run, world, vendors=vendors, env=env, timeout=600)
+    res = spawn(gpu_ucx_cases.run, world, vendors=vendors, env=env,
+                timeout=90 if device == "auto" else 600)
     for r, out in enumerate(res):
         assert out["is_hetccl_group"]
         bad = [k for k, ok in out["correct"].items() if not ok]

@@ -58,8 +58,15 @@ def test_same_host_gets_shm_other_hosts_get_the_preferred_network_transport():
         transports.Choice("ucx", True)
     # ... still shm on one host
     assert transports.choose(0, 1, GPU, GPU, True, kind_a="cuda", kind_b="cuda").transport == "shm"
-    # HETCCL_UCX_DEVICE=off: same transport, host-staged
+    # HETCCL_UCX_DEVICE=off (the default): a UCX whose only edge is device memory ranks after
+    # tcp; forced, it carries device data host-staged
     assert transports.choose(0, 1, GPU, GPU, False, kind_a="cuda", kind_b="cuda",
+                             device="off") == transports.Choice("tcp", False)
+    assert transports.choose(0, 1, GPU, GPU, False, "ucx", kind_a="cuda", kind_b="cuda",
+                             device="off") == transports.Choice("ucx", False)
+    # with RDMA it stays first
+    rdma = {**GPU, "ucx": {**GPU["ucx"], "detail": "UCX 1.22.0; transports rc_mlx5,tcp (RDMA)"}}
+    assert transports.choose(0, 1, rdma, rdma, False, kind_a="cuda", kind_b="cuda",
                              device="off") == transports.Choice("ucx", False)
     # a CPU rank (host tensors) never takes the direct device path
     assert transports.choose(0, 1, GPU, GPU, False, kind_a="cpu", kind_b="cuda").device_direct \
