@@ -166,6 +166,28 @@ PYBIND11_MODULE(_C, m) {
            py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"), py::arg("op"),
            py::arg("dtype"))
       .def("close", [](PyTransport& s) { s.t().close(); }, py::call_guard<py::gil_scoped_release>())
+      .def("info", [](PyTransport& s) { return s.t().info(); },
+           "What this instance runs with (e.g. UCX's transports in force), key -> text.")
+      .def_property_readonly("device_direct", [](PyTransport& s) { return s.t().device_direct(); })
+      .def("isend_device",
+           [](PyTransport& s, int peer, uintptr_t ptr, size_t nbytes, uint64_t tag) {
+             return s.t().isend_device(peer, as_ptr(ptr), nbytes, tag);
+           },
+           py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("irecv_device",
+           [](PyTransport& s, int peer, uintptr_t ptr, size_t nbytes, uint64_t tag) {
+             return s.t().irecv_device(peer, as_ptr(ptr), nbytes, tag);
+           },
+           py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("bind_device",
+           [](PyTransport& s, std::shared_ptr<DeviceOps> d, int index, const std::string& memory) {
+             s.t().bind_device([d, index] { d->set_device(index); }, memory);
+           },
+           py::arg("device_ops"), py::arg("device_index"), py::arg("memory"),
+           "Transport::bind_device with this runtime's device (what the engine does before its "
+           "first direct device message; diagnostics and tests).")
       .def_property_readonly("zc_supported", [](PyTransport& s) { return s.t().zc_supported(); })
       .def("zc_regions",
            [](PyTransport& s) {
@@ -211,7 +233,24 @@ PYBIND11_MODULE(_C, m) {
       .def("__exit__", [](PyTransport& s, py::args) { py::gil_scoped_release nogil; s.t().close(); })
       .def("__repr__", [](PyTransport& s) { return "<hetccl._C.Transport " + s.t().name() + ">"; });
 
-  m.def("transport_names", &transport_names);
+  m.def("transport_names", &transport_names, "Transports in this build, sorted by name.");
+  m.def("transport_table",
+        [] {
+          py::list out;
+          for (auto& c : transport_table()) {
+            py::dict d;
+            d["name"] = c.name;
+            d["preference"] = c.preference;
+            d["same_host"] = c.same_host;
+            d["other_host"] = c.other_host;
+            d["memory"] = c.memory;
+            d["zero_copy"] = c.zero_copy;
+            d["detail"] = c.detail;
+            out.append(d);
+          }
+          return out;
+        },
+        "Every transport's capabilities (csrc/transport.h TransportCaps), most preferred first.");
   m.def("enable_crash_backtrace", [] {
     for (int sig : {SIGSEGV, SIGBUS, SIGFPE}) signal(sig, crash_handler);
   });
@@ -292,7 +331,7 @@ PYBIND11_MODULE(_C, m) {
                        size_t device_slot_bytes, uint32_t device_slots, int msg_window,
                        EngineOptions::Table host_chunks, EngineOptions::Table device_chunks,
                        EngineOptions::Table msg_chunks, uint64_t force_chunk,
-                       bool abort_on_device_failure) {
+                       bool abort_on_device_failure, std::vector<int> device_direct_peers) {
              std::map<int, std::shared_ptr<Transport>> links;
              for (auto kv : transports)
                links[kv.first.cast<int>()] = kv.second.cast<PyTransport&>().shared();
@@ -311,6 +350,7 @@ PYBIND11_MODULE(_C, m) {
              o.msg_chunks = std::move(msg_chunks);
              o.force_chunk = force_chunk;
              o.abort_on_device_failure = abort_on_device_failure;
+             o.device_direct_peers = std::move(device_direct_peers);
              return std::make_shared<Engine>(std::move(links), std::move(o));
            }),
            py::arg("transports"), py::arg("rank"), py::arg("threads"), py::arg("check_peers"),
@@ -318,7 +358,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("device_slot_bytes"), py::arg("device_slots"), py::arg("msg_window"),
            py::arg("host_chunks"), py::arg("device_chunks"), py::arg("msg_chunks"),
            py::arg("force_chunk"), py::arg("abort_on_device_failure"),
-           "transports: {peer rank: Transport} for every cross-vendor peer.")
+           py::arg("device_direct_peers") = std::vector<int>{},
+           "transports: {peer rank: Transport} for every cross-vendor peer; device_direct_peers: "
+           "message links whose device data goes to the transport directly.")
       .def("post",
            [](Engine& e, const std::vector<std::tuple<int, bool, uintptr_t, size_t>>& items,
               uint64_t tag_base, uint32_t index_bits, const std::string& op, const std::string& dtype,

@@ -34,9 +34,15 @@ struct alignas(64) Word {
 };
 struct Flags {
   Word sent;      // stream: data of position p is in the outgoing slot  -> p + 1
+                  //   (direct links: the device data of position p is ready to send)
   Word freed;     // proxy: the peer released our outgoing slots up to   -> count
+                  //   (message links: the send of position p completed  -> p + 1)
   Word avail;     // proxy: incoming slot of position p is ready         -> p + 1
+                  //   (direct links: the data of position p has landed in device memory)
   Word consumed;  // stream: incoming slot of position p has been copied -> p + 1
+                  //   (direct links: the stream is past position p)
+  Word ready;     // stream, direct links only: the stream reached receive position p, so its
+                  //   destination may be written                        -> p + 1
 };
 static_assert(sizeof(Flags) <= 4096, "flags fit one page");
 
@@ -69,6 +75,7 @@ struct Engine::SendChunk {
   uint32_t pos;  // ring position (zero-copy links; device staging on message links)
   uint32_t idx;  // index among the plan's send chunks (reduce-after-send ordering)
   bool device;
+  bool direct = false;  // device data handed to the transport (isend_device)
   bool issued = false;
   RequestPtr req;
   char* slot = nullptr;  // round trip: the slot to copy the sum back from
@@ -81,6 +88,7 @@ struct Engine::RecvChunk {
   uint64_t tag;
   uint32_t pos;
   bool device;
+  bool direct = false;  // received straight into device memory (irecv_device)
   std::vector<uint32_t> after;  // send chunks (idx) that read this memory: they go first
   bool issued = false;
   RequestPtr req;
@@ -90,6 +98,8 @@ struct Engine::Link {
   int peer;
   std::shared_ptr<Transport> t;
   bool zc;
+  bool direct = false;  // message link whose device data goes to the transport directly
+  int bound_device = -1;  // device index the transport was bound to (Transport::bind_device)
   uint32_t out_depth = 0;  // zero-copy: outgoing ring slots; message links: staging slots
   size_t slot_bytes = 0;
   uint32_t send_pos = 0, recv_pos = 0;  // next positions to assign (post order)
@@ -145,9 +155,21 @@ Engine::Engine(std::map<int, std::shared_ptr<Transport>> links, EngineOptions op
       l->recv_pos = l->t->zc_recv_pos(l->peer);
     } else {
       l->out_depth = opts_.device_slots;
-      l->slot_bytes = opts_.device_slot_bytes;
+      l->slot_bytes = opts_.device_slot_bytes;  // also the chunk bound of direct device data
     }
     links_[kv.first] = std::move(l);
+  }
+  for (int peer : opts_.device_direct_peers) {
+    auto it = links_.find(peer);
+    if (it == links_.end())
+      throw CommError("hetccl engine: device_direct_peers names rank " + std::to_string(peer) +
+                      ", which is not a cross-vendor peer of this engine");
+    Link& l = *it->second;
+    if (l.zc || !l.t->device_direct())
+      throw CommError("hetccl engine: the direct device path to rank " + std::to_string(peer) +
+                      " needs a message transport that takes device memory; " + l.t->name() +
+                      " does not (its capabilities must list the device's memory type)");
+    l.direct = true;
   }
   proxy_ = std::thread([this] { proxy_loop(); });
 }
@@ -315,6 +337,19 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
       throw CommError("hetccl engine: rank " + std::to_string(it.peer) +
                       " is not a cross-vendor peer of rank " + std::to_string(opts_.rank));
   if (spec.device && !dev_) throw CommError("hetccl engine: device plan without a device runtime");
+  if (spec.device) {
+    // Direct device path: a receive lands whenever the transport delivers it, so it must not
+    // overlap memory a send of the same plan reads. Device plans receive into buffers of their
+    // own (the staged path does not order such copies either); refuse before anything moves.
+    for (auto& r : spec.items) {
+      if (r.send || !r.nbytes || !links_.at(r.peer)->direct) continue;
+      for (auto& w : spec.items)
+        if (w.send && w.nbytes && w.ptr < r.ptr + r.nbytes && r.ptr < w.ptr + w.nbytes)
+          throw CommError("hetccl engine: " + spec.what + ": a device plan over the direct path "
+                          "to rank " + std::to_string(r.peer) + " receives into memory it also "
+                          "sends; device plans must receive into separate buffers");
+    }
+  }
   {
     std::lock_guard<std::mutex> g(mu_);
     if (closed_) throw CommError("hetccl engine: closed");
@@ -447,6 +482,7 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
         c.pos = (l.zc || s.device) ? l.send_pos++ : 0;
         c.idx = nsend++;
         c.device = s.device;
+        c.direct = s.device && l.direct;
         sends.push_back({it.ptr + off, it.ptr + off + len, c.idx});
         l.sq.push_back(std::move(c));
       } else {
@@ -458,6 +494,7 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
         c.tag = s.tag_base | (k & idx_mask);
         c.pos = (l.zc || s.device) ? l.recv_pos++ : 0;
         c.device = s.device;
+        c.direct = s.device && l.direct;
         l.rq.push_back(std::move(c));
       }
       ++p.pending;
@@ -507,6 +544,7 @@ void Engine::ensure_device_state() {
       l.flags->avail.v.store(l.recv_pos);
       l.flags->sent.v.store(l.send_pos);
       l.flags->consumed.v.store(l.recv_pos);
+      l.flags->ready.v.store(l.recv_pos);
       l.freed_seen = l.flags->freed.v.load();
     }
     if (l.zc) {
@@ -515,7 +553,7 @@ void Engine::ensure_device_state() {
           if (dev_->host_register(r.first, r.second)) registered_.push_back(r.first);
         l.rings_registered = true;
       }
-    } else if (l.stage_out.empty()) {
+    } else if (l.stage_out.empty() && !l.direct) {  // direct links stage nothing
       for (uint32_t i = 0; i < l.out_depth; ++i) {
         for (auto* v : {&l.stage_out, &l.stage_in}) {
           void* m = nullptr;
@@ -538,14 +576,19 @@ Engine::DevicePart Engine::device_part_locked(Plan& p) {
     Link& l = *kv.second;
     DeviceLane lane;
     lane.link = &l;
+    lane.direct = l.direct;
     for (auto& c : l.sq)
       if (c.plan.get() == &p) {
-        void* slot = l.zc ? l.t->zc_slot(l.peer, true, c.pos) : l.stage_out[c.pos % l.out_depth];
+        void* slot = l.direct ? nullptr
+                     : l.zc   ? l.t->zc_slot(l.peer, true, c.pos)
+                              : l.stage_out[c.pos % l.out_depth];
         lane.sends.push_back({slot, const_cast<char*>(c.src), c.len, c.pos});
       }
     for (auto& c : l.rq)
       if (c.plan.get() == &p) {
-        void* slot = l.zc ? l.t->zc_slot(l.peer, false, c.pos) : l.stage_in[c.pos % l.out_depth];
+        void* slot = l.direct ? nullptr
+                     : l.zc   ? l.t->zc_slot(l.peer, false, c.pos)
+                              : l.stage_in[c.pos % l.out_depth];
         lane.recvs.push_back({c.dst, slot, c.len, c.pos});
       }
     if (!lane.sends.empty() || !lane.recvs.empty()) part.push_back(std::move(lane));
@@ -578,11 +621,27 @@ void Engine::enqueue_device(Plan& p, const DevicePart& part) {
   // peer's ring fills at once.
   const uint64_t sent_off = offsetof(Flags, sent), freed_off = offsetof(Flags, freed);
   const uint64_t avail_off = offsetof(Flags, avail), cons_off = offsetof(Flags, consumed);
+  const uint64_t ready_off = offsetof(Flags, ready);
+  // Direct device path, first part: no copies and no waits -- the send side says "data of
+  // position p is ready" (the proxy then hands device memory to the transport), the receive side
+  // says "the stream reached position q" (the proxy may then let the transport write the
+  // destination). Issued before anything that waits, so a peer never waits on a direct
+  // signal stuck behind one of our staged waits. The words are monotone positions and all of
+  // a lane's chunks become ready at the same point of the stream, so one write of the last
+  // position covers them all.
+  for (auto& lane : part) {
+    if (!lane.direct) continue;
+    if (!lane.sends.empty())
+      dev_->write(Sd, lane.link->flags_dev + sent_off, lane.sends.back().pos + 1);
+    if (!lane.recvs.empty())
+      dev_->write(S, lane.link->flags_dev + ready_off, lane.recvs.back().pos + 1);
+  }
   size_t most = 0;
-  for (auto& lane : part) most = std::max({most, lane.sends.size(), lane.recvs.size()});
+  for (auto& lane : part)
+    if (!lane.direct) most = std::max({most, lane.sends.size(), lane.recvs.size()});
   for (size_t k = 0; k < most; ++k) {
     for (auto& lane : part) {
-      if (k >= lane.sends.size()) continue;
+      if (lane.direct || k >= lane.sends.size()) continue;
       const Link& l = *lane.link;
       const DeviceCopy& c = lane.sends[k];
       // the slot is free once the peer released the chunk depth positions earlier
@@ -592,7 +651,7 @@ void Engine::enqueue_device(Plan& p, const DevicePart& part) {
       dev_->write(Sd, l.flags_dev + sent_off, c.pos + 1);
     }
     for (auto& lane : part) {
-      if (k >= lane.recvs.size()) continue;
+      if (lane.direct || k >= lane.recvs.size()) continue;
       const Link& l = *lane.link;
       const DeviceCopy& c = lane.recvs[k];
       dev_->wait_geq(S, l.flags_dev + avail_off, c.pos + 1);
@@ -600,10 +659,22 @@ void Engine::enqueue_device(Plan& p, const DevicePart& part) {
       dev_->write(S, l.flags_dev + cons_off, c.pos + 1);
     }
   }
+  // Direct device path, second part: later work on the main stream waits until every receive
+  // has landed and (below) every send has left, so the stream may then reuse or overwrite the
+  // buffers -- the same guarantee the staged path's copies give.
+  // (`avail` advances in position order: the proxy completes a link's receives in order.)
+  for (auto& lane : part) {
+    if (!lane.direct || lane.recvs.empty()) continue;
+    dev_->wait_geq(S, lane.link->flags_dev + avail_off, lane.recvs.back().pos + 1);
+    dev_->write(S, lane.link->flags_dev + cons_off, lane.recvs.back().pos + 1);
+  }
   if (Sd != S) {
     dev_->event_record(events_[1], Sd);
     dev_->stream_wait_event(S, events_[1]);
   }
+  for (auto& lane : part)
+    if (lane.direct && !lane.sends.empty())
+      dev_->wait_geq(S, lane.link->flags_dev + freed_off, lane.sends.back().pos + 1);
 }
 
 // Fallback without stream memory operations: the posting thread plays the stream's part
@@ -614,6 +685,15 @@ void Engine::drive_device_sync(Plan& p, const DevicePart& part) {
   void* S = reinterpret_cast<void*>(s.stream);
   dev_->sync(S);  // the stream has reached this plan
   std::vector<size_t> ns(part.size(), 0), nr(part.size(), 0);
+  // Direct device path: the data is ready and every destination may be written (the stream
+  // reached the plan): say so for every chunk at once; the receives below wait for `avail`.
+  for (size_t i = 0; i < part.size(); ++i) {
+    if (!part[i].direct) continue;
+    Flags* f = part[i].link->flags;
+    for (auto& c : part[i].sends) f->sent.v.store(c.pos + 1, std::memory_order_release);
+    for (auto& c : part[i].recvs) f->ready.v.store(c.pos + 1, std::memory_order_release);
+    ns[i] = part[i].sends.size();
+  }
   int idle = 0;
   for (;;) {
     bool left = false, moved = false;
@@ -639,8 +719,10 @@ void Engine::drive_device_sync(Plan& p, const DevicePart& part) {
         left = true;
         const DeviceCopy& c = part[i].recvs[nr[i]];
         if (geq(l.flags->avail.v.load(std::memory_order_acquire), c.pos + 1)) {
-          dev_->memcpy_async(c.dst, c.src, c.len, S);
-          dev_->sync(S);
+          if (!part[i].direct) {
+            dev_->memcpy_async(c.dst, c.src, c.len, S);
+            dev_->sync(S);
+          }
           l.flags->consumed.v.store(c.pos + 1, std::memory_order_release);
           ++nr[i];
           moved = true;
@@ -818,6 +900,16 @@ bool Engine::recv_zc(Link& l) {
   return moved;
 }
 
+void Engine::bind_direct(Link& l, int device_index) {
+  if (l.bound_device == device_index) return;
+  // The device runtime's name gives the memory type the transport declares to its library.
+  const std::string kind = dev_->name();
+  const std::string memory = kind == "cuda" ? "cuda" : kind == "hip" ? "rocm" : "host";
+  auto dev = dev_;
+  l.t->bind_device([dev, device_index] { dev->set_device(device_index); }, memory);
+  l.bound_device = device_index;
+}
+
 bool Engine::send_msg(Link& l) {
   bool moved = false;
   // completions, in order
@@ -825,7 +917,7 @@ bool Engine::send_msg(Link& l) {
     SendChunk& c = l.sq.front();
     c.plan->send_done[c.idx] = 1;
     if (c.device) l.flags->freed.v.store(c.pos + 1, std::memory_order_release);
-    stats_[c.device ? "msg_device_bytes" : "msg_host_bytes"] += c.len;
+    stats_[c.direct ? "msg_device_direct_bytes" : c.device ? "msg_device_bytes" : "msg_host_bytes"] += c.len;
     auto plan = c.plan;
     l.sq.pop_front();
     finish_chunk(*plan);
@@ -839,6 +931,13 @@ bool Engine::send_msg(Link& l) {
     const char* src = c.src;
     if (c.device) {
       if (!geq(l.flags->sent.v.load(std::memory_order_acquire), c.pos + 1)) break;
+      if (c.direct) {  // device memory straight to the transport
+        bind_direct(l, c.plan->spec.device_index);
+        c.req = l.t->isend_device(l.peer, src, c.len, c.tag);
+        c.issued = true;
+        moved = true;
+        continue;
+      }
       src = l.stage_out[c.pos % l.out_depth];
     }
     c.req = l.t->isend(l.peer, src, c.len, c.tag);
@@ -858,9 +957,14 @@ bool Engine::recv_msg(Link& l) {
                         " sent " + std::to_string(got) + " bytes where " + std::to_string(c.len) +
                         " were due (tag " + std::to_string(c.tag) +
                         "): the ranks disagree on the collective or its sizes");
-    stats_[c.device ? "msg_device_bytes_in" : "msg_host_bytes_in"] += c.len;
+    stats_[c.direct ? "msg_device_direct_bytes_in" : c.device ? "msg_device_bytes_in" : "msg_host_bytes_in"] += c.len;
     auto plan = c.plan;
-    if (c.device) {
+    if (c.direct) {
+      // landed in device memory: the stream may go on (it writes `consumed` itself)
+      l.flags->avail.v.store(c.pos + 1, std::memory_order_release);
+      l.rq.pop_front();
+      finish_chunk(*plan);
+    } else if (c.device) {
       l.flags->avail.v.store(c.pos + 1, std::memory_order_release);
       l.held.push_back(std::move(c));
       l.rq.pop_front();
@@ -876,7 +980,12 @@ bool Engine::recv_msg(Link& l) {
     if (c.issued) continue;
     Plan& p = *c.plan;
     if (!p.gate) break;
-    if (c.device) {
+    if (c.direct) {
+      // the destination may be written once the stream has reached this position
+      if (!geq(l.flags->ready.v.load(std::memory_order_acquire), c.pos + 1)) break;
+      bind_direct(l, p.spec.device_index);
+      c.req = l.t->irecv_device(l.peer, c.dst, c.len, c.tag);
+    } else if (c.device) {
       // staging slot pos % depth is free once the chunk depth positions earlier was consumed
       if (int32_t(c.pos - l.out_depth) >= 0 &&
           !geq(l.flags->consumed.v.load(std::memory_order_acquire), c.pos + 1 - l.out_depth))

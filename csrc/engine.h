@@ -19,7 +19,10 @@
 //    the device's copy engines straight into and out of the slots (registered as pinned memory);
 //  * message links (every other transport: tcp, ucx) carry host data straight from and into the
 //    caller's memory with isend/irecv(_reduce), and device data through engine-owned pinned
-//    staging slots.
+//    staging slots -- or, on links the caller marks direct (EngineOptions::device_direct_peers:
+//    the transport takes this device's memory itself, e.g. UCX with cuda_copy), straight from and
+//    into device memory with isend_device/irecv_device, the stream only signalling when the data
+//    is ready and waiting until it has arrived (engine.cc, "direct device path").
 // Ring positions are assigned in post order, so plans of one engine (host or device) use each
 // link's slots strictly in the order every rank posts them; both ends cut a peer's data into
 // chunks of the plan's chunk_bytes in the order the items are listed, so chunk k of a plan has
@@ -119,6 +122,10 @@ struct EngineOptions {
   size_t device_slot_bytes = 8 << 20;   // staging slots of message links for device data
   uint32_t device_slots = 8;
   int msg_window = 8;              // message links: requests in flight per peer and direction
+  // Message links whose device data goes to the transport directly (its device_direct() must be
+  // true; both ends of a link must agree, which the Python bridge guarantees by deciding from
+  // both ranks' capability tables). Other links stage device data through pinned slots.
+  std::vector<int> device_direct_peers;
   // Chunk size by the bytes one link carries in one direction during one plan (rows: max bytes,
   // chunk; hetccl/tuning.py): host data on zero-copy rings, device data, host data on message
   // transports. force_chunk > 0 replaces all three (HETCCL_CHUNK_BYTES).
@@ -168,6 +175,7 @@ class Engine {
   bool finish_consumed(Link& l);
   bool send_msg(Link& l);
   bool recv_msg(Link& l);
+  void bind_direct(Link& l, int device_index);  // before a direct device message (proxy thread)
   struct DeviceCopy {
     void* dst;
     const void* src;
@@ -176,6 +184,7 @@ class Engine {
   };
   struct DeviceLane {
     Link* link;
+    bool direct = false;  // direct device path: no copies, only flag writes and waits
     std::vector<DeviceCopy> sends, recvs;
   };
   using DevicePart = std::vector<DeviceLane>;

@@ -916,8 +916,23 @@ void ShmTransport::zc_wait(int peer, int64_t timeout_ms) {
 
 }  // namespace
 
+namespace {
 std::unique_ptr<Transport> make_shm_transport(int rank, int size, const Options& opts) {
   return std::make_unique<ShmTransport>(rank, size, opts);
 }
+
+// Same host only (one kernel, one /dev/shm); host memory (device data reaches its zero-copy
+// ring through the engine's copies); first choice wherever it reaches.
+TransportCaps shm_caps() {
+  TransportCaps c;
+  c.preference = 10;
+  c.same_host = true;
+  c.zero_copy = true;
+  c.detail = "POSIX shared-memory rings, zero-copy ring for the engine";
+  return c;
+}
+}  // namespace
+
+HETCCL_REGISTER_TRANSPORT(shm, shm_caps, make_shm_transport);
 
 }  // namespace hetccl

@@ -1043,8 +1043,23 @@ void TcpTransport::close() {
 
 }  // namespace
 
+namespace {
 std::unique_ptr<Transport> make_tcp_transport(int rank, int size, const Options& opts) {
   return std::make_unique<TcpTransport>(rank, size, opts);
 }
+
+// Anywhere a socket reaches; host memory. Preference 30: after shm, and after UCX when UCX
+// brings RDMA or device memory (ucx_transport.cc), before a UCX that only has tcp itself.
+TransportCaps tcp_caps() {
+  TransportCaps c;
+  c.preference = 30;
+  c.same_host = true;
+  c.other_host = true;
+  c.detail = "nconn TCP connections per peer, large messages striped";
+  return c;
+}
+}  // namespace
+
+HETCCL_REGISTER_TRANSPORT(tcp, tcp_caps, make_tcp_transport);
 
 }  // namespace hetccl

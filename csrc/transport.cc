@@ -13,6 +13,8 @@
 #include <string>
 #include <sstream>
 #include <fstream>
+#include <algorithm>
+#include <mutex>
 
 #include "common.h"
 #include "reduce.h"
@@ -82,23 +84,59 @@ std::string host_id() {
 
 
 // ------------------------------------------------------------------ registry
+namespace {
+struct Registered {
+  std::string name;
+  CapsFn caps;
+  FactoryFn make;
+};
+// Function-local: registrations run from other files' static initialisers, in any order.
+std::vector<Registered>& registry() {
+  static std::vector<Registered> r;
+  return r;
+}
+}  // namespace
+
+bool register_transport(const char* name, CapsFn caps, FactoryFn make) {
+  for (auto& r : registry())
+    if (r.name == name) {
+      log_warn("transport", std::string("transport '") + name + "' registered twice; keeping the first");
+      return false;
+    }
+  registry().push_back({name, caps, make});
+  return true;
+}
+
 std::vector<std::string> transport_names() {
-  std::vector<std::string> v = {"shm", "tcp"};
-#ifdef HETCCL_WITH_UCX
-  v.push_back("ucx");
-#endif
+  std::vector<std::string> v;
+  for (auto& r : registry()) v.push_back(r.name);
+  std::sort(v.begin(), v.end());
   return v;
+}
+
+std::vector<TransportCaps> transport_table() {
+  static std::mutex mu;
+  static std::vector<TransportCaps> table;  // computed once: UCX's needs a UCP context
+  std::lock_guard<std::mutex> g(mu);
+  if (table.empty()) {
+    for (auto& r : registry()) {
+      TransportCaps c = r.caps();
+      c.name = r.name;  // the registered name is the one users type
+      table.push_back(std::move(c));
+    }
+    std::sort(table.begin(), table.end(), [](const TransportCaps& a, const TransportCaps& b) {
+      return a.preference != b.preference ? a.preference < b.preference : a.name < b.name;
+    });
+  }
+  return table;
 }
 
 std::unique_ptr<Transport> make_transport(const std::string& name, int rank, int size,
                                           const Options& opts) {
   if (size < 1 || rank < 0 || rank >= size)
     throw CommError("hetccl: bad rank " + std::to_string(rank) + " for size " + std::to_string(size));
-  if (name == "shm") return make_shm_transport(rank, size, opts);
-  if (name == "tcp") return make_tcp_transport(rank, size, opts);
-#ifdef HETCCL_WITH_UCX
-  if (name == "ucx") return make_ucx_transport(rank, size, opts);
-#endif
+  for (auto& r : registry())
+    if (r.name == name) return r.make(rank, size, opts);
   std::string known;
   for (auto& n : transport_names()) known += (known.empty() ? "" : ", ") + n;
   throw CommError("hetccl: unknown transport '" + name + "' (this build has: " + known + ")");

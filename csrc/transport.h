@@ -38,6 +38,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -172,6 +173,38 @@ class Transport {
                                   DType dtype) = 0;
   virtual void close() = 0;
 
+  // What this instance runs with, for reports and tests (`hetccl doctor`, tests/test_ucx.py):
+  // key -> value, e.g. UCX's "tls" as read back from UCX after hetccl's restrictions.
+  virtual std::map<std::string, std::string> info() { return {}; }
+
+  // Device memory handed to the transport directly (only where TransportCaps::memory lists the
+  // device's kind; the defaults say "not supported"). Same matching as isend/irecv, but in a
+  // tag space of their own (a device message never matches a host receive), and a weaker
+  // completion contract: a device send may complete only once the peer has posted the matching
+  // irecv_device (no unexpected device message is buffered on the host, where the transport
+  // could not copy it into device memory). Callers must therefore post every device receive
+  // without waiting for their own device sends to complete (engine.cc's direct path does).
+  virtual bool device_direct() const { return false; }
+  virtual RequestPtr isend_device(int peer, const void* buf, size_t nbytes, uint64_t tag) {
+    throw no_device();
+  }
+  virtual RequestPtr irecv_device(int peer, void* buf, size_t nbytes, uint64_t tag) {
+    throw no_device();
+  }
+  // Device binding for transports that take device memory. `make_current` makes the caller's
+  // device context current on the calling thread: the transport runs it on each thread of its
+  // own that calls into its library before that thread next does so (CUDA's and HIP's copy
+  // engines need a current context on the thread that progresses a device copy or arms a
+  // worker; UCX's cuda_copy hangs or crashes without one). `memory` is the memory type of every
+  // later isend_device/irecv_device buffer ("cuda", "rocm", or "host" for the emulated device),
+  // declared to the library instead of being detected per call (detection takes the driver's
+  // context locks on the data path). The engine calls this before its first device message
+  // on a link and again if the plan's device changes. Default: nothing to bind.
+  virtual void bind_device(std::function<void()> make_current, const std::string& memory) {
+    (void)make_current;
+    (void)memory;
+  }
+
   // Zero-copy ring (shm only; the defaults say "not supported"). A second strictly ordered ring
   // per direction beside the tagged one, used by one caller at a time: the sender acquires the
   // next free slot (page-aligned memory the caller fills, e.g. by a D2H copy), then commits it
@@ -211,21 +244,53 @@ class Transport {
   virtual void zc_wait(int peer, int64_t timeout_ms) { throw no_zc(); }
 
  private:
+  CommError no_device() const {
+    return CommError("hetccl: the " + name() +
+                     " transport does not take device memory directly (device_direct is False)");
+  }
   CommError no_zc() const {
     return CommError("hetccl: the " + name() +
                      " transport has no zero-copy ring (zc_supported is False; only shm has one)");
   }
 };
 
-// Factories, one per transport file. make_ucx_transport exists only when built with UCX
-// (HETCCL_WITH_UCX); transport_names() lists what this build has.
-std::unique_ptr<Transport> make_shm_transport(int rank, int size, const Options& opts);
-std::unique_ptr<Transport> make_tcp_transport(int rank, int size, const Options& opts);
-#ifdef HETCCL_WITH_UCX
-std::unique_ptr<Transport> make_ucx_transport(int rank, int size, const Options& opts);
-#endif
+// ---------------------------------------------------------------------------- registry
+// Transport choice is data (docs/transports.md, "Choosing a transport"): every transport file
+// declares, next to its factory, what it can do -- which peers it reaches, which memory it takes,
+// and where it stands in the order of preference -- and registers both with one line:
+//
+//     HETCCL_REGISTER_TRANSPORT(tcp, tcp_caps, make_tcp_transport);
+//
+// Adding a transport is one file with that line (CMakeLists.txt compiles csrc/*_transport.cc).
+// The Python bridge walks the table (transport_table(), sorted by preference) per peer, the way
+// NCCL asks each transport's canConnect; the C++ core never chooses on its own.
+struct TransportCaps {
+  std::string name;
+  // Lower is preferred when several transports reach a peer. The bridge orders a pair by the
+  // larger of the two ranks' values (then by name), so both ends choose alike.
+  int preference = 100;
+  bool same_host = false;   // reaches peers on this host (same kernel, same /dev/shm)
+  bool other_host = false;  // reaches peers on other hosts
+  // Memory the transport's isend/irecv accept: always "host"; "cuda" / "rocm" when it takes
+  // device pointers directly (isend_device / irecv_device; UCX built with that support and able
+  // to use it in this process).
+  std::vector<std::string> memory{"host"};
+  bool zero_copy = false;   // has the zero-copy ring (zc_* below)
+  std::string detail;       // one line for `hetccl doctor` (library version, devices, ...)
+};
+using CapsFn = TransportCaps (*)();
+using FactoryFn = std::unique_ptr<Transport> (*)(int rank, int size, const Options& opts);
+// Called by HETCCL_REGISTER_TRANSPORT at load time; a duplicate name is a programming error
+// (reported on stderr, the first registration wins).
+bool register_transport(const char* name, CapsFn caps, FactoryFn make);
+#define HETCCL_REGISTER_TRANSPORT(NAME, CAPS, MAKE) \
+  static const bool hetccl_transport_registered_##NAME = ::hetccl::register_transport(#NAME, CAPS, MAKE)
+
+// Every registered transport's capabilities, most preferred first (capabilities are computed
+// once per process: UCX's needs a UCP context).
+std::vector<TransportCaps> transport_table();
 std::unique_ptr<Transport> make_transport(const std::string& name, int rank, int size,
                                           const Options& opts);  // throws CommError on unknown
-std::vector<std::string> transport_names();
+std::vector<std::string> transport_names();  // sorted by name
 
 }  // namespace hetccl

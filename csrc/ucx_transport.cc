@@ -2,16 +2,28 @@
 // shared memory, cma, self; on clusters a system UCX adds RDMA and GPU memory).
 //
 // Design (see the UCX section of docs/transports.md):
-//  * One ucp_context + one ucp_worker per Transport instance. The worker is in SERIALIZED mode:
-//    every UCP call (posting from caller threads, progress from our thread) holds mu_.
-//  * Addressing: address() is text, "hetccl-ucx1 <rank> <pid> <start> <host>/<boot id> <nonce hex>
-//    <ucp worker address hex>" (<start>: the process start time from /proc, "-" if unknown).
-//    connect() creates an endpoint to every peer with a non-empty address (UCX wires up lazily;
-//    there is no listener).
-//  * Tags: UCP tag = source rank (top 16 bits) | user tag (< 2^48). Receives match the full tag,
-//    so matching is per (peer, tag); UCP keeps same-tag messages from one endpoint in order (FIFO).
-//    Source-rank field 0xFFFF is reserved for the handshake and the goodbye that close() sends
-//    (so that peers notice a graceful close even where UCX cannot), so ranks must be < 65535.
+//  * One ucp_context + `lanes` ucp_workers per Transport instance (options["lanes"], default 1).
+//    Workers are in SERIALIZED mode: every UCP call (posting from caller threads, progress from
+//    our thread) holds mu_.
+//  * Addressing: address() is text, "hetccl-ucx2 <rank> <pid> <start> <host>/<boot id> <nonce hex>
+//    <worker address hex>,..." (one per lane; <start>: the process start time from /proc, "-" if
+//    unknown). connect() creates one endpoint per lane to every peer with a non-empty address
+//    (UCX wires up lazily; there is no listener).
+//  * Tags: UCP tag = device bit (63) | source rank (bits 48..62) | user tag (< 2^48). Receives match
+//    the full tag, so matching is per (peer, tag); UCP keeps same-tag messages from one endpoint
+//    in order (FIFO). Source-rank field 0x7FFF is reserved for the handshake and the goodbye that
+//    close() sends (so that peers notice a graceful close even where UCX cannot), so ranks must
+//    be < 32767.
+//  * Lanes: the k-th message of a (peer, tag) travels on lane (tag + k) % lanes on both ends
+//    (next_lane_locked), so each lane keeps FIFO and one tag's stream uses every lane's
+//    connections (UCX's tcp has one connection per endpoint and device).
+//  * Device memory (isend_device/irecv_device): the device bit's tag space, never drained into
+//    the stash (it could not be copied into device memory here); UCX moves device memory itself
+//    (cuda_copy / rocm_copy, GPUDirect RDMA). A device send completes once the peer posted the
+//    receive (transport.h).
+//  * Configuration applied before the context exists: options["ucx_config"] (tuning,
+//    "KEY=VALUE;..."), options["exclude_tls"] (transports removed from the UCX_TLS in force:
+//    restrict_tls()); info() reports what UCX reads back.
 //  * Authentication: each side's first message to a peer, on the reserved tag, carries its rank and
 //    a proof sha256(secret | receiver's nonce | sender rank | receiver rank) of the group secret
 //    (options["secret"]); the secret itself never goes on the wire. connect() returns only when
@@ -70,6 +82,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "common.h"
@@ -78,12 +91,16 @@
 namespace hetccl {
 namespace {
 
+// UCP tag: [63] device tag space | [62..48] source rank | [47..0] user tag.
 constexpr int kTagShift = 48;
 static_assert(kMaxTag == uint64_t(1) << kTagShift, "user tags must leave the top 16 bits free");
-constexpr uint64_t kHandshakeSrc = 0xFFFF;  // reserved source-rank field
+constexpr uint64_t kSrcMask = 0x7FFF;               // 15-bit source-rank field
+constexpr uint64_t kDeviceBit = uint64_t(1) << 63;  // isend_device/irecv_device: never stashed
+constexpr uint64_t kHandshakeSrc = 0x7FFF;  // reserved source-rank field
 constexpr uint64_t kByeBit = uint64_t(1) << 47;  // with kHandshakeSrc: "sender closed its transport"
 constexpr uint64_t kFullMask = ~uint64_t(0);
-constexpr const char* kAddrMagic = "hetccl-ucx1";
+constexpr const char* kAddrMagic = "hetccl-ucx2";
+constexpr int kMaxLanes = 16;
 constexpr char kHelloMagic[8] = {'H', 'C', 'C', 'L', 'H', 'L', 'O', '1'};
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kHelloBytes = sizeof kHelloMagic + 4 + 32;  // magic | rank | proof
@@ -94,7 +111,9 @@ constexpr size_t kPoolMaxBytes = size_t(256) << 20;  // bounce buffers kept for 
 constexpr int64_t kCloseFlushMs = 2000;        // graceful flush at close, when nothing is pending
 constexpr int64_t kLivenessMs = 200;           // pid checks of peers on this host
 
-uint64_t make_tag(uint64_t src, uint64_t tag) { return (src << kTagShift) | tag; }
+uint64_t make_tag(uint64_t src, uint64_t tag, bool device = false) {
+  return (device ? kDeviceBit : 0) | (src << kTagShift) | tag;
+}
 
 std::string status_str(ucs_status_t s) { return ucs_status_string(s); }
 
@@ -171,6 +190,126 @@ std::string ifname_for_address(const std::string& addr) {
   return found;
 }
 
+// Text UCX prints for a config or context (ucp_config_print, ucp_context_print_info).
+template <class F>
+std::string ucx_print(F print) {
+  char* buf = nullptr;
+  size_t len = 0;
+  FILE* f = open_memstream(&buf, &len);
+  if (!f) return "";
+  print(f);
+  fclose(f);
+  std::string text(buf ? buf : "", len);
+  free(buf);
+  return text;
+}
+
+// Value of UCX setting UCX_<name> in `config` as UCX itself prints it (so tests and the doctor
+// read back what is in force, not what we meant to set); "" if UCX does not print it.
+std::string config_value(const ucp_config_t* config, const std::string& name) {
+  std::string text = ucx_print([&](FILE* f) { ucp_config_print(config, f, nullptr, UCS_CONFIG_PRINT_CONFIG); });
+  const std::string key = "UCX_" + name + "=";
+  for (size_t pos = 0; (pos = text.find(key, pos)) != std::string::npos; pos += key.size())
+    if (pos == 0 || text[pos - 1] == '\n') {
+      size_t end = text.find('\n', pos);
+      return text.substr(pos + key.size(), end == std::string::npos ? std::string::npos : end - pos - key.size());
+    }
+  return "";
+}
+
+// The transports (tl names, e.g. "tcp", "posix", "cuda_copy") a UCP context has resources of.
+std::vector<std::string> context_transports(ucp_context_h ctx) {
+  std::string text = ucx_print([&](FILE* f) { ucp_context_print_info(ctx, f); });
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    size_t r = line.find("resource");
+    size_t d = line.find("-- ");
+    if (r == std::string::npos || d == std::string::npos) continue;
+    std::string tl = line.substr(d + 3);
+    tl = tl.substr(0, tl.find('/'));
+    while (!tl.empty() && (tl.back() == ' ' || tl.back() == '\r')) tl.pop_back();
+    if (!tl.empty() && std::find(out.begin(), out.end(), tl) == out.end()) out.push_back(tl);
+  }
+  return out;
+}
+
+std::vector<std::string> split_list(const std::string& s, char sep = ',') {
+  std::vector<std::string> out;
+  std::string cur;
+  std::istringstream in(s);
+  while (std::getline(in, cur, sep)) {
+    while (!cur.empty() && cur.front() == ' ') cur.erase(cur.begin());
+    while (!cur.empty() && cur.back() == ' ') cur.pop_back();
+    if (!cur.empty()) out.push_back(cur);
+  }
+  return out;
+}
+
+std::string join(const std::vector<std::string>& v, const char* sep = ",") {
+  std::string s;
+  for (auto& x : v) s += (s.empty() ? "" : sep) + x;
+  return s;
+}
+
+// UCX_TLS with the transports in `exclude` taken out, keeping everything else of `current`
+// (the user's value, as UCX parsed it):
+//   "all" / ""          -> "^<exclude>"            (everything except them)
+//   "^a,b" (deny list)  -> "^a,b,<exclude>"
+//   "a,b,c" (allow)     -> the same list without them; an alias that covers one of them
+//                          (cuda = cuda_copy,cuda_ipc,gdr_copy; rocm = rocm_copy,rocm_ipc,rocm_gdr;
+//                          sm/shm = posix,sysv,xpmem,cma,knem; mm = posix,sysv,xpmem) is
+//                          replaced by its remaining members.
+// Throws CommError when an allow list keeps nothing but "self" (nothing could reach a peer).
+std::string restrict_tls(const std::string& current, const std::vector<std::string>& exclude) {
+  if (exclude.empty()) return current;
+  static const std::map<std::string, std::vector<std::string>> aliases = {
+      {"cuda", {"cuda_copy", "cuda_ipc", "gdr_copy"}},
+      {"rocm", {"rocm_copy", "rocm_ipc", "rocm_gdr"}},
+      {"sm", {"posix", "sysv", "xpmem", "cma", "knem"}},
+      {"shm", {"posix", "sysv", "xpmem", "cma", "knem"}},
+      {"mm", {"posix", "sysv", "xpmem"}}};
+  auto excluded = [&](const std::string& t) {
+    return std::find(exclude.begin(), exclude.end(), t) != exclude.end();
+  };
+  std::string cur = current;
+  if (cur.empty() || cur == "all") return "^" + join(exclude);
+  if (cur[0] == '^') {
+    std::vector<std::string> deny = split_list(cur.substr(1));
+    for (auto& e : exclude)
+      if (std::find(deny.begin(), deny.end(), e) == deny.end()) deny.push_back(e);
+    return "^" + join(deny);
+  }
+  std::vector<std::string> keep;
+  for (auto& t : split_list(cur)) {
+    std::string base = t.substr(0, t.find(':'));  // "tcp:aux" style qualifiers
+    if (base == "all") return "^" + join(exclude);
+    if (excluded(base)) continue;
+    auto a = aliases.find(base);
+    if (a == aliases.end()) {
+      keep.push_back(t);
+      continue;
+    }
+    std::vector<std::string> rest;
+    for (auto& m : a->second)
+      if (!excluded(m)) rest.push_back(m);
+    if (rest.size() == a->second.size()) {
+      keep.push_back(t);
+    } else {
+      for (auto& m : rest)
+        if (std::find(keep.begin(), keep.end(), m) == keep.end()) keep.push_back(m);
+    }
+  }
+  bool usable = false;
+  for (auto& t : keep) usable = usable || t != "self";
+  if (!usable)
+    throw CommError("hetccl ucx: UCX_TLS=" + current + " leaves no transport to reach a peer once " +
+                    join(exclude) + " are removed (hetccl removes device-to-device paths, and shared "
+                    "memory when hosts are emulated, between vendor groups on one host); add tcp or "
+                    "another network transport to UCX_TLS");
+  return join(keep);
+}
+
 // Receive buffers for irecv_reduce, reused across calls (bounded cache).
 class BouncePool {
  public:
@@ -226,6 +365,7 @@ struct Op {
   int peer = -1;
   uint64_t tag = 0;   // user tag
   OpKind kind = OpKind::Send;
+  int lane = 0;       // worker the operation is posted on
   size_t nbytes = 0;  // posted size (Stash: message size)
   void* ucp_req = nullptr;  // set once posting returned a request handle
   void* buf = nullptr;      // Recv: the user's buffer
@@ -257,7 +397,7 @@ struct Peer {
   std::string nonce;        // its handshake nonce
   pid_t pid = 0;
   std::string start;        // its /proc start time if it is on this host and checkable, else ""
-  ucp_ep_h ep = nullptr;    // null again once closed after a failure
+  std::vector<ucp_ep_h> eps;  // one per lane; null again once closed after a failure
   bool peer_mode = false;  // endpoint created with UCP_ERR_HANDLING_MODE_PEER
   bool failed = false;
   bool close_pending = false;  // failed; endpoint to be force-closed by the progress thread
@@ -276,7 +416,7 @@ class UcxTransport final : public Transport {
     if (size < 1 || rank < 0 || rank >= size)
       throw CommError("hetccl ucx: bad rank " + std::to_string(rank) + " of " + std::to_string(size));
     if (uint64_t(size) >= kHandshakeSrc)
-      throw CommError("hetccl ucx: at most 65534 ranks (the tag carries the rank in 16 bits)");
+      throw CommError("hetccl ucx: at most 32766 ranks (the tag carries the rank in 15 bits)");
     secret_ = opt_str(opts, "secret", "");
     nonce_ = random_bytes(kNonceBytes);
     peers_.resize(size);
@@ -285,17 +425,38 @@ class UcxTransport final : public Transport {
       peers_[p].rank = p;
     }
 
+    lanes_ = int(opt_int(opts, "lanes", 1, 1, kMaxLanes));
     ucp_config_t* config = nullptr;
     check(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
-    std::string bind = opt_str(opts, "bind_addr", "");
-    if (!bind.empty() && is_loopback(bind)) {
-      try {
+    try {
+      // Tuning: "KEY=VALUE;KEY=VALUE" (UCX names without the UCX_ prefix). Python passes only
+      // keys the user did not set in the environment (hetccl/config.py, HETCCL_UCX_TUNING).
+      for (auto& kv : split_list(opt_str(opts, "ucx_config", ""), ';')) {
+        size_t eq = kv.find('=');
+        if (eq == std::string::npos || eq == 0)
+          throw CommError("hetccl ucx: ucx_config entry '" + kv + "' is not KEY=VALUE");
+        std::string key = kv.substr(0, eq), val = kv.substr(eq + 1);
+        if (ucp_config_modify(config, key.c_str(), val.c_str()) != UCS_OK)
+          throw CommError("hetccl ucx: UCX rejected the setting " + key + "=" + val +
+                          " (HETCCL_UCX_TUNING; see `ucx_info -c` for the names this UCX knows)");
+        tuned_.push_back(key + "=" + val);
+      }
+      std::string bind = opt_str(opts, "bind_addr", "");
+      if (!bind.empty() && is_loopback(bind))
         check(ucp_config_modify(config, "NET_DEVICES", ifname_for_address(bind).c_str()),
               "ucp_config_modify(NET_DEVICES)");
-      } catch (...) {
-        ucp_config_release(config);
-        throw;
+      // Paths that must not carry cross-vendor traffic (device IPC between emulated vendors on
+      // one host; shared memory when hosts are emulated): removed from whatever UCX_TLS is.
+      std::vector<std::string> exclude = split_list(opt_str(opts, "exclude_tls", ""));
+      if (!exclude.empty()) {
+        std::string tls = restrict_tls(config_value(config, "TLS"), exclude);
+        if (ucp_config_modify(config, "TLS", tls.c_str()) != UCS_OK)
+          throw CommError("hetccl ucx: UCX rejected UCX_TLS=" + tls);
       }
+      tls_ = config_value(config, "TLS");
+    } catch (...) {
+      ucp_config_release(config);
+      throw;
     }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -304,33 +465,45 @@ class UcxTransport final : public Transport {
     ucs_status_t st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
     check(st, "ucp_init");
+    resources_ = context_transports(context_);
+    ucp_context_attr_t ca{};
+    ca.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    if (ucp_context_query(context_, &ca) == UCS_OK) memory_types_ = ca.memory_types;
 
-    ucp_worker_params_t wp{};
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
-    st = ucp_worker_create(context_, &wp, &worker_);
-    if (st != UCS_OK) {
-      ucp_cleanup(context_);
-      check(st, "ucp_worker_create");
-    }
-    ucp_worker_attr_t wa{};
-    wa.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
-    st = ucp_worker_query(worker_, &wa);
-    if (st == UCS_OK) {
-      st = ucp_worker_get_efd(worker_, &efd_);
-      if (st != UCS_OK) ucp_worker_release_address(worker_, wa.address);
-    }
-    if (st != UCS_OK) {
-      ucp_worker_destroy(worker_);
-      ucp_cleanup(context_);
-      check(st, "ucp_worker_query/get_efd");
+    // One worker per lane: its own tag matching and its own connections to every peer.
+    std::vector<std::string> worker_addrs;
+    for (int i = 0; i < lanes_; ++i) {
+      ucp_worker_params_t wp{};
+      wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+      wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+      ucp_worker_h w = nullptr;
+      st = ucp_worker_create(context_, &wp, &w);
+      int efd = -1;
+      ucp_worker_attr_t wa{};
+      if (st == UCS_OK) {
+        workers_.push_back(w);
+        wa.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+        st = ucp_worker_query(w, &wa);
+      }
+      if (st == UCS_OK) {
+        worker_addrs.push_back(to_hex(std::string(reinterpret_cast<const char*>(wa.address), wa.address_length)));
+        ucp_worker_release_address(w, wa.address);
+        st = ucp_worker_get_efd(w, &efd);
+      }
+      if (st != UCS_OK) {
+        for (ucp_worker_h x : workers_) ucp_worker_destroy(x);
+        workers_.clear();
+        ucp_cleanup(context_);
+        context_ = nullptr;
+        check(st, "ucp_worker_create/query/get_efd");
+      }
+      efds_.push_back(efd);
     }
     std::string start = proc_start(getpid(), nullptr);
     host_ = host_id();
     address_ = std::string(kAddrMagic) + " " + std::to_string(rank_) + " " + std::to_string(getpid()) +
                " " + (start.empty() ? "-" : start) + " " + host_ + " " + to_hex(nonce_) + " " +
-               to_hex(std::string(reinterpret_cast<const char*>(wa.address), wa.address_length));
-    ucp_worker_release_address(worker_, wa.address);
+               join(worker_addrs);
 
     thread_ = std::thread([this] { progress_loop(); });
   }
@@ -357,12 +530,22 @@ class UcxTransport final : public Transport {
         std::istringstream in(a);
         for (std::string w; in >> w;) f.push_back(w);
         Peer& pr = peers_[p];
-        std::string worker;
-        if (f.size() != 7 || f[0] != kAddrMagic || !from_hex(f[5], &pr.nonce) ||
-            pr.nonce.size() != kNonceBytes || !from_hex(f[6], &worker) || worker.empty() ||
-            f[2].find_first_not_of("0123456789") != std::string::npos)
+        std::vector<std::string> workers;
+        bool ok = f.size() == 7 && f[0] == kAddrMagic && from_hex(f[5], &pr.nonce) &&
+                  pr.nonce.size() == kNonceBytes &&
+                  f[2].find_first_not_of("0123456789") == std::string::npos;
+        for (auto& h : ok ? split_list(f[6]) : std::vector<std::string>{}) {
+          std::string w;
+          ok = ok && from_hex(h, &w) && !w.empty();
+          workers.push_back(w);
+        }
+        if (!ok)
           throw CommError("hetccl ucx: address of rank " + std::to_string(p) +
                           " is not a hetccl UCX address (transport mismatch or version skew?)");
+        if (int(workers.size()) != lanes_)
+          throw CommError("hetccl ucx: rank " + std::to_string(p) + " runs " +
+                          std::to_string(workers.size()) + " lanes, this rank " +
+                          std::to_string(lanes_) + " (set HETCCL_UCX_LANES alike on every rank)");
         if (f[1] != std::to_string(p))
           throw CommError("hetccl ucx: address published for rank " + std::to_string(p) +
                           " belongs to rank " + f[1]);
@@ -370,7 +553,9 @@ class UcxTransport final : public Transport {
         pr.where = "pid " + f[2] + " on host " + f[4].substr(0, f[4].find('/'));
         // Liveness checks only if we see the same process the peer saw as itself.
         pr.start = f[4] == host_ && f[3] != "-" && proc_start(pr.pid, nullptr) == f[3] ? f[3] : "";
-        create_ep_locked(pr, reinterpret_cast<const ucp_address_t*>(worker.data()));
+        for (int lane = 0; lane < lanes_; ++lane)
+          create_ep_locked(pr, lane, reinterpret_cast<const ucp_address_t*>(workers[lane].data()));
+        pr.is_peer = true;
       }
       for (int p = 0; p < size_; ++p) {
         Peer& pr = peers_[p];
@@ -379,7 +564,7 @@ class UcxTransport final : public Transport {
         auto r = std::make_shared<Request>(p, 0, kHelloMax);
         Op* op = new_op(r, p, OpKind::Recv, kHelloMax);
         op->buf = pr.hello_in.data();
-        post_recv_locked(op, make_tag(kHandshakeSrc, p));
+        post_recv_locked(op, make_tag(kHandshakeSrc, p));  // lane 0, outside the lane counters
         hellos.emplace_back(p, r);
       }
       for (int p = 0; p < size_; ++p) {
@@ -389,7 +574,7 @@ class UcxTransport final : public Transport {
         put_u32(pr.hello_out, uint32_t(rank_));
         pr.hello_out += proof(secret_, pr.nonce, rank_, p);
         auto r = std::make_shared<Request>(p, 0, pr.hello_out.size());
-        post_send_locked(r, pr, pr.hello_out.data(), pr.hello_out.size(), make_tag(kHandshakeSrc, rank_));
+        post_send_locked(r, pr, pr.hello_out.data(), pr.hello_out.size(), make_tag(kHandshakeSrc, rank_), 0);
         hellos.emplace_back(p, r);
       }
       wake_locked();
@@ -420,27 +605,50 @@ class UcxTransport final : public Transport {
     }
   }
 
+  // Lane of the next message of (peer, tag) in one direction. Both ends count the messages of
+  // each (peer, tag, tag space) alike -- the k-th send and the k-th receive meet on lane
+  // (tag + k) % lanes -- and each lane keeps one endpoint's same-tag messages in order, so
+  // FIFO per (peer, tag) holds across lanes while one tag's stream and consecutive tags spread
+  // over all of them. A counter that comes back to 0 (mod lanes) is dropped: state is kept only
+  // for tags whose count is not a multiple of the lane count (as tcp keeps per-tag sequences).
+  int next_lane_locked(std::unordered_map<uint64_t, uint32_t>& seq, int peer, uint64_t tag, bool device) {
+    if (lanes_ == 1) return 0;
+    const uint64_t key = make_tag(uint64_t(peer), tag, device);
+    auto it = seq.find(key);
+    uint32_t k = it == seq.end() ? 0 : it->second;
+    if (k + 1 == uint32_t(lanes_)) {
+      if (it != seq.end()) seq.erase(it);
+    } else if (it == seq.end()) {
+      seq.emplace(key, 1);
+    } else {
+      ++it->second;
+    }
+    return int((tag + k) % uint64_t(lanes_));
+  }
+
   // Posts a receive of `kind` from `peer`; `fill` sets the op's destination fields. A peer
   // that already failed fails the request at once, unless its message is stashed here.
   template <class Fill>
-  RequestPtr post_receive(int peer, size_t nbytes, uint64_t tag, OpKind kind, Fill fill) {
+  RequestPtr post_receive(int peer, size_t nbytes, uint64_t tag, OpKind kind, bool device, Fill fill) {
     check_tag(tag);
     auto req = std::make_shared<Request>(peer, tag, nbytes);
     std::lock_guard<std::mutex> g(mu_);
     Peer& pr = peer_locked(peer);
-    const uint64_t utag = make_tag(uint64_t(peer), tag);
-    if (pr.failed && !stashed_ready_locked(utag)) {
+    const uint64_t utag = make_tag(uint64_t(peer), tag, device);
+    const int lane = next_lane_locked(recv_seq_, peer, tag, device);
+    if (pr.failed && (device || !stashed_ready_locked(lane, utag))) {
       req->fail(Request::ErrorKind::Peer, pr.reason);
       return req;
     }
     Op* op = new_op(req, peer, kind, nbytes);
+    op->lane = lane;
     fill(op);
     post_recv_locked(op, utag);
     wake_locked();
     return req;
   }
 
-  RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
+  RequestPtr post_send(int peer, const void* buf, size_t nbytes, uint64_t tag, bool device) {
     check_tag(tag);
     auto req = std::make_shared<Request>(peer, tag, nbytes);
     std::lock_guard<std::mutex> g(mu_);
@@ -449,13 +657,70 @@ class UcxTransport final : public Transport {
       req->fail(Request::ErrorKind::Peer, pr.reason);
       return req;
     }
-    post_send_locked(req, pr, buf, nbytes, make_tag(uint64_t(rank_), tag));
+    const int lane = next_lane_locked(send_seq_, peer, tag, device);
+    post_send_locked(req, pr, buf, nbytes, make_tag(uint64_t(rank_), tag, device), lane);
     wake_locked();
     return req;
   }
 
+  RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
+    return post_send(peer, buf, nbytes, tag, false);
+  }
+
+  // Device memory: UCX detects the buffer's memory type (cuda_copy / rocm_copy locally; GPUDirect
+  // RDMA or dma-buf where the network transport supports it). Messages of the device tag space
+  // are never drained into the host stash, so a device send completes once the peer has posted
+  // its irecv_device (transport.h states that weaker contract).
+  bool device_direct() const override { return true; }
+  RequestPtr isend_device(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
+    check_bound();
+    return post_send(peer, buf, nbytes, tag, true);
+  }
+  RequestPtr irecv_device(int peer, void* buf, size_t nbytes, uint64_t tag) override {
+    check_bound();
+    return post_receive(peer, nbytes, tag, OpKind::Recv, true, [&](Op* op) { op->buf = buf; });
+  }
+  void check_bound() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!bind_error_.empty())
+      throw CommError("hetccl ucx: the progress thread could not make the device context current: " +
+                      bind_error_);
+  }
+  void bind_device(std::function<void()> make_current, const std::string& memory) override {
+    ucs_memory_type_t mt = memory == "cuda"   ? UCS_MEMORY_TYPE_CUDA
+                           : memory == "rocm" ? UCS_MEMORY_TYPE_ROCM
+                           : memory == "host" ? UCS_MEMORY_TYPE_HOST
+                                              : UCS_MEMORY_TYPE_UNKNOWN;
+    if (mt == UCS_MEMORY_TYPE_UNKNOWN)
+      throw CommError("hetccl ucx: unknown device memory type '" + memory + "' (cuda, rocm, host)");
+    std::lock_guard<std::mutex> g(mu_);
+    device_mem_ = mt;
+    make_current_ = std::move(make_current);
+    bind_pending_ = true;  // the progress thread runs it before its next call into UCX
+    wake_locked();
+  }
+
+  std::map<std::string, std::string> info() override {
+    std::lock_guard<std::mutex> g(mu_);
+    std::map<std::string, std::string> m;
+    m["tls"] = tls_;
+    m["resources"] = join(resources_);
+    std::vector<std::string> mem;
+    for (int i = 0; i < UCS_MEMORY_TYPE_LAST; ++i)
+      if (memory_types_ & (uint64_t(1) << i)) mem.push_back(ucs_memory_type_names[i]);
+    m["memory_types"] = join(mem);
+    m["lanes"] = std::to_string(lanes_);
+    m["tuning"] = join(tuned_, ";");
+    m["version"] = ucp_get_version_string();
+    std::string modes;
+    for (Peer& pr : peers_)
+      if (pr.is_peer) modes += (modes.empty() ? "" : ",") + std::to_string(pr.rank) + ":" + (pr.peer_mode ? "peer" : "none");
+    m["error_handling"] = modes;
+    return m;
+  }
+
   RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {
-    return post_receive(peer, nbytes, tag, OpKind::Recv, [&](Op* op) { op->buf = buf; });
+    return post_receive(peer, nbytes, tag, OpKind::Recv, false, [&](Op* op) { op->buf = buf; });
   }
 
   RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp op,
@@ -463,7 +728,7 @@ class UcxTransport final : public Transport {
     if (nbytes % dtype_size(dtype) != 0)
       throw CommError("hetccl ucx: irecv_reduce of " + std::to_string(nbytes) +
                       " bytes is not a whole number of elements");
-    return post_receive(peer, nbytes, tag, OpKind::RecvReduce, [&](Op* o) {
+    return post_receive(peer, nbytes, tag, OpKind::RecvReduce, false, [&](Op* o) {
       o->dst = dst;
       o->rop = op;
       o->dtype = dtype;
@@ -477,7 +742,7 @@ class UcxTransport final : public Transport {
       closed_ = true;
     }
     stop_.store(true);
-    ucp_worker_signal(worker_);
+    ucp_worker_signal(workers_[0]);
     if (thread_.joinable()) thread_.join();
 
     std::lock_guard<std::mutex> g(mu_);
@@ -489,19 +754,19 @@ class UcxTransport final : public Transport {
     // shared-memory transports would not tell it). Delivered by the flush below.
     static const char kBye = 0;
     for (Peer& pr : peers_) {
-      if (!pr.ep || pr.failed) continue;
+      if (pr.eps.empty() || !pr.eps[0] || pr.failed) continue;
       ucp_request_param_t prm{};
-      void* r = ucp_tag_send_nbx(pr.ep, &kBye, 1, make_tag(kHandshakeSrc, kByeBit | uint64_t(rank_)), &prm);
+      void* r = ucp_tag_send_nbx(pr.eps[0], &kBye, 1, make_tag(kHandshakeSrc, kByeBit | uint64_t(rank_)), &prm);
       if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);  // released by UCX when done
     }
     // Graceful: when nothing is pending, flush so that eager sends that completed locally
     // reach their peers before the endpoints go away. With pending work (an error path),
     // skip it: a flush could wait on a peer that never answers.
     if (!had_pending) {
-      ucp_request_param_t prm{};
-      void* r = ucp_worker_flush_nbx(worker_, &prm);
-      if (r && !UCS_PTR_IS_ERR(r)) {
-        wait_ucp_locked(r, kCloseFlushMs);
+      for (ucp_worker_h w : workers_) {
+        ucp_request_param_t prm{};
+        void* r = ucp_worker_flush_nbx(w, &prm);
+        if (r && !UCS_PTR_IS_ERR(r)) wait_ucp_locked(r, kCloseFlushMs);
       }
     }
     std::vector<void*> cancel;  // ucp_request_cancel may run the callback (which edits pending_)
@@ -509,16 +774,16 @@ class UcxTransport final : public Transport {
       if (op->req) op->req->fail(Request::ErrorKind::Generic, msg);
       if (op->kind != OpKind::Send && op->ucp_req) cancel.push_back(op->ucp_req);
     }
-    for (void* r : cancel) ucp_request_cancel(worker_, r);
+    cancel_locked(cancel);
     for (Peer& pr : peers_) force_close_ep_locked(pr);
     for (void* r : close_reqs_) wait_ucp_locked(r, 1000);
     close_reqs_.clear();
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    while (!pending_.empty() && std::chrono::steady_clock::now() < until) ucp_worker_progress(worker_);
+    while (!pending_.empty() && std::chrono::steady_clock::now() < until) progress_all_locked();
     fail_work_locked(msg);
-    ucp_worker_destroy(worker_);
+    for (ucp_worker_h w : workers_) ucp_worker_destroy(w);
     ucp_cleanup(context_);
-    worker_ = nullptr;
+    workers_.clear();
     context_ = nullptr;
     // Whatever UCX did not complete (the worker is gone, so no buffer is touched any more) and
     // the stashed messages nobody received.
@@ -558,7 +823,9 @@ class UcxTransport final : public Transport {
     return peers_[peer];
   }
 
-  void create_ep_locked(Peer& pr, const ucp_address_t* addr) {
+  // Endpoint of `lane` to peer pr (lane i of one rank talks to lane i of the other).
+  void create_ep_locked(Peer& pr, int lane, const ucp_address_t* addr) {
+    if (pr.eps.empty()) pr.eps.assign(lanes_, nullptr);
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -573,12 +840,11 @@ class UcxTransport final : public Transport {
       // logs (UCX_LOG_LEVEL=info or higher).
       ucs_log_level_t saved = ucs_global_opts.log_component.log_level;
       if (saved < UCS_LOG_LEVEL_INFO) ucs_global_opts.log_component.log_level = UCS_LOG_LEVEL_FATAL;
-      st = ucp_ep_create(worker_, &ep, &pr.ep);
+      st = ucp_ep_create(workers_[lane], &ep, &pr.eps[lane]);
       ucs_global_opts.log_component.log_level = saved;
       if (st != UCS_OK) peer_mode_ok_ = false;  // same UCX config for every peer: don't retry
     }
     if (st == UCS_OK) {
-      pr.is_peer = true;
       pr.peer_mode = true;
       return;
     }
@@ -586,14 +852,13 @@ class UcxTransport final : public Transport {
     // connect without it; the caller's timeout is then the only failure detector.
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    ucs_status_t st2 = ucp_ep_create(worker_, &ep, &pr.ep);
+    ucs_status_t st2 = ucp_ep_create(workers_[lane], &ep, &pr.eps[lane]);
     if (st2 != UCS_OK) {
-      pr.ep = nullptr;
+      pr.eps[lane] = nullptr;
       throw CommError("hetccl ucx: cannot create an endpoint to rank " + std::to_string(pr.rank) +
                       ": " + status_str(st2) + " (with peer-failure handling: " + status_str(st) +
-                      "); check UCX_TLS / UCX_NET_DEVICES");
+                      "); check UCX_TLS / UCX_NET_DEVICES (in force: UCX_TLS=" + tls_ + ")");
     }
-    pr.is_peer = true;
     pr.peer_mode = false;
   }
 
@@ -609,15 +874,15 @@ class UcxTransport final : public Transport {
   }
 
   // A message that arrived completely before its peer failed can still be received.
-  bool stashed_ready_locked(uint64_t key) const {
-    auto it = stash_.find(key);
+  bool stashed_ready_locked(int lane, uint64_t key) const {
+    auto it = stash_.find({lane, key});
     return it != stash_.end() && it->second.front()->ready;
   }
 
-  // A user receive (Recv or RecvReduce): from the stash if a message with this key waits there,
-  // else posted to UCP.
+  // A user receive (Recv or RecvReduce) on op->lane: from the stash if a message with this key
+  // waits there (never for the device tag space, which is not stashed), else posted to UCP.
   void post_recv_locked(Op* op, uint64_t key) {
-    auto it = stash_.find(key);
+    auto it = stash_.find({op->lane, key});
     if (it != stash_.end()) {
       Op* s = it->second.front();
       it->second.pop_front();
@@ -637,8 +902,12 @@ class UcxTransport final : public Transport {
     }
     ucp_tag_recv_info_t info{};
     ucp_request_param_t prm = recv_param(op, &info);
+    if ((key & kDeviceBit) && device_mem_ != UCS_MEMORY_TYPE_UNKNOWN) {
+      prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;  // declared by bind_device, not detected
+      prm.memory_type = device_mem_;
+    }
     pending_.insert(op);
-    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, buf, op->nbytes, key, kFullMask, &prm);
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(workers_[op->lane], buf, op->nbytes, key, kFullMask, &prm);
     after_post_locked(op, r, info.length);
   }
 
@@ -655,32 +924,39 @@ class UcxTransport final : public Transport {
     return prm;
   }
 
-  // Moves unexpected messages into the stash (progress thread).
+  // Moves unexpected messages of the host tag space into the stash (progress thread). The
+  // probe's mask selects tags whose device bit is 0: device messages wait in UCX until their
+  // irecv_device is posted (UCX copies them into device memory itself).
   void drain_unexpected_locked() {
-    for (int k = 0; k < 256; ++k) {
-      ucp_tag_recv_info_t info{};
-      ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
-      if (!msg) return;
-      uint64_t src = info.sender_tag >> kTagShift;
-      uint64_t low = info.sender_tag & (kMaxTag - 1);
-      bool bye = src == kHandshakeSrc && (low & kByeBit);
-      int peer = int(src == kHandshakeSrc ? low & ~kByeBit : src);
-      Op* s = new_op(nullptr, peer < size_ ? peer : -1, OpKind::Stash, info.length);
-      s->tag = src == kHandshakeSrc ? 0 : low;
-      s->key = info.sender_tag;
-      s->bye = bye;
-      s->bounce = pool_.get(info.length);
-      if (!bye) stash_[s->key].push_back(s);
-      ucp_tag_recv_info_t info2{};
-      ucp_request_param_t prm = recv_param(s, &info2);
-      pending_.insert(s);
-      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, s->bounce.p.get(), info.length, msg, &prm);
-      after_post_locked(s, r, info.length);
+    for (int lane = 0; lane < lanes_; ++lane) {
+      for (int k = 0; k < 256; ++k) {
+        ucp_tag_recv_info_t info{};
+        ucp_tag_message_h msg = ucp_tag_probe_nb(workers_[lane], 0, kDeviceBit, 1, &info);
+        if (!msg) break;
+        uint64_t src = (info.sender_tag >> kTagShift) & kSrcMask;
+        uint64_t low = info.sender_tag & (kMaxTag - 1);
+        bool bye = src == kHandshakeSrc && (low & kByeBit);
+        int peer = int(src == kHandshakeSrc ? low & ~kByeBit : src);
+        Op* s = new_op(nullptr, peer < size_ ? peer : -1, OpKind::Stash, info.length);
+        s->tag = src == kHandshakeSrc ? 0 : low;
+        s->key = info.sender_tag;
+        s->lane = lane;
+        s->bye = bye;
+        s->bounce = pool_.get(info.length);
+        if (!bye) stash_[{lane, s->key}].push_back(s);
+        ucp_tag_recv_info_t info2{};
+        ucp_request_param_t prm = recv_param(s, &info2);
+        pending_.insert(s);
+        ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(workers_[lane], s->bounce.p.get(), info.length, msg, &prm);
+        after_post_locked(s, r, info.length);
+      }
     }
   }
 
-  void post_send_locked(const RequestPtr& req, Peer& pr, const void* buf, size_t nbytes, uint64_t utag) {
+  void post_send_locked(const RequestPtr& req, Peer& pr, const void* buf, size_t nbytes, uint64_t utag,
+                        int lane) {
     Op* op = new Op;
+    op->lane = lane;
     op->t = this;
     op->req = req;
     op->peer = pr.rank;
@@ -692,8 +968,12 @@ class UcxTransport final : public Transport {
     prm.cb.send = send_cb;
     prm.user_data = op;
     prm.datatype = ucp_dt_make_contig(1);
+    if ((utag & kDeviceBit) && device_mem_ != UCS_MEMORY_TYPE_UNKNOWN) {
+      prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;  // declared by bind_device, not detected
+      prm.memory_type = device_mem_;
+    }
     pending_.insert(op);
-    ucs_status_ptr_t r = ucp_tag_send_nbx(pr.ep, buf, nbytes, utag, &prm);
+    ucs_status_ptr_t r = ucp_tag_send_nbx(pr.eps[lane], buf, nbytes, utag, &prm);
     after_post_locked(op, r, nbytes);
   }
 
@@ -790,7 +1070,7 @@ class UcxTransport final : public Transport {
       pending_.erase(s->waiter);
       finish_failed(s->waiter, kind, why);
     } else {  // still in stash_: remove it
-      auto it = stash_.find(s->key);
+      auto it = stash_.find({s->lane, s->key});
       if (it != stash_.end()) {
         auto& dq = it->second;
         dq.erase(std::remove(dq.begin(), dq.end(), s), dq.end());
@@ -862,28 +1142,48 @@ class UcxTransport final : public Transport {
   void wake_locked() {
     if (armed_) {
       armed_ = false;
-      ucp_worker_signal(worker_);
+      ucp_worker_signal(workers_[0]);  // the progress thread polls every lane's fd
     }
     dirty_ = true;
+  }
+
+  // One progress pass over every lane; the number of events.
+  unsigned progress_all_locked() {
+    unsigned n = 0;
+    for (ucp_worker_h w : workers_) n += ucp_worker_progress(w);
+    return n;
+  }
+
+  // Cancels UCP receive requests (each op's own worker).
+  void cancel_locked(const std::vector<void*>& reqs) {
+    std::unordered_map<void*, int> lane_of;
+    for (Op* op : pending_)
+      if (op->ucp_req) lane_of[op->ucp_req] = op->lane;
+    for (void* r : reqs) {
+      auto it = lane_of.find(r);
+      if (it != lane_of.end()) ucp_request_cancel(workers_[it->second], r);
+    }
   }
 
   // Progress until a UCX request completes or timeout; frees it.
   void wait_ucp_locked(void* r, int64_t ms) {
     auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
     while (ucp_request_check_status(r) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until)
-      ucp_worker_progress(worker_);
+      progress_all_locked();
     ucp_request_free(r);  // an unfinished request is released when UCX completes it
   }
 
-  // Starts a forced close of pr's endpoint (if any); the close request joins close_reqs_.
+  // Starts a forced close of pr's endpoints (if any); the close requests join close_reqs_.
   void force_close_ep_locked(Peer& pr) {
-    if (!pr.ep) return;
-    ucp_request_param_t prm{};
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* r = ucp_ep_close_nbx(pr.ep, &prm);
-    pr.ep = nullptr;
-    if (r && !UCS_PTR_IS_ERR(r)) close_reqs_.push_back(r);
+    for (ucp_ep_h& ep : pr.eps) {
+      if (!ep) continue;
+      ucp_request_param_t prm{};
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* r = ucp_ep_close_nbx(ep, &prm);
+      ep = nullptr;
+      if (r && !UCS_PTR_IS_ERR(r)) close_reqs_.push_back(r);
+    }
   }
 
   // Failed peers: cancel their receives and force-close their endpoint (not allowed inside the
@@ -895,7 +1195,7 @@ class UcxTransport final : public Transport {
       std::vector<void*> cancel;
       for (Op* op : pending_)
         if (op->peer == pr.rank && op->kind != OpKind::Send && op->ucp_req) cancel.push_back(op->ucp_req);
-      for (void* r : cancel) ucp_request_cancel(worker_, r);
+      cancel_locked(cancel);
       force_close_ep_locked(pr);
     }
     for (size_t i = 0; i < close_reqs_.size();) {
@@ -941,7 +1241,15 @@ class UcxTransport final : public Transport {
       {
         std::lock_guard<std::mutex> g(mu_);
         armed_ = false;
-        while (ucp_worker_progress(worker_) != 0 && events < 4096) ++events;
+        if (bind_pending_) {  // bind_device: this thread's device context, before UCX runs here
+          bind_pending_ = false;
+          try {
+            make_current_();
+          } catch (const std::exception& e) {
+            bind_error_ = e.what();
+          }
+        }
+        for (unsigned n; (n = progress_all_locked()) != 0 && events < 4096;) events += n;
         drain_unexpected_locked();
         reap_failed_peers_locked();
         reds.swap(work_q_);
@@ -968,12 +1276,14 @@ class UcxTransport final : public Transport {
       {
         std::lock_guard<std::mutex> g(mu_);
         if (dirty_ || stop_.load()) continue;
-        st = ucp_worker_arm(worker_);
+        st = UCS_OK;  // every lane must be armed before sleeping; BUSY: events are pending
+        for (size_t i = 0; i < workers_.size() && st == UCS_OK; ++i) st = ucp_worker_arm(workers_[i]);
         armed_ = st == UCS_OK;
       }
       if (st == UCS_ERR_BUSY) continue;
-      pollfd pfd{efd_, POLLIN, 0};
-      poll(&pfd, 1, st == UCS_OK ? kPollMs : 1);
+      pollfd pfds[kMaxLanes];
+      for (size_t i = 0; i < efds_.size(); ++i) pfds[i] = pollfd{efds_[i], POLLIN, 0};
+      poll(pfds, nfds_t(efds_.size()), st == UCS_OK ? kPollMs : 1);
       last_event = std::chrono::steady_clock::now() - std::chrono::microseconds(kSpinUs / 2);
     }
   }
@@ -982,22 +1292,37 @@ class UcxTransport final : public Transport {
   std::string secret_, nonce_, host_;
   std::string address_;
   ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
-  int efd_ = -1;
+  int lanes_ = 1;
+  std::vector<ucp_worker_h> workers_;  // one per lane
+  std::vector<int> efds_;
+  std::string tls_;                     // UCX_TLS in force (read back from UCX)
+  // ucx_config settings passed to UCX (component settings such as TCP_* are not printed back by
+  // ucp_config_print; UCX rejects unknown keys at ucp_config_modify, bad values at iface open)
+  std::vector<std::string> tuned_;
+  std::vector<std::string> resources_;  // transports the context has resources of
+  uint64_t memory_types_ = 1;           // ucp_context_query: memory types UCX can handle
 
   std::mutex mu_;  // guards the worker and everything below
   std::vector<Peer> peers_;
   std::unordered_set<Op*> pending_;
   std::vector<Work> work_q_;                     // finished receives to copy/reduce
-  std::map<uint64_t, std::deque<Op*>> stash_;    // unexpected messages by full tag, oldest first
+  // unexpected messages by (lane, full tag), oldest first
+  std::map<std::pair<int, uint64_t>, std::deque<Op*>> stash_;
+  std::unordered_map<uint64_t, uint32_t> send_seq_, recv_seq_;  // lane counters (next_lane_locked)
   std::vector<void*> close_reqs_;
   bool closed_ = false;
   bool peer_mode_ok_ = true;  // cleared when a PEER-mode endpoint could not be created
-  bool armed_ = false;  // progress thread sleeps on efd_ (or is about to)
+  bool armed_ = false;  // progress thread sleeps on efds_ (or is about to)
   bool dirty_ = false;  // something was posted since the last progress pass
 
   std::atomic<bool> stop_{false};
   std::thread thread_;
+  // bind_device (under mu_): the memory type declared for device-tag-space buffers, the
+  // context hook the progress thread still has to run, and its failure (fails device posts).
+  ucs_memory_type_t device_mem_ = UCS_MEMORY_TYPE_UNKNOWN;
+  std::function<void()> make_current_;
+  bool bind_pending_ = false;
+  std::string bind_error_;
   BouncePool pool_;
 };
 
@@ -1022,4 +1347,50 @@ std::unique_ptr<Transport> make_ucx_transport(int rank, int size, const Options&
   return std::make_unique<UcxTransport>(rank, size, opts);
 }
 
+// Asks UCX (one UCP context with the user's UCX_* settings) what it can do in this process:
+// memory types it handles (ucp_context_query: "cuda" where cuda_copy loaded and a CUDA driver is
+// present, "rocm" likewise) and the transports it has resources of. Preference 20 (before hetccl's
+// tcp) when UCX brings something tcp cannot -- device memory or an RDMA transport -- else 40
+// (after it: on plain Ethernet hetccl's striped tcp is the faster socket path).
+TransportCaps ucx_caps() {
+  TransportCaps c;
+  c.preference = 40;
+  ucp_config_t* config = nullptr;
+  if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) {
+    c.detail = "UCX configuration unreadable (check UCX_* variables); not usable";
+    return c;
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  ucp_context_h ctx = nullptr;
+  ucs_status_t st = ucp_init(&params, config, &ctx);
+  std::string tls = config_value(config, "TLS");
+  ucp_config_release(config);
+  if (st != UCS_OK) {
+    c.detail = std::string("UCX ") + ucp_get_version_string() + " cannot start: " + status_str(st);
+    return c;
+  }
+  c.same_host = c.other_host = true;
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  uint64_t mem = ucp_context_query(ctx, &attr) == UCS_OK ? attr.memory_types : 1;
+  if (mem & (uint64_t(1) << UCS_MEMORY_TYPE_CUDA)) c.memory.push_back("cuda");
+  if (mem & (uint64_t(1) << UCS_MEMORY_TYPE_ROCM)) c.memory.push_back("rocm");
+  std::vector<std::string> tl = context_transports(ctx);
+  ucp_cleanup(ctx);
+  bool rdma = false;
+  for (auto& t : tl)
+    for (const char* p : {"rc", "dc", "ud", "srd", "gga"})
+      rdma = rdma || t.compare(0, std::strlen(p), p) == 0;
+  if (rdma || c.memory.size() > 1) c.preference = 20;
+  c.detail = std::string("UCX ") + ucp_get_version_string() + "; UCX_TLS=" + tls +
+             "; transports " + join(tl) + (rdma ? " (RDMA)" : "");
+  return c;
+}
+
+HETCCL_REGISTER_TRANSPORT(ucx, ucx_caps, make_ucx_transport);
+
 }  // namespace hetccl
+
+

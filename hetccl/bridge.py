@@ -2,10 +2,11 @@
 
 A Bridge belongs to one multi-vendor process group. At creation it connects this rank to every
 rank of the *other* vendor groups (never to its own group: that traffic stays on the native
-library). The transport of a pair is chosen symmetrically from both ranks' hosts:
-shm when they share a host, tcp otherwise, ucx when HETCCL_TRANSPORT=ucx (HETCCL_TRANSPORT=tcp
-forces tcp even on one host). Addresses and the group's random secret go through the group's
-torch store: no rendezvous of our own.
+library). The transport of a pair is chosen from the capability tables both ranks publish
+(hetccl/transports.py: the most preferred transport of both tables that reaches the pair,
+shm on one host, ucx or tcp between hosts; HETCCL_TRANSPORT forces one), together with whether
+device memory goes to it directly. Addresses, tables and the group's random secret go through
+the group's torch store: no rendezvous of our own.
 
 The collectives' data does not go through this module: the C++ engine (engine.py,
 csrc/engine.h) drives these transports directly. isend/irecv here serve point-to-point
@@ -23,7 +24,7 @@ from datetime import timedelta
 
 import torch
 
-from . import _core, config, vendor
+from . import _core, config, transports, vendor
 from ._core import _C
 from .topology import Topology
 
@@ -75,18 +76,6 @@ class Bridge:
         self.topo = topo
         self.timeout = timeout
         self.peers = [r for r in range(topo.size) if topo.group_of[r] != topo.my_group]
-        forced = config.get("HETCCL_TRANSPORT")
-        known = _core.transport_names()
-        if forced not in ("auto", *known):
-            raise ValueError(f"hetccl: HETCCL_TRANSPORT={forced!r} is not available in this "
-                             f"build (available: auto, {', '.join(known)})")
-        # Kind of transport for each peer; symmetric because it depends on both hosts only.
-        self.kind_of: dict[int, str] = {}
-        for p in self.peers:
-            if forced != "auto":
-                self.kind_of[p] = forced
-            else:
-                self.kind_of[p] = "shm" if topo.same_host(topo.rank, p) else "tcp"
         if topo.rank == 0:
             store.set("hetccl/secret", secrets.token_hex(16))
         store.wait(["hetccl/secret"], timeout)
@@ -95,7 +84,23 @@ class Bridge:
             8 << 20 if vendor.build_kind() in ("cuda", "rocm") else 1 << 20)
         _check_settings_agree(store, topo, timeout, {
             **{k: config.get(k) for k in config.MUST_AGREE},
-            "HETCCL_SHM_SLOT_BYTES (in force)": self.slot_bytes})
+            "HETCCL_SHM_SLOT_BYTES (in force)": self.slot_bytes,
+            # segment sizes of UCX's tcp must fit the peer's receive segments
+            "HETCCL_UCX_TUNING (in force)": config.ucx_tuning()})
+        # Capability tables of every rank; every rank computes the choice of every cross-vendor
+        # pair (not only its own), so a pair no transport can serve raises the same error on
+        # every rank instead of leaving the others waiting in connect().
+        store.set(f"hetccl/caps/{topo.rank}", json.dumps({
+            "table": transports.publishable(transports.local_table()),
+            "kind": vendor.build_kind()}))
+        keys = [f"hetccl/caps/{r}" for r in range(topo.size)]
+        store.wait(keys, timeout)
+        caps = [json.loads(store.get(k)) for k in keys]
+        self.choices = choose_all(topo, caps)
+        self.kind_of: dict[int, str] = {p: self.choices[(topo.rank, p)].transport
+                                        for p in self.peers}
+        self.device_direct: dict[int, bool] = {p: self.choices[(topo.rank, p)].device_direct
+                                               for p in self.peers}
         opts = {
             "secret": secret,
             "nconn": str(config.get("HETCCL_TCP_NCONN")),
@@ -106,6 +111,13 @@ class Bridge:
         kinds = sorted(set(self.kind_of.values()))
         if any(k in ("tcp", "ucx") for k in kinds):
             opts["bind_addr"] = _default_bind_addr(topo)
+        if "ucx" in kinds:
+            real_host = [i.host for i in topo.infos]
+            opts["lanes"] = str(config.get("HETCCL_UCX_LANES"))
+            opts["ucx_config"] = config.ucx_tuning()
+            opts["exclude_tls"] = ",".join(transports.ucx_exclusions(
+                real_host[topo.rank], [real_host[p] for p in self.peers if self.kind_of[p] == "ucx"],
+                bool(config.get("HETCCL_EMULATE_HOSTS"))))
         self.transports: dict[str, object] = {}
         try:
             for k in kinds:
@@ -123,8 +135,16 @@ class Bridge:
         except BaseException:
             self.close()
             raise
-        log.info("hetccl bridge: rank %d connected to %d peers via %s", topo.rank,
-                 len(self.peers), dict(sorted(self.kind_of.items())))
+        self.info = {k: dict(t.info()) for k, t in self.transports.items()}
+        by: dict[str, list[int]] = {}
+        for p in self.peers:
+            by.setdefault(self.choices[(topo.rank, p)].describe(), []).append(p)
+        ucx = self.info.get("ucx")
+        log.info("hetccl bridge: rank %d (vendor %s) reaches %s%s", topo.rank,
+                 topo.labels[topo.my_group],
+                 "; ".join(f"ranks {ps} via {d}" for d, ps in sorted(by.items())),
+                 f" [UCX {ucx.get('version')}: UCX_TLS={ucx.get('tls')}, lanes {ucx.get('lanes')}]"
+                 if ucx else "")
 
     def transport_of(self, peer: int):
         try:
@@ -156,6 +176,30 @@ class Bridge:
             except Exception as e:  # noqa: BLE001
                 log.warning("hetccl: closing transport failed: %s", e)
         self.transports = {}
+
+
+def pair_same_host(topo: Topology, a: int, b: int) -> bool:
+    """Whether ranks a and b count as one host for the transport choice: the same host identity,
+    unless HETCCL_EMULATE_HOSTS makes every vendor group a host of its own."""
+    if config.get("HETCCL_EMULATE_HOSTS") and topo.group_of[a] != topo.group_of[b]:
+        return False
+    return topo.same_host(a, b)
+
+
+def choose_all(topo: Topology, caps: list[dict]) -> dict:
+    """{(a, b): transports.Choice} for every ordered cross-vendor pair, from every rank's published
+    capabilities ({"table": ..., "kind": ...}). The same on every rank."""
+    forced = config.get("HETCCL_TRANSPORT")
+    device = config.get("HETCCL_UCX_DEVICE")
+    out = {}
+    for a in range(topo.size):
+        for b in range(topo.size):
+            if topo.group_of[a] == topo.group_of[b]:
+                continue
+            out[(a, b)] = transports.choose(a, b, caps[a]["table"], caps[b]["table"],
+                                            pair_same_host(topo, a, b), forced,
+                                            caps[a]["kind"], caps[b]["kind"], device)
+    return out
 
 
 def _check_settings_agree(store, topo: Topology, timeout: timedelta, mine: dict) -> None:

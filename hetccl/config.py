@@ -31,6 +31,13 @@ def _check_mode(s: str) -> str:
     return v
 
 
+def _device_mode(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("auto", "off"):
+        raise ValueError("expected auto or off")
+    return v
+
+
 def _async_mode(s: str) -> str:
     v = s.strip().lower()
     if v not in ("abort", "raise"):
@@ -49,7 +56,9 @@ _SETTINGS = [
             "launchers' --vendors). r: RANK if the launcher sets it, else the rank passed to "
             "init_process_group (mp.spawn)."),
     Setting("HETCCL_TRANSPORT", str, "auto",
-            "Bridge transport: auto (shm for peers on this host, tcp otherwise), shm, tcp, ucx."),
+            "Bridge transport: auto (per peer, the most preferred transport of both ranks' "
+            "capability tables that reaches it: shm on this host; ucx before tcp where UCX has "
+            "RDMA or device memory), or one name for every peer (shm, tcp, ucx)."),
     Setting("HETCCL_TCP_NCONN", int, 4, "TCP connections per peer; large messages are striped."),
     Setting("HETCCL_SOCKET_IFNAME", str, "",
             "Network interface the bridge listens on (like NCCL_SOCKET_IFNAME). Empty: the "
@@ -69,6 +78,26 @@ _SETTINGS = [
             "reduces in place and the sum comes back: three passes over memory per byte). "
             "0: a plain exchange in both directions (for comparison). Must be equal on every "
             "rank."),
+    # --- issue 18: transport choice by capability, UCX tuning and device memory (kept together)
+    Setting("HETCCL_EMULATE_HOSTS", _bool, False,
+            "TEST ONLY: each vendor group counts as its own host for the bridge: auto picks the "
+            "other-host transport (tcp, or ucx per preference) and UCX between the groups is "
+            "limited to network transports (no shared memory, no device IPC)."),
+    Setting("HETCCL_UCX_LANES", int, 1,
+            "UCX workers per transport (lanes), each with its own connections to every peer; "
+            "messages of one (peer, tag) rotate over them (1: measured fastest on 2-core "
+            "machines; try 2-4 with several NICs). Must be equal on every rank."),
+    Setting("HETCCL_UCX_TUNING", str, "TCP_TX_SEG_SIZE=1M;TCP_RX_SEG_SIZE=4M",
+            "UCX settings hetccl applies to its UCX contexts ('KEY=VALUE;...', UCX names "
+            "without UCX_), each only where the environment does not set UCX_<KEY> itself; "
+            "'none': UCX's own defaults. The default's larger tcp segments cost about 70 MB "
+            "more resident memory on a receiving rank. Must be equal on every rank."),
+    Setting("HETCCL_UCX_DEVICE", _device_mode, "off",
+            "Device tensors over UCX: off (default) stages them through pinned host memory in "
+            "the engine; auto hands device memory to UCX directly when both ranks' UCX handle "
+            "their device's memory type. auto is experimental: on the H200 box (UCX 1.22 "
+            "cuda_copy over tcp) a collective whose result the caller copies to the host at once "
+            "stalled (docs/transports.md). Must be equal on every rank."),
     Setting("HETCCL_ALGO", str, "",
             "Algorithm overrides, e.g. 'all_reduce=flat,all_gather=hier' (see docs/algorithms.md)."),
     Setting("HETCCL_LOG_LEVEL", str, "NOTICE",
@@ -96,7 +125,8 @@ SETTINGS = {s.name: s for s in _SETTINGS}
 # algorithm, its chunks, which ring carries them): every rank of a group must use the same
 # values. The bridge compares them across ranks when it starts and names any difference.
 MUST_AGREE = ("HETCCL_TRANSPORT", "HETCCL_ALGO", "HETCCL_CHUNK_BYTES", "HETCCL_HOST_KERNEL",
-              "HETCCL_CHECK_ARGS")
+              "HETCCL_CHECK_ARGS", "HETCCL_EMULATE_HOSTS", "HETCCL_UCX_LANES",
+              "HETCCL_UCX_DEVICE")
 
 
 def get(name: str) -> Any:
@@ -110,6 +140,23 @@ def get(name: str) -> Any:
         return s.parse(raw)
     except ValueError as e:
         raise ValueError(f"hetccl: environment variable {name}={raw!r} is invalid: {e}") from None
+
+
+def ucx_tuning() -> str:
+    """HETCCL_UCX_TUNING without the keys the user sets as UCX_<KEY> in the environment (theirs
+    win), as the ucx transport's "ucx_config" option. Raises ValueError for a malformed entry."""
+    keep = []
+    value = str(get("HETCCL_UCX_TUNING")).strip()
+    if value.lower() == "none":
+        return ""
+    for item in [x.strip() for x in value.split(";") if x.strip()]:
+        key, eq, val = item.partition("=")
+        if not eq or not key.strip() or not val.strip():
+            raise ValueError(f"hetccl: HETCCL_UCX_TUNING entry {item!r} is not KEY=VALUE")
+        key = key.strip().upper().removeprefix("UCX_")
+        if ("UCX_" + key) not in os.environ:
+            keep.append(f"{key}={val.strip()}")
+    return ";".join(keep)
 
 
 def table() -> list[tuple[str, Any, bool, str]]:

@@ -48,11 +48,7 @@ def local_report() -> list[str]:
         except Exception as e:  # noqa: BLE001 - report, do not fail the doctor
             lines.append(f"device data path  : vendor runtime not usable: {e}")
     names = transport_names()
-    forced = config.get("HETCCL_TRANSPORT")
-    same = forced if forced != "auto" else "shm"
-    other = forced if forced != "auto" else "tcp"
-    lines.append(f"bridge transports : compiled {', '.join(names)}; "
-                 f"same-host peers -> {same}, other hosts -> {other}")
+    lines.extend(transport_report(kind))
     try:
         import libucx  # noqa: F401
         ucx = "libucx wheel importable"
@@ -65,6 +61,35 @@ def local_report() -> list[str]:
         mark = "*" if is_set else " "
         lines.append(f"  {mark} {name:<22} = {value!r:<12} {doc.splitlines()[0][:70]}")
     lines.append("  (* = set in the environment)")
+    return lines
+
+
+def transport_report(kind: str) -> list[str]:
+    """The capability table (csrc/*_transport.cc, most preferred first) and what a peer of this
+    build would get on this host and on another host (hetccl/transports.py)."""
+    from . import config, transports
+
+    table = transports.local_table()
+    lines = ["bridge transports (capability table, most preferred first):"]
+    for t in table:
+        reach = "+".join(w for w, ok in (("this host", t["same_host"]),
+                                         ("other hosts", t["other_host"])) if ok) or "nothing"
+        lines.append(f"  {t['name']:<4} pref {t['preference']:<3} reaches {reach:<21} memory "
+                     f"{','.join(t['memory']):<10} {t['detail']}")
+    mine = transports.publishable(table)
+    forced = config.get("HETCCL_TRANSPORT")
+    device = config.get("HETCCL_UCX_DEVICE")
+    for same in (True, False):
+        where = "peers on this host " if same else "peers on other hosts"
+        try:
+            c = transports.choose(0, 1, mine, mine, same, forced, kind, kind, device)
+            got = c.transport + (", device memory direct" if c.device_direct else
+                                 ", device data host-staged" if kind in ("cuda", "rocm") else "")
+        except ValueError as e:
+            got = f"NONE: {e}"
+        lines.append(f"  {where} -> {got}" + (" (HETCCL_EMULATE_HOSTS: every vendor group is a "
+                                                "host of its own)" if same and config.get(
+                                                    "HETCCL_EMULATE_HOSTS") else ""))
     return lines
 
 
@@ -146,7 +171,10 @@ def _rank(ctx) -> str:
     if isinstance(pg, hetccl.HetcclProcessGroup):
         topo = pg.topo
         b = pg.engine.bridge
-        peers = ", ".join(f"{p}:{b.kind_of[p]}" for p in b.peers)
+        peers = ", ".join(f"{p}:{b.choices[(ctx.rank, p)].describe()}" for p in b.peers)
+        ucx = b.info.get("ucx")
+        if ucx:
+            peers += f" [UCX_TLS={ucx['tls']}, lanes {ucx['lanes']}, resources {ucx['resources']}]"
         line = (f"rank {ctx.rank}: vendor {topo.labels[topo.my_group]} (group "
                 f"{topo.my_group}, local rank {topo.local_rank}/{topo.local_size}); "
                 f"native {'gloo' if topo.local_size > 1 else '-'}; bridge peers {peers}")

@@ -75,7 +75,8 @@ class Engine:
                 self.bridge.slot_bytes, int(config.get("HETCCL_SHM_NSLOTS")), 8,
                 tuning.HOST, tuning.DEVICE, tuning.MESSAGE,
                 int(config.get("HETCCL_CHUNK_BYTES")),
-                config.get("HETCCL_ASYNC_ERROR_HANDLING") == "abort")
+                config.get("HETCCL_ASYNC_ERROR_HANDLING") == "abort",
+                [p for p in self.bridge.peers if self.bridge.device_direct[p]])
         except BaseException:
             self.close()
             raise

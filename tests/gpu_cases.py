@@ -11,7 +11,7 @@ import torch.distributed as dist
 def run(ctx) -> dict:
     import hetccl
 
-    dev = torch.device("cuda", ctx.rank)
+    dev = torch.device("cuda", ctx.rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
                             world_size=ctx.world_size, timeout=timedelta(seconds=60))

@@ -18,7 +18,12 @@ def test_doctor_reports_vendors_and_transports(capsys):
     rc = cli.main(["doctor", "--launch", "1+1"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "bridge transports : compiled shm, tcp" in out, out
+    # the capability table (issue 18) and what a peer gets from it
+    assert "bridge transports (capability table, most preferred first):" in out, out
+    assert "shm  pref 10  reaches this host " in out and "tcp  pref 30" in out, out
+    assert "peers on this host  -> shm" in out, out
+    assert "peers on other hosts -> tcp" in out or "peers on other hosts -> ucx" in out, out
+    assert "bridge peers 1:shm" in out and "bridge peers 0:shm" in out, out
     assert "HETCCL_TRANSPORT" in out
     assert "rank 0: vendor v0" in out and "rank 1: vendor v1" in out, out
     assert out.count("all_reduce check ok") == 2, out

@@ -17,7 +17,11 @@ What is checked, on random data against references computed independently (test_
   * device plans, on the emulated device (csrc/device_ops.h: streams are host threads that run
     the enqueued waits, copies and flag writes in order): many plans issued before any stream
     work ran (issue never waits), ring wrap-around, both copy streams, message-link staging;
-    an argument mismatch found asynchronously breaks the engine and releases the streams.
+    an argument mismatch found asynchronously breaks the engine and releases the streams;
+  * the direct device path (device memory handed to a transport that takes it, UCX): the same
+    device cases with every byte going through isend_device/irecv_device (stats prove it), the
+    stream held until the data has landed, mixed host and device plans on one link, and the
+    refusals (a transport without device memory, a plan receiving into memory it sends).
 """
 from __future__ import annotations
 
@@ -42,10 +46,11 @@ COPY_SIZES = [0, 1, 4099, (1 << 20) + 3, 5 << 20]
 SHAPES = [(0, 0), (1, 0), (0, 1), (1, 1), (1000, 1001), (70_001, 69_999), (300_000, 300_001)]
 
 
-def _engine(t, rank, force_chunk=0):
+def _engine(t, rank, force_chunk=0, direct=False):
     peer = 1 - rank
     return _C.Engine({peer: t}, rank, 1, [peer], [[0], [1]], [0, 1], checks.FIELD_NAMES,
-                     1 << 20, 8, 8, tuning.HOST, tuning.DEVICE, tuning.MESSAGE, force_chunk, False)
+                     1 << 20, 8, 8, tuning.HOST, tuning.DEVICE, tuning.MESSAGE, force_chunk, False,
+                     [peer] if direct else [])
 
 
 def _post(e, items, tag, op=None, dtype="uint8", roundtrip=False, chunk=0, timeout=TIMEOUT_MS,
@@ -153,11 +158,17 @@ def _header_mismatch(e, rank, peer, tag0):
     return ("ok" if ok and bool((y == 1.0).all()) else f"text/usable wrong: {text}"), text
 
 
-def _device_cases(e, rank, peer, tag0):
-    """Device plans on the emulated device: issue many, then let the streams run."""
-    ops = _C.device_ops("emulated")
-    e.set_device_ops(ops)
-    S, Sd = ops.emulated_stream(), ops.emulated_stream()
+def _device_cases(e, rank, peer, tag0, dev=None):
+    """Device plans on the emulated device: issue many, then let the streams run. dev: the
+    (ops, S, Sd) of an earlier call on the same engine."""
+    if dev is None:
+        ops = _C.device_ops("emulated")
+        e.set_device_ops(ops)
+        S, Sd = ops.emulated_stream(), ops.emulated_stream()
+    else:
+        ops, S, Sd = dev
+    plans0 = e.stats().get("plans_device", 0)
+    checks0 = e.stats().get("checks_async", 0)
     out = {}
     sizes = [1, 4099, 3 << 20, 20 << 20]  # the last wraps the 8-slot rings several times
     xs, gots = [], []
@@ -174,14 +185,15 @@ def _device_cases(e, rank, peer, tag0):
     ops.synchronize(S)
     ops.synchronize(Sd)
     deadline = time.monotonic() + 30
-    while e.stats().get("plans_device", 0) < len(xs) and time.monotonic() < deadline:
+    while e.stats().get("plans_device", 0) < plans0 + len(xs) and time.monotonic() < deadline:
         time.sleep(0.01)
     for k, n in enumerate(sizes * 2):
         theirs = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(k * 2 + peer),
                                dtype=torch.uint8)
         out[f"device/{k}/{n}"] = "ok" if torch.equal(gots[k], theirs) else "wrong bytes"
-    out["device/async_checks"] = "ok" if e.stats().get("checks_async", 0) == len(sizes) else \
-        f"stats {e.stats()}"
+    # the first plan of each size is checked before data moves, the repeat asynchronously
+    out["device/async_checks"] = "ok" if e.stats().get("checks_async", 0) - checks0 == \
+        len(sizes) else f"stats {e.stats()}"
     return out, (ops, S, Sd)
 
 
@@ -335,3 +347,76 @@ def test_engine_failures(name, how):
         if name == "shm":  # pid liveness: noticed well within the timeout
             assert res["kind"] == "PeerFailure" and res["took"] < 2.0, res
     assert res["later"] == res["msg"], res  # the engine stays broken with the first error
+
+
+# ------------------------------------------------------------------ direct device path
+def _direct_rank(ctx, variant):
+    """The device cases over the direct path (UCX's isend_device/irecv_device; the emulated
+    device's memory is host memory, which UCX detects as such), then a host plan on the same
+    link, then the device cases again: positions and flag words stay in step across kinds."""
+    torch.set_num_threads(1)
+    st = ctx.store()
+    rank, peer = ctx.rank, 1 - ctx.rank
+    res = {}
+    t = _C.Transport("ucx", rank, 2, _opts(lanes=2))
+    _connect(t, st, "direct", rank)
+    e = _engine(t, rank, direct=True)
+    try:
+        out, dev = _device_cases(e, rank, peer, 1000)
+        res["issue_s"] = out.pop("device/issue_s")
+        res.update(out)
+        y = torch.full((100_000,), float(rank + 1))
+        e.wait(_post(e, [(peer, True, y.data_ptr(), _b(y)), (peer, False, y.data_ptr(), _b(y))],
+                     1200, op="sum", dtype="float32"))
+        res["host_between"] = "ok" if bool((y == 3.0).all()) else "wrong"
+        out2, _ = _device_cases(e, rank, peer, 1300, dev)
+        out2.pop("device/issue_s")
+        res.update({f"again/{k}": v for k, v in out2.items()})
+        res["stats"] = dict(e.stats())
+        res["async_mismatch"] = _device_async_mismatch(e, rank, peer, 1500, dev)
+    except BaseException:  # noqa: BLE001
+        res["error"] = traceback.format_exc()
+    e.close()
+    t.close()
+    return res
+
+
+@pytest.mark.skipif("ucx" not in NAMES, reason="hetccl._C built without the UCX transport")
+def test_engine_device_direct():
+    per_rank = spawn(_direct_rank, 2, args=("tcp",), env={"UCX_NET_DEVICES": "lo"}, timeout=300)
+    for r, res in enumerate(per_rank):
+        stats = res.pop("stats", {})
+        issue = res.pop("issue_s", None)
+        bad = {k: v for k, v in res.items() if v != "ok"}
+        assert not bad, f"rank {r}: " + "\n".join(f"{k}: {v}" for k, v in sorted(bad.items()))
+        # every device byte went straight to the transport; none through the staging slots
+        assert stats.get("msg_device_direct_bytes", 0) > 0, stats
+        assert stats.get("msg_device_direct_bytes_in", 0) > 0, stats
+        assert stats.get("msg_device_bytes", 0) == 0 and stats.get("msg_device_bytes_in", 0) == 0
+        assert issue is not None and issue < 5.0, issue  # issue never waited for the data
+
+
+def test_engine_direct_refusals():
+    """A direct link needs a transport that takes device memory; a direct device plan must not
+    receive into memory it sends. Both refused with errors naming what is wrong, before any data
+    moves (no peer needed)."""
+    tcp = _C.Transport("tcp", 0, 2, _opts())
+    with pytest.raises(_C.CommError, match="needs a message transport that takes device memory; "
+                                           "tcp does not"):
+        _engine(tcp, 0, direct=True)
+    tcp.close()
+    if "ucx" not in NAMES:
+        pytest.skip("hetccl._C built without the UCX transport")
+    u = _C.Transport("ucx", 0, 2, _opts())
+    assert u.device_direct
+    e = _engine(u, 0, direct=True)
+    ops = _C.device_ops("emulated")
+    e.set_device_ops(ops)
+    S = ops.emulated_stream()
+    x = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(_C.CommError, match="receives into memory it also sends"):
+        _post(e, [(1, True, x.data_ptr(), 4096), (1, False, x.data_ptr() + 1024, 1024)], 5,
+              streams=(S, S))
+    assert e.broken() == ""  # refused before anything moved: the engine is still usable
+    e.close()
+    u.close()

@@ -1,4 +1,8 @@
-"""GPU data path (runs on the GPU box; skipped with a reason on machines without 2 GPUs)."""
+"""GPU data path (runs on the GPU box; skipped with a reason on machines without a GPU).
+
+Ranks use GPU rank % device_count: on a one-GPU box both emulated vendors' processes share the
+GPU (two CUDA contexts, nothing shared between them but the device): a correctness run, not a
+placement whose speed means anything."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +14,8 @@ import gpu_cases
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs 2 CUDA GPUs (run .ci/gpu-box.sh on the GPU box)"),
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 1,
+                       reason="needs a CUDA GPU (run .ci/gpu-box.sh on the GPU box)"),
 ]
 
 

@@ -327,7 +327,9 @@ def run_scenarios(ctx, name, st):
     os.dup2(log.fileno(), 2)  # capture the core's "hetccl WARN" lines
     out = {}
     try:
-        t = _C.Transport(name, rank, 2, _opts())
+        # ucx: three lanes (workers), so every scenario also checks that FIFO per (peer, tag),
+        # the stash and truncation hold while messages rotate over lanes
+        t = _C.Transport(name, rank, 2, _opts(**({"lanes": 3} if name == "ucx" else {})))
         assert t.name == name
         addrs = _connect(t, st, name, rank)
         shm_addrs = addrs if name == "shm" else None

@@ -101,13 +101,21 @@ VICTIM = r"""
 import sys, time, numpy as np
 from hetccl import _C
 t = _C.Transport("ucx", 1, 2, {"secret": sys.argv[1]})
-sys.stdout.write(t.address().decode() + "\n"); sys.stdout.flush()
+sys.stdout.write("ADDR " + t.address().decode() + "\n"); sys.stdout.flush()
 t.connect([sys.stdin.readline().strip().encode(), b""], 20000)
 buf = np.ones(64 << 20, np.uint8)
 t.isend(0, buf.ctypes.data, buf.nbytes, 5)
-sys.stdout.write("sending\n"); sys.stdout.flush()
+sys.stdout.write("SENDING\n"); sys.stdout.flush()
 time.sleep(600)
 """
+
+
+def _line(p, prefix):
+    """The victim's next stdout line that starts with prefix (EOF: the victim died)."""
+    for line in p.stdout:
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"victim exited before printing {prefix!r}")
 
 
 def killed(ctx):
@@ -122,10 +130,11 @@ def killed(ctx):
         p = subprocess.Popen([sys.executable, "-c", VICTIM, SECRET], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
         try:
-            st.set("kill/addr1", p.stdout.readline().strip())
+            # UCX writes its own warnings to stdout (UCX_LOG_FILE): skip lines that are not ours
+            st.set("kill/addr1", _line(p, "ADDR ")[5:])
             p.stdin.write(st.get("kill/addr0").decode() + "\n")
             p.stdin.flush()
-            assert p.stdout.readline().strip() == "sending"
+            assert _line(p, "SENDING") == "SENDING"
             st.wait(["kill/posted"])
             time.sleep(0.05)
         finally:

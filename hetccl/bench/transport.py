@@ -72,6 +72,10 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
     for name in args.transports:
         st = dist.PrefixStore(f"{name}/", base)
         opts = {"secret": SECRET, "bind_addr": "127.0.0.1", "nconn": str(args.nconn)}
+        if name == "ucx":  # what the bridge runs (HETCCL_UCX_LANES, HETCCL_UCX_TUNING)
+            from hetccl import config
+            opts["lanes"] = str(args.ucx_lanes)
+            opts["ucx_config"] = config.ucx_tuning()
         if args.slot_bytes:
             opts["slot_bytes"] = str(args.slot_bytes)
         if args.nslots:
@@ -80,7 +84,8 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
         st.set(f"addr{rank}", t.address())
         addrs = [b"" if r == rank else st.get(f"addr{r}") for r in range(2)]
         t.connect(addrs, 60000)
-        label = f"tcp/{args.nconn}" if name == "tcp" else name
+        label = f"tcp/{args.nconn}" if name == "tcp" else \
+            f"ucx/{args.ucx_lanes}" if name == "ucx" else name
         tag = 0
         for size in args.sizes:
             iters = args.iters or _default_iters(size)
@@ -125,6 +130,9 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
                     best, med = max(rates), statistics.median(rates)
                     rec = {"bench": "transport", "transport": name, "nconn": args.nconn
                            if name == "tcp" else None, "mode": mode, "size": size,
+                           "ucx": {"lanes": args.ucx_lanes, **{
+                               k: v for k, v in t.info().items()
+                               if k in ("tls", "tuning", "version")}} if name == "ucx" else None,
                            "count": iters, "gbps_best": round(best, 3),
                            "gbps_median": round(med, 3), "gbps_all": [round(r, 3) for r in rates],
                            "memcpy_gbps": round(copy_ref[size], 3), "wrong": wrong,
@@ -145,7 +153,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
     parts = []
     for r in rows:
         if r["size"] == big and r["mode"] == "uni":
-            name = f"tcp/{r['nconn']}conn" if r["transport"] == "tcp" else r["transport"]
+            name = f"tcp/{r['nconn']}conn" if r["transport"] == "tcp" else \
+                f"ucx/{r['ucx']['lanes']}lanes" if r["transport"] == "ucx" else r["transport"]
             parts.append(f"{name} {r['gbps_best']:.2f} GB/s (median {r['gbps_median']:.2f})")
     ref = next(r["memcpy_gbps"] for r in rows if r["size"] == big)
     wrong = sum(r["wrong"] for r in rows)
@@ -169,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--modes", default="uni,bidir", help="comma-separated subset of uni,bidir (default: both)")
     ap.add_argument("--nconn", type=int, default=4, help="tcp connections per peer")
+    ap.add_argument("--ucx-lanes", type=int, default=None,
+                    help="UCX lanes (default: HETCCL_UCX_LANES); UCX tuning: HETCCL_UCX_TUNING")
     ap.add_argument("--slot-bytes", type=int, default=0, help="shm slot size (default 1 MiB)")
     ap.add_argument("--nslots", type=int, default=0, help="shm slots per ring (default 8)")
     ap.add_argument("--jsonl", default=None, help="append one JSON record per row to FILE")
@@ -177,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in args.transports if x not in _C.transport_names()]
     if unknown:
         ap.error(f"unknown transport(s) {unknown}; this build has {_C.transport_names()}")
+    if args.ucx_lanes is None:
+        from hetccl import config
+        args.ucx_lanes = int(config.get("HETCCL_UCX_LANES"))
     args.sizes = [parse_size(x) for x in args.sizes.split(",") if x]
     args.modes = [x for x in args.modes.split(",") if x]
     rows = spawn(_rank_main, 2, args=(args,), timeout=1800)[0]

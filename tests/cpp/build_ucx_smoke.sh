@@ -1,21 +1,13 @@
 #!/bin/sh
 # Builds tests/cpp/ucx_smoke (no Python) against the libucx wheel, or a UCX at $UCX_PREFIX.
-# Output: build/ucx_smoke. Links the core's C++ files except bindings.cc; a transport file that
-# does not exist yet is replaced by a factory that throws.
+# Output: build/ucx_smoke. Links the core's C++ files except bindings.cc, engine.cc, device_ops.cc.
 set -e
 cd "$(dirname "$0")/../.."
 UCX_PREFIX=${UCX_PREFIX:-$(python -c "import libucx, os; print(os.path.dirname(libucx.__file__))")}
 mkdir -p build
-SRCS="csrc/reduce.cc csrc/transport.cc csrc/ucx_transport.cc"
-for t in shm tcp; do
-  if [ -f csrc/${t}_transport.cc ]; then
-    SRCS="$SRCS csrc/${t}_transport.cc"
-  else
-    printf '#include "transport.h"\nnamespace hetccl { std::unique_ptr<Transport> make_%s_transport(int, int, const Options&) { throw CommError("not built"); } }\n' $t > build/stub_$t.cc
-    SRCS="$SRCS build/stub_$t.cc"
-  fi
-done
-CXX="g++ -std=c++17 -O2 -g -Wall -Wextra -Wno-unused-parameter -DHETCCL_WITH_UCX=1 -Icsrc -I$UCX_PREFIX/include"
+# Every transport file registers itself (HETCCL_REGISTER_TRANSPORT); link them all.
+SRCS="csrc/reduce.cc csrc/transport.cc $(ls csrc/*_transport.cc | tr '\n' ' ')"
+CXX="g++ -std=c++17 -O2 -g -Wall -Wextra -Wno-unused-parameter -Icsrc -I$UCX_PREFIX/include"
 OBJS=""
 mkdir -p build/obj
 for src in tests/cpp/ucx_smoke.cc $SRCS; do  # recompile only what changed (headers: csrc/*.h)

@@ -52,7 +52,7 @@ static std::vector<std::string> exchange(const std::string& name, int rank, cons
 
 static std::unique_ptr<Transport> make_pair(const std::string& name, int rank, const std::string& secret) {
   Options o{{"secret", secret}};
-  auto t = make_ucx_transport(rank, 2, o);
+  auto t = make_transport("ucx", rank, 2, o);
   t->connect(exchange(name, rank, t->address()), 10000);
   return t;
 }
@@ -224,7 +224,7 @@ static void case_trunc(int rank) {
 
 static void case_secret(int rank) {
   Options o{{"secret", rank == 0 ? "right" : "wrong"}};
-  auto t = make_ucx_transport(rank, 2, o);
+  auto t = make_transport("ucx", rank, 2, o);
   try {
     t->connect(exchange("secret", rank, t->address()), 10000);
     CHECK(false);

@@ -1,0 +1,118 @@
+"""Which bridge transport carries each cross-vendor pair, chosen from the transports' declared
+capabilities (docs/transports.md, "Choosing a transport").
+
+Each transport file in csrc/ declares what it can do next to its factory (TransportCaps in
+csrc/transport.h: reaches peers on this host / other hosts, memory it accepts, preference) and
+registers both with one line; `_C.transport_table()` lists them. This module is the one place
+that turns those tables into choices, like NCCL asking each transport's canConnect:
+
+* every rank publishes its own table (its build may differ: one rank without UCX, another
+  whose UCX handles device memory);
+* a pair (a, b) gets the transport both tables list that reaches the pair's locality, with the
+  lowest preference -- a pair's preference is the larger of its two ranks' values, ties by
+  name -- so both ends choose alike from the same two tables;
+* HETCCL_TRANSPORT=<name> forces one transport, validated for every pair (a clear error names
+  the pair it cannot serve and why);
+* device memory goes to the transport directly when both ends' tables list their own device's
+  memory type for it (UCX with cuda_copy / rocm_copy), else through the engine's host staging.
+
+Everything here is a pure function of the exchanged tables, so every rank derives the same
+matrix and raises the same error.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+#: UCX transports that move data between two devices' memories, or map another process's device
+#: memory (IPC, GDRCopy): never between emulated vendor groups on one host, whose devices a real
+#: vendor pair would not share.
+UCX_DEVICE_PATHS = ("cuda_ipc", "rocm_ipc", "gdr_copy", "rocm_gdr")
+#: UCX's shared-memory transports: removed too when hosts are emulated (HETCCL_EMULATE_HOSTS), so
+#: that the emulated hosts share only the network.
+UCX_SHM_PATHS = ("posix", "sysv", "xpmem", "cma", "knem")
+
+
+@functools.lru_cache(maxsize=1)
+def local_table() -> tuple[dict, ...]:
+    """This process's transport table, most preferred first (computed once: UCX's entry needs a
+    UCP context)."""
+    from ._core import _C
+
+    return tuple(dict(t) for t in _C.transport_table())
+
+
+def publishable(table) -> dict[str, dict]:
+    """The part of a table other ranks need, keyed by transport name (JSON-able)."""
+    return {t["name"]: {"preference": int(t["preference"]), "same_host": bool(t["same_host"]),
+                        "other_host": bool(t["other_host"]), "memory": list(t["memory"])}
+            for t in table}
+
+
+@dataclass(frozen=True)
+class Choice:
+    transport: str
+    device_direct: bool  # device memory handed to the transport (else host-staged by the engine)
+
+    def describe(self) -> str:
+        return f"{self.transport}" + (" (device memory direct)" if self.device_direct else "")
+
+
+def _where(same_host: bool) -> str:
+    return "on this host" if same_host else "on another host"
+
+
+def _preference(name: str, entry: dict, device: str) -> int:
+    """A transport's rank for the automatic choice. UCX publishes 20 (before tcp) when it brings
+    RDMA or device memory; device memory is worth nothing while the direct device path is off
+    (HETCCL_UCX_DEVICE=off, the default): staged through host memory, UCX without RDMA is UCX's
+    tcp against hetccl's striped tcp (1.5 against 4.4 GB/s at 64 MiB on the H200 box,
+    docs/benchmarks.md), so it then ranks after tcp (40). RDMA is marked in UCX's detail."""
+    if name == "ucx" and device == "off" and "(RDMA)" not in entry.get("detail", ""):
+        return max(entry["preference"], 40)
+    return entry["preference"]
+
+
+def choose(a: int, b: int, table_a: dict, table_b: dict, same_host: bool, forced: str = "auto",
+           kind_a: str = "cpu", kind_b: str = "cpu", device: str = "auto") -> Choice:
+    """Transport of the pair (a, b), symmetric in (a, table_a, kind_a) <-> (b, table_b, kind_b).
+
+    table_*: publishable() tables of the two ranks; same_host: whether the pair counts as one host
+    (shared memory possible); forced: HETCCL_TRANSPORT; kind_*: what each rank's torch drives
+    ("cuda", "rocm", "cpu"); device: HETCCL_UCX_DEVICE ("auto" or "off").
+    Raises ValueError naming the pair when no transport (or the forced one) can serve it."""
+    reach = "same_host" if same_host else "other_host"
+    if forced != "auto":
+        for r, t in ((a, table_a), (b, table_b)):
+            if forced not in t:
+                raise ValueError(
+                    f"hetccl: HETCCL_TRANSPORT={forced!r} is not available in rank {r}'s build "
+                    f"(it has: {', '.join(sorted(t)) or 'none'}); choose one every rank has, or "
+                    f"'auto'")
+        if not (table_a[forced][reach] and table_b[forced][reach]):
+            raise ValueError(
+                f"hetccl: HETCCL_TRANSPORT={forced!r} cannot reach rank {b} from rank {a}: they "
+                f"are {'on one host' if same_host else 'on different hosts'} and {forced} does "
+                f"not connect such peers; use 'auto' or a transport that reaches every pair")
+        name = forced
+    else:
+        both = [n for n in table_a if n in table_b and table_a[n][reach] and table_b[n][reach]]
+        if not both:
+            raise ValueError(
+                f"hetccl: no bridge transport reaches rank {b} from rank {a} ({_where(same_host)}): "
+                f"rank {a} has {sorted(table_a)}, rank {b} has {sorted(table_b)}")
+        name = min(both, key=lambda n: (max(_preference(n, table_a[n], device),
+                                            _preference(n, table_b[n], device)), n))
+    direct = (device != "off" and kind_a in table_a[name]["memory"]
+              and kind_b in table_b[name]["memory"])
+    return Choice(name, direct)
+
+
+def ucx_exclusions(my_host: str, peer_hosts: list[str], emulate_hosts: bool) -> list[str]:
+    """UCX transports to remove from this rank's UCX context (ucx option exclude_tls): device
+    paths whenever a UCX peer is on this very host (emulated vendors share a box; between real
+    vendors these paths could not connect anyway, so removing them costs nothing), and shared
+    memory too when hosts are emulated."""
+    if not any(h == my_host for h in peer_hosts):
+        return []
+    return list(UCX_DEVICE_PATHS) + (list(UCX_SHM_PATHS) if emulate_hosts else [])

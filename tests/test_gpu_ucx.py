@@ -1,0 +1,63 @@
+"""UCX bridge with CUDA tensors (runs on the GPU box: `.ci/gpu-box.sh ucx`; skipped with a reason
+elsewhere). Emulated vendors on emulated hosts (HETCCL_EMULATE_HOSTS=1, HETCCL_TRANSPORT=ucx):
+all collectives, 1+1 and 2+1, device memory handed to UCX directly and staged through host
+memory by the engine; the UCX context never has cuda_ipc (or any device-to-device path) or shared
+memory between the groups."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetccl import transports
+from hetccl._core import _C
+from hetccl.launch import spawn
+
+import gpu_ucx_cases
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 1,
+                       reason="needs a CUDA GPU (run .ci/gpu-box.sh ucx on the GPU box)"),
+    pytest.mark.skipif("ucx" not in _C.transport_names(),
+                       reason="hetccl._C built without UCX (carry the libucx wheel: .ci/gpu-box.sh ucx)"),
+]
+
+
+def _ucx_memory():
+    return next(t["memory"] for t in transports.local_table() if t["name"] == "ucx")
+
+
+@pytest.mark.parametrize("vendors", ["1+1", "2+1"])
+@pytest.mark.parametrize("device", [
+    # the opt-in direct path: stalled on the one-GPU H200 box (2026-12-01) when a collective's
+    # result is copied to the host at once; tests/gpu_ucx_probe.py narrows it down
+    # (docs/transports.md, "Device memory straight to UCX"). Kept running, reported as xfail.
+    pytest.param("auto", marks=pytest.mark.xfail(
+        reason="known stall of UCX's direct device path (docs/transports.md)", strict=False)),
+    "off"])
+def test_cuda_over_ucx_hosts_emulated(vendors, device):
+    if device == "auto" and "cuda" not in _ucx_memory():
+        pytest.fail(f"UCX on this box does not handle CUDA memory (memory {_ucx_memory()}): the "
+                    "direct device path cannot be tested; check the libucx wheel's cuda_copy")
+    world = sum(int(x) for x in vendors.split("+"))
+    if vendors == "2+1" and torch.cuda.device_count() < 2:
+        pytest.skip("2+1 needs 2 GPUs: the two ranks of vendor v0 would share one GPU, which NCCL "
+                    "refuses inside that vendor's group")
+    env = {"HETCCL_EMULATE_HOSTS": "1", "HETCCL_TRANSPORT": "ucx", "HETCCL_UCX_DEVICE": device,
+           "CUDA_MODULE_LOADING": "EAGER"}
+    res = spawn(gpu_ucx_cases.run, world, vendors=vendors, env=env,
+                timeout=90 if device == "auto" else 600)
+    for r, out in enumerate(res):
+        assert out["is_hetccl_group"]
+        bad = [k for k, ok in out["correct"].items() if not ok]
+        assert not bad, f"rank {r}: wrong results for {bad}"
+        assert set(out["choices"].values()) <= {"ucx", "ucx (device memory direct)"}, out["choices"]
+        assert all(out["device_direct"].values()) == (device == "auto"), out["device_direct"]
+        resources = set(out["ucx"]["resources"].split(","))
+        forbidden = set(transports.UCX_DEVICE_PATHS + transports.UCX_SHM_PATHS)
+        assert not resources & forbidden, f"UCX context has {resources & forbidden} between vendors"
+        st = out["stats"]
+        if device == "auto":  # every device byte went to UCX directly, none through staging
+            assert st.get("msg_device_direct_bytes", 0) > 0 and st.get("msg_device_bytes", 0) == 0, st
+        else:
+            assert st.get("msg_device_bytes", 0) > 0 and st.get("msg_device_direct_bytes", 0) == 0, st

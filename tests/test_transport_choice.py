@@ -1,0 +1,259 @@
+"""Transport choice as data (hetccl/transports.py over _C.transport_table()), the HETCCL_TRANSPORT
+override, and the UCX restrictions between emulated vendors (no cuda_ipc / device paths, no
+shared memory between emulated hosts), read back from UCX itself.
+
+Pure tables first (milliseconds), then UCX contexts in this process (no peer needed), then one
+2+1 group on emulated hosts over UCX end to end."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from hetccl import config, transports
+from hetccl._core import _C
+from hetccl.launch import spawn
+
+HAS_UCX = "ucx" in _C.transport_names()
+needs_ucx = pytest.mark.skipif(not HAS_UCX, reason="hetccl._C built without the UCX transport")
+
+
+def _t(pref, same=True, other=True, memory=("host",)):
+    return {"preference": pref, "same_host": same, "other_host": other, "memory": list(memory)}
+
+
+# What a CPU machine's build declares, and a GPU box whose UCX handles CUDA memory.
+CPU = {"shm": _t(10, other=False), "tcp": _t(30), "ucx": _t(40)}
+GPU = {"shm": _t(10, other=False), "tcp": _t(30), "ucx": _t(20, memory=("host", "cuda"))}
+
+
+# ------------------------------------------------------------------ the table of this build
+def test_local_table_declares_every_transport_once_in_preference_order():
+    table = transports.local_table()
+    names = [t["name"] for t in table]
+    assert sorted(names) == sorted(_C.transport_names()) and len(set(names)) == len(names)
+    prefs = [t["preference"] for t in table]
+    assert prefs == sorted(prefs)
+    by = {t["name"]: t for t in table}
+    assert by["shm"]["same_host"] and not by["shm"]["other_host"] and by["shm"]["zero_copy"]
+    assert by["tcp"]["same_host"] and by["tcp"]["other_host"] and by["tcp"]["memory"] == ["host"]
+    for t in table:
+        assert "host" in t["memory"] and t["detail"], t
+    if HAS_UCX:
+        # UCX was asked (ucp_context_query): this CPU machine has no CUDA driver, so host only,
+        # and without RDMA or device memory UCX ranks after hetccl's own tcp
+        u = by["ucx"]
+        assert u["other_host"] and u["detail"].startswith("UCX ")
+        if "cuda" not in u["memory"] and "RDMA" not in u["detail"]:
+            assert u["preference"] > by["tcp"]["preference"]
+
+
+# ------------------------------------------------------------------ choice per peer
+def test_same_host_gets_shm_other_hosts_get_the_preferred_network_transport():
+    assert transports.choose(0, 1, CPU, CPU, True) == transports.Choice("shm", False)
+    assert transports.choose(0, 1, CPU, CPU, False) == transports.Choice("tcp", False)
+    # a UCX with device memory (or RDMA) is preferred between hosts, device memory direct
+    assert transports.choose(0, 1, GPU, GPU, False, kind_a="cuda", kind_b="cuda") == \
+        transports.Choice("ucx", True)
+    # ... still shm on one host
+    assert transports.choose(0, 1, GPU, GPU, True, kind_a="cuda", kind_b="cuda").transport == "shm"
+    # HETCCL_UCX_DEVICE=off (the default): a UCX whose only edge is device memory ranks after
+    # tcp; forced, it carries device data host-staged
+    assert transports.choose(0, 1, GPU, GPU, False, kind_a="cuda", kind_b="cuda",
+                             device="off") == transports.Choice("tcp", False)
+    assert transports.choose(0, 1, GPU, GPU, False, "ucx", kind_a="cuda", kind_b="cuda",
+                             device="off") == transports.Choice("ucx", False)
+    # with RDMA it stays first
+    rdma = {**GPU, "ucx": {**GPU["ucx"], "detail": "UCX 1.22.0; transports rc_mlx5,tcp (RDMA)"}}
+    assert transports.choose(0, 1, rdma, rdma, False, kind_a="cuda", kind_b="cuda",
+                             device="off") == transports.Choice("ucx", False)
+    # a CPU rank (host tensors) never takes the direct device path
+    assert transports.choose(0, 1, GPU, GPU, False, kind_a="cpu", kind_b="cuda").device_direct \
+        is False
+
+
+def test_choice_uses_both_tables():
+    # one end has no UCX: tcp, whatever the other prefers
+    no_ucx = {k: v for k, v in GPU.items() if k != "ucx"}
+    assert transports.choose(0, 1, GPU, no_ucx, False).transport == "tcp"
+    # one end's UCX handles CUDA, the other's not: ucx is ranked by the worse of the two (40,
+    # after tcp), and device memory cannot go direct
+    assert transports.choose(0, 1, GPU, CPU, False, kind_a="cuda", kind_b="cuda") == \
+        transports.Choice("tcp", False)
+    gpu_only_ucx = {"ucx": GPU["ucx"]}
+    assert transports.choose(0, 1, gpu_only_ucx, CPU, False, kind_a="cuda", kind_b="cuda") == \
+        transports.Choice("ucx", False)
+
+
+def test_choice_is_symmetric():
+    rnd = random.Random(18)
+    names = ["shm", "tcp", "ucx", "xyz"]
+    for _ in range(300):
+        tabs = []
+        for _side in range(2):
+            tabs.append({n: _t(rnd.randint(0, 50), rnd.random() < 0.7, rnd.random() < 0.7,
+                               ("host", "cuda") if rnd.random() < 0.5 else ("host",))
+                         for n in names if rnd.random() < 0.8})
+        kinds = [rnd.choice(["cuda", "cpu"]) for _ in range(2)]
+        for same in (True, False):
+            try:
+                ab = transports.choose(0, 1, tabs[0], tabs[1], same, kind_a=kinds[0], kind_b=kinds[1])
+            except ValueError:
+                ab = "error"
+            try:
+                ba = transports.choose(1, 0, tabs[1], tabs[0], same, kind_a=kinds[1], kind_b=kinds[0])
+            except ValueError:
+                ba = "error"
+            assert ab == ba, (tabs, kinds, same)
+
+
+def test_adding_a_transport_is_a_table_row():
+    """A new transport needs no code in the chooser: a row that reaches other hosts with a
+    better preference than tcp wins there, and loses on one host to shm."""
+    rdma = {**CPU, "verbs": _t(15, same=False)}
+    assert transports.choose(0, 1, rdma, rdma, False).transport == "verbs"
+    assert transports.choose(0, 1, rdma, rdma, True).transport == "shm"
+
+
+# ------------------------------------------------------------------ the override
+def test_override_forces_one_transport():
+    assert transports.choose(0, 1, CPU, CPU, True, forced="tcp").transport == "tcp"
+    assert transports.choose(0, 1, CPU, CPU, True, forced="ucx").transport == "ucx"
+    assert transports.choose(0, 1, CPU, CPU, False, forced="ucx").transport == "ucx"
+
+
+def test_override_errors_name_what_is_wrong():
+    with pytest.raises(ValueError, match=r"HETCCL_TRANSPORT='carrier' is not available in rank 0's "
+                                         r"build \(it has: shm, tcp, ucx\)"):
+        transports.choose(0, 1, CPU, CPU, False, forced="carrier")
+    no_ucx = {k: v for k, v in CPU.items() if k != "ucx"}
+    with pytest.raises(ValueError, match=r"'ucx' is not available in rank 3's build \(it has: shm, tcp\)"):
+        transports.choose(0, 3, CPU, no_ucx, False, forced="ucx")
+    with pytest.raises(ValueError, match=r"HETCCL_TRANSPORT='shm' cannot reach rank 2 from rank 0: "
+                                         r"they are on different hosts"):
+        transports.choose(0, 2, CPU, CPU, False, forced="shm")
+    with pytest.raises(ValueError, match="no bridge transport reaches rank 1 from rank 0"):
+        transports.choose(0, 1, {"shm": CPU["shm"]}, {"shm": CPU["shm"]}, False)
+
+
+def test_unavailable_forced_transport_fails_every_rank_with_the_same_error():
+    """Through the torch face: the bridge validates every pair on every rank (no rank is left
+    waiting in connect())."""
+    res = spawn(_init_expect_error, 2, vendors="1+1", timeout=90,
+                env={"HETCCL_TRANSPORT": "shm", "HETCCL_EMULATE_HOSTS": "1"})
+    assert res[0] == res[1], res
+    assert "HETCCL_TRANSPORT='shm' cannot reach rank 1 from rank 0" in res[0], res
+
+
+def _init_expect_error(ctx):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import hetccl  # noqa: F401
+
+    try:
+        dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                                world_size=ctx.world_size, timeout=timedelta(seconds=30))
+        import torch
+        dist.all_reduce(torch.ones(1))  # multi-vendor groups build their engine lazily or here
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_ucx_exclusions():
+    assert transports.ucx_exclusions("h1", ["h2", "h3"], False) == []  # real hosts apart: nothing
+    assert transports.ucx_exclusions("h1", ["h2", "h1"], False) == list(transports.UCX_DEVICE_PATHS)
+    both = transports.ucx_exclusions("h1", ["h1"], True)
+    assert "cuda_ipc" in both and "posix" in both and "cma" in both and "tcp" not in both
+
+
+def test_ucx_tuning_leaves_user_settings_alone(monkeypatch):
+    monkeypatch.setenv("HETCCL_UCX_TUNING", "TCP_TX_SEG_SIZE=256K; UCX_TCP_RX_SEG_SIZE=1M")
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE", raising=False)
+    assert config.ucx_tuning() == "TCP_TX_SEG_SIZE=256K;TCP_RX_SEG_SIZE=1M"
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64K")  # the user's value wins
+    assert config.ucx_tuning() == "TCP_TX_SEG_SIZE=256K"
+    monkeypatch.setenv("HETCCL_UCX_TUNING", "none")
+    assert config.ucx_tuning() == ""
+    monkeypatch.setenv("HETCCL_UCX_TUNING", "TCP_TX_SEG_SIZE")
+    with pytest.raises(ValueError, match="HETCCL_UCX_TUNING entry 'TCP_TX_SEG_SIZE' is not KEY=VALUE"):
+        config.ucx_tuning()
+
+
+# ------------------------------------------------------------------ UCX restrictions, read back
+DEVICE = ",".join(transports.UCX_DEVICE_PATHS)
+HOSTS = ",".join(transports.UCX_DEVICE_PATHS + transports.UCX_SHM_PATHS)
+
+
+def _ucx_info(monkeypatch, user_tls, exclude, **opts):
+    if user_tls is None:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    else:
+        monkeypatch.setenv("UCX_TLS", user_tls)  # UCX reads it when the context is created
+    t = _C.Transport("ucx", 0, 1, {"exclude_tls": exclude, **opts})
+    try:
+        return dict(t.info())
+    finally:
+        t.close()
+
+
+@needs_ucx
+@pytest.mark.parametrize("user_tls, exclude, expect", [
+    (None, DEVICE, "^" + DEVICE),                      # unset: everything but the device paths
+    ("all", DEVICE, "^" + DEVICE),
+    ("^sm", DEVICE, "^sm," + DEVICE),                 # a deny list grows
+    ("tcp,cuda_ipc,self", DEVICE, "tcp,self"),        # an allow list shrinks, nothing else
+    ("tcp,sm,self", HOSTS, "tcp,self"),               # aliases lose the members removed
+    ("tcp,mm,cma,self", DEVICE, "tcp,mm,cma,self"),   # untouched when nothing is removed
+    ("tcp,self", "", "tcp,self"),                     # no exclusion: the user's value as it is
+])
+def test_ucx_tls_in_force_excludes_device_paths(monkeypatch, user_tls, exclude, expect):
+    info = _ucx_info(monkeypatch, user_tls, exclude)
+    assert info["tls"] == expect, info
+    for tl in info["resources"].split(","):  # what the context really has
+        assert tl not in transports.UCX_DEVICE_PATHS or not exclude, info
+        if exclude == HOSTS:
+            assert tl not in transports.UCX_SHM_PATHS, info
+
+
+@needs_ucx
+def test_ucx_tls_that_leaves_nothing_is_a_clear_error(monkeypatch):
+    with pytest.raises(_C.CommError, match=r"UCX_TLS=posix,sysv,self leaves no transport to reach "
+                                           r"a peer once .*cuda_ipc.* are removed"):
+        _ucx_info(monkeypatch, "posix,sysv,self", HOSTS)
+
+
+@needs_ucx
+def test_ucx_tuning_is_applied_and_bad_keys_are_named(monkeypatch):
+    info = _ucx_info(monkeypatch, None, "", ucx_config="TCP_TX_SEG_SIZE=256K;TCP_RX_SEG_SIZE=1M",
+                     lanes="3")
+    assert info["tuning"] == "TCP_TX_SEG_SIZE=256K;TCP_RX_SEG_SIZE=1M" and info["lanes"] == "3"
+    with pytest.raises(_C.CommError, match="UCX rejected the setting NO_SUCH_KNOB=1"):
+        _ucx_info(monkeypatch, None, "", ucx_config="NO_SUCH_KNOB=1")
+    with pytest.raises(_C.CommError, match="lanes"):
+        _ucx_info(monkeypatch, None, "", lanes="0")
+
+
+# ------------------------------------------------------------------ end to end, emulated hosts
+@needs_ucx
+def test_emulated_hosts_over_ucx_2p1():
+    """2+1 on one machine with HETCCL_EMULATE_HOSTS=1: auto picks tcp (UCX without RDMA or device
+    memory ranks after it); forced ucx gets every collective right, and the UCX context the
+    bridge created has neither device IPC nor shared memory (read back from UCX)."""
+    import gpu_ucx_cases
+
+    env = {"HETCCL_EMULATE_HOSTS": "1", "HETCCL_TRANSPORT": "ucx", "HETCCL_LOG_LEVEL": "INFO"}
+    res = spawn(gpu_ucx_cases.run, 3, args=("cpu",), vendors="2+1", env=env, timeout=240)
+    for r, out in enumerate(res):
+        bad = [k for k, v in out["correct"].items() if not v]
+        assert not bad, f"rank {r}: wrong {bad}"
+        assert set(out["choices"].values()) == {"ucx"}, out["choices"]
+        tls, resources = out["ucx"]["tls"], out["ucx"]["resources"].split(",")
+        assert tls.startswith("^") and "cuda_ipc" in tls and "posix" in tls, tls
+        assert not set(resources) & set(transports.UCX_DEVICE_PATHS + transports.UCX_SHM_PATHS)
+        assert "tcp" in resources, resources
+        assert out["stats"].get("msg_host_bytes", 0) > 0, out["stats"]
