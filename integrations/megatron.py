@@ -385,6 +385,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="override hetccl.device")
     ap.add_argument("--out", default=None, help="append one JSON row per iteration here "
                                                 "(written by the last rank)")
+    ap.add_argument("--tag", default=None, help="label written into every JSON row")
     ap.add_argument("--quiet", action="store_true", help="no iteration lines, no layout")
     ap.add_argument("--progress", action="store_true", help="a tqdm bar instead of lines")
     ap.add_argument("--any-vendors", action="store_true",
@@ -436,6 +437,7 @@ def _read(args) -> dict:
     rec = load_recipe(raw)
     if rec["name"] == "recipe":
         rec["name"] = os.path.splitext(os.path.basename(args.config))[0]
+    rec["tag"] = args.tag
     return rec
 
 

@@ -696,7 +696,9 @@ def run(rec: dict, sess, *, iters: int | None = None, out: str | None = None,
                    backend=sess.backend, device=device, world=sess.world_size,
                    tp=ps.get_tensor_model_parallel_world_size(), pp=pp, dp=dp,
                    vendors=sess.layout.vendors, placement=sess.layout.placement,
-                   megatron_core=compat.megatron_core_version(), recipe=rec["name"])
+                   megatron_core=compat.megatron_core_version(), recipe=rec["name"],
+                   tag=rec.get("tag"), slowdown=float(os.environ.get("HETCCL_SLOWDOWN", "1")),
+                   params=param_count(rec))
         if plan_report is not None and it == start_it:
             row["stage_plan"] = plan_report
         if bal is not None:
