@@ -11,7 +11,7 @@
 #   beside pp=1 data parallelism with hetccl.balance's micro-batch balancer on the same pair.
 # Part b (realistic recipe): the ~350M-parameter GPT in bf16, dp=2 over hetccl 1+1 against
 #   plain NCCL: ms per iteration, TFLOP/s per GPU, losses.
-# With one GPU, what needs two is skipped with a message; instead part a checks pp=2
+# With one GPU (or NGPU=1), what needs two is skipped with a message; instead part a checks pp=2
 # correctness with both stages' processes sharing the one GPU (even and planned splits against
 # a pp=1 single-process run: NOT a speed figure), and part b trains the recipe on the one GPU.
 #
@@ -53,7 +53,7 @@ if [ "$DEVICE" = cuda ]; then
     $PY -m pip install -q --no-build-isolation --no-deps -e . >>"$LOG" 2>&1 || log "== build FAILED"
   fi
 fi
-$PY - <<'EOF' 2>&1 | tee -a "$LOG"
+$PY -W ignore - <<'EOF' 2>&1 | tee -a "$LOG"
 import torch
 print(f"== torch {torch.__version__}, {torch.cuda.device_count()} GPUs"
       + (f": {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
@@ -66,18 +66,21 @@ EOF
 
 RECIPE=recipes/megatron/gpu_1p1_350m.yaml
 if [ "$DEVICE" = cuda ]; then
-  NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+  NGPU=${NGPU:-$($PY -c "import torch; print(torch.cuda.device_count())")}
   ITERS=${ITERS:-30}
   SIZE=()
   REF_BACKEND=nccl
+  UNEVEN='[16, 8]'
 else
-  NGPU=2                              # CPU: two processes stand for the two GPUs
+  NGPU=${NGPU:-2}                     # CPU: two processes stand for the two GPUs (NGPU=1: the
+                                      # one-GPU path)
   ITERS=${ITERS:-6}
   SIZE=(--set hetccl.device=cpu --set bf16=false --set num_layers=8 --set hidden_size=64
         --set num_attention_heads=4 --set seq_length=32 --set max_position_embeddings=32
         --set vocab_size=256 --set micro_batch_size=2 --set global_batch_size=16
         --set lr_warmup_iters=1 --set hetccl.probe_iters=3)
   REF_BACKEND=gloo
+  UNEVEN='[6, 2]'
 fi
 SLOW='hetccl.vendors=[{name: nv, gpus: 1}, {name: am, gpus: 1, slowdown: 2.0}]'
 ONE='hetccl.vendors=[{name: nv, gpus: 1}]'
@@ -112,8 +115,8 @@ a)
     PP1=(--set pipeline_model_parallel_size=2 --emulate-vendors
          --set 'hetccl.vendors=[{name: nv, gpus: 1}, {name: am, gpus: 1}]')
     train 2 a1gpu-pp2-even "${PP1[@]}" --set hetccl.stages=even
-    train 2 a1gpu-pp2-uneven "${PP1[@]}" --set 'hetccl.stages=[16, 8]'
-    train 1 a1gpu-pp1-reference --set "$ONE" --emulate-vendors --set global_batch_size=64
+    train 2 a1gpu-pp2-uneven "${PP1[@]}" --set "hetccl.stages=$UNEVEN"
+    train 1 a1gpu-pp1-reference --set "$ONE" --emulate-vendors
   fi
   ;;
 b)
