@@ -7,8 +7,9 @@
 
 `initialize` (1) reads each process's vendor label (hetccl.detect_vendor: HETCCL_VENDOR, else
 detection), (2) exchanges the labels through the launcher's TCPStore *before* any process group
-exists, (3) computes the placement (integrations/layout.py: TP/CP/EP groups and pipeline stages
-inside one vendor group, data-parallel groups across vendors), (4) calls
+exists, (3) computes the placement (integrations/layout.py: TP/CP/EP groups inside one vendor
+group, data-parallel groups across vendors, and pipeline stages across vendors only when a
+vendor group is smaller than a model replica), (4) calls
 torch.distributed.init_process_group with the *layout rank* of this process, and (5) builds
 Megatron's parallel_state on top with create_gloo_process_groups=False, so every group Megatron
 creates inherits the default backend.
@@ -18,11 +19,15 @@ torch.distributed.get_rank() (and everything Megatron derives from it) is the *l
 LOCAL_RANK still picks the device. Logs that print RANK name the launch rank; the session object
 holds both and `sess.layout.describe()` prints the mapping.
 
-The recipe runner (`hetccl megatron --config recipes/megatron/<name>.yaml`) trains a small
-megatron-core GPT. Under torchrun it uses the processes it is given; without torchrun it spawns
-the recipe's vendor groups as local processes (CPU emulation). Data-parallel replicas may run
-different numbers of micro-batches (per-vendor counts or hetccl.balance); the loss is normalised
-per token over the whole global batch, so gradients equal a single-process run's.
+The recipe runner (`hetccl megatron --config recipes/megatron/<name>.yaml`; recipes are
+Megatron-LM arguments plus a hetccl: block, integrations/megatron_recipe.py) trains a
+megatron-core GPT through megatron-core's own schedules, DDP, distributed optimizer and
+dist_checkpointing (integrations/megatron_train.py; on CPU under megatron_cpu.cuda_on_cpu()).
+Under torchrun it uses the processes it is given; without torchrun it spawns the recipe's vendor
+groups as local processes (CPU emulation). Pipeline stages may be sized by
+hetccl.balance.plan_stages; data-parallel replicas may run different numbers of micro-batches
+(per-vendor counts or hetccl.balance) with the loss normalised per token over the whole global
+batch, so gradients equal a single-process run's.
 """
 from __future__ import annotations
 
@@ -31,12 +36,10 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import math
 import operator
 import os
 import sys
-import time
 from datetime import timedelta
 from typing import Any, Sequence
 

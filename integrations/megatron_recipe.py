@@ -23,7 +23,6 @@ them).
 from __future__ import annotations
 
 import difflib
-import math
 from typing import Any
 
 __all__ = ["RecipeError", "KEYS", "HETCCL_KEYS", "VENDOR_KEYS", "load_recipe", "recipe_labels",
@@ -349,5 +348,3 @@ def param_count(rec: dict) -> int:
     out = 0 if not rec["untie_embeddings_and_output_weights"] else V * h
     return L * layer + emb + out + norm
 
-
-_ = math  # (math kept for callers computing with these numbers)

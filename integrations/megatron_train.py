@@ -180,12 +180,11 @@ def build_model(rec: dict, stage_layers: list[int] | None, device: str, layout=N
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vs)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vs)
         chunks.append(_gpt(rec, cfg, pre=pre, post=post, vp_stage=vs, tied=tied).to(device))
+    # With tied embeddings and pp > 1 the last stage's output layer is a copy of stage 0's word
+    # embedding (Megatron all-reduces it at construction and keeps the two in sync through the
+    # embedding group); deterministic_init gives both the embedding's global name, so they
+    # start equal, as Megatron's copy would make them.
     deterministic_init(chunks, rec, rec["seed"])
-    if tied and pp > 1:
-        # the last stage's output layer and the first stage's embedding are one tensor: Megatron
-        # copies stage 0's into the last stage at construction; our re-init gave both the same
-        # values (same global name), which is what that copy would give.
-        pass
     return chunks, cfg
 
 
