@@ -1,7 +1,8 @@
 """`hetccl megatron`: train a recipe through megatron-core's own training machinery.
 
 What runs is megatron-core's, not a re-implementation: ``GPTModel`` (local layer spec, no
-Transformer Engine), ``get_forward_backward_func`` (no pipelining, 1F1B, interleaved 1F1B),
+Transformer Engine), ``get_forward_backward_func`` (no pipelining, 1F1B; interleaving is wired
+but refused by the recipe check: its losses do not match pp=1 yet, see the megatron doc),
 ``megatron.core.distributed.DistributedDataParallel`` with ``finalize_model_grads``, the
 ``DistributedOptimizer`` (or Megatron's float16/fp32 optimizer wrappers) from
 ``get_megatron_optimizer``, ``OptimizerParamScheduler``, and ``dist_checkpointing`` (torch_dist
@@ -13,7 +14,7 @@ format) for save / load / resume. hetccl supplies what sits around it:
 * the layers of each pipeline stage: even, a list, or planned by
   ``hetccl.balance.plan_stages`` from per-layer forward+backward time measured on every
   stage's device and from its memory, given to megatron-core as
-  ``pipeline_model_parallel_layout`` (any split, interleaved too);
+  ``pipeline_model_parallel_layout`` (any split);
 * data-parallel micro-batches per replica (balance: none | static | auto): replicas may run
   different numbers of micro-batches; with ``calculate_per_token_loss`` Megatron's
   finalize_model_grads divides by the global token count, so the update is exact whatever the

@@ -88,6 +88,9 @@ def test_recipe_keys_are_megatron_lm_arguments_and_unknown_keys_are_named():
     assert pipeline_layers(rec) == [1, 3, 3]
     with pytest.raises(RecipeError, match="not divisible by pipeline_model_parallel_size 3"):
         pipeline_layers(load_recipe(_minimal(num_layers=4, pipeline_model_parallel_size=3)))
+    with pytest.raises(RecipeError, match="interleaved 1F1B.*not supported"):
+        load_recipe(_minimal(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2,
+                             hetccl={"vendors": [{"name": "a", "gpus": 2}]}))
     # the CLI names the bad key too, before starting anything
     from hetccl.integrations import megatron as m
     assert m.main(["--config", os.path.join(RECIPES, "cpu_2p2.yaml"), "--set", "lrr=1",
