@@ -110,3 +110,33 @@ def install_ddp_logging_name(backend_name: str) -> None:
     _get_ddp_logging_data._hetccl = True
     _get_ddp_logging_data.__doc__ = original.__doc__
     DDP._get_ddp_logging_data = _get_ddp_logging_data
+
+
+# --------------------------------------------------------------------------- megatron-core
+# megatron-core 0.16 (Python 3.11, CPU CI) and 0.19 (the GPU box) differ in ways hetccl's
+# runner meets; each difference is handled here and nowhere else:
+#
+#   what                                   0.16                      0.19
+#   get_megatron_optimizer gloo groups     asserted unless           same (argument kept)
+#                                          use_gloo_process_groups=False
+#   dist_checkpointing.save/load kwargs    common_strategy=...       no common_strategy;
+#                                                                    process_group, verify_integrity
+#   get_forward_backward_func              (pp_size, vp_size)        + schedule_pg_collection
+#
+# The runner passes only arguments both accept (use_gloo_process_groups=False, positional
+# state dict and directory), so the table is documentation until a call needs a branch;
+# `megatron_core_version()` is what rows record.
+def megatron_core_version() -> str:
+    try:
+        import megatron.core as mc
+        return str(getattr(mc, "__version__", "unknown"))
+    except ImportError:
+        return "absent"
+
+
+def megatron_core_tuple() -> tuple[int, int]:
+    v = megatron_core_version()
+    try:
+        return tuple(int(x) for x in v.split(".")[:2])  # type: ignore[return-value]
+    except ValueError:
+        return (0, 0)

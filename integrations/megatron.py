@@ -7,8 +7,9 @@
 
 `initialize` (1) reads each process's vendor label (hetccl.detect_vendor: HETCCL_VENDOR, else
 detection), (2) exchanges the labels through the launcher's TCPStore *before* any process group
-exists, (3) computes the placement (integrations/layout.py: TP/CP/EP groups and pipeline stages
-inside one vendor group, data-parallel groups across vendors), (4) calls
+exists, (3) computes the placement (integrations/layout.py: TP/CP/EP groups inside one vendor
+group, data-parallel groups across vendors, and pipeline stages across vendors only when a
+vendor group is smaller than a model replica), (4) calls
 torch.distributed.init_process_group with the *layout rank* of this process, and (5) builds
 Megatron's parallel_state on top with create_gloo_process_groups=False, so every group Megatron
 creates inherits the default backend.
@@ -18,11 +19,15 @@ torch.distributed.get_rank() (and everything Megatron derives from it) is the *l
 LOCAL_RANK still picks the device. Logs that print RANK name the launch rank; the session object
 holds both and `sess.layout.describe()` prints the mapping.
 
-The recipe runner (`hetccl megatron --config recipes/megatron/<name>.yaml`) trains a small
-megatron-core GPT. Under torchrun it uses the processes it is given; without torchrun it spawns
-the recipe's vendor groups as local processes (CPU emulation). Data-parallel replicas may run
-different numbers of micro-batches (per-vendor counts or hetccl.balance); the loss is normalised
-per token over the whole global batch, so gradients equal a single-process run's.
+The recipe runner (`hetccl megatron --config recipes/megatron/<name>.yaml`; recipes are
+Megatron-LM arguments plus a hetccl: block, integrations/megatron_recipe.py) trains a
+megatron-core GPT through megatron-core's own schedules, DDP, distributed optimizer and
+dist_checkpointing (integrations/megatron_train.py; on CPU under megatron_cpu.cuda_on_cpu()).
+Under torchrun it uses the processes it is given; without torchrun it spawns the recipe's vendor
+groups as local processes (CPU emulation). Pipeline stages may be sized by
+hetccl.balance.plan_stages; data-parallel replicas may run different numbers of micro-batches
+(per-vendor counts or hetccl.balance) with the loss normalised per token over the whole global
+batch, so gradients equal a single-process run's.
 """
 from __future__ import annotations
 
@@ -31,20 +36,18 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import math
 import operator
 import os
 import sys
-import time
 from datetime import timedelta
 from typing import Any, Sequence
 
 from .layout import DEFAULT_ORDER, Layout, LayoutError, ParallelSizes, plan_layout
 
 __all__ = ["initialize", "Session", "LayoutError", "plan_layout", "ParallelSizes",
-           "load_recipe", "train", "main", "cli_main", "BACKEND", "install_cpu_shims",
-           "seed_model_parallel_rng"]
+           "load_recipe", "RecipeError", "train", "main", "cli_main", "BACKEND",
+           "install_cpu_shims", "seed_model_parallel_rng"]
 
 # The one place that names the communication backend used by default.
 BACKEND = "hetccl"
@@ -299,77 +302,15 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | No
 
 
 # --------------------------------------------------------------------------- recipes
-_MODEL_DEFAULTS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256,
-                       seq_length=32)
-_TRAIN_DEFAULTS = dict(steps=20, micro_batch=2, global_batch=None, lr=1e-3, optimizer="adam",
-                       seed=1234, weight_decay=0.0, max_micro=64)
+# Recipes are Megatron-LM arguments plus a hetccl: block (integrations/megatron_recipe.py).
+from .megatron_recipe import RecipeError, load_recipe, recipe_labels  # noqa: E402
 
 
-def load_recipe(path_or_dict) -> dict:
-    """Read and check a recipe (see docs/integrations/megatron.md for the format)."""
-    if isinstance(path_or_dict, dict):
-        rec = dict(path_or_dict)
-    else:
-        import yaml
-        with open(path_or_dict) as f:
-            rec = yaml.safe_load(f)
-    if not isinstance(rec, dict) or "cluster" not in rec:
-        raise ValueError(f"{path_or_dict}: a recipe needs a 'cluster' section")
-    vendors = rec["cluster"].get("vendors")
-    if not vendors:
-        raise ValueError("recipe cluster.vendors: list the vendor groups "
-                         "({name, gpus, micro_batches | speed})")
-    names = [v["name"] for v in vendors]
-    if len(set(names)) != len(names):
-        raise ValueError(f"recipe cluster.vendors: duplicate names {names}")
-    for v in vendors:
-        if int(v.get("gpus", 0)) < 1:
-            raise ValueError(f"recipe vendor {v['name']}: gpus must be >= 1")
-    balance = rec["cluster"].get("balance", "static")
-    if balance not in ("static", "auto"):
-        raise ValueError(f"recipe cluster.balance must be static or auto, got {balance!r}")
-    if balance == "static" and not all("micro_batches" in v for v in vendors):
-        raise ValueError("recipe with balance: static needs micro_batches for every vendor")
-    rec["model"] = {**_MODEL_DEFAULTS, **(rec.get("model") or {})}
-    rec["parallel"] = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": None,
-                       **(rec.get("parallel") or {})}
-    rec["train"] = {**_TRAIN_DEFAULTS, **(rec.get("train") or {})}
-    rec["cluster"]["balance"] = balance
-    rec.setdefault("device", "cpu")
-    return rec
-
-
-def recipe_labels(rec: dict) -> list[str]:
-    """Vendor labels by launch rank for a local emulation of the recipe's cluster."""
-    return [v["name"] for v in rec["cluster"]["vendors"] for _ in range(int(v["gpus"]))]
-
-
-def micro_plan(rec: dict, layout: Layout):
-    """The first step's hetccl.balance.Plan over data-parallel ranks (micro-batch sizes per rank).
-
-    static: the recipe's per-vendor micro-batch count, micro_batch samples each (a replica that
-    spans vendors takes the smallest count). auto: hetccl.balance.plan_microbatches for
-    train.global_batch from the vendors' `speed` hints (default equal); the runner then lets a
-    hetccl.balance.Balancer re-plan from measured throughput."""
-    from hetccl.balance import Plan, plan_microbatches
-    by_name = {v["name"]: v for v in rec["cluster"]["vendors"]}
-    reps = layout.replica_vendors()
-    mb = int(rec["train"]["micro_batch"])
-    if rec["cluster"]["balance"] == "static":
-        per = [[mb] * min(int(by_name[v]["micro_batches"]) for v in vs) for vs in reps]
-        return Plan(per_rank=per, global_batch=sum(map(sum, per)), micro_batch=mb)
-    gb = rec["train"]["global_batch"]
-    if not gb:
-        raise ValueError("recipe with balance: auto needs train.global_batch")
-    return plan_microbatches(int(gb), replica_speeds(rec, layout), int(rec["train"]["max_micro"]),
-                             micro_batch=mb)
-
-
-def replica_speeds(rec: dict, layout: Layout) -> list[float]:
-    """Relative speed hint of each data-parallel replica: its slowest vendor's `speed`."""
-    by_name = {v["name"]: v for v in rec["cluster"]["vendors"]}
-    return [min(float(by_name[v].get("speed", 1.0)) for v in vs)
-            for vs in layout.replica_vendors()]
+def _sizes(rec: dict) -> ParallelSizes:
+    return ParallelSizes(tp=rec["tensor_model_parallel_size"],
+                         pp=rec["pipeline_model_parallel_size"],
+                         cp=rec["context_parallel_size"], ep=rec["expert_model_parallel_size"],
+                         etp=rec["expert_tensor_parallel_size"])
 
 
 # --------------------------------------------------------------------------- synthetic data
@@ -393,154 +334,36 @@ def _batch(indices: Sequence[int], seq: int, vocab: int, seed: int):
 
 
 # --------------------------------------------------------------------------- training
-def build_gpt(rec: dict, device: str):
-    """A small megatron-core GPTModel with the local (Transformer-Engine-free) layer spec,
-    initialised on CPU from the recipe seed so that any tp split starts from the same weights."""
-    import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core import parallel_state as ps
-    m = rec["model"]
-    cfg = TransformerConfig(
-        num_layers=int(m["num_layers"]), hidden_size=int(m["hidden_size"]),
-        num_attention_heads=int(m["num_attention_heads"]),
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False)
-    torch.manual_seed(int(rec["train"]["seed"]))
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=int(m["vocab_size"]), max_sequence_length=int(m["seq_length"]))
-    return model.to(device)
-
-
-def train(rec: dict, sess: Session, steps: int | None = None, out: str | None = None,
-          normalisation: str = "token") -> list[dict]:
-    """Train the recipe's GPT for `steps` steps; returns (and on rank 0 appends to `out`) one row
-    per step: loss (global per-token mean of the step's batch, before the update), step_time_s,
-    tokens, the micro-batch plan.
-
-    Each step: data-parallel rank d runs the micro-batches plan.per_rank[d] (the global batch's
-    samples dealt out in dp-rank order, plan.offsets()). The SUM of its per-token losses is
-    multiplied by hetccl.balance.token_loss_scale (dp_size / global tokens) and gradients are
-    averaged over the data-parallel group (hetccl.balance.allreduce_gradients): every parameter
-    gets sum over all tokens of d(loss_t) / global_tokens, what one process would compute,
-    however unequal the replicas' micro-batch counts. normalisation="rank_mean" (each replica
-    averages its own tokens, replicas averaged equally: the naive way) exists so that tests can
-    show the difference. With balance: auto a Balancer re-plans from measured throughput; all
-    ranks of one replica use the replica's slowest member's rate, so TP peers agree."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from hetccl.balance import Balancer, allreduce_gradients, token_loss_scale
-    from hetccl.balance.emulate import slow_down
-
-    if ps.get_pipeline_model_parallel_world_size() > 1 or ps.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("the recipe runner trains with pp=1 and cp=1 (initialize() "
-                                  "supports pp/cp layouts; see docs/integrations/megatron.md)")
-    t, m = rec["train"], rec["model"]
-    steps = int(t["steps"] if steps is None else steps)
-    dev = sess.device
-    model = build_gpt(rec, dev)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if t["optimizer"] == "sgd":
-        opt = torch.optim.SGD(params, lr=float(t["lr"]))
-    else:
-        opt = torch.optim.Adam(params, lr=float(t["lr"]), weight_decay=float(t["weight_decay"]))
-    plan = micro_plan(rec, sess.layout)
-    dp, d = sess.dp_size, sess.dp_rank
-    bal = None
-    if rec["cluster"]["balance"] == "auto":
-        bal = Balancer(plan.global_batch, int(t["max_micro"]), micro_batch=int(t["micro_batch"]),
-                       initial_speeds=replica_speeds(rec, sess.layout), rank=d, world_size=dp,
-                       threshold=float(t.get("rebalance_threshold", 0.1)))
-        plan = bal.plan
-    seq, vocab, seed = int(m["seq_length"]), int(m["vocab_size"]), int(t["seed"])
-    dp_group = sess.dp_group()
-    cdev = torch.device(dev)
-    pos = torch.arange(seq, device=dev).unsqueeze(0)
-    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=dev), diagonal=1)
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    rows, consumed = [], 0
-    for step in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        base = consumed + plan.offsets()[d]
-        micro, k = [], base
-        for size in plan.per_rank[d]:
-            micro.append(_batch(range(k, k + size), seq, vocab, seed))
-            k += size
-        local_tokens = int(sum(float(msk.sum()) for _, _, msk in micro))
-        if normalisation == "token":
-            scale = token_loss_scale(local_tokens, group=dp_group, device=cdev)
-        elif normalisation == "rank_mean":
-            scale = 1.0 / max(local_tokens, 1)
-        else:
-            raise ValueError(normalisation)
-        loss_sum = 0.0
-        with slow_down() as sd:  # HETCCL_SLOWDOWN: emulated slower vendor (1.0: no effect)
-            tc = time.perf_counter()
-            for x, y, msk in micro:
-                x, y, msk = x.to(dev), y.to(dev), msk.to(dev)
-                per_tok = model(x, pos.expand(x.shape[0], -1), causal, labels=y)  # [b, s]
-                tok_sum = (per_tok.float() * msk).sum()
-                (tok_sum * scale).backward()
-                loss_sum += float(tok_sum.detach())
-            sync()
-            compute_s = time.perf_counter() - tc
-        compute_s += sd.slept if sd.slept > 0 else 0.0
-        allreduce_gradients(params, group=dp_group)  # SUM / dp_size, one flat buffer
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        stats = torch.tensor([loss_sum, float(local_tokens)], dtype=torch.float64, device=dev)
-        dist.all_reduce(stats, group=dp_group)
-        sync()
-        dt = time.perf_counter() - t0
-        row = dict(step=step, loss=float(stats[0] / stats[1]), tokens=int(stats[1]),
-                   step_time_s=dt, micro_batches=[len(x) for x in plan.per_rank],
-                   global_batch=plan.global_batch, backend=sess.backend, device=dev,
-                   world=sess.world_size, tp=ps.get_tensor_model_parallel_world_size(), dp=dp,
-                   vendors=sess.layout.vendors, placement=sess.layout.placement)
-        consumed += plan.global_batch
-        if bal is not None:
-            # Every rank's samples/s, gathered world-wide; a replica runs at its slowest rank.
-            rate = plan.samples(d) / compute_s if compute_s > 0 and plan.samples(d) else None
-            rates: list = [None] * sess.world_size
-            dist.all_gather_object(rates, rate)
-            rep = [None] * dp
-            for r, v in enumerate(rates):
-                dr = sess.layout.dp_rank(r)
-                if v is not None:
-                    rep[dr] = v if rep[dr] is None else min(rep[dr], v)
-            if bal.update(rep):
-                plan = bal.plan
-            row["rates"] = rep
-        rows.append(row)
-        if sess.rank == 0:
-            print(f"step {step:4d}  loss {row['loss']:.5f}  {dt * 1e3:8.1f} ms  "
-                  f"tokens {row['tokens']}  micro-batches per dp rank {row['micro_batches']}",
-                  flush=True)
-            if out:
-                with open(out, "a") as f:
-                    f.write(json.dumps({**row, "recipe": rec.get("name", "")}) + "\n")
-    return rows
+def train(rec: dict, sess: Session, iters: int | None = None, out: str | None = None,
+          quiet: bool = False, progress: bool = False) -> list[dict]:
+    """Train recipe `rec` on an initialised session through megatron-core's machinery
+    (integrations/megatron_train.py: GPTModel, get_forward_backward_func, Megatron DDP and
+    optimizer, dist_checkpointing). On CPU the block runs under megatron_cpu.cuda_on_cpu()."""
+    from . import megatron_train
+    if sess.device == "cpu":
+        from .megatron_cpu import cuda_on_cpu
+        with cuda_on_cpu():
+            return megatron_train.run(rec, sess, iters=iters, out=out, quiet=quiet,
+                                      progress=progress)
+    return megatron_train.run(rec, sess, iters=iters, out=out, quiet=quiet, progress=progress)
 
 
 # --------------------------------------------------------------------------- runner
 def _run_rank(rec: dict, args: argparse.Namespace, store=None, launch_rank=None,
               world_size=None) -> list[dict]:
-    p = rec["parallel"]
-    expect = {v["name"]: int(v["gpus"]) for v in rec["cluster"]["vendors"]}
-    sess = initialize(tp=int(p["tp"]), pp=int(p["pp"]), cp=int(p["cp"]), ep=int(p["ep"]),
-                      etp=p["etp"], backend=args.backend or rec.get("backend"),
-                      device=args.device or rec["device"], store=store,
+    h = rec["hetccl"]
+    expect = {v["name"]: int(v["gpus"]) for v in h["vendors"]}
+    vpp = rec["num_virtual_stages_per_pipeline_rank"]
+    extra = {"virtual_pipeline_model_parallel_size": vpp} if vpp else {}
+    sz = _sizes(rec)
+    sess = initialize(tp=sz.tp, pp=sz.pp, cp=sz.cp, ep=sz.ep, etp=sz.etp,
+                      backend=args.backend, device=h["device"], store=store,
                       launch_rank=launch_rank, world_size=world_size,
                       expect_vendors=None if args.any_vendors else expect,
-                      seed=int(rec["train"]["seed"]), verbose=True)
+                      seed=rec["seed"], verbose=not args.quiet, **extra)
     try:
-        return train(rec, sess, steps=args.steps, out=args.out)
+        return train(rec, sess, iters=args.iters, out=args.out, quiet=args.quiet,
+                     progress=args.progress)
     finally:
         sess.destroy()
 
@@ -552,20 +375,31 @@ def _spawned(ctx, rec, args):
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetccl megatron", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="recipe YAML (recipes/megatron/*.yaml)")
-    ap.add_argument("--steps", type=int, default=None, help="override train.steps")
+    ap.add_argument("--config", required=True,
+                    help="recipe YAML: Megatron-LM arguments + a hetccl: block "
+                         "(recipes/megatron/*.yaml)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe key (YAML value), e.g. --set train_iters=5 "
+                         "--set hetccl.stages=plan; repeatable")
+    ap.add_argument("--iters", "--steps", dest="iters", type=int, default=None,
+                    help="override train_iters")
     ap.add_argument("--backend", default=None, help=f"process-group backend (default {BACKEND})")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="override device")
-    ap.add_argument("--out", default=None, help="append one JSON row per step here (rank 0)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="override hetccl.device")
+    ap.add_argument("--out", default=None, help="append one JSON row per iteration here "
+                                                "(written by the last rank)")
+    ap.add_argument("--tag", default=None, help="label written into every JSON row")
+    ap.add_argument("--quiet", action="store_true", help="no iteration lines, no layout")
+    ap.add_argument("--progress", action="store_true", help="a tqdm bar instead of lines")
     ap.add_argument("--any-vendors", action="store_true",
                     help="do not require the processes' vendor labels to match the recipe")
     ap.add_argument("--emulate-vendors", action="store_true",
-                    help="under torchrun: set HETCCL_VENDOR of launch rank i to the i-th label "
-                         "of the recipe's vendor groups (several vendors emulated on one kind "
-                         "of hardware; the hetccl backend then bridges them like real ones)")
+                    help="under torchrun: set HETCCL_VENDOR (and HETCCL_SLOWDOWN) of launch "
+                         "rank i from the recipe's vendor groups (several vendors emulated on "
+                         "one kind of hardware; the hetccl backend then bridges them)")
     ap.add_argument("--vendors", default=None, metavar="SPLIT",
                     help="EMULATION ONLY, the option `hetccl run` and `hetccl deepspeed` take: "
-                         "vendor split such as 2+2. The recipe's cluster.vendors define the "
+                         "vendor split such as 2+2. The recipe's hetccl.vendors define the "
                          "vendor groups, so SPLIT must list their sizes in order; it then "
                          "emulates them (under torchrun: as --emulate-vendors; without: the "
                          "local processes the runner starts anyway)")
@@ -575,25 +409,63 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def apply_overrides(raw: dict, sets: Sequence[str]) -> dict:
+    """--set KEY=VALUE on the raw recipe mapping (hetccl.KEY for the hetccl block; VALUE is
+    YAML). The recipe check then names unknown keys as for the file."""
+    import yaml
+    raw = dict(raw)
+    for item in sets:
+        if "=" not in item:
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE")
+        key, val = item.split("=", 1)
+        val = yaml.safe_load(val)
+        if key.startswith("hetccl."):
+            het = dict(raw.get("hetccl") or {})
+            het[key[len("hetccl."):]] = val
+            raw["hetccl"] = het
+        else:
+            raw[key] = val
+    return raw
+
+
+def _read(args) -> dict:
+    import yaml
+    with open(args.config) as f:
+        raw = yaml.safe_load(f)
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{args.config}: a recipe is a YAML mapping of Megatron-LM arguments")
+    raw = apply_overrides(raw, args.set)
+    if args.device:
+        raw["hetccl"] = {**(raw.get("hetccl") or {}), "device": args.device}
+    rec = load_recipe(raw)
+    if rec["name"] == "recipe":
+        rec["name"] = os.path.splitext(os.path.basename(args.config))[0]
+    rec["tag"] = args.tag
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    rec = load_recipe(args.config)
+    try:
+        rec = _read(args)
+    except (RecipeError, OSError) as e:
+        print(f"hetccl megatron: {e}", file=sys.stderr)
+        return 2
+    vendors = rec["hetccl"]["vendors"]
     if args.vendors is not None:
         from hetccl.run import parse_split
         try:
             split = parse_split(args.vendors)
         except argparse.ArgumentTypeError as e:
             ap.error(str(e))
-        groups = [(v["name"], int(v["gpus"])) for v in rec["cluster"]["vendors"]]
+        groups = [(v["name"], int(v["gpus"])) for v in vendors]
         if split != [n for _, n in groups]:
             ap.error(f"--vendors {args.vendors} does not match the recipe's vendor groups "
                      f"{' + '.join(f'{name}:{n}' for name, n in groups)}; the recipe's "
-                     f"cluster.vendors define the groups: edit them, or drop --vendors")
+                     f"hetccl.vendors define the groups: edit them, or drop --vendors")
         args.emulate_vendors = True
-    p = rec["parallel"]
-    sizes = ParallelSizes(tp=int(p["tp"]), pp=int(p["pp"]), cp=int(p["cp"]), ep=int(p["ep"]),
-                          etp=p["etp"])
+    sizes = _sizes(rec)
     if args.layout_only:
         try:
             print(plan_layout(recipe_labels(rec), sizes).describe())
@@ -606,24 +478,25 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"hetccl megatron: {e}", file=sys.stderr)
         return 2
+    labels = recipe_labels(rec)
+    slow = {v["name"]: str(float(v["slowdown"])) for v in vendors}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: one process per GPU
         if args.emulate_vendors:
-            labels = recipe_labels(rec)
             if len(labels) != int(os.environ["WORLD_SIZE"]):
                 print(f"hetccl megatron: the recipe has {len(labels)} GPUs, torchrun started "
                       f"{os.environ['WORLD_SIZE']} processes", file=sys.stderr)
                 return 2
-            os.environ["HETCCL_VENDOR"] = labels[int(os.environ["RANK"])]
+            me = labels[int(os.environ["RANK"])]
+            os.environ["HETCCL_VENDOR"] = me
+            os.environ.setdefault("HETCCL_SLOWDOWN", slow[me])
         _run_rank(rec, args)
         return 0
     from hetccl.launch import spawn  # no launcher: emulate the recipe's cluster locally
-    labels = recipe_labels(rec)
     try:
         plan_layout(labels, sizes)  # fail fast, before starting processes
     except LayoutError as e:
         print(f"hetccl megatron: {e}", file=sys.stderr)
         return 2
-    slow = {v["name"]: str(float(v.get("slowdown", 1.0))) for v in rec["cluster"]["vendors"]}
     spawn(_spawned, len(labels), args=(rec, args), vendors=labels, timeout=args.timeout,
           env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
           rank_env=[{"HETCCL_SLOWDOWN": slow[v]} for v in labels])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Recreates .whl/ (git-ignored): the wheels the GPU box lacks and cannot download (it has no
 # network), for its Python 3.12. Run here, on a machine with PyPI access, before a device run
-# that carries .whl (recipes/deepspeed/gpu_bench.sh, recipes/megatron/gpu_run.sh, .ci/gpu-box.sh ucx).
+# that carries .whl (recipes/deepspeed/gpu_bench.sh, recipes/megatron/gpu.sh, .ci/gpu-box.sh ucx).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

@@ -39,15 +39,62 @@ def test_missing_megatron_gives_install_hint():
 def test_recipes_load_and_place():
     from hetccl.integrations import megatron as m
     names = sorted(f for f in os.listdir(RECIPES) if f.endswith(".yaml"))
-    assert {"cpu_2p2.yaml", "gpu_1p1.yaml"} <= set(names)
+    assert {"cpu_1p1_pp2.yaml", "cpu_2p2.yaml", "cpu_2p2_auto.yaml",
+            "gpu_1p1_350m.yaml"} <= set(names)
     for n in names:
         rec = m.load_recipe(os.path.join(RECIPES, n))
-        p = rec["parallel"]
-        L = plan_layout(m.recipe_labels(rec), ParallelSizes(tp=p["tp"], pp=p["pp"], cp=p["cp"],
-                                                             ep=p["ep"], etp=p["etp"]))
-        assert L.placement == "replica", n
-    with pytest.raises(ValueError, match="micro_batches"):
-        m.load_recipe({"cluster": {"vendors": [{"name": "a", "gpus": 1}]}})
+        L = plan_layout(m.recipe_labels(rec), m._sizes(rec))
+        # pp=1 recipes keep whole replicas on a vendor; the pp=2 one puts a stage on each
+        assert L.placement == ("stage" if rec["pipeline_model_parallel_size"] > 1
+                               else "replica"), n
+    gpu = m.load_recipe(os.path.join(RECIPES, "gpu_1p1_350m.yaml"))
+    from hetccl.integrations.megatron_recipe import param_count
+    assert 300e6 <= param_count(gpu) <= 1e9          # "realistic": 350M-1B parameters
+
+
+def _minimal(**over):
+    rec = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+               micro_batch_size=2, train_iters=2, lr=0.01,
+               hetccl={"device": "cpu", "vendors": [{"name": "a", "gpus": 1}]})
+    rec.update(over)
+    return rec
+
+
+def test_recipe_keys_are_megatron_lm_arguments_and_unknown_keys_are_named():
+    from hetccl.integrations.megatron_recipe import RecipeError, load_recipe, pipeline_layers
+    rec = load_recipe(_minimal(**{"pipeline-model-parallel-size": 2}))   # dashes read as _
+    assert rec["pipeline_model_parallel_size"] == 2 and rec["use_distributed_optimizer"]
+    assert pipeline_layers(rec) == [2, 2]
+    with pytest.raises(RecipeError, match=r"unknown key 'num_layer'; did you mean num_layers"):
+        load_recipe(_minimal(num_layer=4))
+    with pytest.raises(RecipeError, match=r"hetccl: unknown key 'stage'; did you mean stages"):
+        load_recipe(_minimal(hetccl={"vendors": [{"name": "a", "gpus": 1}], "stage": "plan"}))
+    with pytest.raises(RecipeError, match=r"hetccl.vendors\[0\]: unknown key 'gpu'"):
+        load_recipe(_minimal(hetccl={"vendors": [{"name": "a", "gpu": 1}]}))
+    with pytest.raises(RecipeError, match="missing required key 'hidden_size'"):
+        load_recipe({k: v for k, v in _minimal().items() if k != "hidden_size"})
+    with pytest.raises(RecipeError, match="micro_batch_size must be int, got '2'"):
+        load_recipe(_minimal(micro_batch_size="2"))
+    with pytest.raises(RecipeError, match="missing the 'hetccl:' block"):
+        load_recipe({k: v for k, v in _minimal().items() if k != "hetccl"})
+    with pytest.raises(RecipeError, match=r"hetccl.stages \[3, 2\] sums to 5, num_layers is 4"):
+        load_recipe(_minimal(pipeline_model_parallel_size=2,
+                             hetccl={"vendors": [{"name": "a", "gpus": 2}], "stages": [3, 2]}))
+    with pytest.raises(RecipeError, match="pipeline_model_parallel_layout and hetccl.stages"):
+        load_recipe(_minimal(pipeline_model_parallel_layout="Et|ttL",
+                             hetccl={"vendors": [{"name": "a", "gpus": 2}], "stages": "plan"}))
+    rec = load_recipe(_minimal(num_layers=7, pipeline_model_parallel_size=3,
+                               decoder_first_pipeline_num_layers=1))
+    assert pipeline_layers(rec) == [1, 3, 3]
+    with pytest.raises(RecipeError, match="not divisible by pipeline_model_parallel_size 3"):
+        pipeline_layers(load_recipe(_minimal(num_layers=4, pipeline_model_parallel_size=3)))
+    with pytest.raises(RecipeError, match="interleaved 1F1B.*not supported"):
+        load_recipe(_minimal(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2,
+                             hetccl={"vendors": [{"name": "a", "gpus": 2}]}))
+    # the CLI names the bad key too, before starting anything
+    from hetccl.integrations import megatron as m
+    assert m.main(["--config", os.path.join(RECIPES, "cpu_2p2.yaml"), "--set", "lrr=1",
+                   "--layout-only"]) == 2
 
 
 @pytest.mark.parametrize("world,tp,pp,cp,ep,etp,order", [
@@ -72,109 +119,127 @@ def test_groups_equal_megatron_rank_generator(world, tp, pp, cp, ep, etp, order)
         assert ours[key] == gen.get_ranks(tok), key
 
 
-# ------------------------------------------------------------------ one 2+2 job (+ reference)
-def _job(ctx, rec, check_groups):
-    """Runs in each spawned process."""
-    import torch.distributed as dist
+# ------------------------------------------------------------------ training through megatron-core
+def _tiny(vendors, *, pp=1, tp=1, stages="even", **over):
+    rec = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+           "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
+           "vocab_size": 128, "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 4,
+           "lr": 0.01, "seed": 7, "log_interval": 100,
+           "hetccl": {"device": "cpu", "vendors": vendors, "stages": stages,
+                      "probe_iters": 3}}
+    rec.update(over)
+    return rec
+
+
+def _train_job(ctx, runs):
+    """Runs in each spawned process: one session, several trainings (run: recipe dict, env)."""
     from hetccl.integrations import megatron as m
-    from megatron.core import parallel_state as ps
-
-    p = rec["parallel"]
-    sess = m.initialize(tp=p["tp"], store=ctx.store(), launch_rank=ctx.rank,
-                        world_size=ctx.world_size, device="cpu", seed=rec["train"]["seed"])
-    out = {"rank": sess.rank, "launch_rank": sess.launch_rank, "vendor": sess.vendor}
-    if check_groups:
-        L = sess.layout
-        vend = [None] * ctx.world_size
-        dist.all_gather_object(vend, m.vendor_label())  # what each torch rank really is
-        out["vendor_of_rank"] = vend
-        out["layout_vendor_of_rank"] = L.vendor_of_rank
-        mine = {
-            "tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
-            "dp": dist.get_process_group_ranks(ps.get_data_parallel_group()),
-            "pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
-            "cp": dist.get_process_group_ranks(ps.get_context_parallel_group()),
-            "ep": dist.get_process_group_ranks(ps.get_expert_model_parallel_group()),
-            "mp": dist.get_process_group_ranks(ps.get_model_parallel_group()),
-        }
-        out["groups"] = {k: sorted(v) for k, v in mine.items()}
-        out["expected"] = {k: next(sorted(g) for g in L.groups[k] if sess.rank in g)
-                           for k in mine}
-        backends = set()
-        for g in ps._global_process_group_list or []:
-            if g is not None and dist.get_rank(g) >= 0:
-                backends.add(str(dist.get_backend(g)))
-        out["backends"] = sorted(backends)
-        out["n_groups"] = len(ps._global_process_group_list or [])
-    out["token"] = [r["loss"] for r in m.train(rec, sess, steps=rec["train"]["steps"])]
-    if check_groups:
-        out["naive"] = [r["loss"] for r in m.train(rec, sess, steps=rec["train"]["steps"],
-                                                   normalisation="rank_mean")]
+    out = []
+    rec0 = m.load_recipe(runs[0][0])
+    sess = m.initialize(tp=rec0["tensor_model_parallel_size"],
+                        pp=rec0["pipeline_model_parallel_size"], store=ctx.store(),
+                        launch_rank=ctx.rank, world_size=ctx.world_size, device="cpu",
+                        seed=rec0["seed"])
+    for raw, env in runs:
+        os.environ.update(env.get(ctx.rank, {}))
+        rec = m.load_recipe(raw)
+        out.append(m.train(rec, sess, quiet=True))
+        for k in env.get(ctx.rank, {}):
+            os.environ.pop(k, None)
+    cross = sorted(sess.layout.cross_vendor)
     sess.destroy()
-    return out
+    return {"rank": ctx.rank, "runs": out, "cross": cross}
 
 
-def _recipe(tp, vendors):
-    return {"name": "test", "device": "cpu",
-            "cluster": {"balance": "static", "vendors": vendors},
-            "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
-                      "vocab_size": 128, "seq_length": 16},
-            "parallel": {"tp": tp},
-            "train": {"steps": 3, "micro_batch": 2, "lr": 0.05, "optimizer": "sgd", "seed": 7}}
-
-
-def test_2p2_groups_and_exact_loss_vs_single_process():
+def test_pp2_across_vendors_uneven_split_matches_pp1_and_resume_reproduces(tmp_path):
+    """pp=2 with one stage per emulated vendor (activations and gradients cross the bridge) and
+    the uneven split [3, 1], through megatron-core's 1F1B schedule, Megatron DDP and the
+    distributed optimizer: losses and grad norms equal a 1-process pp=1 run's to fp32
+    tolerance. A run saved at iteration 2 (dist_checkpointing) and resumed reproduces the
+    uninterrupted run's iterations 3-4. stages: plan with the second vendor emulated 3x slower
+    gives the fast stage more layers."""
     pytest.importorskip("megatron.core")
     from hetccl.launch import spawn
-    from hetccl.integrations import megatron as m
+    two = [{"name": "v0", "gpus": 1}, {"name": "v1", "gpus": 1}]
+    ck = str(tmp_path / "ckpt")
+    runs = [(_tiny(two, pp=2, stages=[3, 1]), {}),
+            (_tiny(two, pp=2, stages=[3, 1], save=ck, exit_interval=2), {}),
+            (_tiny(two, pp=2, stages=[3, 1], load=ck), {}),
+            (_tiny(two, pp=2, stages="plan", train_iters=1), {1: {"HETCCL_SLOWDOWN": "3"}})]
+    res = spawn(_train_job, 2, args=(runs,), vendors=["v0", "v1"],
+                env={"OMP_NUM_THREADS": "1"}, timeout=400)
+    ref = spawn(_train_job, 1, args=([(_tiny([{"name": "v0", "gpus": 1}]), {})],),
+                vendors=["v0"], env={"OMP_NUM_THREADS": "1"}, timeout=300)[0]["runs"][0]
+    assert res[0]["cross"] == ["mp", "pp"]                  # the pipeline crosses vendors
+    full, first, resumed, planned = res[0]["runs"]
+    loss = lambda rows: [(r["lm_loss"], r["grad_norm"]) for r in rows]  # noqa: E731
+    assert loss(res[1]["runs"][0]) == loss(full)           # both stages report the same losses
+    assert [r["stages"] for r in full] == [[3, 1]] * 4 and ref[0]["stages"] == [4]
+    assert [r["iteration"] for r in full] == [1, 2, 3, 4]
+    for a, b in zip(full, ref):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * abs(b["lm_loss"]), (full, ref)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (full, ref)
+        assert a["consumed_samples"] == b["consumed_samples"]
+    assert full[-1]["lm_loss"] < full[0]["lm_loss"]
+    assert [r["iteration"] for r in first] == [1, 2]
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for a, b in zip(resumed, full[2:]):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-6 * abs(b["lm_loss"]), (resumed, full)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"]
+        assert a["consumed_samples"] == b["consumed_samples"]
+    # iteration 4 depends on the optimizer state restored at 2 (Adam moments and step count):
+    # a fresh optimizer would give a different loss there, so the comparison above is sharp
+    plan = planned[0]["stage_plan"]
+    assert sum(plan["planned"]) == 4 and plan["planned"][0] > plan["planned"][1], plan
+    assert plan["stage_layer_ms"][1] > 1.5 * plan["stage_layer_ms"][0], plan
 
-    env = {"OMP_NUM_THREADS": "1"}
-    rec = m.load_recipe(_recipe(2, [{"name": "v0", "gpus": 2, "micro_batches": 3},
-                                    {"name": "v1", "gpus": 2, "micro_batches": 1}]))
-    # launch ranks alternate vendors: v0 v1 v0 v1 -> the layout must permute them
-    res = spawn(_job, 4, args=(rec, True), vendors=["v0", "v1", "v0", "v1"], env=env,
-                timeout=400)
-    ref_rec = m.load_recipe(_recipe(1, [{"name": "v0", "gpus": 1, "micro_batches": 4}]))
-    ref = spawn(_job, 1, args=(ref_rec, False), vendors=["v0"], env=env, timeout=200)[0]
 
-    by_launch = {r["launch_rank"]: r for r in res}
-    assert [by_launch[l]["rank"] for l in range(4)] == [0, 2, 1, 3]
-    for r in res:
-        assert r["vendor_of_rank"] == ["v0", "v0", "v1", "v1"] == r["layout_vendor_of_rank"]
-        assert r["groups"] == r["expected"], r
-        vend = r["vendor_of_rank"]
-        assert len({vend[x] for x in r["groups"]["tp"]}) == 1          # TP inside a vendor
-        assert len({vend[x] for x in r["groups"]["dp"]}) == 2          # DP spans vendors
-        assert r["backends"] == [m.BACKEND], r["backends"]            # no gloo side groups
-        assert r["n_groups"] > 10
-    losses = res[0]["token"]
-    assert all(r["token"] == losses for r in res)  # every rank reports the same global loss
-    # Same 8 samples per step: 3+1 micro-batches over 2 replicas of tp=2 vs 4 on one process.
-    for a, b in zip(losses, ref["token"]):
-        assert abs(a - b) <= 2e-5 * abs(b), (losses, ref["token"])
-    assert losses[-1] < losses[0]
-    # The naive normalisation (each replica's own mean, replicas averaged) differs after the
-    # first update: the comparison above is sharp enough to notice a wrong gradient.
-    naive = res[0]["naive"]
-    assert abs(naive[0] - ref["token"][0]) <= 2e-5 * abs(ref["token"][0])
-    assert max(abs(a - b) for a, b in zip(naive[1:], ref["token"][1:])) > 1e-3, naive
+def test_2p2_tp2_unequal_micro_batches_exact_vs_single_process():
+    """2+2 emulated vendors, launch ranks interleaved (v0 v1 v0 v1): the layout keeps tp=2
+    inside a vendor and puts dp across; v0's replica runs 3 micro-batches, v1's 1
+    (hetccl.balance: static). With calculate_per_token_loss Megatron's finalize_model_grads
+    normalises by the global token count, so losses equal a 1-process run on the same 8 samples
+    (4 micro-batches); Megatron's per-micro-batch mean (calculate_per_token_loss: false) in the
+    same job does not (so the comparison can fail)."""
+    pytest.importorskip("megatron.core")
+    from hetccl.launch import spawn
+    vend = [{"name": "v0", "gpus": 2, "micro_batches": 3},
+            {"name": "v1", "gpus": 2, "micro_batches": 1}]
+    base = dict(tp=2, global_batch_size=None, train_iters=3)
+    exact = _tiny(vend, **base)
+    exact["hetccl"]["balance"] = "static"
+    naive = _tiny(vend, calculate_per_token_loss=False, **base)
+    naive["hetccl"]["balance"] = "static"
+    res = spawn(_train_job, 4, args=([(exact, {}), (naive, {})],),
+                vendors=["v0", "v1", "v0", "v1"], env={"OMP_NUM_THREADS": "1"}, timeout=400)
+    ref = spawn(_train_job, 1, args=([(_tiny([{"name": "v0", "gpus": 1}], train_iters=3), {})],),
+                vendors=["v0"], env={"OMP_NUM_THREADS": "1"}, timeout=300)[0]["runs"][0]
+    tok, mean = res[0]["runs"]
+    assert all([x["lm_loss"] for x in r["runs"][0]] == [x["lm_loss"] for x in tok] for r in res)
+    assert tok[0]["micro_batches"] == [3, 1] and tok[0]["global_batch"] == 8
+    assert res[0]["cross"] == ["dp", "dp_cp", "edp"]
+    for a, b in zip(tok, ref):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 2e-5 * abs(b["lm_loss"]), (tok, ref)
+    assert abs(mean[0]["lm_loss"] - ref[0]["lm_loss"]) <= 2e-5 * abs(ref[0]["lm_loss"])
+    assert max(abs(a["lm_loss"] - b["lm_loss"]) for a, b in zip(mean[1:], ref[1:])) > 1e-4, mean
 
 
 @pytest.mark.slow
 def test_recipe_runner_auto_balance(tmp_path):
     """`hetccl megatron --config cpu_2p2_auto.yaml`: v1 is emulated 3x slower; the Balancer
-    must move samples to v0 (more micro-batches on dp rank 0) while training proceeds."""
+    must move micro-batches to v0 while training proceeds through Megatron's schedule."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "rows.jsonl"
     p = subprocess.run([sys.executable, "-m", "hetccl.integrations.megatron", "--config",
-                        os.path.join(RECIPES, "cpu_2p2_auto.yaml"), "--steps", "8",
+                        os.path.join(RECIPES, "cpu_2p2_auto.yaml"), "--iters", "8",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert len(rows) == 8 and rows[0]["micro_batches"] == [4, 4]
+    assert len(rows) == 8 and rows[0]["micro_batches"] == [8, 8]
     assert rows[-1]["micro_batches"][0] > rows[-1]["micro_batches"][1], rows[-1]
-    assert all(r["global_batch"] == 16 for r in rows)
+    assert all(r["global_batch"] == 32 for r in rows)
+    assert " iteration        8/       8 | consumed samples:          256" in p.stdout
 
 
 def _pp_job(ctx):

@@ -13,6 +13,8 @@ that they finish together, and losses are scaled so that the update equals a hom
     BalancedBatchSampler per-step micro-batches of this rank following the plan
     loss_scale, micro_loss_scales, token_loss_scale, allreduce_gradients: exact gradients
     ThroughputMeter     a plain samples/s moving average (not used by the Balancer)
+    plan_stages, StageDevice, LayerMemory, StagePlan: pipeline stage planner (which layers
+                        each stage holds, from per-layer time on each stage's device and memory)
     emulate             TEST ONLY: slower devices (GPU work on CUDA, sleep on CPU)
 """
 from .memory import gather_max_micro, probe_max_micro
@@ -20,6 +22,8 @@ from .meter import Balancer, ThroughputMeter
 from .model import StepModel, StepTimeFitter, fit_line
 from .planner import Plan, equal_plan, plan_cost, plan_microbatches, split_micro
 from .sampler import BalancedBatchSampler, load, step_indices
+from .stages import (LayerMemory, StageDevice, StagePlan, StagePlanError, even_split,
+                     plan_stages)
 from .scaling import allreduce_gradients, loss_scale, micro_loss_scales, token_loss_scale
 from .timing import CudaEventTimer, ForwardTimer, HostTimer, default_timer
 
@@ -31,4 +35,5 @@ __all__ = [
     "probe_max_micro", "gather_max_micro",
     "BalancedBatchSampler", "step_indices", "load",
     "loss_scale", "micro_loss_scales", "token_loss_scale", "allreduce_gradients",
+    "plan_stages", "StageDevice", "LayerMemory", "StagePlan", "StagePlanError", "even_split",
 ]

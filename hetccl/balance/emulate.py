@@ -352,6 +352,112 @@ def slow_down_module(model, factor: float | None = None, device=None, embeddings
     return handles
 
 
+def slow_down_modules(modules, factor: float | None = None, device=None):
+    """TEST ONLY: make the forward AND backward of each module in ``modules`` ``factor`` times
+    slower (default HETCCL_SLOWDOWN; 1.0: nothing is installed). Returns the handles.
+
+    For a model cut into pieces that do not see the whole step (a pipeline stage: its input
+    arrives from another process, its output leaves to one), the slow-down is per module: a
+    forward pre/post hook pair opens and closes a slowed block around each module's forward; the
+    module's first tensor input (positional, or ``hidden_states=``) and first tensor output pass
+    through identity autograd functions, so the backward from the output's gradient to the
+    input's gradient is one slowed block too. A module whose input needs no gradient (e.g. the
+    first layer fed by integer ids) is slowed in its forward only. Blocks run one at a time (the
+    forward of a pipeline stage, then its backward, never interleaved on one rank's thread). On
+    CUDA the slow-down consumes the GPU (matrix multiplications on the same stream), on CPU it
+    sleeps (module docstring)."""
+    import torch
+    f = slowdown_factor() if factor is None else _check(factor)
+    out = _Handles()
+    out.slow = {}
+    if f == 1.0:
+        return out
+    modules = list(modules)
+    slow = out.slow
+
+    def get(which):
+        if not slow:
+            dev = device
+            if dev is None:
+                p = next((p for m in modules for p in m.parameters()), None)
+                dev = p.device if p is not None else None
+            slow["fwd"] = slow_down(f, device=dev)
+            slow["bwd"] = slow_down(f, device=dev)
+        return slow[which]
+
+    class _Mark(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, cb):
+            ctx.cb = cb
+            return x.clone()  # a view would clash with in-place ops downstream
+
+        @staticmethod
+        def backward(ctx, g):
+            ctx.cb()
+            return g, None
+
+    state = {"open": False}
+
+    def bwd_begin(work):
+        def cb():
+            if not state["open"]:
+                get("bwd").block(work).__enter__()
+                state["open"] = True
+        return cb
+
+    def bwd_end():
+        if state["open"]:
+            state["open"] = False
+            get("bwd").__exit__(None, None, None)
+
+    def first_tensor(args, kwargs):
+        x = kwargs.get("hidden_states") if kwargs else None
+        if isinstance(x, torch.Tensor):
+            return x, "kw"
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                return a, i
+        return None, None
+
+    def pre(module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        x, where = first_tensor(args, kwargs)
+        work = float(x.numel()) if x is not None and x.numel() else 1.0
+        module._hetccl_slow = {"work": work, "marked": False}
+        get("fwd").block(work).__enter__()
+        if x is not None and x.requires_grad:
+            y = _Mark.apply(x, bwd_end)
+            module._hetccl_slow["marked"] = True
+            if where == "kw":
+                kwargs = {**kwargs, "hidden_states": y}
+            else:
+                args = args[:where] + (y,) + args[where + 1:]
+            return args, kwargs
+        return None
+
+    def post(module, args, kwargs, output):
+        st = getattr(module, "_hetccl_slow", None)
+        if st is None:
+            return None
+        del module._hetccl_slow
+        get("fwd").__exit__(None, None, None)
+        if not st["marked"]:
+            return None
+        cb = bwd_begin(st["work"])
+        if isinstance(output, torch.Tensor):
+            return _Mark.apply(output, cb) if output.requires_grad else None
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor) \
+                and output[0].requires_grad:
+            return (_Mark.apply(output[0], cb),) + tuple(output[1:])
+        return None
+
+    for m in modules:
+        out.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        out.append(m.register_forward_hook(post, with_kwargs=True))
+    return out
+
+
 class _Handles(list):
     """Hook handles of slow_down_module; ``slow`` holds its forward/backward slow-downs once
     used ({"fwd": ..., "bwd": ...})."""
@@ -369,5 +475,6 @@ def emulated_work(n_samples: int, per_sample_s: float, fixed_s: float = 0.0) -> 
         time.sleep(t)
 
 
-__all__ = ["slow_down", "slow_down_module", "slowdown_factor", "emulated_work", "GpuBurner",
+__all__ = ["slow_down", "slow_down_module", "slow_down_modules", "slowdown_factor",
+           "emulated_work", "GpuBurner",
            "gpu_burner"]
