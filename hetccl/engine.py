@@ -21,6 +21,7 @@ later operations fail at once naming the first failure, never a hang. Argument e
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -59,6 +60,7 @@ class Engine:
         self.host_kernel = bool(config.get("HETCCL_HOST_KERNEL"))
         self.timeout_ms = int(timeout.total_seconds() * 1000)
         self.algo_overrides = algo_overrides()
+        self.algo_runs: collections.Counter = collections.Counter()  # EngineCtx.count
         self._checked: set[tuple] = set()  # device signatures already checked before data moved
         self._headers: dict[tuple, tuple] = {}  # call -> (header, mask, signature key, tag bits)
         self._device_ops: dict[str, Any] = {}
@@ -94,6 +96,7 @@ class Engine:
         out = dict(raw)
         for name, key in STAT_NAMES.items():
             out[name] = raw.get(key, 0)
+        out.update({f"algo_{k}": v for k, v in self.algo_runs.items()})
         return out
 
     def raise_if_broken(self) -> None:
@@ -318,7 +321,8 @@ class EngineCtx:
         for view, buf in scratch:
             reduce_into(view, buf, op)
 
-    def pair_allreduce(self, peer: int, give: torch.Tensor, keep: torch.Tensor, op: str) -> bool:
+    def pair_allreduce(self, peer: int, give: torch.Tensor, keep: torch.Tensor, op: str,
+                       phase: int = 0) -> bool:
         """Two-rank round-trip all-reduce of give|keep with `peer` (engine.h, roundtrip); False
         when it does not apply (device tensors, no zero-copy ring, a dtype without a C++ kernel,
         HETCCL_HOST_KERNEL=0) and the caller takes the general path."""
@@ -329,7 +333,7 @@ class EngineCtx:
         es = keep.element_size()
         items = [(peer, True, give.data_ptr(), give.numel() * es),
                  (peer, False, keep.data_ptr(), keep.numel() * es)]
-        self._post([i for i in items if i[3]], 0, op, self._take_header(), False,
+        self._post([i for i in items if i[3]], phase, op, self._take_header(), False,
                    dtype=keep.dtype, roundtrip=True, chunk=tuning.ROUNDTRIP_CHUNK)
         return True
 
@@ -338,6 +342,9 @@ class EngineCtx:
 
     def zero_copy(self, peers) -> bool:
         return self.engine.bridge.zero_copy(peers)
+
+    def count(self, what: str) -> None:
+        self.engine.algo_runs[what] += 1
 
     def wait_native(self, work) -> None:
         # host: blocks until the native collective is done; device: orders the current (comm)

@@ -42,19 +42,27 @@ def test_collectives(split):
 
 
 @functools.lru_cache(maxsize=None)
-def all_reduce_results(split: str, host_kernel: str) -> list[dict]:
+def all_reduce_results(split: str, host_kernel: str, algo: str = "") -> list[dict]:
     world = sum(int(x) for x in split.split("+"))
     env = dict(ENV, HETCCL_HOST_KERNEL=host_kernel)
+    if algo:
+        env["HETCCL_ALGO"] = algo
     return spawn(collective_cases.run_all_reduce, world, vendors=split, env=env, timeout=300)
 
 
-@pytest.mark.parametrize("split", ["1+1", "2+2"])
-@pytest.mark.parametrize("host_kernel", ["1", "0"])
-def test_all_reduce_host_paths(split, host_kernel):
-    """Both host paths of the two-group all-reduce (the C++ pair kernel, default, and the
-    Python chunk pipeline, HETCCL_HOST_KERNEL=0) give the reference results for every op and
-    dtype, and the one asked for is the one that ran (no silent fallback)."""
-    per_rank = all_reduce_results(split, host_kernel)
+@pytest.mark.parametrize("split,host_kernel,algo,path", [
+    ("1+1", "1", "", None), ("1+1", "0", "", None),
+    ("2+2", "1", "", "pairs"),                      # hier hands 2+2 over to pairs
+    ("2+2", "0", "", "split"),                      # no C++ round trip: pairs falls back to split
+    ("2+2", "1", "all_reduce=split", "split"),
+    ("4+4", "1", "all_reduce=pairs", "pairs"),      # three rounds (masks 0, 1, 2)
+])
+def test_all_reduce_host_paths(split, host_kernel, algo, path):
+    """The host paths of the two-group all-reduce (the C++ pair kernel, default, and the
+    Python chunk pipeline, HETCCL_HOST_KERNEL=0; for equal groups of n > 1 the pairs and split
+    algorithms) give the reference results for every op and dtype, and the one asked for is
+    the one that ran (no silent fallback)."""
+    per_rank = all_reduce_results(split, host_kernel, algo)
     bad = {f"rank {r} {case}": v for r, res in enumerate(per_rank)
            for case, v in res["results"].items() if v != "ok"}
     assert len(per_rank[0]["results"]) > 50
@@ -62,3 +70,10 @@ def test_all_reduce_host_paths(split, host_kernel):
     for r, res in enumerate(per_rank):
         used = res["stats"]["pair_kernel_bytes"]
         assert (used > 0) if host_kernel == "1" else (used == 0), (r, res["stats"])
+        runs = {k: v for k, v in res["stats"].items() if k.startswith("algo_all_reduce")}
+        if path is None:
+            assert not runs, (r, runs)
+        else:
+            other = "split" if path == "pairs" else "pairs"
+            assert runs.get(f"algo_all_reduce_{path}", 0) > 0, (r, runs)
+            assert runs.get(f"algo_all_reduce_{other}", 0) == 0, (r, runs)

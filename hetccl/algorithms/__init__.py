@@ -11,12 +11,13 @@ import math
 
 from .. import config
 from .allgather import all_gather_hier, broadcast_hier
-from .allreduce import all_reduce_flat, all_reduce_hier, all_reduce_split
+from .allreduce import all_reduce_flat, all_reduce_hier, all_reduce_pairs, all_reduce_split
 from .direct import all_to_all_direct, gather_direct, scatter_direct
 from .reducescatter import reduce_hier, reduce_scatter_hier
 
 ALGORITHMS = {
-    "all_reduce": {"hier": all_reduce_hier, "flat": all_reduce_flat, "split": all_reduce_split},
+    "all_reduce": {"hier": all_reduce_hier, "flat": all_reduce_flat, "split": all_reduce_split,
+                   "pairs": all_reduce_pairs},
     "all_gather": {"hier": all_gather_hier},
     "reduce_scatter": {"hier": reduce_scatter_hier},
     "broadcast": {"hier": broadcast_hier},

@@ -8,11 +8,23 @@ bytes each way (G groups, N bytes, n_g ranks in its group): the minimum for G = 
 all ranks, no leader. With G > 2 the same range goes to several groups while received data is
 reduced into it: the engine lets no reduction touch a range before every send of it has left.
 
+pairs (host memory, two vendor groups of equal size n = 2^m, peers on shared memory; hier
+hands over to it when n = 2): m + 1 rounds of the two-rank round trip on the whole buffer, no
+native step. Round 0 pairs rank i of each group with rank i of the other, so both hold their
+pair's sum; round k >= 1 pairs rank i with rank i XOR 2^(k-1) of the other group, whose value is
+the sum over the neighbouring block of pairs, so after round k every rank holds the sum over
+2^k pairs. Each rank moves (m + 1) N through the bridge and none through the native library:
+on one host the shared-memory round trip beats gloo over TCP loopback (2+2 on the 2-core
+machine: 1.2-1.3x gloo at 16 MiB where split gives 0.9x, docs/benchmarks.md). Every partial
+sum is computed once per chunk and copied to both partners, and a + b == b + a in IEEE
+arithmetic, so all ranks end bit-identical. Not for GPUs (there the native library is the fast
+path and the bridge the slow one).
+
 flat: native all-reduce inside each group, then rank i of group g exchanges the whole buffer
 with rank i mod n_h of every other group h (and answers every rank j of h with j mod n_g = i).
 Two latency steps instead of three: used for small messages, where latency dominates.
 
-split (host memory, two vendor groups of equal size n > 1, peers on shared memory; hier hands
+split (host memory, two vendor groups of equal size n > 2, peers on shared memory; hier hands
 over to it then): 1) rank i of each group and rank i of the other run the two-rank round trip
 on the whole buffer (both then hold their pair's sum); 2) each group's native library
 all-reduces one half of the buffer -- group 0 the first half, group 1 the second -- so each
@@ -35,6 +47,9 @@ def all_reduce_hier(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     topo = ctx.topo
     n = x.numel()
     ng, li = topo.local_size, topo.local_rank
+    if _split_applies(ctx, x) and topo.local_size == 2 and _pairs_applies(ctx, x):
+        all_reduce_pairs(ctx, x, op)  # measured faster than split only for n = 2 so far
+        return
     if _split_applies(ctx, x):
         all_reduce_split(ctx, x, op)
         return
@@ -106,6 +121,41 @@ def _split_applies(ctx: CollCtx, x: torch.Tensor) -> bool:
             and ctx.zero_copy([topo.groups[1 - topo.my_group][topo.local_rank]]))
 
 
+def _pair_masks(n: int) -> list[int]:
+    return [0] + [1 << k for k in range(n.bit_length() - 1)]
+
+
+def _pairs_applies(ctx: CollCtx, x: torch.Tensor) -> bool:
+    """As _split_applies (every rank decides alike), with n a power of two, one phase per round
+    (tags.PHASES), and every round's partner on a zero-copy link."""
+    topo = ctx.topo
+    n = topo.local_size
+    if not _split_applies(ctx, x) or n & (n - 1) or len(_pair_masks(n)) > 6:
+        return False
+    other = topo.groups[1 - topo.my_group]
+    return ctx.zero_copy([other[topo.local_rank ^ m] for m in _pair_masks(n)])
+
+
+def all_reduce_pairs(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
+    topo = ctx.topo
+    if not _pairs_applies(ctx, x):
+        all_reduce_hier(ctx, x, op)
+        return
+    g, li, n = topo.my_group, topo.local_rank, x.numel()
+    mid = n // 2
+    for phase, m in enumerate(_pair_masks(topo.local_size)):
+        peer = topo.groups[1 - g][li ^ m]
+        # the lower rank keeps (reduces) the lower half, as in split
+        own, other = ((0, mid), (mid, n)) if topo.rank < peer else ((mid, n), (0, mid))
+        if not ctx.pair_allreduce(peer, x[other[0]:other[1]], x[own[0]:own[1]], op, phase=phase):
+            # no C++ round trip for this dtype or HETCCL_HOST_KERNEL=0: equal on every rank,
+            # so every rank leaves here in round 0, before anything was posted
+            assert phase == 0, "the round trip applied in round 0 but not later"
+            all_reduce_split(ctx, x, op)
+            return
+    ctx.count("all_reduce_pairs")
+
+
 def all_reduce_split(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     topo = ctx.topo
     g, li = topo.my_group, topo.local_rank
@@ -125,6 +175,7 @@ def all_reduce_split(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     # 3. swap halves with the pair
     olo, ohi = (mid, n) if g == 0 else (0, mid)
     transfer(ctx, 2, [(peer, lo, hi, x[lo:hi])], [(peer, olo, ohi, x[olo:ohi])])
+    ctx.count("all_reduce_split")
 
 
 def all_reduce_flat(ctx: CollCtx, x: torch.Tensor, op: str) -> None:

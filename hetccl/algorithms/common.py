@@ -31,6 +31,8 @@ class CollCtx(Protocol):
     def zero_copy(self, peers) -> bool: ...
     def wait_native(self, work) -> None: ...
 
+    def count(self, what: str) -> None: ...  # one run of a named path (engine stats "algo_<what>")
+
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[:] = src. Contiguous host tensors are copied with one memmove on this thread (GIL
