@@ -633,6 +633,7 @@ class UcxTransport final : public Transport {
     check_tag(tag);
     auto req = std::make_shared<Request>(peer, tag, nbytes);
     std::lock_guard<std::mutex> g(mu_);
+    if (device) check_bound_locked();
     Peer& pr = peer_locked(peer);
     const uint64_t utag = make_tag(uint64_t(peer), tag, device);
     const int lane = next_lane_locked(recv_seq_, peer, tag, device);
@@ -652,6 +653,7 @@ class UcxTransport final : public Transport {
     check_tag(tag);
     auto req = std::make_shared<Request>(peer, tag, nbytes);
     std::lock_guard<std::mutex> g(mu_);
+    if (device) check_bound_locked();
     Peer& pr = peer_locked(peer);
     if (pr.failed) {
       req->fail(Request::ErrorKind::Peer, pr.reason);
@@ -673,15 +675,14 @@ class UcxTransport final : public Transport {
   // its irecv_device (transport.h states that weaker contract).
   bool device_direct() const override { return true; }
   RequestPtr isend_device(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
-    check_bound();
     return post_send(peer, buf, nbytes, tag, true);
   }
   RequestPtr irecv_device(int peer, void* buf, size_t nbytes, uint64_t tag) override {
-    check_bound();
     return post_receive(peer, nbytes, tag, OpKind::Recv, true, [&](Op* op) { op->buf = buf; });
   }
-  void check_bound() {
-    std::lock_guard<std::mutex> g(mu_);
+  // Device posts fail once the progress thread could not make the device context current
+  // (bind_device); under mu_.
+  void check_bound_locked() const {
     if (!bind_error_.empty())
       throw CommError("hetccl ucx: the progress thread could not make the device context current: " +
                       bind_error_);

@@ -17,17 +17,21 @@ def _cost(n, s, m, o):
     return n / s + o * math.ceil(n / m)
 
 
+def allocations(B, W):
+    """Every split of B samples over W ranks (n_r >= 0, sum = B)."""
+    for head in itertools.product(range(B + 1), repeat=W - 1):
+        last = B - sum(head)
+        if last >= 0:
+            yield list(head) + [last]
+
+
 def brute_force(B, speeds, caps, micro_batch=None, overhead=None):
     """min over all allocations (n_r >= 0, sum = B) of max_r cost_r(n_r)."""
     W = len(speeds)
     overhead = overhead or [0.0] * W
     m = [micro_batch if micro_batch is not None and c > 0 else c for c in caps]
     best = math.inf
-    for head in itertools.product(range(B + 1), repeat=W - 1):
-        last = B - sum(head)
-        if last < 0:
-            continue
-        alloc = list(head) + [last]
+    for alloc in allocations(B, W):
         best = min(best, max(_cost(n, speeds[r], m[r], overhead[r]) for r, n in enumerate(alloc)))
     return best
 
@@ -182,11 +186,7 @@ def brute_force2(B, per_sample, fixed, caps, overhead, k, min_samples, bounds=No
     if B == 0:
         return 0.0
     best = math.inf
-    for head in itertools.product(range(B + 1), repeat=W - 1):
-        last = B - sum(head)
-        if last < 0:
-            continue
-        alloc = list(head) + [last]
+    for alloc in allocations(B, W):
         cost = 0.0
         for r, n in enumerate(alloc):
             usable = math.isfinite(per_sample[r]) and caps[r] > 0

@@ -47,8 +47,8 @@ def all_reduce_hier(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     topo = ctx.topo
     n = x.numel()
     ng, li = topo.local_size, topo.local_rank
-    if _split_applies(ctx, x) and topo.local_size == 2 and _pairs_applies(ctx, x):
-        all_reduce_pairs(ctx, x, op)  # measured faster than split only for n = 2 so far
+    if topo.local_size == 2 and _pairs_applies(ctx, x):
+        _pairs(ctx, x, op)  # measured faster than split only for n = 2 so far
         return
     if _split_applies(ctx, x):
         all_reduce_split(ctx, x, op)
@@ -137,10 +137,15 @@ def _pairs_applies(ctx: CollCtx, x: torch.Tensor) -> bool:
 
 
 def all_reduce_pairs(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
-    topo = ctx.topo
-    if not _pairs_applies(ctx, x):
+    if _pairs_applies(ctx, x):
+        _pairs(ctx, x, op)
+    else:
         all_reduce_hier(ctx, x, op)
-        return
+
+
+def _pairs(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
+    """pairs where _pairs_applies holds."""
+    topo = ctx.topo
     g, li, n = topo.my_group, topo.local_rank, x.numel()
     mid = n // 2
     for phase, m in enumerate(_pair_masks(topo.local_size)):

@@ -247,6 +247,49 @@ def slow_down(fn_or_factor: Callable | float | None = None, factor: float | None
     return _SlowDown(f)
 
 
+@functools.lru_cache(maxsize=1)
+def _mark():
+    """An identity autograd function whose backward calls ``cb`` first: where a slowed backward
+    block opens or closes. It clones (a view would clash with in-place ops downstream)."""
+    import torch
+
+    class _Mark(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, cb):
+            ctx.cb = cb
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            ctx.cb()
+            return g, None
+    return _Mark
+
+
+def _lazy_slow(slow: dict, f_fwd: float, f_bwd: float, device, params: Callable):
+    """get("fwd" | "bwd"): the forward / backward slow-downs, created in ``slow`` on first use,
+    on ``device`` or that of the first parameter ``params()`` yields (the model may move to
+    its device after the hooks are installed); and a callback closing an open backward block
+    (``state["open"]``)."""
+    state = {"open": False}
+
+    def get(which):
+        if not slow:
+            dev = device
+            if dev is None:
+                p = next(params(), None)
+                dev = p.device if p is not None else None
+            slow["fwd"] = slow_down(f_fwd, device=dev)
+            slow["bwd"] = slow_down(f_bwd, device=dev)
+        return slow[which]
+
+    def bwd_end():
+        if state["open"]:
+            state["open"] = False
+            get("bwd").__exit__(None, None, None)
+    return get, state, bwd_end
+
+
 def _work_of(args, kwargs) -> float:
     import torch
     x = kwargs.get("input_ids") if kwargs else None
@@ -280,40 +323,15 @@ def slow_down_module(model, factor: float | None = None, device=None, embeddings
         except (NotImplementedError, AttributeError):
             embeddings = None
     f_fwd = f if embeddings is not None else 1.0 + 3.0 * (f - 1.0)
-    state = {"work": 1.0, "open": False}
     slow = {}
-
-    def get(which):
-        # created on first use: the model may move to its device after this call
-        if not slow:
-            dev = device
-            if dev is None:
-                p = next(model.parameters(), None)
-                dev = p.device if p is not None else None
-            slow["fwd"] = slow_down(f_fwd, device=dev)
-            slow["bwd"] = slow_down(f, device=dev)
-        return slow[which]
-
-    class _Mark(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, cb):
-            ctx.cb = cb
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            ctx.cb()
-            return g, None
+    get, state, bwd_end = _lazy_slow(slow, f_fwd, f, device, model.parameters)
+    state["work"] = 1.0
+    _Mark = _mark()
 
     def bwd_begin():
         if not state["open"]:
             get("bwd").block(state["work"]).__enter__()
             state["open"] = True
-
-    def bwd_end():
-        if state["open"]:
-            state["open"] = False
-            get("bwd").__exit__(None, None, None)
 
     def pre(module, args, kwargs):
         if module.training and torch.is_grad_enabled():
@@ -373,30 +391,9 @@ def slow_down_modules(modules, factor: float | None = None, device=None):
     if f == 1.0:
         return out
     modules = list(modules)
-    slow = out.slow
-
-    def get(which):
-        if not slow:
-            dev = device
-            if dev is None:
-                p = next((p for m in modules for p in m.parameters()), None)
-                dev = p.device if p is not None else None
-            slow["fwd"] = slow_down(f, device=dev)
-            slow["bwd"] = slow_down(f, device=dev)
-        return slow[which]
-
-    class _Mark(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, cb):
-            ctx.cb = cb
-            return x.clone()  # a view would clash with in-place ops downstream
-
-        @staticmethod
-        def backward(ctx, g):
-            ctx.cb()
-            return g, None
-
-    state = {"open": False}
+    get, state, bwd_end = _lazy_slow(out.slow, f, f, device,
+                                     lambda: (p for m in modules for p in m.parameters()))
+    _Mark = _mark()
 
     def bwd_begin(work):
         def cb():
@@ -404,11 +401,6 @@ def slow_down_modules(modules, factor: float | None = None, device=None):
                 get("bwd").block(work).__enter__()
                 state["open"] = True
         return cb
-
-    def bwd_end():
-        if state["open"]:
-            state["open"] = False
-            get("bwd").__exit__(None, None, None)
 
     def first_tensor(args, kwargs):
         x = kwargs.get("hidden_states") if kwargs else None

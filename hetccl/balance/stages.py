@@ -198,19 +198,21 @@ def stage_times(layers: Sequence[int], devices: Sequence[StageDevice]) -> list[f
     return out
 
 
+def _stage_bytes(s: int, n: int, p: int, m: int, v: int, mem: LayerMemory) -> float:
+    """mem_s of stage s of p holding n layers (module docstring)."""
+    a = inflight(s, p, m, v)
+    b = n * (mem.static + a * mem.activation)
+    if s == 0:
+        b += mem.first_static + a * mem.first_activation
+    if s == p - 1:
+        b += mem.last_static + a * mem.last_activation
+    return b
+
+
 def stage_memory(layers: Sequence[int], m: int, mem: LayerMemory, v: int = 1) -> list[float]:
     """mem_s of a split (module docstring)."""
     p = len(layers)
-    out = []
-    for s, n in enumerate(layers):
-        a = inflight(s, p, m, v)
-        b = n * (mem.static + a * mem.activation)
-        if s == 0:
-            b += mem.first_static + a * mem.first_activation
-        if s == p - 1:
-            b += mem.last_static + a * mem.last_activation
-        out.append(b)
-    return out
+    return [_stage_bytes(s, n, p, m, v, mem) for s, n in enumerate(layers)]
 
 
 def evaluate(layers: Sequence[int], devices: Sequence[StageDevice], micro_batches: int, *,
@@ -229,13 +231,7 @@ def evaluate(layers: Sequence[int], devices: Sequence[StageDevice], micro_batche
 def _fits(s: int, n: int, p: int, m: int, v: int, mem: LayerMemory, cap: float) -> bool:
     if math.isinf(cap):
         return True
-    a = inflight(s, p, m, v)
-    b = n * (mem.static + a * mem.activation)
-    if s == 0:
-        b += mem.first_static + a * mem.first_activation
-    if s == p - 1:
-        b += mem.last_static + a * mem.last_activation
-    return b <= cap * (1 + 1e-12)
+    return _stage_bytes(s, n, p, m, v, mem) <= cap * (1 + 1e-12)
 
 
 def _gib(x: float) -> str:
