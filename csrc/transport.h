@@ -276,6 +276,7 @@ struct TransportCaps {
   // to use it in this process).
   std::vector<std::string> memory{"host"};
   bool zero_copy = false;   // has the zero-copy ring (zc_* below)
+  bool rdma = false;        // reaches other hosts over RDMA (rc, dc, ud, ...)
   std::string detail;       // one line for `hetccl doctor` (library version, devices, ...)
 };
 using CapsFn = TransportCaps (*)();

@@ -1384,6 +1384,7 @@ TransportCaps ucx_caps() {
   for (auto& t : tl)
     for (const char* p : {"rc", "dc", "ud", "srd", "gga"})
       rdma = rdma || t.compare(0, std::strlen(p), p) == 0;
+  c.rdma = rdma;
   if (rdma || c.memory.size() > 1) c.preference = 20;
   c.detail = std::string("UCX ") + ucp_get_version_string() + "; UCX_TLS=" + tls +
              "; transports " + join(tl) + (rdma ? " (RDMA)" : "");

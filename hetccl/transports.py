@@ -45,7 +45,8 @@ def local_table() -> tuple[dict, ...]:
 def publishable(table) -> dict[str, dict]:
     """The part of a table other ranks need, keyed by transport name (JSON-able)."""
     return {t["name"]: {"preference": int(t["preference"]), "same_host": bool(t["same_host"]),
-                        "other_host": bool(t["other_host"]), "memory": list(t["memory"])}
+                        "other_host": bool(t["other_host"]), "memory": list(t["memory"]),
+                        "rdma": bool(t.get("rdma", False))}
             for t in table}
 
 
@@ -67,8 +68,8 @@ def _preference(name: str, entry: dict, device: str) -> int:
     RDMA or device memory; device memory is worth nothing while the direct device path is off
     (HETCCL_UCX_DEVICE=off, the default): staged through host memory, UCX without RDMA is UCX's
     tcp against hetccl's striped tcp (1.5 against 4.4 GB/s at 64 MiB on the H200 box,
-    docs/benchmarks.md), so it then ranks after tcp (40). RDMA is marked in UCX's detail."""
-    if name == "ucx" and device == "off" and "(RDMA)" not in entry.get("detail", ""):
+    docs/benchmarks.md), so it then ranks after tcp (40). ``entry``: a publishable() entry."""
+    if name == "ucx" and device == "off" and not entry.get("rdma", False):
         return max(entry["preference"], 40)
     return entry["preference"]
 

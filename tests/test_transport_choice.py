@@ -49,6 +49,25 @@ def test_local_table_declares_every_transport_once_in_preference_order():
             assert u["preference"] > by["tcp"]["preference"]
 
 
+def test_published_table_carries_what_the_choice_reads():
+    """Other ranks see only publishable(): RDMA (which keeps UCX before tcp while the direct
+    device path is off) must survive it, as the fields choose() reads."""
+    local = transports.local_table()
+    pub = transports.publishable(local)
+    for t in local:
+        assert pub[t["name"]]["rdma"] == t["rdma"] and isinstance(t["rdma"], bool), t
+    ucx_rdma = {"name": "ucx", "preference": 20, "same_host": True, "other_host": True,
+                "memory": ["host", "cuda"], "rdma": True, "detail": "x"}
+    tcp = {"name": "tcp", "preference": 30, "same_host": True, "other_host": True,
+           "memory": ["host"], "rdma": False, "detail": "y"}
+    both = transports.publishable([ucx_rdma, tcp])
+    assert transports.choose(0, 1, both, both, False, kind_a="cuda", kind_b="cuda",
+                             device="off") == transports.Choice("ucx", False)
+    no_rdma = transports.publishable([{**ucx_rdma, "rdma": False}, tcp])
+    assert transports.choose(0, 1, no_rdma, no_rdma, False, kind_a="cuda", kind_b="cuda",
+                             device="off") == transports.Choice("tcp", False)
+
+
 # ------------------------------------------------------------------ choice per peer
 def test_same_host_gets_shm_other_hosts_get_the_preferred_network_transport():
     assert transports.choose(0, 1, CPU, CPU, True) == transports.Choice("shm", False)
@@ -65,7 +84,7 @@ def test_same_host_gets_shm_other_hosts_get_the_preferred_network_transport():
     assert transports.choose(0, 1, GPU, GPU, False, "ucx", kind_a="cuda", kind_b="cuda",
                              device="off") == transports.Choice("ucx", False)
     # with RDMA it stays first
-    rdma = {**GPU, "ucx": {**GPU["ucx"], "detail": "UCX 1.22.0; transports rc_mlx5,tcp (RDMA)"}}
+    rdma = {**GPU, "ucx": {**GPU["ucx"], "rdma": True}}
     assert transports.choose(0, 1, rdma, rdma, False, kind_a="cuda", kind_b="cuda",
                              device="off") == transports.Choice("ucx", False)
     # a CPU rank (host tensors) never takes the direct device path
