@@ -21,11 +21,13 @@ later operations fail at once naming the first failure, never a hang. Argument e
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import queue
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -43,6 +45,34 @@ log = logging.getLogger("hetccl")
 
 # Stats of the C++ engine under the names tests and `hetccl doctor` read.
 STAT_NAMES = {"zero_copy_bytes": "zc_device_bytes", "pair_kernel_bytes": "roundtrip_bytes"}
+
+
+# Every engine still open. At interpreter exit they are closed from an atexit hook, that is
+# before Python starts finalizing. Contract: once Python finalizes, no hetccl thread may be
+# inside C++ code that re-takes the GIL. A thread that tries to take the GIL during
+# finalization is ended with pthread_exit (Python 3.11), and that forced unwind aborts the
+# process ("terminate called without an active exception") if it passes a noexcept frame.
+# torch's Future.set_result releases and re-takes the GIL in such a frame, so a worker that
+# just completed the last Work of a script (whose main thread woke and ran to the end at
+# once) killed the process at exit. Closing here lets the worker finish its item, see the
+# stop marker and end while the GIL can still be taken.
+_LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _close_all_at_exit() -> None:
+    for e in list(_LIVE):
+        try:
+            e.close()
+        except Exception:  # noqa: BLE001 - best effort at exit; the process is ending
+            pass
+    # the any-source receive threads (backend._PostedRecv) wait inside torch's Work.wait, which
+    # re-takes the GIL the same way; closing the native groups above ended their waits
+    for t in threading.enumerate():
+        if t.name.startswith("hetccl-recv-any-") and t is not threading.current_thread():
+            t.join(timeout=2)
+
+
+atexit.register(_close_all_at_exit)
 
 
 class Engine:
@@ -88,6 +118,7 @@ class Engine:
         self._worker = threading.Thread(target=self._run, name=f"hetccl-{name or rank}",
                                         daemon=True)
         self._worker.start()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ state
     @property
@@ -196,15 +227,22 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "_worker", None) is not None:
-            self._q.put(None)
-            self._worker.join(timeout=5)
+        worker = getattr(self, "_worker", None)
+        if worker is threading.current_thread():
+            worker = None  # closed from its own thread (a __del__ run there): cannot join
+        if worker is not None:
+            self._q.put(None)  # after the queued items: they finish first (bounded below)
+            worker.join(timeout=5)
         if self.core is not None:
             self.core.close()
         if self.bridge is not None:
             self.bridge.close()
         if self.local is not None:
             self.local.close()
+        if worker is not None and worker.is_alive():
+            # it was still inside a collective: closing the core, the bridge and the native
+            # group failed it, so it ends now
+            worker.join(timeout=5)
 
 
 class EngineCtx:
