@@ -54,6 +54,10 @@ KEYS: dict[str, tuple[Any, Any, str]] = {
     "use_distributed_optimizer": (bool, True, "Megatron's DistributedOptimizer (ZeRO-1)"),
     "overlap_grad_reduce": (bool, False, "overlap DDP grad reduction with backward"),
     "overlap_param_gather": (bool, False, "overlap the dist-opt param all-gather"),
+    "overlap_p2p_comm": (bool, True, "interleaved 1F1B: pipeline sends and receives as "
+                         "separate isend/irecv overlapped with compute (Megatron-LM's default, "
+                         "--no-overlap-p2p-communication turns it off: one batch_isend_irecv); "
+                         "ignored without interleaving"),
     "calculate_per_token_loss": (bool, True, "normalise by the global token count (exact with "
                                  "unequal micro-batch counts per replica)"),
     # model
@@ -254,14 +258,16 @@ def load_recipe(path_or_dict) -> dict:
                               f"{rec['num_layers']} is not a multiple of {per} x {pp} stages")
         vpp = rec["num_layers"] // (per * pp)
     rec["num_virtual_stages_per_pipeline_rank"] = vpp if vpp and vpp > 1 else None
-    if rec["num_virtual_stages_per_pipeline_rank"]:
-        # The interleaved schedule runs (megatron-core's own), but on the CPU check its losses
-        # differ from the pp=1 run's from the first iteration (pp=2 without interleaving
-        # matches to 1e-8): refused until that is understood, rather than training wrong.
-        raise RecipeError(f"{where}: num_virtual_stages_per_pipeline_rank / "
-                          f"num_layers_per_virtual_pipeline_stage (interleaved 1F1B) is not "
-                          f"supported by hetccl megatron yet: its losses do not match the pp=1 "
-                          f"reference in hetccl's check")
+    if rec["num_virtual_stages_per_pipeline_rank"] and pp == 2 and not rec["overlap_p2p_comm"]:
+        # Megatron-LM refuses this too (interleaving without p2p overlap needs pp > 2): the
+        # batched exchange puts a send to the previous and one to the next stage -- the same
+        # rank when pp = 2 -- in one batch, in an order (send_prev, recv_prev, send_next,
+        # recv_next) that pairs one stage's gradient with the other's activation buffer on a
+        # backend that matches messages between two ranks in order (gloo, hetccl): measured,
+        # the losses then differ from pp=1 from the first iteration.
+        raise RecipeError(f"{where}: interleaved 1F1B with pipeline_model_parallel_size=2 "
+                          f"needs overlap_p2p_comm: true (Megatron-LM's default): without it "
+                          f"both directions to the one other stage share a batch")
     if rec["max_position_embeddings"] is None:
         rec["max_position_embeddings"] = rec["seq_length"]
     if rec["lr_decay_iters"] is None:

@@ -87,6 +87,11 @@ def transformer_config(rec: dict, *, num_layers: int | None = None, layout=None,
         else pp,
         context_parallel_size=ps.get_context_parallel_world_size(),
         virtual_pipeline_model_parallel_size=vpp,
+        # Megatron-LM's p2p choice: with interleaving, separate isend/irecv overlapped with
+        # compute unless the recipe turns it off; without it, one batch_isend_irecv (Megatron-LM
+        # forces overlap off for the non-interleaved schedule)
+        overlap_p2p_comm=bool(vpp) and rec.get("overlap_p2p_comm", True),
+        batch_p2p_comm=not (bool(vpp) and rec.get("overlap_p2p_comm", True)),
         pipeline_model_parallel_layout=layout,
         use_cpu_initialization=True, perform_initialization=True,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=rec["bf16"],
