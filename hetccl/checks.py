@@ -36,6 +36,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
 DEVICE_CODES = {"cpu": 1, "cuda": 2}
 HEADER_LEN = 6
+UNKNOWN = -(2**63)  # a row of all_headers_over_bridge's table not heard of yet
 FIELDS = ["collective", "number of elements", "dtype", "reduction op", "root", "device type"]
 # bit i set: field i must agree (all_to_all: element counts differ by design)
 MASK_ALL = 0x3F
@@ -73,6 +74,59 @@ def mismatch_text(coll: str, table: dict[int, list[int]], mask: int) -> str | No
             return (f"hetccl: {coll}: {what} differs across ranks ({detail}). Every rank must "
                     f"call the same collective with matching tensors.")
     return None
+
+
+def butterfly_masks(groups: list[list[int]]) -> list[int] | None:
+    """The rounds of the bridge check (all_headers_over_bridge) when the topology allows it:
+    two vendor groups of equal size n = 2^m (n >= 2), else None. Round 0 pairs rank i of each
+    group with rank i of the other; round k >= 1 with rank i XOR 2^(k-1) of the other group
+    (as the pairs all-reduce, algorithms/allreduce.py), so after m + 1 rounds every rank has
+    heard, directly or through a partner, from every rank of both groups."""
+    if len(groups) != 2 or len(groups[0]) != len(groups[1]):
+        return None
+    n = len(groups[0])
+    if n < 2 or n & (n - 1):
+        return None
+    return [0] + [1 << k for k in range(n.bit_length() - 1)]
+
+
+def all_headers_over_bridge(table: torch.Tensor, row: torch.Tensor, groups: list[list[int]],
+                            my_group: int, local_rank: int, rank: int, masks: list[int],
+                            exchange) -> torch.Tensor:
+    """Every rank's header, gathered through the bridge in len(masks) rounds of one small
+    exchange with one cross-vendor partner each (butterfly_masks), instead of a native
+    all-gather inside each vendor group plus the headers the data carries: on host tensors the
+    native all-gather (gloo: a work queue and a loop thread per call) cost 2.5-3 ms per
+    collective with 2+2 ranks on the 2-core machine, where the rounds through shared memory
+    take a fraction of that. Every rank ends with the same table, so every rank reaches the
+    same verdict (bridge_verdict) before any data moves.
+    table: int64 (world, 1 + HEADER_LEN), overwritten; row: this rank's (1, header...).
+    exchange(round, peer, table) merges the partner's table into ours (elementwise max, in
+    place, the same result on both ends). Returns table."""
+    # unknown rows hold the smallest int64, known ones real values (all >= -1): merging two
+    # tables is their elementwise max, which the two-rank round trip computes in C++
+    table.fill_(UNKNOWN)
+    table[rank] = row
+    other = groups[1 - my_group]
+    for k, m in enumerate(masks):
+        exchange(k, other[local_rank ^ m], table)
+    return table
+
+
+def bridge_verdict(coll: str, table: torch.Tensor, cols: torch.Tensor) -> str | None:
+    """The mismatch text of a table from all_headers_over_bridge (cols: 1 + the header fields
+    the mask compares), or None when every rank's compared fields agree."""
+    t = table.index_select(1, cols)
+    if bool((t == t[0]).all()):
+        return None
+    rows = table.tolist()
+    missing = [r for r in range(len(rows)) if rows[r][0] != 1]
+    if missing:  # cannot happen with butterfly_masks' rounds; never judge a partial table
+        raise RuntimeError(f"hetccl: internal error: the argument check missed ranks {missing}")
+    mask = 0
+    for c in cols.tolist()[1:]:
+        mask |= 1 << (c - 1)
+    return mismatch_text(coll, {r: rows[r][1:] for r in range(len(rows))}, mask)
 
 
 def within_group(local, local_ranks: list[int], mine: list[int], coll: str, mask: int) -> str | None:

@@ -91,7 +91,13 @@ class Engine:
         self.timeout_ms = int(timeout.total_seconds() * 1000)
         self.algo_overrides = algo_overrides()
         self.algo_runs: collections.Counter = collections.Counter()  # EngineCtx.count
+        self.check_runs: collections.Counter = collections.Counter()  # bridge / native checks
         self._checked: set[tuple] = set()  # device signatures already checked before data moved
+        # rounds of the argument check through the bridge (checks.butterfly_masks), or None:
+        # then a native all-gather inside the vendor group (checks.within_group)
+        self.check_masks = checks.butterfly_masks(topo.groups) if topo.local_size > 1 else None
+        self._check_table = torch.empty(size, 1 + checks.HEADER_LEN, dtype=torch.int64)
+        self._check_rows: dict[tuple, tuple] = {}  # signature -> (table row, compared columns)
         self._headers: dict[tuple, tuple] = {}  # call -> (header, mask, signature key, tag bits)
         self._device_ops: dict[str, Any] = {}
         self._launches: dict[int, Any] = {}  # this group's own comm/side streams per device
@@ -128,6 +134,7 @@ class Engine:
         for name, key in STAT_NAMES.items():
             out[name] = raw.get(key, 0)
         out.update({f"algo_{k}": v for k, v in self.algo_runs.items()})
+        out.update({f"check_{k}": v for k, v in self.check_runs.items()})
         return out
 
     def raise_if_broken(self) -> None:
@@ -288,11 +295,60 @@ class EngineCtx:
         mine, mask, sig, self._sig = cached
         wait = self.launch is None or e.check_mode == "full" or sig not in e._checked
         err = None
+        if wait and e.check_masks is not None:
+            # every rank takes this branch alike (topology; a checked device signature skips
+            # it as it skips the native all-gather), host and device tensors alike
+            row, cols = e._check_rows.get(sig) or e._check_rows.setdefault(sig, (
+                torch.tensor([1] + list(mine), dtype=torch.int64),
+                torch.tensor([0] + [f + 1 for f in range(checks.HEADER_LEN) if mask & (1 << f)])))
+            table = checks.all_headers_over_bridge(
+                e._check_table, row, self.topo.groups, self.topo.my_group,
+                self.topo.local_rank, self.topo.rank, e.check_masks, self._check_exchange)
+            err = checks.bridge_verdict(coll, table, cols)
+            e.check_runs["bridge"] += 1
+            if err:
+                raise ValueError(err)  # every rank has the same table: the same error
+            if self.launch is not None:
+                e._checked.add(sig)
+            return  # checked everywhere: no header rides with the data
         if wait and self.local is not None:
             err = checks.within_group(self.local, self.topo.local_ranks, mine, coll, mask)
+            e.check_runs["native"] += 1
         self._header = (mine, mask, err or "", wait, wait, sig)
         if err:
             self.flush()  # tells the other groups, then raises the same error here
+
+    def _check_exchange(self, rnd: int, peer: int, table: torch.Tensor) -> None:
+        """One round of the argument check through the bridge: merges the partner's table into
+        this rank's (elementwise max, checks.all_headers_over_bridge), on both ends alike.
+        Control-phase tags. On a zero-copy link it is the two-rank round trip with MAX (C++,
+        on this thread); elsewhere the tables are swapped and merged here."""
+        e = self.engine
+        core = e.core
+        left = max(0, int((self.deadline - time.monotonic()) * 1000))
+        what = f"argument check of {self.what} #{self.seq}"
+        flat = table.view(-1)
+        if e.host_kernel and e.bridge.zero_copy([peer]):
+            mid = flat.numel() // 2
+            own, other = (flat[:mid], flat[mid:]) if self.topo.rank < peer else (
+                flat[mid:], flat[:mid])
+            items = [(peer, True, other.data_ptr(), other.numel() * 8),
+                     (peer, False, own.data_ptr(), own.numel() * 8)]
+            pid = core.post(items, tags.check_round(self.seq, rnd), tags.CHECK_INDEX_BITS,
+                            "max", "int64", True, True, tuning.ROUNDTRIP_CHUNK, left, what,
+                            False, [], 0, "", False, tags.header(self.seq), False, False, 0, 0,
+                            0)
+            core.wait(pid)
+            return
+        got = torch.empty_like(table)
+        nbytes = table.numel() * 8
+        pid = core.post([(peer, True, table.data_ptr(), nbytes),
+                         (peer, False, got.data_ptr(), nbytes)],
+                        tags.check_round(self.seq, rnd), tags.CHECK_INDEX_BITS, "sum", "uint8",
+                        False, False, 0, left, what, False, [], 0, "", False,
+                        tags.header(self.seq), False, False, 0, 0, 0)
+        core.wait(pid)
+        torch.maximum(table, got, out=table)
 
     def _take_header(self):
         h, self._header = self._header, None

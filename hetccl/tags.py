@@ -6,7 +6,9 @@
                    matches, and on shared-memory rings it is refused on arrival
     bits 16..25    sequence number of the group's collective, modulo SEQ_WINDOW
     bits 13..15    phase inside the collective (0..6: data; 7: control)
-    bits 0..12     chunk index inside (peer, phase), modulo 2**INDEX_BITS
+    bits 0..12     chunk index inside (peer, phase), modulo 2**INDEX_BITS; in the control
+                   phase: all ones for the check header that rides with the data, round << 8
+                   for the rounds of the argument check through the bridge (check_round)
 
 Collectives of one group run one after another in the same order on every rank, so a
 sequence window of 1024 cannot match a stale message: matching is FIFO per (peer, tag), and
@@ -46,6 +48,19 @@ def signature(header: list[int]) -> int:
 def header(seq: int) -> int:
     """Tag of the argument-check headers of collective `seq`."""
     return ((seq % SEQ_WINDOW) << SEQ_SHIFT) | (CONTROL_PHASE << PHASE_SHIFT) | ((1 << INDEX_BITS) - 1)
+
+
+CHECK_INDEX_BITS = 8  # chunk index bits of one argument-check round (control phase)
+
+
+def check_round(seq: int, rnd: int) -> int:
+    """Tag base of round `rnd` of collective `seq`'s argument check through the bridge
+    (checks.all_headers_over_bridge): control phase, index rnd << CHECK_INDEX_BITS, below the
+    header's index (all ones)."""
+    if not 0 <= rnd < (1 << (INDEX_BITS - CHECK_INDEX_BITS)) - 1:
+        raise ValueError(f"hetccl: internal error: check round {rnd} out of range")
+    return ((seq % SEQ_WINDOW) << SEQ_SHIFT) | (CONTROL_PHASE << PHASE_SHIFT) | (
+        rnd << CHECK_INDEX_BITS)
 
 
 def p2p(user_tag: int) -> int:

@@ -8,10 +8,10 @@ from hetccl.launch import spawn
 import error_cases
 
 
-@pytest.mark.parametrize("split", ["2+1"])
+@pytest.mark.parametrize("split", ["2+1", "2+2", "4+4"])
 def test_bad_input_errors_on_every_rank(split):
     world = sum(int(x) for x in split.split("+"))
-    per_rank = spawn(error_cases.run, world, vendors=split, timeout=240)
+    per_rank = spawn(error_cases.run, world, vendors=split, timeout=300)
     bad = {(r, k): v for r, res in enumerate(per_rank) for k, v in res.items() if v != "ok"}
     assert len(per_rank[0]) >= 8
     assert not bad, "\n".join(f"rank {r} {k}: {v}" for (r, k), v in sorted(bad.items()))

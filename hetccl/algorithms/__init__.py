@@ -11,13 +11,14 @@ import math
 
 from .. import config
 from .allgather import all_gather_hier, broadcast_hier
-from .allreduce import all_reduce_flat, all_reduce_hier, all_reduce_pairs, all_reduce_split
+from .allreduce import (all_reduce_flat, all_reduce_hier, all_reduce_latency, all_reduce_pairs,
+                        all_reduce_split)
 from .direct import all_to_all_direct, gather_direct, scatter_direct
 from .reducescatter import reduce_hier, reduce_scatter_hier
 
 ALGORITHMS = {
     "all_reduce": {"hier": all_reduce_hier, "flat": all_reduce_flat, "split": all_reduce_split,
-                   "pairs": all_reduce_pairs},
+                   "pairs": all_reduce_pairs, "latency": all_reduce_latency},
     "all_gather": {"hier": all_gather_hier},
     "reduce_scatter": {"hier": reduce_scatter_hier},
     "broadcast": {"hier": broadcast_hier},
@@ -27,10 +28,11 @@ ALGORITHMS = {
     "scatter": {"direct": scatter_direct},
 }
 
-# (collective, max bytes inclusive, algorithm). flat all-reduce saves one latency step
-# (two instead of three), which wins while latency dominates (measured: docs/benchmarks.md).
+# (collective, max bytes inclusive, algorithm). Small all-reduces take the latency path:
+# pairs where it applies (no native step), else flat, which saves one latency step over hier
+# (two instead of three); both win while latency dominates (measured: docs/algorithms.md).
 TABLE = [
-    ("all_reduce", 64 * 1024, "flat"),
+    ("all_reduce", 64 * 1024, "latency"),
     ("all_reduce", math.inf, "hier"),
     ("all_gather", math.inf, "hier"),
     ("reduce_scatter", math.inf, "hier"),

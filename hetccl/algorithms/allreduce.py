@@ -183,6 +183,17 @@ def all_reduce_split(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     ctx.count("all_reduce_split")
 
 
+def all_reduce_latency(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
+    """Small messages: pairs where it applies (host memory, two groups of 2^m ranks on
+    zero-copy links: m + 1 shared-memory round trips and no native step), else flat. On the
+    2-core machine at 8 KiB: 2+2 1.8 ms against flat's 3.2-3.5 ms, 4+4 6.7 ms against 16 ms
+    (docs/algorithms.md)."""
+    if _pairs_applies(ctx, x):
+        _pairs(ctx, x, op)
+    else:
+        all_reduce_flat(ctx, x, op)
+
+
 def all_reduce_flat(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     topo = ctx.topo
     ng, li = topo.local_size, topo.local_rank
