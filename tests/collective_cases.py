@@ -359,3 +359,28 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
     dist.barrier()
     dist.destroy_process_group()
     return c.results
+
+
+def run_all_gather_paths(ctx) -> dict:
+    """all_gather (into one tensor and into a list) for several dtypes and sizes (0, 1, odd,
+    multi-chunk), each rank's input distinct random data, compared exactly with the
+    concatenation; plus which path carried it (engine stats)."""
+    import hetccl  # noqa: F401
+
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                            world_size=ctx.world_size)
+    W, bad = ctx.world_size, []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8):
+        for n in (0, 1, 7, 1000, 70001):
+            ins = [data(r, 17 + n, n, dtype) for r in range(W)]
+            out = torch.empty(W * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, ins[ctx.rank])
+            if not torch.equal(out, torch.cat(ins)):
+                bad.append(f"into_tensor {dtype} n{n}")
+            outs = [torch.empty(n, dtype=dtype) for _ in range(W)]
+            dist.all_gather(outs, ins[ctx.rank])
+            if not all(torch.equal(o, i) for o, i in zip(outs, ins)):
+                bad.append(f"list {dtype} n{n}")
+    stats = dict(dist.group.WORLD.engine.stats)
+    dist.destroy_process_group()
+    return {"bad": bad, "pairs": stats.get("algo_all_gather_pairs", 0)}

@@ -77,3 +77,21 @@ def test_all_reduce_host_paths(split, host_kernel, algo, path):
             other = "split" if path == "pairs" else "pairs"
             assert runs.get(f"algo_all_reduce_{path}", 0) > 0, (r, runs)
             assert runs.get(f"algo_all_reduce_{other}", 0) == 0, (r, runs)
+
+
+@pytest.mark.parametrize("split,algo,pairs", [
+    ("2+2", "", True),                       # hier hands two groups of 2^m over to pairs
+    ("4+4", "", True),                       # three rounds (masks 0, 1, 2)
+    ("2+1", "", False),                      # unequal groups: the hierarchical path
+])
+def test_all_gather_host_paths(split, algo, pairs):
+    """all_gather on host tensors, exact against the concatenation of every rank's input for
+    several dtypes and sizes, and the path asked for is the one that ran: pairs (m + 1 rounds
+    through the bridge, no native step) for two equal groups of 2^m ranks, else hier."""
+    world = sum(int(x) for x in split.split("+"))
+    env = dict(ENV, **({"HETCCL_ALGO": algo} if algo else {}))
+    per_rank = spawn(collective_cases.run_all_gather_paths, world, vendors=split, env=env,
+                     timeout=300)
+    for r, res in enumerate(per_rank):
+        assert not res["bad"], (r, res["bad"])
+        assert (res["pairs"] > 0) == pairs, (r, res)

@@ -7,6 +7,14 @@ native all-gather collects g's own block. Each rank of g then all-gathers (nativ
 it received, and every rank has every block. Cross-vendor traffic per rank: N * (G-1) bytes
 sent, the minimum: each input crosses to each other group once.
 
+pairs (host memory, two vendor groups of equal size n = 2^m; all_gather hands over to it then):
+m + 1 rounds through the bridge, no native step. Round 0 swaps inputs with rank i of the other
+group; round k >= 1 swaps everything gathered so far with rank i XOR 2^(k-1) of the other group
+(the pairs all-reduce's partners), whose set is the mirror of ours, so after round k a rank
+holds the blocks of 2^(k+1) ranks. Each rank sends (2n - 1) N through the bridge instead of
+N plus two native all-gathers: on one host the shared-memory bridge beats gloo, whose per-call
+cost with 4 processes on 2 cores was 1.5-2.5 ms (docs/algorithms.md).
+
 broadcast: the root's group broadcasts natively; then rank j of the root's group sends shard j
 (padded sharding over the root group) to the ranks of every other group whose shards
 (padded sharding over that group) intersect it; each group all-gathers natively. Per sender:
@@ -19,10 +27,59 @@ import torch
 from .common import CollCtx, copy
 from .layout import intersect, padded_ranges, padded_shard, peer_pieces
 from .transfer import transfer
+from ..tags import PHASES
 
 
-def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int = 0) -> None:
+def _pairs_masks(ctx: CollCtx, x: torch.Tensor, phase: int):
+    """The rounds of all_gather_pairs when it applies (every rank decides alike: topology,
+    device type -- checked equal across ranks -- and the phase the caller gives), else None."""
+    from ..checks import butterfly_masks
+    masks = butterfly_masks(ctx.topo.groups)
+    if masks is None or x.device.type != "cpu" or phase + len(masks) > PHASES:
+        return None
+    return masks
+
+
+def all_gather_pairs(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int = 0) -> None:
+    masks = _pairs_masks(ctx, x, phase)
+    if masks is None:
+        all_gather_hier(ctx, out, x, phase, pairs=False)
+        return
+    topo = ctx.topo
+    n = x.numel()
+    g, li = topo.my_group, topo.local_rank
+    copy(out[topo.rank * n:(topo.rank + 1) * n], x)
+    if n == 0:
+        ctx.flush()  # nothing to move; the check header (if any) still travels
+        return
+    other = topo.groups[1 - g]
+
+    def known(i: int, k: int) -> list[int]:
+        """Ranks whose blocks local rank i of either group holds before round k."""
+        if k == 0:
+            return [topo.groups[g][i]] if i == li else [other[i]]
+        size = 1 << (k - 1)  # after round k - 1: both groups' ranks of a block of 2^(k-1)
+        base = i & ~(size - 1)
+        return sorted(r for j in range(base, base + size)
+                      for r in (topo.groups[0][j], topo.groups[1][j]))
+
+    for k, m in enumerate(masks):
+        peer_li = li ^ m
+        peer = other[peer_li]
+        mine = [topo.rank] if k == 0 else known(li, k)
+        theirs = [peer] if k == 0 else known(peer_li, k)
+        sends = [(peer, r * n, (r + 1) * n, out[r * n:(r + 1) * n]) for r in mine]
+        recvs = [(peer, r * n, (r + 1) * n, out[r * n:(r + 1) * n]) for r in theirs]
+        transfer(ctx, phase + k, sends, recvs)
+    ctx.count("all_gather_pairs")
+
+
+def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int = 0,
+                    pairs: bool = True) -> None:
     """out: (W * N,) flat, x: (N,) flat."""
+    if pairs and _pairs_masks(ctx, x, phase) is not None:
+        all_gather_pairs(ctx, out, x, phase)
+        return
     topo = ctx.topo
     n = x.numel()
     g, ng, li = topo.my_group, topo.local_size, topo.local_rank
