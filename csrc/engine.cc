@@ -174,7 +174,17 @@ Engine::Engine(std::map<int, std::shared_ptr<Transport>> links, EngineOptions op
   proxy_ = std::thread([this] { proxy_loop(); });
 }
 
-Engine::~Engine() { close(); }
+Engine::~Engine() {
+  close();
+  // Drop the links (and the transports they hold) first: a transport this engine held the
+  // last reference to closes now, before the slots its receives may target are freed.
+  // Transports still owned elsewhere must be closed by their owner before it drops the
+  // engine (hetccl/engine.py closes the bridge and keeps the core until then).
+  links_.clear();
+  graveyard_.clear();
+  for (void* pg : flag_pages_) free(pg);  // see close(): only now can no transport write here
+  flag_pages_.clear();
+}
 
 void Engine::set_device_ops(std::shared_ptr<DeviceOps> ops) {
   std::lock_guard<std::mutex> g(mu_);
@@ -1307,10 +1317,10 @@ void Engine::close() {
   }
   events_.clear();
   registered_.clear();
-  // graveyard_ stays until the destructor: the transports close after the engine, and a
-  // receive still posted in one may complete until then.
-  for (void* pg : flag_pages_) free(pg);
-  flag_pages_.clear();
+  // graveyard_ and flag_pages_ (flag words and the message links' staging slots) stay until
+  // the destructor: the transports close after the engine, and a receive still posted in one
+  // (a failed or broken plan's, e.g. into a staging slot) may complete until then. Freeing the
+  // slots here corrupted the heap when UCX's close progressed such a receive.
 }
 
 }  // namespace hetccl

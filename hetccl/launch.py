@@ -12,6 +12,7 @@ spawn raises RankTimeout naming the ranks that were still running. It never hang
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -62,6 +63,9 @@ def vendor_labels(split: Sequence[int] | str) -> list[str]:
 
 def _entry(fn, ctx: RankContext, env: dict, args, q):
     os.environ.update(env)
+    # a rank that dies on a signal (a native abort or crash) prints every thread's Python stack
+    # to its stderr first, so the parent's "exited with code -6" has a place to look
+    faulthandler.enable(all_threads=True)
     if "OMP_NUM_THREADS" in env:
         import torch  # may already be imported (with the parent's thread count) by fn's module
 
