@@ -381,6 +381,18 @@ def run_all_gather_paths(ctx) -> dict:
             dist.all_gather(outs, ins[ctx.rank])
             if not all(torch.equal(o, i) for o, i in zip(outs, ins)):
                 bad.append(f"list {dtype} n{n}")
+    # reduce_scatter (sum, max) against a float64 reference of every rank's input
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+        for op in ("sum", "max"):
+            for n in (0, 1, 7, 1000, 70001):
+                ins = [data(r, 31 + n, W * n, dtype, op) for r in range(W)]
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, ins[ctx.rank].clone(), op=OPS[op])
+                ref = reference([x[ctx.rank * n:(ctx.rank + 1) * n] for x in ins], op, dtype)
+                err = close(out, ref, dtype, W)
+                if err:
+                    bad.append(f"reduce_scatter {dtype} {op} n{n}: {err}")
     stats = dict(dist.group.WORLD.engine.stats)
     dist.destroy_process_group()
-    return {"bad": bad, "pairs": stats.get("algo_all_gather_pairs", 0)}
+    return {"bad": bad, "pairs": stats.get("algo_all_gather_pairs", 0),
+            "rs_pairs": stats.get("algo_reduce_scatter_pairs", 0)}

@@ -85,9 +85,10 @@ def test_all_reduce_host_paths(split, host_kernel, algo, path):
     ("2+1", "", False),                      # unequal groups: the hierarchical path
 ])
 def test_all_gather_host_paths(split, algo, pairs):
-    """all_gather on host tensors, exact against the concatenation of every rank's input for
-    several dtypes and sizes, and the path asked for is the one that ran: pairs (m + 1 rounds
-    through the bridge, no native step) for two equal groups of 2^m ranks, else hier."""
+    """all_gather on host tensors, exact against the concatenation of every rank's input, and
+    reduce_scatter (sum, max) against a float64 reference, for several dtypes and sizes; the
+    path asked for is the one that ran: pairs (m + 1 rounds through the bridge, no native
+    step) for two equal groups of 2^m ranks, else hier."""
     world = sum(int(x) for x in split.split("+"))
     env = dict(ENV, **({"HETCCL_ALGO": algo} if algo else {}))
     per_rank = spawn(collective_cases.run_all_gather_paths, world, vendors=split, env=env,
@@ -95,3 +96,4 @@ def test_all_gather_host_paths(split, algo, pairs):
     for r, res in enumerate(per_rank):
         assert not res["bad"], (r, res["bad"])
         assert (res["pairs"] > 0) == pairs, (r, res)
+        assert (res["rs_pairs"] > 0) == pairs, (r, res)

@@ -25,23 +25,12 @@ from __future__ import annotations
 import torch
 
 from .common import CollCtx, copy
-from .layout import intersect, padded_ranges, padded_shard, peer_pieces
+from .layout import intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
 from .transfer import transfer
-from ..tags import PHASES
-
-
-def _pairs_masks(ctx: CollCtx, x: torch.Tensor, phase: int):
-    """The rounds of all_gather_pairs when it applies (every rank decides alike: topology,
-    device type -- checked equal across ranks -- and the phase the caller gives), else None."""
-    from ..checks import butterfly_masks
-    masks = butterfly_masks(ctx.topo.groups)
-    if masks is None or x.device.type != "cpu" or phase + len(masks) > PHASES:
-        return None
-    return masks
 
 
 def all_gather_pairs(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int = 0) -> None:
-    masks = _pairs_masks(ctx, x, phase)
+    masks = pairs_masks(ctx, x, phase)
     if masks is None:
         all_gather_hier(ctx, out, x, phase, pairs=False)
         return
@@ -54,20 +43,11 @@ def all_gather_pairs(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: in
         return
     other = topo.groups[1 - g]
 
-    def known(i: int, k: int) -> list[int]:
-        """Ranks whose blocks local rank i of either group holds before round k."""
-        if k == 0:
-            return [topo.groups[g][i]] if i == li else [other[i]]
-        size = 1 << (k - 1)  # after round k - 1: both groups' ranks of a block of 2^(k-1)
-        base = i & ~(size - 1)
-        return sorted(r for j in range(base, base + size)
-                      for r in (topo.groups[0][j], topo.groups[1][j]))
-
     for k, m in enumerate(masks):
         peer_li = li ^ m
         peer = other[peer_li]
-        mine = [topo.rank] if k == 0 else known(li, k)
-        theirs = [peer] if k == 0 else known(peer_li, k)
+        mine = pair_set(topo, g, li, k)
+        theirs = pair_set(topo, 1 - g, peer_li, k)
         sends = [(peer, r * n, (r + 1) * n, out[r * n:(r + 1) * n]) for r in mine]
         recvs = [(peer, r * n, (r + 1) * n, out[r * n:(r + 1) * n]) for r in theirs]
         transfer(ctx, phase + k, sends, recvs)
@@ -77,7 +57,7 @@ def all_gather_pairs(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: in
 def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int = 0,
                     pairs: bool = True) -> None:
     """out: (W * N,) flat, x: (N,) flat."""
-    if pairs and _pairs_masks(ctx, x, phase) is not None:
+    if pairs and pairs_masks(ctx, x, phase) is not None:
         all_gather_pairs(ctx, out, x, phase)
         return
     topo = ctx.topo

@@ -44,3 +44,29 @@ def peer_pieces(mine: tuple[int, int], n: int,
     for ranks in groups:
         for j, (lo, hi) in overlaps(mine, padded_ranges(n, len(ranks))):
             yield ranks[j], lo, hi
+
+
+def pairs_masks(ctx, x, phase: int = 0):
+    """The rounds of the pairs all-gather / reduce-scatter (checks.butterfly_masks: two vendor
+    groups of equal size 2^m) when they apply, else None. Every rank decides alike: topology,
+    device type (checked equal across ranks) and the first phase the caller gives (one phase
+    per round, tags.PHASES of them)."""
+    from ..checks import butterfly_masks
+    from ..tags import PHASES
+    masks = butterfly_masks(ctx.topo.groups)
+    if masks is None or x.device.type != "cpu" or phase + len(masks) > PHASES:
+        return None
+    return masks
+
+
+def pair_set(topo, group: int, i: int, k: int) -> list[int]:
+    """Ranks whose blocks local rank i of `group` holds before round k of the pairs all-gather
+    (round 0 partners rank i of the two groups, round k >= 1 rank i with i XOR 2^(k-1) of the
+    other group): itself before round 0, then both groups' ranks of a block of 2^(k-1) local
+    ranks. The pairs reduce-scatter walks the rounds backwards and keeps this set in round k.
+    Sorted, so both ends of a round list the same blocks in the same order."""
+    if k == 0:
+        return [topo.groups[group][i]]
+    size = 1 << (k - 1)
+    base = i & ~(size - 1)
+    return sorted(r for j in range(base, base + size) for r in (topo.groups[0][j], topo.groups[1][j]))

@@ -17,11 +17,42 @@ from __future__ import annotations
 import torch
 
 from .common import CollCtx, copy, pad_to
-from .layout import intersect, padded_ranges, padded_shard, peer_pieces
+from .layout import intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
 from .transfer import transfer
 
 
-def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
+def reduce_scatter_pairs(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
+    """Two host groups of 2^m ranks: the pairs all-gather's rounds backwards (recursive
+    halving, layout.pair_set). Before round k a rank holds partial sums of the blocks of its
+    set for round k + 1; it sends the partner's half (the partner's set for round k) and
+    reduces the partner's partials of its own half, which come from disjoint contributors; after
+    round 0 its own block holds every rank's contribution. m + 1 bridge rounds, no native step;
+    sends (2n - 1) N in all."""
+    masks = pairs_masks(ctx, inp, 0)
+    if masks is None:
+        reduce_scatter_hier(ctx, out, inp, op, pairs=False)
+        return
+    topo = ctx.topo
+    n = out.numel()
+    g, li, me = topo.my_group, topo.local_rank, topo.rank
+    work = inp.clone()  # partial sums; the caller's input stays as it was
+    for k in reversed(range(len(masks))):
+        peer_li = li ^ masks[k]
+        peer = topo.groups[1 - g][peer_li]
+        sends = [(peer, r * n, (r + 1) * n, work[r * n:(r + 1) * n])
+                 for r in pair_set(topo, 1 - g, peer_li, k)]
+        recvs = [(peer, r * n, (r + 1) * n, work[r * n:(r + 1) * n])
+                 for r in pair_set(topo, g, li, k)]
+        transfer(ctx, k, sends, recvs, op)
+    copy(out, work[me * n:(me + 1) * n])
+    ctx.count("reduce_scatter_pairs")
+
+
+def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: str,
+                        pairs: bool = True) -> None:
+    if pairs and pairs_masks(ctx, inp, 0) is not None:
+        reduce_scatter_pairs(ctx, out, inp, op)
+        return
     topo = ctx.topo
     n = out.numel()
     w = topo.size
