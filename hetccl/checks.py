@@ -113,9 +113,10 @@ def all_headers_over_bridge(table: torch.Tensor, row: torch.Tensor, groups: list
     return table
 
 
-def bridge_verdict(coll: str, table: torch.Tensor, cols: torch.Tensor) -> str | None:
-    """The mismatch text of a table from all_headers_over_bridge (cols: 1 + the header fields
-    the mask compares), or None when every rank's compared fields agree."""
+def bridge_verdict(coll: str, table: torch.Tensor, cols: torch.Tensor, mask: int) -> str | None:
+    """The mismatch text of a table from all_headers_over_bridge, or None when every rank's
+    compared fields agree. cols: column 0 (known) and the header fields `mask` compares, each
+    shifted by one (cached per signature by the caller)."""
     t = table.index_select(1, cols)
     if bool((t == t[0]).all()):
         return None
@@ -123,9 +124,6 @@ def bridge_verdict(coll: str, table: torch.Tensor, cols: torch.Tensor) -> str | 
     missing = [r for r in range(len(rows)) if rows[r][0] != 1]
     if missing:  # cannot happen with butterfly_masks' rounds; never judge a partial table
         raise RuntimeError(f"hetccl: internal error: the argument check missed ranks {missing}")
-    mask = 0
-    for c in cols.tolist()[1:]:
-        mask |= 1 << (c - 1)
     return mismatch_text(coll, {r: rows[r][1:] for r in range(len(rows))}, mask)
 
 

@@ -95,7 +95,7 @@ class Engine:
         self._checked: set[tuple] = set()  # device signatures already checked before data moved
         # rounds of the argument check through the bridge (checks.butterfly_masks), or None:
         # then a native all-gather inside the vendor group (checks.within_group)
-        self.check_masks = checks.butterfly_masks(topo.groups) if topo.local_size > 1 else None
+        self.check_masks = checks.butterfly_masks(topo.groups)
         self._check_table = torch.empty(size, 1 + checks.HEADER_LEN, dtype=torch.int64)
         self._check_rows: dict[tuple, tuple] = {}  # signature -> (table row, compared columns)
         self._headers: dict[tuple, tuple] = {}  # call -> (header, mask, signature key, tag bits)
@@ -304,7 +304,7 @@ class EngineCtx:
             table = checks.all_headers_over_bridge(
                 e._check_table, row, self.topo.groups, self.topo.my_group,
                 self.topo.local_rank, self.topo.rank, e.check_masks, self._check_exchange)
-            err = checks.bridge_verdict(coll, table, cols)
+            err = checks.bridge_verdict(coll, table, cols, mask)
             e.check_runs["bridge"] += 1
             if err:
                 raise ValueError(err)  # every rank has the same table: the same error
@@ -324,30 +324,21 @@ class EngineCtx:
         Control-phase tags. On a zero-copy link it is the two-rank round trip with MAX (C++,
         on this thread); elsewhere the tables are swapped and merged here."""
         e = self.engine
-        core = e.core
-        left = max(0, int((self.deadline - time.monotonic()) * 1000))
-        what = f"argument check of {self.what} #{self.seq}"
+        tag = (tags.check_round(self.seq, rnd), tags.CHECK_INDEX_BITS,
+               f"argument check of {self.what} #{self.seq}")
         flat = table.view(-1)
         if e.host_kernel and e.bridge.zero_copy([peer]):
             mid = flat.numel() // 2
             own, other = (flat[:mid], flat[mid:]) if self.topo.rank < peer else (
                 flat[mid:], flat[:mid])
-            items = [(peer, True, other.data_ptr(), other.numel() * 8),
-                     (peer, False, own.data_ptr(), own.numel() * 8)]
-            pid = core.post(items, tags.check_round(self.seq, rnd), tags.CHECK_INDEX_BITS,
-                            "max", "int64", True, True, tuning.ROUNDTRIP_CHUNK, left, what,
-                            False, [], 0, "", False, tags.header(self.seq), False, False, 0, 0,
-                            0)
-            core.wait(pid)
+            self._post([(peer, True, other.data_ptr(), other.numel() * 8),
+                        (peer, False, own.data_ptr(), own.numel() * 8)], 0, "max", None, False,
+                       dtype=torch.int64, roundtrip=True, chunk=tuning.ROUNDTRIP_CHUNK, tag=tag)
             return
         got = torch.empty_like(table)
         nbytes = table.numel() * 8
-        pid = core.post([(peer, True, table.data_ptr(), nbytes),
-                         (peer, False, got.data_ptr(), nbytes)],
-                        tags.check_round(self.seq, rnd), tags.CHECK_INDEX_BITS, "sum", "uint8",
-                        False, False, 0, left, what, False, [], 0, "", False,
-                        tags.header(self.seq), False, False, 0, 0, 0)
-        core.wait(pid)
+        self._post([(peer, True, table.data_ptr(), nbytes), (peer, False, got.data_ptr(), nbytes)],
+                   0, None, None, False, tag=tag)
         torch.maximum(table, got, out=table)
 
     def _take_header(self):
@@ -363,7 +354,9 @@ class EngineCtx:
 
     # ------------------------------------------------------------------ data movement
     def _post(self, items, phase: int, op: str | None, header, dev: bool, dtype=None,
-              roundtrip: bool = False, chunk: int = 0) -> int:
+              roundtrip: bool = False, chunk: int = 0, tag=None) -> int:
+        """One engine plan. tag: (tag base, index bits, name) instead of the data phase's
+        (the argument check's control-phase rounds)."""
         e = self.engine
         core = e.core
         mine, mask, err, for_group, wait, sig = header if header else ([], 0, "", False, False, None)
@@ -373,9 +366,10 @@ class EngineCtx:
         reduce = op is not None and not dev
         dname = _DTYPE_NAMES.get(dtype) or ("uint8" if dtype is None else torch_dtype_name(dtype))
         left = max(0, int((self.deadline - time.monotonic()) * 1000))
-        pid = core.post(items, tags.collective(self.seq, phase, self._sig), tags.INDEX_BITS,
-                        op or "sum", dname, reduce, roundtrip, chunk, left,
-                        f"{self.what} #{self.seq}", header is not None,
+        tag_base, index_bits, what = tag or (tags.collective(self.seq, phase, self._sig),
+                                             tags.INDEX_BITS, f"{self.what} #{self.seq}")
+        pid = core.post(items, tag_base, index_bits, op or "sum", dname, reduce, roundtrip, chunk,
+                        left, what, header is not None,
                         mine, mask, err, for_group, tags.header(self.seq), wait, dev,
                         launch.index if launch else 0, launch.comm_handle if launch else 0,
                         launch.side_handle if launch else 0)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from .common import CollCtx, copy, pad_to
-from .layout import padded_ranges, padded_shard, peer_pieces
+from .layout import padded_ranges, padded_shard, pairs_masks, peer_pieces
 from .transfer import transfer
 
 
@@ -121,19 +121,14 @@ def _split_applies(ctx: CollCtx, x: torch.Tensor) -> bool:
             and ctx.zero_copy([topo.groups[1 - topo.my_group][topo.local_rank]]))
 
 
-def _pair_masks(n: int) -> list[int]:
-    return [0] + [1 << k for k in range(n.bit_length() - 1)]
-
-
 def _pairs_applies(ctx: CollCtx, x: torch.Tensor) -> bool:
-    """As _split_applies (every rank decides alike), with n a power of two, one phase per round
-    (tags.PHASES), and every round's partner on a zero-copy link."""
-    topo = ctx.topo
-    n = topo.local_size
-    if not _split_applies(ctx, x) or n & (n - 1) or len(_pair_masks(n)) > 6:
+    """As _split_applies (every rank decides alike), with n a power of two, at most six rounds
+    (one phase each) and every round's partner on a zero-copy link."""
+    masks = pairs_masks(ctx, x)
+    if masks is None or len(masks) > 6 or x.numel() < 2:
         return False
-    other = topo.groups[1 - topo.my_group]
-    return ctx.zero_copy([other[topo.local_rank ^ m] for m in _pair_masks(n)])
+    other = ctx.topo.groups[1 - ctx.topo.my_group]
+    return ctx.zero_copy([other[ctx.topo.local_rank ^ m] for m in masks])
 
 
 def all_reduce_pairs(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
@@ -148,7 +143,7 @@ def _pairs(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     topo = ctx.topo
     g, li, n = topo.my_group, topo.local_rank, x.numel()
     mid = n // 2
-    for phase, m in enumerate(_pair_masks(topo.local_size)):
+    for phase, m in enumerate(pairs_masks(ctx, x)):
         peer = topo.groups[1 - g][li ^ m]
         # the lower rank keeps (reduces) the lower half, as in split
         own, other = ((0, mid), (mid, n)) if topo.rank < peer else ((mid, n), (0, mid))
