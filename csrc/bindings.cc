@@ -234,6 +234,7 @@ PYBIND11_MODULE(_C, m) {
       .def("__repr__", [](PyTransport& s) { return "<hetccl._C.Transport " + s.t().name() + ">"; });
 
   m.def("transport_names", &transport_names, "Transports in this build, sorted by name.");
+  m.def("host_id", &host_id, "This process's shared-memory domain (kernel boot id, /dev/shm file system, pid namespace): ranks with equal ids reach each other through shm.");
   m.def("transport_table",
         [] {
           py::list out;
