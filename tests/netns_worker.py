@@ -99,15 +99,6 @@ def collectives(args: dict) -> dict:
     return {"results": results, **view}
 
 
-def soak(args: dict) -> dict:
-    from hetccl.bench import soak as s
-
-    cfg = {"seconds": args.get("seconds", 20.0), "max_ops": args.get("max_ops", 100_000),
-           "max_elems": args.get("max_elems", 200_000), "seed": args.get("seed", 0),
-           "progress": False}
-    return s._rank_main(Ctx, cfg)
-
-
 def fault(args: dict) -> dict:
     """Large all_reduces until the test injects a fault; reports the error, when it came
     (wall clock, the test knows when it struck), and what was left behind."""
@@ -181,7 +172,11 @@ def train(args: dict) -> dict:
         w, start = state["w"], state["step"]
     resumed_at = start
     for step in range(start, args["steps"]):
-        if RESTART == 0 and step == args["kill_at"] and RANK == args["victim"]:
+        mark = os.path.join(args["out"], "killed")
+        if step == args["kill_at"] and RANK == args["victim"] and not os.path.exists(mark):
+            # once per job: the agents' restart counts differ (only the failed host's counts a
+            # restart; the other host's agent re-forms on the membership change), ranks may move
+            open(mark, "w").close()
             os.kill(os.getpid(), 9)
         g = torch.Generator().manual_seed(1000 * step + RANK)
         grad = torch.randint(-8, 9, w.shape, generator=g).to(torch.float64)
@@ -200,7 +195,8 @@ def train(args: dict) -> dict:
 
 
 def steady(args: dict) -> dict:
-    """Verified all_reduces for `seconds` (the security test's intruder works meanwhile)."""
+    """Verified all_reduces until OUT/stop exists or `seconds` passed (the security test's
+    intruder works meanwhile)."""
     import collective_cases as cc
 
     _init(args.get("timeout_s", 30))
@@ -209,7 +205,8 @@ def steady(args: dict) -> dict:
     ops = wrong = 0
     t0 = time.monotonic()
     while True:
-        flag = torch.tensor([float(time.monotonic() - t0 > args["seconds"])])
+        stop = os.path.exists(os.path.join(args["out"], "stop"))
+        flag = torch.tensor([float(stop or time.monotonic() - t0 > args["seconds"])])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
             break

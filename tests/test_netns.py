@@ -242,8 +242,10 @@ def test_elastic_restart_resumes_exactly(hosts2, tmp_path):
     procs = _launch(hosts2, "train", out, args, ["a,b", "a,b"], max_restarts=1)
     codes = _finish(procs, 180, out)
     assert codes == [0, 0], _logs(out)
-    res = _results(out, "train", restart=1)
-    assert sorted(res) == [0, 1, 2, 3], (sorted(_results(out, "train")), _logs(out))
+    res = _results(out, "train")  # only the attempt that finished writes results
+    assert sorted(res) == [0, 1, 2, 3], (sorted(res), _logs(out))
+    assert os.path.exists(os.path.join(out, "killed"))
+    assert max(d["restart"] for d in res.values()) == 1, [d["restart"] for d in res.values()]
     w = torch.zeros(args["numel"], dtype=torch.float64)
     for step in range(args["steps"]):
         grad = sum(torch.randint(-8, 9, w.shape, generator=torch.Generator().manual_seed(
@@ -256,33 +258,6 @@ def test_elastic_restart_resumes_exactly(hosts2, tmp_path):
 
 
 # ---------------------------------------------------------------------- security
-def _probe(addr: str, port: int) -> dict:
-    """Run inside the intruder's namespace: connect, read what the listener offers, send
-    garbage, read again."""
-    got = b""
-    try:
-        s = socket.create_connection((addr, port), timeout=2)
-        s.settimeout(1.0)
-        try:
-            got += s.recv(4096)
-        except OSError:
-            pass
-        try:
-            s.sendall(os.urandom(4096))
-            s.settimeout(1.0)
-            while True:
-                b = s.recv(4096)
-                if not b:
-                    break
-                got += b
-        except OSError:
-            pass
-        s.close()
-        return {"connected": True, "got": len(got), "head": got[:8].hex()}
-    except OSError as e:
-        return {"connected": False, "error": str(e)}
-
-
 PROBE = r"""
 import json, os, socket, sys
 targets = json.loads(sys.argv[1])
@@ -292,7 +267,7 @@ for addr, port in targets:
         got = b""
         try:
             s = socket.create_connection((addr, port), timeout=2)
-            s.settimeout(1.0)
+            s.settimeout(0.5)
             try:
                 got += s.recv(4096)
             except OSError:
@@ -323,19 +298,16 @@ def test_third_namespace_gets_nothing(tmp_path, forced):
     verified all_reduces run on with 0 wrong and no error."""
     with netns.Hosts(2, extra=1) as h:
         out = str(tmp_path)
-        procs = _launch(h, "steady", out, {"seconds": 6, "timeout_s": 30}, ["a,b", "a,b"],
+        procs = _launch(h, "steady", out, {"seconds": 90, "timeout_s": 30}, ["a,b", "a,b"],
                         HETCCL_TRANSPORT=forced)
         _wait_ready(out, 4, procs)
         workers = set()
-        for f in glob.glob(os.path.join(out, "ready-r*")):
-            pass
         targets = []
         for i in range(2):
-            agent = procs[i].pid
             for port, pid in h.listeners(i):
                 # the launcher's own stores (torchrun's rendezvous, the agent store) are torch's,
                 # not the bridge's: only sockets of worker processes are probed
-                if _is_worker(pid, agent):
+                if _is_worker(pid):
                     targets.append((h.addr(i), port))
                     workers.add(pid)
         assert targets, "no bridge listener found"
@@ -343,6 +315,8 @@ def test_third_namespace_gets_nothing(tmp_path, forced):
                   timeout=120)
         assert r.returncode == 0, r.stderr
         probes = json.loads(r.stdout)
+        assert all(p.poll() is None for p in procs), "the job ended before the probes did"
+        open(os.path.join(out, "stop"), "w").close()
         codes = _finish(procs, 90, out)
         assert codes == [0, 0], _logs(out)
         res = _results(out, "steady")
@@ -355,30 +329,33 @@ def test_third_namespace_gets_nothing(tmp_path, forced):
             assert p.get("got", 0) <= 32, p
             if p.get("got"):
                 assert bytes.fromhex(p["head"]).startswith(b"HETCTCP1"), p
+        print("\n" + "\n".join(json.dumps(p) for p in probes))
         print(f"\n{forced}: {len(targets)} listeners probed, "
               f"{sum(p['connected'] for p in probes)} connections, "
               f"max {max(p.get('got', 0) for p in probes)} bytes received")
 
 
-def _is_worker(pid: int, agent: int) -> bool:
-    """pid is a descendant of the agent's process tree and not the torchrun agent itself."""
+def _is_worker(pid: int) -> bool:
+    """pid runs netns_worker.py itself (not the torchrun agent, whose argv names it later)."""
     try:
         cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
     except OSError:
         return False
-    return any(c.endswith(b"netns_worker.py") for c in cmd)
+    return (any(c.endswith(b"netns_worker.py") for c in cmd)
+            and b"torch.distributed.run" not in cmd)
 
 
 # ---------------------------------------------------------------------- soak
-def test_soak_across_hosts(hosts2, tmp_path):
-    """hetccl bench soak's rank loop over 2 hosts x 2 ranks (short here; `hetccl bench soak
-    --netns` runs it for minutes): 0 wrong, no leak."""
-    out = str(tmp_path)
-    procs = _launch(hosts2, "soak", out, {"seconds": 8, "max_elems": 100_000}, ["a,b", "a,b"])
-    codes = _finish(procs, 120, out)
-    assert codes == [0, 0], _logs(out)
-    res = _results(out, "soak")
-    assert sorted(res) == [0, 1, 2, 3]
-    for r, d in res.items():
-        assert d["wrong"] == 0 and not d["failures"], (r, d["failures"])
-        assert d["ops"] > 10 and d["thread_leak"] <= 0 and not d["fd_leak"], d
+def test_soak_across_hosts(capsys):
+    """`hetccl bench soak --netns 2` (2 hosts x 2 ranks, vendors a,b on each host; short here,
+    the documented run is minutes): 0 wrong, 0 leaks (segments left in each host's /dev/shm,
+    threads, fds)."""
+    from hetccl.bench import soak
+
+    rc = soak.main(["--netns", "2", "--seconds", "8", "--max-elems", "100000", "--no-progress"])
+    out = capsys.readouterr().out
+    assert "wrong results     : 0" in out, out
+    assert "leaks             : 0" in out, out
+    assert "on each of 2 hosts" in out and rc == 0, out
+    ops = int(re.search(r"operations +: (\d+)", out).group(1))
+    assert ops > 10, out
