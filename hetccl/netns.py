@@ -68,7 +68,7 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def netem_available(dev_ns: str | None = None) -> tuple[bool, str]:
+def netem_available() -> tuple[bool, str]:
     """Whether the kernel has the netem qdisc (delay / loss), probed on a dummy namespace."""
     name = f"hc{os.getpid()}x{secrets.token_hex(2)}-f"
     _ip("netns", "add", name)
@@ -240,7 +240,10 @@ class Hosts:
                  max_restarts: int = 0, join_timeout: float = 60, env=None,
                  **kw) -> subprocess.Popen:
         """torchrun on host i exactly as on a cluster: --nnodes n --node-rank i, c10d rendezvous
-        on host 0's address (host 0's agent hosts the rendezvous store)."""
+        on host 0's address (host 0's agent hosts the rendezvous store: is_host is given
+        explicitly, torch's own guess resolves hostnames). As on a cluster with a c10d
+        rendezvous, torch ignores --node-rank and hands out global ranks in joining order:
+        callers that need a layout label ranks by host and LOCAL_RANK, not by RANK."""
         import sys
 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.n),

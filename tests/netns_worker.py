@@ -221,6 +221,36 @@ def steady(args: dict) -> dict:
     return {"ops": ops, "wrong": wrong, **view}
 
 
+def bench(args: dict) -> dict:
+    """all_reduce (sum, float32) timings per size: `iters` timed ops after 2 warm-ups, the
+    slowest rank's mean; every size's result checked against a float64 reference once."""
+    import collective_cases as cc
+
+    _init(args.get("timeout_s", 120))
+    view = _bridge_view()
+    rows = []
+    for size in args["sizes"]:
+        n = size // 4
+        x0 = cc.data(RANK, size, n, torch.float32)
+        ref = cc.reference([cc.data(r, size, n, torch.float32) for r in range(WORLD)], "sum",
+                           torch.float32)
+        x = x0.clone()
+        dist.all_reduce(x)
+        wrong = int(cc.close(x, ref, torch.float32, WORLD) is not None)
+        dist.all_reduce(x)
+        iters = max(2, min(args["iters"], int(args["budget_bytes"] // max(size, 1))))
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        dt = torch.tensor([(time.perf_counter() - t0) / iters])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        rows.append({"size": size, "count": n, "time_us": dt.item() * 1e6, "wrong": wrong,
+                     "iters": iters})
+    dist.destroy_process_group()
+    return {"rows": rows, **view}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     args = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
