@@ -25,9 +25,11 @@ def _bool(s: str) -> bool:
 
 def _check_mode(s: str) -> str:
     v = s.strip().lower()
-    v = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(v, v)
-    if v not in ("on", "full", "off"):
-        raise ValueError("expected on, full or off")
+    # full: the former name of what on does now (every call checked before data moves)
+    v = {"1": "on", "true": "on", "yes": "on", "full": "on", "0": "off", "false": "off",
+         "no": "off"}.get(v, v)
+    if v not in ("on", "async", "off"):
+        raise ValueError("expected on, async or off")
     return v
 
 
@@ -106,9 +108,10 @@ _SETTINGS = [
             "whether `hetccl run` replaced the script's backend); WARNING silences that line; "
             "INFO adds per-group details."),
     Setting("HETCCL_CHECK_ARGS", _check_mode, "on",
-            "Argument checks across ranks (hetccl/checks.py): on (default: host collectives "
-            "every call; device collectives the first call of each signature before data moves, "
-            "later calls asynchronously with the data), full (every call before data moves), "
+            "Argument checks across ranks (hetccl/checks.py): on (default: every call is "
+            "checked before data moves, host and device tensors; full is a synonym), async "
+            "(device collectives never wait: the headers travel with the data and a mismatch "
+            "found afterwards breaks the group on every rank, see HETCCL_ASYNC_ERROR_HANDLING), "
             "off."),
     Setting("HETCCL_ASYNC_ERROR_HANDLING", _async_mode, "abort",
             "A device collective that fails after it was issued (peer died, timeout, arguments "

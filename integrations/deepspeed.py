@@ -252,7 +252,7 @@ def balanced_step(engine, plan, rank: int, make_batch: Callable[[int, int], Any]
         weights += [0.0] * (steps - len(sizes))
         sizes += [0] * (steps - len(sizes))
     offset = plan.offsets()[rank]
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device="cpu")
     for size, weight in zip(sizes, weights):
         batch = empty_batch() if size == 0 and empty_batch is not None else make_batch(offset, size)
         offset += size

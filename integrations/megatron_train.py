@@ -201,7 +201,7 @@ def _micro_batches(rec: dict, first_sample: int, counts: list[int], device: str)
     import torch
     from .megatron import _batch
     seq, vocab, seed = rec["seq_length"], rec["vocab_size"], rec["seed"]
-    pos = torch.arange(seq).unsqueeze(0)
+    pos = torch.arange(seq, device="cpu").unsqueeze(0)
     out, k = [], first_sample
     for size in counts:
         x, y, m = _batch(range(k, k + size), seq, vocab, seed)
@@ -448,7 +448,7 @@ def _init_state_for_load(optimizer) -> None:
             for p in group["params"]:
                 st = inner.state[p]
                 if st and "step" not in st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
 
 
 def _restore_steps(optimizer) -> None:
@@ -468,7 +468,7 @@ def _restore_steps(optimizer) -> None:
             for p in group["params"]:
                 st = inner.state[p]
                 if "step" in st:
-                    st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+                    st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32, device="cpu")
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler) -> tuple[int, dict] | None:
