@@ -33,6 +33,13 @@ def _check_mode(s: str) -> str:
     return v
 
 
+def _share_mode(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("auto", "on", "off"):
+        raise ValueError("expected auto, on or off")
+    return v
+
+
 def _device_mode(s: str) -> str:
     v = s.strip().lower()
     if v not in ("auto", "off"):
@@ -118,6 +125,11 @@ _SETTINGS = [
             "found to differ): abort (default) logs the error and stops the process, as torch's "
             "NCCL backend does, so a result of a failed collective is never consumed; raise "
             "releases the streams and raises the error at the next call on the group."),
+    Setting("HETCCL_SHARE_GPUS", _share_mode, "auto",
+            "Workers of an emulated mixed-vendor job on a host with fewer GPUs than workers "
+            "(hetccl.launch.share_gpus): auto (default: under vendor emulation each worker sees "
+            "one GPU, local rank % GPUs, as its GPU 0, and LOCAL_RANK=0), on (also without "
+            "emulation), off (leave CUDA_VISIBLE_DEVICES and LOCAL_RANK as launched)."),
     Setting("HETCCL_SLOWDOWN", float, 1.0,
             "TEST ONLY: emulate a slower device; hetccl.balance.emulate multiplies this rank's "
             "compute time by this factor."),

@@ -399,6 +399,14 @@ def _worker_main(argv: list[str]) -> int:
     p.add_argument("--module", action="store_true")
     opts = p.parse_args(argv[1:sep])
     target, user_args = argv[sep + 1], argv[sep + 2:]
+    if opts.comm_backend == "hetccl":
+        from hetccl.launch import share_gpus
+        if opts.vendors:
+            emulate_vendors(opts.vendors)
+        # before DeepSpeed is imported: its accelerator probe initialises the GPU runtime
+        note = share_gpus(argv=local_rank_arg)
+        if note and os.environ.get("RANK", "0") == "0":
+            print(note, file=sys.stderr, flush=True)
     init_distributed(comm_backend=opts.comm_backend, vendors=opts.vendors)
     # The user script sees the argv the plain launcher would have given it.
     sys.argv = [target] + local_rank_arg + user_args
