@@ -1,8 +1,11 @@
 """The bridge: moves bytes between vendor groups over the C++ transports.
 
 A Bridge belongs to one multi-vendor process group. At creation it connects this rank to every
-rank of the *other* vendor groups (never to its own group: that traffic stays on the native
-library). The transport of a pair is chosen from the capability tables both ranks publish
+rank of the *other* vendor groups; traffic inside a vendor group stays on the native library,
+except host data of a job on one host whose groups are not two of equal size 2^m: then the
+rest of its own vendor group is linked through shared memory too (group_links), and host
+collectives run on the engine alone (algorithms/linked.py). The transport of a pair is chosen
+from the capability tables both ranks publish
 (hetccl/transports.py: the most preferred transport of both tables that reaches the pair,
 shm on one host, ucx or tcp between hosts; HETCCL_TRANSPORT forces one), together with whether
 device memory goes to it directly. Addresses, tables and the group's random secret go through
