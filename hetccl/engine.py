@@ -202,11 +202,14 @@ class Engine:
         host h1, pid 1234]"; an error of the native library, which names no rank, gets the
         ranks and hosts of this vendor group), without the original traceback, whose frames
         would keep this collective's tensors and scratch alive as long as the group remembers
-        its first failure (self._broken). Other exceptions pass unchanged."""
+        its first failure (self._broken). Other RuntimeErrors are copied with their text as it
+        is; other exceptions pass unchanged."""
         if not isinstance(e, RuntimeError) or isinstance(e, NotImplementedError):
             return e
         text = str(e)
-        if "[rank " not in text:
+        native = (isinstance(e, torch.distributed.DistError)
+                  or any(k in text.lower() for k in ("gloo", "nccl", "rccl")))
+        if "[rank " not in text and (isinstance(e, CommError) or native):
             if isinstance(e, CommError):
                 named = sorted({int(m) for m in re.findall(r"rank (\d+)", text)
                                 if int(m) < self.size and int(m) != self.rank})
