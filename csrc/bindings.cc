@@ -309,6 +309,19 @@ PYBIND11_MODULE(_C, m) {
       "A vendor runtime's stream memory operations, copies, events and host registration "
       "(csrc/device_ops.h), opened from the library the framework loaded.")
       .def_property_readonly("name", &DeviceOps::name)
+      .def_property_readonly("memory_type", &DeviceOps::memory_type)
+      .def("wait_geq",
+           [](DeviceOps& d, uintptr_t s, uint64_t word, uint64_t counter) {
+             d.wait_geq(as_ptr(s), word, counter);
+           },
+           py::arg("stream"), py::arg("word"), py::arg("counter"),
+           "Enqueue a wait on a flag word (device_ops.h's contract; tests).")
+      .def("write",
+           [](DeviceOps& d, uintptr_t s, uint64_t word, uint64_t counter) {
+             d.write(as_ptr(s), word, counter);
+           },
+           py::arg("stream"), py::arg("word"), py::arg("counter"),
+           "Enqueue a write of a flag word (tests).")
       .def("stream_mem_ops", &DeviceOps::stream_mem_ops, py::arg("device_index"))
       .def("host_register",
            [](DeviceOps& d, uintptr_t p, size_t n) { return d.host_register(as_ptr(p), n); },
@@ -322,7 +335,15 @@ PYBIND11_MODULE(_C, m) {
            "A new stream of the emulated device (tests).")
       .def("synchronize", [](DeviceOps& d, uintptr_t s) { d.sync(as_ptr(s)); }, py::arg("stream"),
            py::call_guard<py::gil_scoped_release>());
-  m.def("device_ops", &make_device_ops, py::arg("vendor"), py::arg("library") = "");
+  m.def("device_ops", &make_device_ops, py::arg("runtime"), py::arg("library") = "");
+  m.def("runtime_api",
+        [](const std::string& runtime) {
+          RuntimeApi a = runtime_api(runtime);
+          return py::make_tuple(a.constants, a.functions);
+        },
+        py::arg("runtime"),
+        "The vendor declarations a device runtime module uses (csrc/device_ops.h: runtime_api): "
+        "(constants {name: value}, functions {name: [return type, parameter types...]}).");
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
       "The progress engine of one multi-vendor group (csrc/engine.h states the contracts).")
@@ -406,6 +427,8 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", &Engine::wait, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
       .def("test", &Engine::test, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
       .def("set_device_ops", &Engine::set_device_ops, py::arg("ops"))
+      .def("_set_position_base", &Engine::set_position_base, py::arg("base"),
+           "Tests: message links start at this position (wrap-around of positions).")
       .def("stream_join", &Engine::stream_join, py::arg("device_index"), py::arg("waiter"),
            py::arg("waitee"))
       .def("broken", &Engine::broken)

@@ -15,18 +15,12 @@ import torch
 
 from . import config
 
-VENDOR_OF_BUILD = {"cuda": "nvidia", "rocm": "amd", "xpu": "intel", "cpu": "host"}
-
-
 def build_kind() -> str:
-    """What this torch build drives: 'rocm', 'cuda', 'xpu' or 'cpu' (no usable accelerator)."""
-    from .device.cuda import CudaSeam
+    """What this torch build drives, from the device seams (hetccl/device/): 'cuda', 'rocm', or
+    'cpu' where no accelerator with a seam is usable."""
+    from . import device as devices
 
-    if CudaSeam.available():
-        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return "xpu"
-    return "cpu"
+    return devices.build_seam().build
 
 
 def detect_vendor(rank: int | None = None) -> str:
@@ -58,7 +52,9 @@ def detect_vendor(rank: int | None = None) -> str:
             raise ValueError(f"hetccl: HETCCL_VENDOR_SPLIT={split!r} covers {len(labels)} ranks,"
                              f" but this is rank {rank}")
         return labels[rank]
-    return VENDOR_OF_BUILD[build_kind()]
+    from . import device as devices
+
+    return devices.build_seam().vendor
 
 
 @functools.lru_cache(maxsize=1)
