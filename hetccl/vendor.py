@@ -1,8 +1,9 @@
 """Vendor labels: which vendor group a rank belongs to, and which host it is on.
 
 Device-specific code (streams, copies, native libraries) lives in the device seam
-(hetccl/device/); this module only names vendors. On ROCm builds of torch, HIP is exposed as
-``torch.cuda`` (device type "cuda", native library RCCL under the name "nccl"): the label is
+(hetccl/device/), and so does each build's vendor label ("nvidia", "amd", "host": the seam's
+`vendor`); this module picks a process's label (emulation, splits, the build's) and its host
+identity. On ROCm builds of torch, HIP is exposed as torch's "cuda" device type: the label is
 what tells an AMD rank from an NVIDIA one.
 """
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import socket
-
-import torch
 
 from . import config
 
