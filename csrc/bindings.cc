@@ -330,6 +330,23 @@ PYBIND11_MODULE(_C, m) {
            py::arg("ptr"))
       .def("device_address", [](DeviceOps& d, uintptr_t p) { return d.device_address(as_ptr(p)); },
            py::arg("ptr"))
+      .def("wait_word_alloc",
+           [](DeviceOps& d) { return reinterpret_cast<uintptr_t>(d.wait_word_alloc()); },
+           "A word for streams to wait on where the runtime requires its own memory (0: any "
+           "registered host memory; tests).")
+      .def("wait_word_address",
+           [](DeviceOps& d, uintptr_t w) { return d.wait_word_address(as_ptr(w)); }, py::arg("word"))
+      .def("wait_word_free", [](DeviceOps& d, uintptr_t w) { d.wait_word_free(as_ptr(w)); },
+           py::arg("word"))
+      .def("set_device", &DeviceOps::set_device, py::arg("device_index"))
+      .def("event_create", [](DeviceOps& d) { return reinterpret_cast<uintptr_t>(d.event_create()); })
+      .def("event_destroy", [](DeviceOps& d, uintptr_t e) { d.event_destroy(as_ptr(e)); },
+           py::arg("event"))
+      .def("memcpy_async",
+           [](DeviceOps& d, uintptr_t dst, uintptr_t src, size_t n, uintptr_t s) {
+             d.memcpy_async(as_ptr(dst), as_ptr(src), n, as_ptr(s));
+           },
+           py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"))
       .def("emulated_stream",
            [](DeviceOps& d) { return reinterpret_cast<uintptr_t>(emulated_stream(d)); },
            "A new stream of the emulated device (tests).")

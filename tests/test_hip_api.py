@@ -6,7 +6,12 @@ definitions, without an AMD GPU:
     a deliberately wrong constant or prototype must fail that compile (so the check can fail);
   * compared with the generated bindings of a current ROCm (rocm-bindings-hip, ROCm 7.x): the
     table as the compiled module exports it (hetccl._C.runtime_api("hip")) against the bindings' enum and
-    constant values and the prototypes of their cyhip.pxd.
+    constant values and the prototypes of their cyhip.pxd;
+  * the HIP runtime module's own code run over tests/cpp/fake_hip.cc, a libamdhip64 stand-in
+    built from the same headers that logs each call: the attribute it queries (10013), signal
+    memory for wait words (8 bytes, hipMallocSignalMemory), 64-bit Gte waits with every mask bit
+    on counters past 2^32, registration / event / copy flags, error text; and RocmSeam opening
+    that module on a (simulated) ROCm build.
 
 .ci/setup installs both (apt: libamdhip64-dev; pip download: rocm-bindings-hip and -core into
 build/rocm-bindings). Where one is missing the test skips saying what to install -- except under
@@ -151,3 +156,105 @@ def test_declarations_match_current_rocm_bindings():
     assert len(protos) > 300, "the prototype parser found too few functions in cyhip.pxd"
     bad = {n: (sig, protos.get(n)) for n, sig in funcs.items() if protos.get(n) != sig}
     assert not bad, f"prototypes differing from ROCm {major}.{minor} (ours, theirs): {bad}"
+
+
+@pytest.fixture(scope="module")
+def fake_hip(tmp_path_factory):
+    """tests/cpp/fake_hip.cc built against the HIP headers: a libamdhip64 stand-in that logs."""
+    import ctypes
+
+    inc = _include_dir()
+    out = tmp_path_factory.mktemp("fakehip") / "libamdhip64.so"
+    cxx = shutil.which("g++") or shutil.which("c++")
+    flags = [] if inc == Path("/usr/include") else ["-isystem", str(inc)]
+    r = subprocess.run([cxx, "-std=c++17", "-D__HIP_PLATFORM_AMD__", "-shared", "-fPIC", *flags,
+                        str(ROOT / "tests" / "cpp" / "fake_hip.cc"), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lib = ctypes.CDLL(str(out))
+    lib.fake_hip_log.restype = ctypes.c_char_p
+    lib.fake_hip_reset.argtypes = [ctypes.c_int]
+    return str(out), lib
+
+
+def _log(lib) -> list[str]:
+    return lib.fake_hip_log().decode().splitlines()
+
+
+def test_hip_module_calls_what_hip_documents(fake_hip):
+    """The HIP runtime module itself (csrc/device/hip_ops.cc), run over a HIP stand-in built from
+    ROCm's headers: the attribute it queries, the flags, sizes and widths it passes."""
+    import torch
+
+    path, lib = fake_hip
+    lib.fake_hip_reset(1)
+    ops = _C.device_ops("hip", path)
+    assert (ops.name, ops.memory_type) == ("hip", "rocm")
+    assert ops.stream_mem_ops(3) is True
+    assert _log(lib)[-1] == "hipDeviceGetAttribute 10013 3"  # CanUseStreamWaitValue, not 10
+    lib.fake_hip_reset(0)
+    assert ops.stream_mem_ops(0) is False
+    # the words streams wait on: 8 bytes of signal memory, addressed by HIP's own pointer
+    w = ops.wait_word_alloc()
+    assert w and _log(lib)[-1] == "hipExtMallocWithFlags 8 flags=2"
+    assert ops.wait_word_address(w) == w
+    # 64-bit waits and writes on counters past 2^32 (no wrap: the counter does not)
+    stream = 0x1234
+    ops.write(stream, w, (1 << 32) + 5)
+    ops.wait_geq(stream, w, (1 << 32) + 5)
+    ops.wait_geq(stream, w, (1 << 32) + 6)
+    ops.wait_geq(stream, w, 7)  # position 7 of an earlier epoch: reached (unsigned 64-bit)
+    log = _log(lib)[-4:]
+    assert log[0] == f"hipStreamWriteValue64 {w:#x} {(1 << 32) + 5}"
+    full = "flags=0 mask=ffffffffffffffff"  # hipStreamWaitValueGte, every bit
+    assert log[1:] == [f"hipStreamWaitValue64 {w:#x} {(1 << 32) + 5} {full} held=1",
+                       f"hipStreamWaitValue64 {w:#x} {(1 << 32) + 6} {full} held=0",
+                       f"hipStreamWaitValue64 {w:#x} 7 {full} held=1"]
+    ops.wait_word_free(w)
+    assert _log(lib)[-1] == "hipFree"
+    # registration portable | mapped; events without timing; copies of kind hipMemcpyDefault
+    buf = torch.arange(16, dtype=torch.uint8)
+    dst = torch.zeros(16, dtype=torch.uint8)
+    assert ops.host_register(buf.data_ptr(), 16) is True
+    assert _log(lib)[-1] == "hipHostRegister 16 flags=3"
+    assert ops.device_address(buf.data_ptr()) == buf.data_ptr()
+    ev = ops.event_create()
+    assert _log(lib)[-1] == "hipEventCreateWithFlags flags=2"
+    ops.event_destroy(ev)
+    ops.memcpy_async(dst.data_ptr(), buf.data_ptr(), 16, stream)
+    assert _log(lib)[-1] == "hipMemcpyAsync 16 kind=4" and torch.equal(dst, buf)
+    # a failing call names the call and HIP's error string
+    with pytest.raises(_C.CommError, match=r"hipSetDevice failed: error 101 \(invalid device "
+                                           r"ordinal \(fake\)\)"):
+        ops.set_device(-1)
+
+
+def test_hip_module_refuses_a_library_without_hip(tmp_path):
+    with pytest.raises(_C.CommError, match="cannot open the device runtime"):
+        _C.device_ops("hip", str(tmp_path / "libamdhip64.so"))
+    libc = "libc.so.6"
+    with pytest.raises(_C.CommError, match="libc.so.6 lacks hipSetDevice"):
+        _C.device_ops("hip", libc)
+
+
+def test_rocm_seam_opens_the_hip_module(fake_hip, monkeypatch):
+    """On a ROCm build the "cuda" device type is served by RocmSeam, whose runtime is the HIP
+    module over the libamdhip64 the process loaded (here the stand-in, as if torch had loaded
+    it)."""
+    import torch
+
+    import hetccl.device as devices
+    from hetccl.device import cuda as cuda_mod
+    from hetccl.device.rocm import RocmSeam
+
+    path, lib = fake_hip
+    monkeypatch.setattr(torch.version, "hip", "7.15.0", raising=False)
+    chosen = {t: next(c for c in cs if c.build_matches()) for t, cs in devices._CANDIDATES.items()}
+    assert chosen["cuda"] is RocmSeam
+    seen = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(cuda_mod, "_loaded_library",
+                        lambda stems: seen.append(stems) or path)
+    ops = RocmSeam().runtime()
+    assert seen == [("libamdhip64.so",)]
+    assert (ops.name, ops.memory_type) == ("hip", RocmSeam.memory_type)
