@@ -165,10 +165,10 @@ class CudaSeam:
 
     @classmethod
     def count_devices(cls) -> int:
-        """GPUs of this host through the management library (NVML), without initialising the
-        runtime; -1 when they cannot be counted."""
+        """GPUs of this host, whatever visible_env says, through the management library
+        (NVML), without initialising the runtime; -1 when they cannot be counted."""
         try:
-            n = int(torch.cuda._device_count_nvml())
+            n = int(torch.cuda._raw_device_count_nvml())
         except Exception:  # noqa: BLE001 - no management library: not counted
             n = -1
         if n < 0 and os.path.isdir("/proc/driver/nvidia/gpus"):
@@ -182,9 +182,16 @@ class CudaSeam:
         shown fewer GPUs): visible_env's entries when it is set, else 0..n-1. [] when there is
         no GPU or it cannot be counted."""
         listed = env.get(cls.visible_env)
-        if listed is not None:
-            return [e.strip() for e in listed.split(",") if e.strip()]
-        return [str(i) for i in range(max(cls.count_devices(), 0))]
+        n = cls.count_devices()
+        if listed is None:
+            return [str(i) for i in range(max(n, 0))]
+        items = [e.strip() for e in listed.split(",") if e.strip()]
+        # Launchers list GPUs that do not exist (the deepspeed launcher writes 0,1 for
+        # --num_gpus 2 on a one-GPU host): ordinals past the host's count are dropped, as the
+        # runtime would. UUIDs and MIG names are kept as they are.
+        if n >= 0:
+            items = [e for e in items if not e.isdigit() or int(e) < n]
+        return items
 
     @classmethod
     def show_only(cls, env, device: str) -> None:

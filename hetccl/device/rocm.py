@@ -43,6 +43,6 @@ class RocmSeam(CudaSeam):
     def count_devices(cls) -> int:
         """AMD GPUs through amdsmi, without initialising HIP; -1 when they cannot be counted."""
         try:
-            return int(torch.cuda._device_count_amdsmi())
+            return int(torch.cuda._raw_device_count_amdsmi())
         except Exception:  # noqa: BLE001 - no management library: not counted
             return -1
