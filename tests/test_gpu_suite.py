@@ -239,8 +239,9 @@ def test_peer_killed_during_large_all_reduce(nelem):
 # ===================================================================== 3. training
 TRAIN = {"1+1": ["ddp", "fsdp2", "fsdp2_bf16"], "1+1+1": ["ddp", "fsdp2"]}
 # fp32: summation order and fp32 rounding only (tests/test_training.py); bf16 parameters in
-# the forward/backward (FSDP2 MixedPrecisionPolicy): bf16 rounding of ~1e-2 relative per step
-TRAIN_TOL = {"ddp": 1e-4, "fsdp2": 1e-4, "fsdp2_bf16": 3e-2}
+# the forward/backward (FSDP2 MixedPrecisionPolicy, fp32 gradient reduction): bf16 rounding
+# of the activations, ~1e-4 on these parameters after 5 steps (7.5e-5 measured on CPU)
+TRAIN_TOL = {"ddp": 1e-4, "fsdp2": 1e-4, "fsdp2_bf16": 5e-3}
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,7 +271,7 @@ def test_training_matches_single_process_reference(split, which):
             torch.testing.assert_close(p, want, atol=tol, rtol=tol,
                                        msg=lambda m, r=r: f"rank {r} {which}: {m}")
         dl = max(abs(a - b) for a, b in zip(got["losses"], ref_losses))
-        assert dl <= tol * 10 * max(ref_losses), (r, got["losses"], ref_losses)
+        assert dl <= tol * max(1.0, max(ref_losses)), (r, got["losses"], ref_losses)
     figure(f"training/{which}/{split}", max_param_diff=worst,
            max_loss_diff=max(abs(a - b) for a, b in zip(per_rank[0][which]["losses"],
                                                           ref_losses)))
