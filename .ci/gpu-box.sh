@@ -29,11 +29,13 @@
 # Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [passthrough] [sweep] [train] [host]
 #                            [profile] [doctor] [ucx] [ucxprobe] [megatron]
 # (default: build tests bench sweep train host doctor, in that order). Each step is bounded by
-# STEP_TIMEOUT seconds (default 240), the tests step by TESTS_TIMEOUT (default 480: the suite
-# is meant to take <= ~8 minutes on one H200); TESTS="tests/test_gpu_suite.py" runs one file,
-# PYTEST_K="deepspeed or megatron" a subset (pytest -k), PYTEST_ARGS more pytest flags. The tests and megatron steps install the wheels carried in
-# .whl/ that the box lacks (deepspeed, megatron-core and their pure-Python dependencies; see
-# carried_wheels below); without .whl the DeepSpeed and Megatron tests skip with a reason.
+# STEP_TIMEOUT seconds (default 240), the tests step by TESTS_TIMEOUT (default 540: the suite
+# is meant to take <= ~8 minutes on one H200; run `build` and `tests` as two device commands
+# when both together would pass the device tool's 10 minutes). TESTS="tests/test_gpu_suite.py"
+# runs one file, PYTEST_K="deepspeed or megatron" a subset (pytest -k), PYTEST_ARGS adds
+# pytest flags. The tests and megatron steps install the wheels carried in .whl/ that the box
+# lacks (deepspeed, megatron-core and their pure-Python dependencies; carried_wheels below);
+# without .whl the DeepSpeed and Megatron tests skip with a reason.
 # The GPU suite alone, with the wheels (device tool: carry [".whl"]):
 #   bash .ci/gpu-box.sh build tests
 set -uo pipefail
@@ -95,13 +97,13 @@ for w in $what; do
       t0=$SECONDS
       # shellcheck disable=SC2086 # TESTS and PYTEST_ARGS are word lists
       HETCCL_GPU_FIGURES="$OUT/gpu_figures.jsonl" HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 \
-        timeout -k 15 "${TESTS_TIMEOUT:-480}" python3 -m pytest -q ${TESTS:-tests/test_gpu*.py} \
+        timeout -k 15 "${TESTS_TIMEOUT:-540}" python3 -m pytest -q ${TESTS:-tests/test_gpu*.py} \
         -m gpu -p no:cacheprovider -rfEs --durations=12 ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -40
       rc=${PIPESTATUS[0]}
       grep -o "hetccl-frame [^ ]* +0x[0-9a-f]*" "$OUT/gpu_tests.log" | sort -u | head -40 \
         | while read -r _ obj off; do echo "$obj $off $(addr2line -f -C -e "$obj" "${off#+}" 2>/dev/null | tr '\n' ' ')"; done
-      python3 .ci/gpu_suite.py summary "$OUT" "$rc" "$((SECONDS - t0))" "${TESTS_TIMEOUT:-480}" \
+      python3 .ci/gpu_suite.py summary "$OUT" "$rc" "$((SECONDS - t0))" "${TESTS_TIMEOUT:-540}" \
         | tee "$OUT/gpu_summary.txt" ;;
     bench)
       for dt in ${DTYPES:-bfloat16 float32}; do

@@ -235,7 +235,7 @@ def _usable(dev, group, world) -> str | None:
     return None if bool((x.cpu() == want).all()) else f"wrong value {x[:3].tolist()} != {want}"
 
 
-def run_errors(ctx, device: str, orders: list[str], record=None, timeout_s: float = 15):
+def run_errors(ctx, device: str, orders: list[str], record=None, timeout_s: float = 10):
     """Every (kind, order) of ERROR_KINDS x orders, each in a fresh hetccl group over all ranks
     (its own signature cache), verdict per case:
       ok                         the mismatching call raised on this rank, the text names what

@@ -137,7 +137,7 @@ def check_cases(cases: dict[str, dict[int, str]], world: int, failure: str | Non
 def collectives(split: str, mode: str):
     return recorded(collective_cases.run_all, split,
                     {"device": DEVICE, "default_device": mode == "default_device"},
-                    timeout=600)
+                    timeout=240)
 
 
 def _collectives_skip(split, mode):
@@ -186,7 +186,7 @@ ERROR_BATCHES = [["fresh", "both_used"], ["r0_used", "rest_used"]]
 def errors(split: str, batch: int):
     return recorded(gpu_cases.run_errors, split,
                     {"device": DEVICE, "orders": ERROR_BATCHES[batch]}, env=ERROR_ENV,
-                    timeout=400)
+                    timeout=240)
 
 
 @pytest.mark.parametrize("order", gpu_cases.ERROR_ORDERS)
@@ -247,7 +247,7 @@ TRAIN_TOL = {"ddp": 1e-4, "fsdp2": 1e-4, "fsdp2_bf16": 5e-3}
 @functools.lru_cache(maxsize=None)
 def training(split):
     return spawn(gpu_cases.run_training, _world(split), args=(DEVICE, TRAIN[split]),
-                 vendors=split, timeout=300)
+                 vendors=split, timeout=200)
 
 
 @pytest.mark.parametrize("split,which", [(s, w) for s, ws in TRAIN.items() for w in ws])
@@ -286,7 +286,9 @@ DS_STEPS = 8
 # bf16 (GPU): parameters and gradients in bf16, fp32 master weights; the two runs differ in
 # reduction order and in how the batch is cut (2 ranks x 2 micro-batches vs 1 rank x 4):
 # ~1e-2 on a loss of ~4.2. fp32 (CPU validation): order of sums only.
-DS_TOL = 3e-2 if ON_GPU else 2e-4
+# Measured on CPU, one process: bf16 against fp32 differs by <= 2e-3 over these 8 steps, in
+# which the loss falls by ~0.46.
+DS_TOL = 2e-2 if ON_GPU else 2e-4
 
 
 def _free_port() -> int:
@@ -428,7 +430,8 @@ def megatron_runs(tmp_path_factory):
     runs = [(t(two, DEVICE, pp=2), {}),
             (t(two, DEVICE, pp=2, stages="plan"), {1: {"HETCCL_SLOWDOWN": "3"}}),
             (t(two, DEVICE, pp=2, save=ck, exit_interval=2), {}),
-            (t(two, DEVICE, pp=2, load=ck), {})]
+            (t(two, DEVICE, pp=2, load=ck), {}),
+            (t(two, DEVICE, pp=2, stages=[3, 1]), {})]
     pp2 = spawn(gpu_cases.run_megatron, 2, args=(DEVICE, runs), vendors=["v0", "v1"],
                 env={"OMP_NUM_THREADS": "1"}, timeout=500)
     ref = spawn(gpu_cases.run_megatron, 1,
@@ -439,20 +442,26 @@ def megatron_runs(tmp_path_factory):
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core not importable (pip install "
                                               "hetccl[megatron]; on the GPU box: .whl/)")
-@pytest.mark.parametrize("split", ["even", "plan"])
+@pytest.mark.parametrize("split", ["even", "plan", "uneven"])
 def test_megatron_pp2_matches_pp1(megatron_runs, split):
-    """pp=2, one stage per emulated vendor (activations and gradients cross the bridge), even
-    split and the planner's split with the second vendor emulated 3x slower: per-iteration
-    losses within MEG_TOL of the pp=1 single-process run's (bf16 on the GPU)."""
+    """pp=2, one stage per emulated vendor (activations and gradients cross the bridge): the
+    even split, the planner's split (second vendor emulated 3x slower; its measured per-layer
+    time is slower) and a fixed uneven one [3, 1]: per-iteration losses within MEG_TOL of the
+    pp=1 single-process run's (bf16 on the GPU)."""
     pp2, ref = megatron_runs
-    rows = pp2[0]["runs"][0 if split == "even" else 1]
+    rows = pp2[0]["runs"][{"even": 0, "plan": 1, "uneven": 4}[split]]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     if split == "plan":
         plan = rows[0]["stage_plan"]
         assert plan and sum(plan["planned"]) == 4, plan
-        assert plan["stage_layer_ms"][1] > 1.5 * plan["stage_layer_ms"][0], plan
+        assert rows[0]["stages"] == plan["planned"], (rows[0]["stages"], plan)
+        # both stages' processes share the one GPU on a one-GPU box, so the measured times
+        # say only that the slowed stage is slower there; the planned split is checked above
+        assert plan["stage_layer_ms"][1] > plan["stage_layer_ms"][0], plan
     else:
-        assert rows[0]["stages"] == [2, 2], rows[0]
+        assert rows[0]["stages"] == ([2, 2] if split == "even" else [3, 1]), rows[0]
+    assert pp2[1]["runs"][{"even": 0, "plan": 1, "uneven": 4}[split]][0]["lm_loss"] == \
+        rows[0]["lm_loss"], "the two stages report different losses"
     worst = 0.0
     for a, b in zip(rows, ref):
         assert math.isfinite(a["lm_loss"])
