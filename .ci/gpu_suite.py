@@ -61,7 +61,7 @@ def summary(out: str, rc: int, secs: int, limit: str) -> str:
                           text=True).stdout.strip()
     lines.append(f"GPU suite, {date}, commit {rev or '?'}, {gpu}")
     lines.append("command: bash .ci/gpu-box.sh build tests   "
-                 "(python3 -m pytest tests/test_gpu*.py -m gpu)")
+                 "(python3 -m pytest tests/test_gpu.py tests/test_gpu_suite.py -m gpu)")
     last = next((l for l in reversed(log.splitlines()) if re.search(r"\d+ (passed|failed)", l)),
                 "")
     counts = re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", last)
