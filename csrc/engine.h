@@ -192,7 +192,8 @@ class Engine {
   DevicePart device_part_locked(Plan& p);
   void enqueue_device(Plan& p, const DevicePart& part);
   void drive_device_sync(Plan& p, const DevicePart& part);
-  void post_headers(Plan& p);
+  void post_headers(Plan& p, bool waits);
+  bool a_peer_did_not_wait(const Plan& p) const;
   std::string compare_headers(Plan& p);
   void finish_chunk(Plan& p);
   void mark_done(Plan& p);

@@ -230,6 +230,11 @@ def _left_ms(deadline: float) -> int:
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    # the transports read and write these pointers from the host: a device pointer here would
+    # crash the process (hostmem.py), so it is refused before anything is posted
+    if t.device.type != "cpu":
+        raise ValueError(f"hetccl: internal error: the bridge moves host memory only, got a "
+                         f"tensor on {t.device}")
     if not t.is_contiguous():
         raise ValueError("hetccl: internal error: bridge tensors must be contiguous")
     return t.numel() * t.element_size()

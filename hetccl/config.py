@@ -25,9 +25,18 @@ def _bool(s: str) -> bool:
 
 def _check_mode(s: str) -> str:
     v = s.strip().lower()
-    v = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(v, v)
-    if v not in ("on", "full", "off"):
-        raise ValueError("expected on, full or off")
+    # full: the former name of what on does now (every call checked before data moves)
+    v = {"1": "on", "true": "on", "yes": "on", "full": "on", "0": "off", "false": "off",
+         "no": "off"}.get(v, v)
+    if v not in ("on", "async", "off"):
+        raise ValueError("expected on, async or off")
+    return v
+
+
+def _share_mode(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("auto", "on", "off"):
+        raise ValueError("expected auto, on or off")
     return v
 
 
@@ -106,15 +115,21 @@ _SETTINGS = [
             "whether `hetccl run` replaced the script's backend); WARNING silences that line; "
             "INFO adds per-group details."),
     Setting("HETCCL_CHECK_ARGS", _check_mode, "on",
-            "Argument checks across ranks (hetccl/checks.py): on (default: host collectives "
-            "every call; device collectives the first call of each signature before data moves, "
-            "later calls asynchronously with the data), full (every call before data moves), "
+            "Argument checks across ranks (hetccl/checks.py): on (default: every call is "
+            "checked before data moves, host and device tensors; full is a synonym), async "
+            "(device collectives never wait: the headers travel with the data and a mismatch "
+            "found afterwards breaks the group on every rank, see HETCCL_ASYNC_ERROR_HANDLING), "
             "off."),
     Setting("HETCCL_ASYNC_ERROR_HANDLING", _async_mode, "abort",
             "A device collective that fails after it was issued (peer died, timeout, arguments "
             "found to differ): abort (default) logs the error and stops the process, as torch's "
             "NCCL backend does, so a result of a failed collective is never consumed; raise "
             "releases the streams and raises the error at the next call on the group."),
+    Setting("HETCCL_SHARE_GPUS", _share_mode, "auto",
+            "Workers of an emulated mixed-vendor job on a host with fewer GPUs than workers "
+            "(hetccl.launch.share_gpus): auto (default: under vendor emulation each worker sees "
+            "one GPU, local rank % GPUs, as its GPU 0, and LOCAL_RANK=0), on (also without "
+            "emulation), off (leave CUDA_VISIBLE_DEVICES and LOCAL_RANK as launched)."),
     Setting("HETCCL_SLOWDOWN", float, 1.0,
             "TEST ONLY: emulate a slower device; hetccl.balance.emulate multiplies this rank's "
             "compute time by this factor."),
