@@ -9,10 +9,11 @@ CUDA, and the same cases on CPU for validation).
 
 Device contract: `device` is "cpu" or "cuda"; "cuda" means GPU rank % device_count (ranks share
 GPUs when there are fewer GPUs than ranks). `default_device=True` runs every case with
-torch.set_default_device(<that device>) in effect, as model code and HF do: the cases always
-name their devices, so what the default changes is only where hetccl's (and torch's) internal
-allocations without a device land -- the path that once put host staging buffers on the GPU.
-Input generation always names the CPU (a CPU generator cannot fill a CUDA tensor).
+torch.set_default_device(<the rank's GPU>) in effect, as model code and HF do (on the CPU:
+"meta", see run_all): the cases always name their devices, so what the default changes is only
+where hetccl's (and torch's) internal allocations without a device land -- the path that once
+put host staging buffers on the GPU. Input generation always names the CPU (a CPU generator
+cannot fill a CUDA tensor).
 
 `record` (optional): a callable(case, verdict) called as soon as each case has its verdict, so a
 parent can read the cases done so far even when a rank dies (tests/test_gpu_suite.py writes them
@@ -197,7 +198,10 @@ def run_all(ctx, extra_env_case: str = "", device: str = "cpu", default_device: 
     rank, world = ctx.rank, ctx.world_size
     dev = case_device(rank, device)
     if default_device:
-        torch.set_default_device(dev)
+        # CUDA: the rank's GPU, as model code does. CPU: "meta", which holds no data, so any
+        # allocation (hetccl's or torch's) that does not name its device fails loudly instead
+        # of silently landing on the CPU -- the same defect the CUDA default would expose
+        torch.set_default_device(dev if dev.type == "cuda" else "meta")
     dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     c = Cases(rank, world, record)
@@ -234,9 +238,10 @@ def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
             err = close(x, ref, torch.float32, W)
             if err:
                 return "premul result: " + err
-        y = put(torch.full((17,), float(rank)))
+        y = torch.full((17,), float(rank), device=dev)
         dist.all_reduce(y)
-        return None if eq(y, torch.full((17,), float(sum(range(W))))) else "unusable after"
+        return None if eq(y, torch.full((17,), float(sum(range(W))), device=CPU)) else \
+            "unusable after"
     c.run("all_reduce/premul_sum", f)
 
     # async all_reduce with futures, non-contiguous input, 2-D tensor

@@ -199,10 +199,11 @@ ERROR_KINDS = {
 }
 # orders of earlier (successful) calls before the mismatching one:
 #   fresh      nothing before, in a fresh group
-#   r0_used    every rank already ran rank 0's call (rank 0 has used its signature, the others
-#              have not used theirs)
+#   r0_used    every rank already ran rank 0's call (rank 0 has used its arguments before, the
+#              others have not used theirs: the order that once made ranks take different
+#              check protocols)
 #   rest_used  every rank already ran the others' call (the reverse)
-#   both_used  every rank already ran both calls: every rank has used its own signature
+#   both_used  every rank already ran both calls: every rank has used its own arguments
 ERROR_ORDERS = ["fresh", "r0_used", "rest_used", "both_used"]
 
 
@@ -235,18 +236,21 @@ def _usable(dev, group, world) -> str | None:
     return None if bool((x.cpu() == want).all()) else f"wrong value {x[:3].tolist()} != {want}"
 
 
-def run_errors(ctx, device: str, orders: list[str], record=None, timeout_s: float = 10):
-    """Every (kind, order) of ERROR_KINDS x orders, each in a fresh hetccl group over all ranks
-    (its own signature cache), verdict per case:
-      ok                         the mismatching call raised on this rank, the text names what
-                                 differs (field and values), and the group is usable afterwards
-                                 (the documented contract of an argument error: docs/reliability.md)
-      ok-async                   (CUDA, order both_used only) not raised by the call itself but
-                                 by the next call on the group, naming what differs: the
-                                 documented asynchronous check of already-checked device
-                                 signatures (hetccl/checks.py, HETCCL_ASYNC_ERROR_HANDLING=raise);
-                                 the group is then unusable and later calls must fail fast
-      anything else              the failure
+def run_errors(ctx, device: str, orders: list[str], check: str = "on", record=None,
+               timeout_s: float = 10):
+    """Every (kind, order) of ERROR_KINDS x orders, each in a fresh hetccl group over all ranks,
+    under HETCCL_CHECK_ARGS=`check` (the parent sets it for the ranks). Verdict per case:
+      ok        check "on" (the default; hetccl/checks.py): the mismatching call itself raised a
+                ValueError on this rank whose text names what differs (field and values),
+                whatever the order of earlier calls, and a correct all_reduce on the group
+                succeeds afterwards (an argument error leaves the group usable:
+                docs/reliability.md).
+                check "async": the mismatch was raised, naming what differs, by the call or by
+                the next call on the group (device calls do not wait: the engine compares the
+                headers as they arrive, HETCCL_ASYNC_ERROR_HANDLING=raise), and afterwards the
+                group either works or refuses every call at once (a broken group), never a hang
+                or a wrong value.
+      else      the failure.
     The ranks run with HETCCL_ASYNC_ERROR_HANDLING=raise (tests/test_gpu_suite.py), so an
     asynchronous verdict is an exception here, not a stopped process."""
     import hetccl  # noqa: F401
@@ -259,10 +263,10 @@ def run_errors(ctx, device: str, orders: list[str], record=None, timeout_s: floa
     out = {}
     for order in orders:
         for kind, words in ERROR_KINDS.items():
-            name = f"{kind}/{order}"
+            name = f"{kind}/{order}" + ("" if check == "on" else f"/{check}")
             g = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
             try:
-                verdict = _one_error_case(kind, order, side, words, dev, g, world)
+                verdict = _one_error_case(kind, order, side, words, dev, g, world, check)
             except Exception:  # noqa: BLE001
                 verdict = "unexpected: " + traceback.format_exc(limit=4)
             out[name] = verdict
@@ -277,7 +281,7 @@ def run_errors(ctx, device: str, orders: list[str], record=None, timeout_s: floa
     return out
 
 
-def _one_error_case(kind, order, side, words, dev, g, world):
+def _one_error_case(kind, order, side, words, dev, g, world, check):
     prep = {"fresh": [], "r0_used": ["A"], "rest_used": ["B"], "both_used": ["A", "B"]}[order]
     for s in prep:  # earlier successful calls: every rank makes the same call
         _error_call(kind, s, dev, g)()
@@ -289,6 +293,15 @@ def _one_error_case(kind, order, side, words, dev, g, world):
         missing = [w for w in words if w.lower() not in msg.lower()]
         return f"message lacks {missing}: {msg[:300]}" if missing else None
 
+    def fails_fast():
+        t1 = time.monotonic()
+        try:
+            res = _usable(dev, g, world)
+        except Exception:  # noqa: BLE001
+            took = time.monotonic() - t1
+            return None if took < 2 else f"a later call took {took:.1f} s to fail"
+        return None if res is None else "a later call gave " + res
+
     try:
         bad()
         if dev.type == "cuda":
@@ -299,26 +312,20 @@ def _one_error_case(kind, order, side, words, dev, g, world):
         err = named(str(e))
         if err:
             return err
-        bad_after = _usable(dev, g, world)
-        return "ok" if bad_after is None else "group not usable after the error: " + bad_after
-    # not raised by the call: the asynchronous check may report it at the next call
+        if check == "async":
+            return fails_fast() or "ok"
+        after = _usable(dev, g, world)
+        return "ok" if after is None else "group not usable after the error: " + after
+    # not raised by the call itself
     t0 = time.monotonic()
     try:
         res = _usable(dev, g, world)
     except Exception as e:  # noqa: BLE001
-        if dev.type != "cuda" or order != "both_used":
+        if check != "async":
             return (f"not raised by the mismatching call (order {order}); the next call "
                     f"raised {type(e).__name__}: {str(e)[:300]}")
         err = named(str(e))
-        if err:
-            return "async report " + err
-        t1 = time.monotonic()
-        try:  # a group broken by an asynchronous mismatch must refuse at once, not hang
-            _usable(dev, g, world)
-            return "ok-async"
-        except Exception:  # noqa: BLE001
-            return "ok-async" if time.monotonic() - t1 < 2 else \
-                f"a later call took {time.monotonic() - t1:.1f} s to fail"
+        return ("async report " + err) if err else (fails_fast() or "ok")
     return (f"no error raised (order {order}); the next correct call "
             f"{'succeeded' if res is None else 'gave ' + res} after {time.monotonic() - t0:.1f} s")
 

@@ -7,7 +7,8 @@
 
 (`bash .ci/gpu-box.sh build tests` runs it with tests/test_gpu.py and writes the log and a
 summary.) Without CUDA and without HETCCL_GPU_SUITE_DEVICE=cpu every test skips with a reason.
-On CPU the CUDA-only checks (streams, torch.set_default_device("cuda")) skip with a reason.
+On CPU the CUDA-only check (wait() on another stream) skips with a reason, and the
+set_default_device mode uses "meta" instead of the GPU.
 
 Placement: rank r uses GPU r % device_count, so on a one-GPU box every emulated vendor's
 process shares the GPU (a correctness run; speeds mean nothing). Splits whose vendor group has
@@ -16,7 +17,8 @@ with that reason on one GPU.
 
 What runs (one spawn covers many cases; each case or family is reported as its own test):
   1. every c10d family (tests/collective_cases.py FAMILIES) for 1+1, 1+1+1 and 2+1, with and
-     without torch.set_default_device(<the rank's GPU>) in effect;
+     without torch.set_default_device(<the rank's GPU>) in effect (on CPU tensors: "meta", on
+     which an allocation that does not name its device fails);
   2. bad input (size, dtype, op, root) after every order of earlier calls, for two and three
      vendor groups (tests/gpu_cases.py run_errors); a peer SIGKILLed during large all-reduces;
   3. DDP and FSDP2 against the float64 single-process reference; DeepSpeed ZeRO-1/2/3 in bf16
@@ -144,9 +146,6 @@ def _collectives_skip(split, mode):
     why = _split_skip(split)
     if why:
         pytest.skip(why)
-    if mode == "default_device" and not ON_GPU:
-        pytest.skip("CUDA only: torch.set_default_device('cuda') (the cases name their devices, "
-                    "so on the CPU this mode is the plain one)")
 
 
 @pytest.mark.parametrize("family", collective_cases.FAMILIES)
@@ -183,10 +182,11 @@ ERROR_BATCHES = [["fresh", "both_used"], ["r0_used", "rest_used"]]
 
 
 @functools.lru_cache(maxsize=None)
-def errors(split: str, batch: int):
+def errors(split: str, batch: int, check: str = "on"):
+    orders = ERROR_BATCHES[batch] if check == "on" else ["fresh", "both_used"]
     return recorded(gpu_cases.run_errors, split,
-                    {"device": DEVICE, "orders": ERROR_BATCHES[batch]}, env=ERROR_ENV,
-                    timeout=240)
+                    {"device": DEVICE, "orders": orders, "check": check},
+                    env={**ERROR_ENV, "HETCCL_CHECK_ARGS": check}, timeout=240)
 
 
 @pytest.mark.parametrize("order", gpu_cases.ERROR_ORDERS)
@@ -194,17 +194,30 @@ def errors(split: str, batch: int):
 @pytest.mark.parametrize("split", ERROR_SPLITS)
 def test_bad_input(split, kind, order):
     """rank 0 and the other ranks call with different sizes / dtypes / ops / roots after
-    `order` of earlier successful calls: every rank raises a ValueError naming what differs,
-    and the group is usable afterwards (docs/reliability.md). Accepted besides, only for
-    both_used on CUDA (every rank has used its signature, so the documented asynchronous
-    check applies): the error reported by the next call, which must fail fast afterwards."""
+    `order` of earlier successful calls (HETCCL_CHECK_ARGS=on, the default): every rank raises
+    a ValueError at the call naming what differs, and the group is usable afterwards
+    (docs/reliability.md, hetccl/checks.py) -- whatever each rank called before."""
     batch = next(i for i, b in enumerate(ERROR_BATCHES) if order in b)
     res, failure = errors(split, batch)
     name = f"{kind}/{order}"
     assert name in res, f"{name} not reached" + (f"; the ranks failed:\n{failure[-3000:]}"
                                                  if failure else "")
-    accept = ("ok", "ok-async") if ON_GPU and order == "both_used" else ("ok",)
-    check_cases({name: res[name]}, _world(split), failure, accept)
+    check_cases({name: res[name]}, _world(split), failure)
+
+
+@pytest.mark.parametrize("order", ["fresh", "both_used"])
+@pytest.mark.parametrize("kind", list(gpu_cases.ERROR_KINDS))
+@pytest.mark.parametrize("split", ERROR_SPLITS)
+def test_bad_input_async_checks(split, kind, order):
+    """HETCCL_CHECK_ARGS=async (device calls never wait for the peers' headers): the mismatch
+    is still reported on every rank naming what differs, by the call or the next call, and the
+    group then works or refuses at once -- never a hang or a wrong value. (On CPU tensors
+    every call waits, so this is the "on" behaviour with a broken group allowed.)"""
+    res, failure = errors(split, 0, "async")
+    name = f"{kind}/{order}/async"
+    assert name in res, f"{name} not reached" + (f"; the ranks failed:\n{failure[-3000:]}"
+                                                 if failure else "")
+    check_cases({name: res[name]}, _world(split), failure)
 
 
 def _hetccl_shm():
