@@ -274,20 +274,20 @@ def test_training_matches_single_process_reference(split, which):
     ref_losses = gpu_cases.reference_losses()
     init = [p.detach() for p in tc.make_model().parameters()]
     tol = TRAIN_TOL[which]
-    worst = 0.0
+    worst = max((p - want).abs().max().item() for out in per_rank
+                for p, want in zip(out[which]["params"], ref))
+    figure(f"training/{which}/{split}", max_param_diff=worst,
+           max_loss_diff=max(abs(a - b) for a, b in zip(per_rank[0][which]["losses"],
+                                                          ref_losses)))
     for r, out in enumerate(per_rank):
         got = out[which]
         assert len(got["params"]) == len(ref)
         for p, want, p0 in zip(got["params"], ref, init):
             assert not torch.allclose(want, p0), "reference did not train"
-            worst = max(worst, (p - want).abs().max().item())
             torch.testing.assert_close(p, want, atol=tol, rtol=tol,
                                        msg=lambda m, r=r: f"rank {r} {which}: {m}")
         dl = max(abs(a - b) for a, b in zip(got["losses"], ref_losses))
         assert dl <= tol * max(1.0, max(ref_losses)), (r, got["losses"], ref_losses)
-    figure(f"training/{which}/{split}", max_param_diff=worst,
-           max_loss_diff=max(abs(a - b) for a, b in zip(per_rank[0][which]["losses"],
-                                                          ref_losses)))
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
@@ -295,7 +295,7 @@ HAVE_DS = importlib.util.find_spec("deepspeed") is not None
 needs_ds = pytest.mark.skipif(not HAVE_DS, reason="deepspeed not importable (pip install "
                                                   "hetccl[deepspeed]; on the GPU box: .whl/)")
 DS_STAGES = (1, 2, 3)
-DS_STEPS = 8
+DS_STEPS = 8 if ON_GPU else 4     # CPU: the fp32 check needs fewer steps (see DS_TOL)
 # bf16 (GPU): parameters and gradients in bf16, fp32 master weights; the two runs differ in
 # reduction order and in how the batch is cut (2 ranks x 2 micro-batches vs 1 rank x 4):
 # ~1e-2 on a loss of ~4.2. fp32 (CPU validation): order of sums only.
@@ -359,11 +359,11 @@ def deepspeed_runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "hetccl.cli", "deepspeed", "--vendors", "1+1", "--num_gpus",
            "2", "--master_port", str(_free_port()), driver, _ds_runs(tmp, 2)]
     t0 = time.monotonic()
-    het = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    het = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     het_s = time.monotonic() - t0
     ref_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "1", driver, _ds_runs(tmp, 1), "--comm_backend", "nccl" if ON_GPU else "gloo"]
-    ref = subprocess.run(ref_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    ref = subprocess.run(ref_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     return {"het": het, "ref": ref, "tmp": tmp, "het_s": het_s, "cmd": " ".join(cmd)}
 
 
@@ -383,13 +383,13 @@ def test_deepspeed_zero_bf16_through_launcher(deepspeed_runs, stage):
     assert all(r["backend"] == "hetccl" and r["world_size"] == 2 and r["zero_stage"] == stage
                for r in got), got[0]
     a, b = [r["loss"] for r in got], [r["loss"] for r in want]
-    assert all(math.isfinite(x) for x in a)
-    assert b[0] - b[-1] > 5 * DS_TOL, f"reference did not learn: {b}"
     diff = max(abs(x - y) for x, y in zip(a, b))
-    assert diff <= DS_TOL, f"ZeRO-{stage}: hetccl {a} vs reference {b}"
     ms = sorted(r["step_time_s"] for r in got[2:])[len(got[2:]) // 2] * 1e3
     figure(f"deepspeed/zero{stage}", max_loss_diff=diff, loss_first=a[0], loss_last=a[-1],
            ms_per_step=ms, vendors="1+1")
+    assert all(math.isfinite(x) for x in a)
+    assert b[0] - b[-1] > 5 * DS_TOL, f"reference did not learn: {b}"
+    assert diff <= DS_TOL, f"ZeRO-{stage}: hetccl {a} vs reference {b}"
 
 
 # ----------------------------------------------------------------------------- HF Trainer
@@ -417,11 +417,11 @@ def test_hf_trainer_recipe(tmp_path):
     assert mixed["world"] == 2 and ref["world"] == 1
     assert mixed["backend"] == "hetccl", mixed["backend"]
     assert len(mixed["losses"]) == 16
-    assert ref["losses"][-1] < ref["losses"][0] - 0.3, ref["losses"]
-    assert m["max_rel_diff"] <= HF_RTOL, (m["max_rel_diff"], mixed["losses"], ref["losses"])
     t = mixed["step_times"][5:] or mixed["step_times"]
     figure("hf_trainer", max_rel_loss_diff=m["max_rel_diff"],
            ms_per_step=1e3 * sorted(t)[len(t) // 2], vendors="1+1")
+    assert ref["losses"][-1] < ref["losses"][0] - 0.3, ref["losses"]
+    assert m["max_rel_diff"] <= HF_RTOL, (m["max_rel_diff"], mixed["losses"], ref["losses"])
 
 
 # ----------------------------------------------------------------------------- Megatron
@@ -468,23 +468,24 @@ def test_megatron_pp2_matches_pp1(megatron_runs, split):
         plan = rows[0]["stage_plan"]
         assert plan and sum(plan["planned"]) == 4, plan
         assert rows[0]["stages"] == plan["planned"], (rows[0]["stages"], plan)
-        # both stages' processes share the one GPU on a one-GPU box, so the measured times
-        # say only that the slowed stage is slower there; the planned split is checked above
-        assert plan["stage_layer_ms"][1] > plan["stage_layer_ms"][0], plan
+        # no assertion on the measured per-layer times: on a one-GPU box both stages' processes
+        # share the GPU (on a busy CPU the cores), so the split the planner picks from them is
+        # not a property of hetccl; the figure row records them. The fixed [3, 1] split
+        # ("uneven") is the non-even correctness check.
     else:
         assert rows[0]["stages"] == ([2, 2] if split == "even" else [3, 1]), rows[0]
     assert pp2[1]["runs"][{"even": 0, "plan": 1, "uneven": 4}[split]][0]["lm_loss"] == \
         rows[0]["lm_loss"], "the two stages report different losses"
-    worst = 0.0
-    for a, b in zip(rows, ref):
-        assert math.isfinite(a["lm_loss"])
-        rel = abs(a["lm_loss"] - b["lm_loss"]) / abs(b["lm_loss"])
-        worst = max(worst, rel)
-        assert rel <= MEG_TOL, (split, rows, ref)
-    assert ref[-1]["lm_loss"] < ref[0]["lm_loss"], ref
+    worst = max(abs(a["lm_loss"] - b["lm_loss"]) / abs(b["lm_loss"]) for a, b in zip(rows, ref))
     ms = sorted(r["ms_per_iteration"] for r in rows[1:])[len(rows[1:]) // 2]
     figure(f"megatron/pp2_{split}", max_rel_loss_diff=worst, ms_per_iteration=ms,
-           stages=rows[0]["stages"])
+           stages=rows[0]["stages"], **({"stage_layer_ms": [round(x, 3) for x in
+                                                             rows[0]["stage_plan"]
+                                                             ["stage_layer_ms"]]}
+                                        if split == "plan" else {}))
+    assert all(math.isfinite(a["lm_loss"]) for a in rows), rows
+    assert worst <= MEG_TOL, (split, rows, ref)
+    assert ref[-1]["lm_loss"] < ref[0]["lm_loss"], ref
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core not importable")
@@ -495,13 +496,12 @@ def test_megatron_checkpoint_resume_exact(megatron_runs):
     full, first, resumed = pp2[0]["runs"][0], pp2[0]["runs"][2], pp2[0]["runs"][3]
     assert [r["iteration"] for r in first] == [1, 2]
     assert [r["iteration"] for r in resumed] == [3, 4]
-    worst = 0.0
-    for a, b in zip(resumed, full[2:]):
-        rel = abs(a["lm_loss"] - b["lm_loss"]) / abs(b["lm_loss"])
-        worst = max(worst, rel)
-        assert rel <= MEG_RESUME_TOL, (resumed, full)
-        assert a["consumed_samples"] == b["consumed_samples"]
+    worst = max(abs(a["lm_loss"] - b["lm_loss"]) / abs(b["lm_loss"])
+                for a, b in zip(resumed, full[2:]))
     figure("megatron/resume", max_rel_loss_diff=worst)
+    assert worst <= MEG_RESUME_TOL, (resumed, full)
+    for a, b in zip(resumed, full[2:]):
+        assert a["consumed_samples"] == b["consumed_samples"]
 
 
 # ----------------------------------------------------------------------------- bench train
@@ -520,9 +520,9 @@ def test_bench_train_tiny(tmp_path):
     h = rows["hetccl"]
     assert h["world_size"] == 2 and len(h["losses"]) == 4
     assert all(math.isfinite(x) for x in h["losses"])
-    assert math.isfinite(h["max_loss_diff_vs_ref"]), h
-    tol = 5e-2 if ON_GPU else 1e-4
-    assert h["max_loss_diff_vs_ref"] <= tol, h
     figure("bench_train_tiny", max_loss_diff=h["max_loss_diff_vs_ref"],
            ms_per_step=h["median_step_ms"], reference=[c for c in rows if c not in
                                                        ("single", "hetccl")])
+    assert math.isfinite(h["max_loss_diff_vs_ref"]), h
+    tol = 5e-2 if ON_GPU else 1e-4
+    assert h["max_loss_diff_vs_ref"] <= tol, h
