@@ -368,6 +368,7 @@ def deepspeed_runs(tmp_path_factory):
 
 
 @needs_ds
+@pytest.mark.timeout(600)   # the fixture's two DeepSpeed launches (minutes on a busy 2-core CPU)
 @pytest.mark.parametrize("stage", DS_STAGES)
 def test_deepspeed_zero_bf16_through_launcher(deepspeed_runs, stage):
     """Per-step global mean loss of ZeRO-`stage` over hetccl 1+1 (2 ranks, `hetccl deepspeed`)
