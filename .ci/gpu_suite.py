@@ -44,6 +44,14 @@ def wheels(folder: str = ".whl") -> list[str]:
     return sorted(best.values())
 
 
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
 def summary(out: str, rc: int, secs: int, limit: str) -> str:
     lines = []
     log_path = os.path.join(out, "gpu_tests.log")
@@ -79,8 +87,7 @@ def summary(out: str, rc: int, secs: int, limit: str) -> str:
     for r in rows:
         name = r.pop("figure")
         r.pop("device", None)
-        vals = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in r.items())
+        vals = ", ".join(f"{k} {_fmt(v)}" for k, v in r.items())
         lines.append(f"  {name:28s} {vals}")
     return "\n".join(lines)
 
