@@ -33,6 +33,13 @@ def _check_mode(s: str) -> str:
     return v
 
 
+def _group_links_mode(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("auto", "off"):
+        raise ValueError("expected auto or off")
+    return v
+
+
 def _share_mode(s: str) -> str:
     v = s.strip().lower()
     if v not in ("auto", "on", "off"):
@@ -125,6 +132,11 @@ _SETTINGS = [
             "found to differ): abort (default) logs the error and stops the process, as torch's "
             "NCCL backend does, so a result of a failed collective is never consumed; raise "
             "releases the streams and raises the error at the next call on the group."),
+    Setting("HETCCL_GROUP_LINKS", _group_links_mode, "auto",
+            "Same-vendor ranks of one host linked through shared memory for host tensors "
+            "(hetccl.bridge.group_links): auto (default: when the whole job is on one host and "
+            "the groups are not two of equal size 2^m, host collectives then run on the "
+            "engine alone, no gloo step), off (native gloo inside each vendor group)."),
     Setting("HETCCL_SHARE_GPUS", _share_mode, "auto",
             "Workers of an emulated mixed-vendor job on a host with fewer GPUs than workers "
             "(hetccl.launch.share_gpus): auto (default: under vendor emulation each worker sees "
@@ -140,6 +152,7 @@ SETTINGS = {s.name: s for s in _SETTINGS}
 # algorithm, its chunks, which ring carries them): every rank of a group must use the same
 # values. The bridge compares them across ranks when it starts and names any difference.
 MUST_AGREE = ("HETCCL_TRANSPORT", "HETCCL_ALGO", "HETCCL_CHUNK_BYTES", "HETCCL_HOST_KERNEL",
+              "HETCCL_GROUP_LINKS",
               "HETCCL_CHECK_ARGS", "HETCCL_EMULATE_HOSTS", "HETCCL_UCX_LANES",
               "HETCCL_UCX_DEVICE")
 

@@ -1,5 +1,7 @@
-"""torch's "cuda" device type: NVIDIA GPUs (CUDA) and AMD GPUs (ROCm/HIP, which torch exposes
-under the same name). The one module that calls torch.cuda.
+"""NVIDIA GPUs: torch's "cuda" device type on CUDA builds of torch. The stream, event and future
+handling here is torch.cuda's and serves AMD too (ROCm builds of torch expose HIP as torch.cuda):
+rocm.py subclasses this module's seam and replaces only the vendor facts (runtime, native
+library, memory type, vendor label). These two modules are the only ones that call torch.cuda.
 
 Stream semantics of a collective on device tensors (what DDP and FSDP expect, as with NCCL):
   * launch() makes the engine's comm stream of the device wait for the caller's current stream
@@ -9,7 +11,8 @@ Stream semantics of a collective on device tensors (what DDP and FSDP expect, as
   * the Work's future is completed on the comm stream, so work.wait() makes the caller's stream
     wait and never blocks the host.
 The engine's copies and flag operations go through the vendor runtime the process already
-loaded (libcuda for CUDA, libamdhip64 for ROCm), opened by the C++ core (csrc/device_ops.cc).
+loaded (here the CUDA driver, libcuda), opened by the C++ core's CUDA module
+(csrc/device/cuda_ops.cc).
 """
 from __future__ import annotations
 
@@ -68,17 +71,54 @@ class Launch:
         return torch.futures.Future(devices=self._devices)
 
 
+def _native_library_path(stems: tuple[str, ...], torch_lib_names: tuple[str, ...]) -> str | None:
+    """The native library's file: the copy already loaded, else one shipped beside torch."""
+    path = _loaded_library(stems)
+    if path:
+        return path
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for n in torch_lib_names:
+        p = os.path.join(lib_dir, n)
+        if os.path.exists(p):
+            return p
+    return None
+
+
 class CudaSeam:
     type = "cuda"
-    native_backend = "nccl"  # NCCL on CUDA builds, RCCL on ROCm builds
+    build = "cuda"            # vendor.build_kind() of a process this seam serves
+    vendor = "nvidia"         # its vendor label
+    runtime_name = "cuda"     # the C++ runtime module (csrc/device/cuda_ops.cc)
+    runtime_library = ("libcuda.so", "libcuda.so.1")  # (file-name stem when loaded, dlopen name)
+    native_backend = "nccl"   # torch's backend name inside a vendor group
+    native_library = ("libnccl.so", "libnccl.so.2")   # NCCL: (stem when loaded, soname)
     asynchronous = True
-
-    def __init__(self):
-        self.is_rocm = bool(getattr(torch.version, "hip", None))
+    device_code = 2           # argument-check header code of torch's "cuda" type (rocm.py: same)
+    memory_type = "cuda"      # UCX's / the transports' name of this device memory
+    # UCX transports that move or map this vendor's device memory between processes
+    ucx_device_paths: tuple[str, ...] = ("cuda_ipc", "gdr_copy")
+    staging_slot_bytes = 8 << 20  # default shared-memory slot (bridge.py) where devices stage
+    # dtypes NCCL reduces (checked before any communication starts)
+    reduce_dtypes = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                               torch.int8, torch.uint8, torch.int32, torch.int64})
 
     @staticmethod
     def available() -> bool:
         return torch.cuda.is_available()
+
+    @staticmethod
+    def build_matches() -> bool:
+        """Whether this torch build is this vendor's (CUDA: no HIP version)."""
+        return not getattr(torch.version, "hip", None)
+
+    @staticmethod
+    def is_device(t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def native_library_path(self) -> str | None:
+        """The native library's file (loaded, or shipped with torch); None if neither."""
+        stem, soname = self.native_library
+        return _native_library_path((stem,), (soname,))
 
     def new_native(self, store, rank: int, size: int, timeout, group_name: str = "",
                    global_ranks=None):
@@ -94,15 +134,12 @@ class CudaSeam:
 
     @functools.lru_cache(maxsize=1)
     def runtime(self):
-        """hetccl._C.DeviceOps over the vendor runtime torch loaded (CUDA driver / HIP)."""
+        """hetccl._C.DeviceOps over the vendor runtime torch loaded (the copy in this process)."""
         from .._core import _C
 
         torch.cuda.init()
-        if self.is_rocm:
-            lib = _loaded_library(("libamdhip64.so",)) or "libamdhip64.so"
-            return _C.device_ops("hip", lib)
-        lib = _loaded_library(("libcuda.so",)) or "libcuda.so.1"
-        return _C.device_ops("cuda", lib)
+        stem, default = self.runtime_library
+        return _C.device_ops(self.runtime_name, _loaded_library((stem,)) or default)
 
     def launch(self, device: torch.device, tensors, cache: dict, join) -> Launch:
         """cache: the process group's own streams (per device): two groups never share a
@@ -115,7 +152,7 @@ class CudaSeam:
                                          torch.cuda.Stream(device=idx), idx)
         join(idx, launch.comm_handle, torch.cuda.current_stream(idx).cuda_stream)
         for t in tensors:
-            if t.is_cuda:
+            if t.is_cuda:  # torch.cuda's allocator (ROCm builds: HIP's, under the same name)
                 t.record_stream(launch.comm)
         return launch
 
