@@ -76,11 +76,14 @@ def _offenders() -> dict[str, list[str]]:
             continue
         text = f.read_text()
         code = _python_code(text) if f.suffix == ".py" else _cpp_code(text)
-        # join a Python line's tokens so "torch . cuda" reads as torch.cuda
-        lines: dict[int, str] = {}
+        # a Python line's tokens joined twice: with spaces (so a name after a keyword, as in
+        # "import cuda", keeps its word boundary) and without (so "torch . cuda" reads as
+        # torch.cuda)
+        spaced: dict[int, str] = {}
         for n, s in code:
-            lines[n] = lines.get(n, "") + s
-        hits = [f"{n}: {s.strip()[:100]}" for n, s in sorted(lines.items()) if VENDOR.search(s)]
+            spaced[n] = spaced.get(n, "") + " " + s
+        hits = [f"{n}: {s.strip()[:100]}" for n, s in sorted(spaced.items())
+                if VENDOR.search(s) or VENDOR.search(s.replace(" ", ""))]
         if hits:
             found[rel] = hits
     return found

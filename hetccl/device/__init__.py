@@ -94,6 +94,15 @@ def build_seam():
     return seam("cpu")
 
 
+def visible_accelerators(env) -> tuple[object, list[str]]:
+    """(the seam class of this build's accelerator, the devices a process started with env
+    would see, counted without initialising any runtime), or (None, []) without one."""
+    for cls in SEAMS.values():
+        if cls.asynchronous and hasattr(cls, "visible_devices"):
+            return cls, cls.visible_devices(env)
+    return None, []
+
+
 def has_accelerator() -> bool:
     return build_seam().asynchronous
 

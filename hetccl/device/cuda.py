@@ -159,35 +159,42 @@ class CudaSeam:
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
+    # ------------------------------------------------------------------------- placement
+    # CUDA_VISIBLE_DEVICES is honoured by CUDA and by ROCm's HIP runtime alike.
+    visible_env = "CUDA_VISIBLE_DEVICES"
 
-# ----------------------------------------------------------------------------- placement
-VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"  # honoured by CUDA and by ROCm's HIP runtime alike
-
-
-def visible_gpus(env=None) -> list[str]:
-    """The GPUs this process would see, as entries for VISIBLE_ENV, WITHOUT initialising the
-    runtime (a process whose runtime is initialised can no longer be shown fewer GPUs):
-    the entries of VISIBLE_ENV when it is set, else 0..n-1 counted through NVML (NVIDIA) or
-    amdsmi (AMD). [] when there is no GPU or it cannot be counted. env: the process's
-    environment (default os.environ)."""
-    listed = (os.environ if env is None else env).get(VISIBLE_ENV)
-    if listed is not None:
-        return [e.strip() for e in listed.split(",") if e.strip()]
-    n = -1
-    if torch.version.hip is not None:
-        counter = getattr(torch.cuda, "_device_count_amdsmi", None)
-    else:
-        counter = getattr(torch.cuda, "_device_count_nvml", None)
-    if counter is not None:
+    @classmethod
+    def count_devices(cls) -> int:
+        """GPUs of this host, whatever visible_env says, through the management library
+        (NVML), without initialising the runtime; -1 when they cannot be counted."""
         try:
-            n = int(counter())
-        except Exception:  # noqa: BLE001 - no management library: counted as none
+            n = int(torch.cuda._raw_device_count_nvml())
+        except Exception:  # noqa: BLE001 - no management library: not counted
             n = -1
-    if n < 0 and torch.version.hip is None and os.path.isdir("/proc/driver/nvidia/gpus"):
-        n = len(os.listdir("/proc/driver/nvidia/gpus"))
-    return [str(i) for i in range(max(n, 0))]
+        if n < 0 and os.path.isdir("/proc/driver/nvidia/gpus"):
+            n = len(os.listdir("/proc/driver/nvidia/gpus"))
+        return n
 
+    @classmethod
+    def visible_devices(cls, env) -> list[str]:
+        """The GPUs a process started with env would see, as entries for visible_env, WITHOUT
+        initialising the runtime (a process whose runtime is initialised can no longer be
+        shown fewer GPUs): visible_env's entries when it is set, else 0..n-1. [] when there is
+        no GPU or it cannot be counted."""
+        listed = env.get(cls.visible_env)
+        n = cls.count_devices()
+        if listed is None:
+            return [str(i) for i in range(max(n, 0))]
+        items = [e.strip() for e in listed.split(",") if e.strip()]
+        # Launchers list GPUs that do not exist (the deepspeed launcher writes 0,1 for
+        # --num_gpus 2 on a one-GPU host): ordinals past the host's count are dropped, as the
+        # runtime would. UUIDs and MIG names are kept as they are.
+        if n >= 0:
+            items = [e for e in items if not e.isdigit() or int(e) < n]
+        return items
 
-def show_one_gpu(env, gpu: str) -> None:
-    """Make `gpu` (an entry of visible_gpus()) the only GPU of a process started with env."""
-    env[VISIBLE_ENV] = gpu
+    @classmethod
+    def show_only(cls, env, device: str) -> None:
+        """Make `device` (an entry of visible_devices()) the only GPU of a process started
+        with env."""
+        env[cls.visible_env] = device

@@ -38,3 +38,11 @@ class RocmSeam(CudaSeam):
     @staticmethod
     def build_matches() -> bool:
         return bool(getattr(torch.version, "hip", None))
+
+    @classmethod
+    def count_devices(cls) -> int:
+        """AMD GPUs through amdsmi, without initialising HIP; -1 when they cannot be counted."""
+        try:
+            return int(torch.cuda._raw_device_count_amdsmi())
+        except Exception:  # noqa: BLE001 - no management library: not counted
+            return -1
