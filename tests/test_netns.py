@@ -123,9 +123,10 @@ def test_collectives_across_hosts(hosts2, tmp_path, layout, forced):
     res = _results(out, "collectives")
     assert sorted(res) == [0, 1, 2, 3], _logs(out)
     for r, d in res.items():
-        bad = {k: v for k, v in d["results"].items() if v != "ok"}
+        # "skip: ..." marks a case for another device type (collective_cases)
+        bad = {k: v for k, v in d["results"].items() if v != "ok" and not v.startswith("skip:")}
         assert not bad, f"rank {r}: {bad}"
-        assert len(d["results"]) > 100
+        assert sum(v == "ok" for v in d["results"].values()) > 100, d["results"]
     # hosts: two ranks per hostname, one host identity per hostname, different across hosts
     by_host = {}
     for r, d in res.items():
@@ -232,7 +233,7 @@ def test_netem_delay_and_loss(hosts2, tmp_path):
     codes = _finish(procs, 240, out)
     assert codes == [0, 0], _logs(out)
     for r, d in _results(out, "collectives").items():
-        assert all(v == "ok" for v in d["results"].values()), r
+        assert all(v == "ok" or v.startswith("skip:") for v in d["results"].values()), r
 
 
 # ---------------------------------------------------------------------- elastic restart
