@@ -155,6 +155,11 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"),
            py::call_guard<py::gil_scoped_release>())
+      .def("cancel",
+           [](PyTransport& s, const RequestPtr& req) { return s.t().cancel(req); },
+           py::arg("request"), py::call_guard<py::gil_scoped_release>(),
+           "Withdraws a posted receive no data has reached yet (True: it failed with "
+           "'cancelled' and its buffer is never written; False: it finishes as before).")
       .def("irecv_reduce",
            [](PyTransport& s, int peer, uintptr_t ptr, size_t nbytes, uint64_t tag,
               const std::string& op, const std::string& dtype) {
@@ -234,6 +239,7 @@ PYBIND11_MODULE(_C, m) {
       .def("__repr__", [](PyTransport& s) { return "<hetccl._C.Transport " + s.t().name() + ">"; });
 
   m.def("transport_names", &transport_names, "Transports in this build, sorted by name.");
+  m.def("host_id", &host_id, "This process's shared-memory domain (kernel boot id, /dev/shm file system, pid namespace): ranks with equal ids reach each other through shm.");
   m.def("transport_table",
         [] {
           py::list out;

@@ -68,7 +68,8 @@ std::string size_mismatch(const char* who, const RecvOp& op, size_t total, int p
 // Start time of process `pid` (field 22 of /proc/pid/stat), "" if it does not exist; *zombie
 // (if given) tells whether it is a zombie. (pid, start time) names a process across pid reuse.
 std::string proc_start(pid_t pid, bool* zombie);
-// This host's shared-memory domain: hostname + kernel boot id.
+// This host's shared-memory domain: kernel boot id, /dev/shm file system and pid namespace
+// (transport.cc says why these and not the hostname). Equal ids <=> shm can connect.
 std::string host_id();
 
 inline void cpu_relax() {

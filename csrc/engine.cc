@@ -837,10 +837,20 @@ void Engine::drive_device_sync(Plan& p, const DevicePart& part) {
 
 // ----------------------------------------------------------------------------- progress
 // A plan leaving plans_ whose header requests may still be posted in a transport (it failed
-// before they completed) keeps its buffers alive until close().
+// before they completed): its header receives are withdrawn (Transport::cancel); what cannot be
+// withdrawn (a send, a receive whose data is arriving) keeps the plan's buffers alive until
+// close().
 void Engine::bury(const std::shared_ptr<Plan>& p) {
   bool pending = false;
-  for (auto& in : p->hdr_in) pending = pending || !in.req->test_nothrow();
+  for (auto& in : p->hdr_in) {
+    if (in.req->test_nothrow()) continue;
+    auto it = links_.find(in.peer);
+    if (it != links_.end() && it->second->t->cancel(in.req)) {
+      stats_["cancelled_receives"] += 1;
+      continue;
+    }
+    pending = true;
+  }
   for (auto& r : p->hdr_out) pending = pending || !r->test_nothrow();
   if (pending) graveyard_.push_back(p);
 }

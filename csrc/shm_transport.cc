@@ -219,6 +219,7 @@ class ShmTransport final : public Transport {
     return post_recv(peer, RecvOp::reducing("hetccl shm", dst, nbytes, rop, dtype), tag);
   }
   void close() override;
+  bool cancel(const RequestPtr& req) override;
 
   bool zc_supported() const override { return true; }
   std::vector<std::pair<void*, size_t>> zc_regions() override;
@@ -563,6 +564,27 @@ RequestPtr ShmTransport::isend(int peer, const void* buf, size_t nbytes, uint64_
   p.sendq.push_back(SendOp{req, static_cast<const char*>(buf), nbytes, tag});
   if (p.sendq.size() == 1) p.cv.notify_all();
   return req;
+}
+
+bool ShmTransport::cancel(const RequestPtr& req) {
+  if (!req || req->peer() < 0 || req->peer() >= size_ || !peers_[req->peer()]) return false;
+  Peer& p = *peers_[req->peer()];
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    // posted and not yet matched: the receiver thread takes a posted receive (under p.mu) when
+    // the first chunk of its message arrives, so one still in `posted` has seen no byte
+    auto it = p.posted.find(req->tag());
+    if (it == p.posted.end()) return false;
+    auto& q = it->second;
+    auto op = std::find_if(q.begin(), q.end(), [&](const RecvOp& o) { return o.req == req; });
+    if (op == q.end()) return false;
+    q.erase(op);
+    if (q.empty()) p.posted.erase(it);
+  }
+  req->fail(Request::ErrorKind::Generic, "hetccl shm: receive from peer rank " +
+                                             std::to_string(req->peer()) + " (tag " +
+                                             std::to_string(req->tag()) + ") cancelled");
+  return true;
 }
 
 RequestPtr ShmTransport::post_recv(int peer, RecvOp op, uint64_t tag) {

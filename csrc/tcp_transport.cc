@@ -234,6 +234,7 @@ class TcpTransport final : public Transport {
     return post_recv(peer, RecvOp::reducing("hetccl tcp", dst, nbytes, rop, dtype), tag);
   }
   void close() override;
+  bool cancel(const RequestPtr& req) override;
 
  private:
   Peer& peer_ref(int peer) {
@@ -674,6 +675,34 @@ RequestPtr TcpTransport::isend(int peer, const void* buf, size_t nbytes, uint64_
   }
   wake_workers();
   return m->req;
+}
+
+bool TcpTransport::cancel(const RequestPtr& req) {
+  if (!req || req->peer() < 0 || req->peer() >= size_ || req->peer() >= int(peers_.size()) ||
+      !peers_[req->peer()])
+    return false;
+  Peer& p = *peers_[req->peer()];
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    // A receive is withdrawn only while no frame of its message has begun: begin_frame sets
+    // have_total (under p.mu) before any byte is read into the buffer. The message keeps its
+    // sequence number; its frames are then discarded on arrival (op_failed) and the entry goes
+    // once they are all in.
+    bool withdrawn = false;
+    for (auto& kv : p.inmsgs) {
+      InMsg& m = *kv.second;
+      if (kv.first.first != req->tag() || !m.has_op || m.op.req != req) continue;
+      if (m.op_failed || m.have_total || req->test_nothrow()) return false;
+      m.op_failed = true;
+      withdrawn = true;
+      break;
+    }
+    if (!withdrawn) return false;  // not a pending receive of this transport
+  }
+  req->fail(Request::ErrorKind::Generic, "hetccl tcp: receive from peer rank " +
+                                             std::to_string(req->peer()) + " (tag " +
+                                             std::to_string(req->tag()) + ") cancelled");
+  return true;
 }
 
 RequestPtr TcpTransport::post_recv(int peer, RecvOp op, uint64_t tag) {

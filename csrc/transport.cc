@@ -1,6 +1,8 @@
 // Transport registry (make_transport, transport_names) and the helpers of common.h.
 #include <linux/futex.h>
 #include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -74,12 +76,31 @@ std::string proc_start(pid_t pid, bool* zombie) {
 }
 
 std::string host_id() {
-  char host[256] = {0};
-  gethostname(host, sizeof host - 1);
+  // What makes the shm transport (and UCX's shared-memory paths) reach a peer, and nothing else:
+  //  * the same kernel (boot id): futexes and shared mappings work only inside one kernel;
+  //  * the same /dev/shm file system (device and inode of its root): shm_open names a file in
+  //    the /dev/shm this process sees; a container or a mount namespace with a tmpfs of its own
+  //    has a different device, even on one kernel;
+  //  * the same pid namespace: the liveness checks read /proc/<peer pid> (and UCX's cma uses
+  //    process_vm_readv on it), which names another process in another pid namespace.
+  // The hostname (UTS namespace) and the network namespace are left out on purpose: neither
+  // changes whether shared memory works (two containers with --ipc=host and their own network
+  // still share /dev/shm); different hosts differ in the boot id anyway. The result contains no
+  // space and no '|' (both transports' addresses are separated by them).
   std::string boot;
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::getline(f, boot);
-  return std::string(host) + "/" + boot;
+  {
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    std::getline(f, boot);
+  }
+  if (boot.empty()) boot = "noboot";
+  std::string shm = "noshm";
+  struct stat st;
+  if (::stat("/dev/shm", &st) == 0)
+    shm = std::to_string(major(st.st_dev)) + "." + std::to_string(minor(st.st_dev)) + "." +
+          std::to_string(st.st_ino);
+  std::string pidns = "nopidns";
+  if (::stat("/proc/self/ns/pid", &st) == 0) pidns = std::to_string(st.st_ino);
+  return boot + "/shm" + shm + "/pidns" + pidns;
 }
 
 

@@ -173,6 +173,21 @@ class Transport {
                                   DType dtype) = 0;
   virtual void close() = 0;
 
+  // Withdraws a posted receive (irecv / irecv_reduce) that no data has reached yet: returns
+  // true when it did -- the request has failed with "cancelled" and the transport will never
+  // write into its buffer -- and false when it cannot (a send, a receive already matched or
+  // finished, data arriving, or a transport without cancel): the request then completes or
+  // fails as before, and the caller keeps the buffer until it does. For the callers of a
+  // collective that failed (engine.cc bury), so that its buffers need not live until close().
+  // The message the withdrawn receive would have taken is not delivered to it; whether a later
+  // receive of the same (peer, tag) takes it (shm, UCX) or it is dropped on arrival (tcp, whose
+  // matching is by sequence number) is the transport's: callers cancel only receives whose tag
+  // is never posted again (the engine's tags carry the collective's sequence number).
+  virtual bool cancel(const RequestPtr& req) {
+    (void)req;
+    return false;
+  }
+
   // What this instance runs with, for reports and tests (`hetccl doctor`, tests/test_ucx.py):
   // key -> value, e.g. UCX's "tls" as read back from UCX after hetccl's restrictions.
   virtual std::map<std::string, std::string> info() { return {}; }

@@ -5,7 +5,7 @@
 //  * One ucp_context + `lanes` ucp_workers per Transport instance (options["lanes"], default 1).
 //    Workers are in SERIALIZED mode: every UCP call (posting from caller threads, progress from
 //    our thread) holds mu_.
-//  * Addressing: address() is text, "hetccl-ucx2 <rank> <pid> <start> <host>/<boot id> <nonce hex>
+//  * Addressing: address() is text, "hetccl-ucx2 <rank> <pid> <start> <host id> <nonce hex>
 //    <worker address hex>,..." (one per lane; <start>: the process start time from /proc, "-" if
 //    unknown). connect() creates one endpoint per lane to every peer with a non-empty address
 //    (UCX wires up lazily; there is no listener).
@@ -718,6 +718,22 @@ class UcxTransport final : public Transport {
       if (pr.is_peer) modes += (modes.empty() ? "" : ",") + std::to_string(pr.rank) + ":" + (pr.peer_mode ? "peer" : "none");
     m["error_handling"] = modes;
     return m;
+  }
+
+  // A receive posted to UCP and not matched yet is removed from UCX's expected queue by
+  // ucp_request_cancel, which completes it at once (recv_cb, UCS_ERR_CANCELED: the request fails
+  // and the op is gone); anything else -- a receive waiting for a stashed message still arriving,
+  // one UCX has matched (a rendezvous in flight), a send -- is left to finish as before.
+  bool cancel(const RequestPtr& req) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_ || !req) return false;
+    Op* found = nullptr;
+    for (Op* op : pending_)
+      if (op->req == req) found = op;
+    if (!found || found->kind == OpKind::Send || found->kind == OpKind::Stash || !found->ucp_req)
+      return false;
+    ucp_request_cancel(workers_[found->lane], found->ucp_req);
+    return pending_.count(found) == 0;  // compared, not dereferenced: the callback freed it
   }
 
   RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {

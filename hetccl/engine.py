@@ -25,6 +25,7 @@ import atexit
 import collections
 import logging
 import queue
+import re
 import threading
 import time
 import weakref
@@ -189,9 +190,41 @@ class Engine:
             fut.set_exception(e)
         except BaseException as e:  # noqa: BLE001
             if self._broken is None:
-                self._broken = e
-                log.error("hetccl: rank %d: %s", self.rank, e)
-            fut.set_exception(e)
+                # a copy of its own: the one handed to the caller gets the frames of wherever
+                # it is raised attached, this one stays without
+                self._broken = self._with_hosts(e)
+                log.error("hetccl: rank %d: %s", self.rank, self._broken)
+            fut.set_exception(self._with_hosts(e))
+
+    def _with_hosts(self, e: BaseException) -> BaseException:
+        """The failure as the caller and later operations see it: a new exception of the same
+        type whose text adds the host of every rank it names ("peer rank 3" -> "... [rank 3:
+        host h1, pid 1234]"; an error of the native library, which names no rank, gets the
+        ranks and hosts of this vendor group), without the original traceback, whose frames
+        would keep this collective's tensors and scratch alive as long as the group remembers
+        its first failure (self._broken). Other RuntimeErrors are copied with their text as it
+        is; other exceptions pass unchanged."""
+        if not isinstance(e, RuntimeError) or isinstance(e, NotImplementedError):
+            return e
+        text = str(e)
+        native = (isinstance(e, torch.distributed.DistError)
+                  or any(k in text.lower() for k in ("gloo", "nccl", "rccl")))
+        if "[rank " not in text and (isinstance(e, CommError) or native):
+            if isinstance(e, CommError):
+                named = sorted({int(m) for m in re.findall(r"rank (\d+)", text)
+                                if int(m) < self.size and int(m) != self.rank})
+                where = ""
+            else:
+                named = [r for r in self.topo.local_ranks if r != self.rank]
+                where = f"native group of vendor {self.topo.labels[self.topo.my_group]}: "
+            if named:
+                text += " [" + where + "; ".join(
+                    f"rank {r}: host {self.topo.infos[r].hostname or '?'}, pid "
+                    f"{self.topo.infos[r].pid}" for r in named) + "]"
+        try:
+            return type(e)(text)
+        except Exception:  # noqa: BLE001 - an exception type with another constructor
+            return e
 
     def submit(self, fn: Callable[[Any], None], outputs: Any, tensors: list[torch.Tensor],
                async_op: bool = True) -> HetcclWork:

@@ -16,8 +16,9 @@ from . import vendor
 @dataclass(frozen=True)
 class RankInfo:
     vendor: str
-    host: str
+    host: str           # shared-memory domain (vendor.host_identity): equal <=> shm reaches
     pid: int
+    hostname: str = ""  # for messages only (vendor.host_name)
 
 
 @dataclass
@@ -62,6 +63,11 @@ class Topology:
     def same_host(self, a: int, b: int) -> bool:
         return self.infos[a].host == self.infos[b].host
 
+    def where(self, r: int) -> str:
+        """'rank 3 (host h1, pid 1234)': how error messages name a rank."""
+        i = self.infos[r]
+        return f"rank {r} (host {i.hostname or '?'}, pid {i.pid})"
+
     def describe(self) -> str:
         return " + ".join(f"{lab}:{len(rs)}" for lab, rs in zip(self.labels, self.groups))
 
@@ -69,7 +75,8 @@ class Topology:
     def exchange(cls, store, rank: int, size: int, timeout: timedelta,
                  label: str | None = None) -> "Topology":
         """label: this rank's vendor label (default: vendor.detect_vendor())."""
-        me = RankInfo(label or vendor.detect_vendor(), vendor.host_identity(), os.getpid())
+        me = RankInfo(label or vendor.detect_vendor(), vendor.host_identity(), os.getpid(),
+                      vendor.host_name())
         store.set(f"hetccl/topo/{rank}", json.dumps(me.__dict__))
         keys = [f"hetccl/topo/{r}" for r in range(size)]
         store.wait(keys, timeout)

@@ -59,14 +59,16 @@ def detect_vendor(rank: int | None = None) -> str:
 @functools.lru_cache(maxsize=1)
 def host_identity() -> str:
     """Identifies this host's shared-memory domain: processes with equal identities can use the
-    shm transport (same kernel boot, same /dev/shm)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    try:
-        shm = os.stat("/dev/shm").st_ino
-    except OSError:
-        shm = 0
-    return f"{socket.gethostname()}/{boot}/{shm}"
+    shm transport. The C++ core computes it (csrc/transport.cc host_id: kernel boot id, the
+    /dev/shm file system, the pid namespace), the same string the shm and UCX transports check
+    in their addresses, so the capability choice and the transports never disagree. Two network
+    namespaces with their own /dev/shm (tests/netns_hosts.py) are two hosts; the hostname alone
+    does not decide it."""
+    from ._core import _C
+
+    return _C.host_id()
+
+
+def host_name() -> str:
+    """This host's name, for messages (not part of the identity above)."""
+    return socket.gethostname()

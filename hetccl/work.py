@@ -17,6 +17,20 @@ import torch
 import torch.distributed as dist
 
 
+def _detached(e: BaseException) -> BaseException:
+    """A copy of the exception a future holds, to raise in its place. The future keeps its
+    exception, and an exception raised gets the frames it passes through attached: raising the
+    stored one would link the future (a C++ object the garbage collector cannot look into) to
+    the frames of this wait and of the caller, which hold the Work and the collective's
+    tensors -- a cycle that is never freed. The stored one loses the frames it got here."""
+    e.__traceback__ = None
+    try:
+        copy = type(e)(*e.args)
+    except Exception:  # noqa: BLE001 - an exception type with another constructor
+        return e
+    return copy
+
+
 class HetcclWork(dist.Work):
     """Work backed by a torch Future that the engine completes (or fails)."""
 
@@ -27,7 +41,10 @@ class HetcclWork(dist.Work):
         self._engine = engine  # device works: asks the engine whether it broke meanwhile
 
     def wait(self, timeout: timedelta | None = None) -> bool:  # noqa: ARG002 - group timeout applies
-        self.fut.wait()
+        try:
+            self.fut.wait()
+        except Exception as e:  # noqa: BLE001
+            raise _detached(e) from None
         if self._engine is not None:
             self._engine.raise_if_broken()
         return True

@@ -26,6 +26,7 @@ absence raises an ImportError that names ``pip install hetccl[deepspeed]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
@@ -139,13 +140,71 @@ def init_distributed(args: argparse.Namespace | None = None, *, comm_backend: st
         dist.init_process_group("hetccl", init_method=init_method or "env://", timeout=timeout,
                                 rank=rank, world_size=world_size)
         # cdb is None and the group exists: DeepSpeed wraps it (comm.py init_distributed).
-        ds.init_distributed(dist_backend="hetccl", dist_init_required=False, timeout=timeout)
+        with _without_ds_shm_op():
+            ds.init_distributed(dist_backend="hetccl", dist_init_required=False, timeout=timeout)
         return "hetccl"
 
     # Any other backend: DeepSpeed's own initialisation, with the backend forced if one was named.
     ds.init_distributed(dist_backend=comm_backend, timeout=timeout, init_method=init_method,
                         rank=rank, world_size=world_size)
+    _unlink_ds_shm_segment()
     return str(dist.get_backend())
+
+
+# DeepSpeed's CPU backend (deepspeed/comm/torch.py TorchBackend) builds its shared-memory
+# all-reduce op (csrc/cpu/comm/shm.cpp) whenever all ranks are on one node, and each rank creates
+# /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (69 MB) that
+# nothing ever unlinks: every CPU run left one per rank behind (661 MB after a few test runs).
+@contextlib.contextmanager
+def _without_ds_shm_op():
+    """Over hetccl, DeepSpeed's shm op is not built at all: it serves only
+    deepspeed.comm.inference_all_reduce (training collectives go through torch.distributed),
+    which then falls back to torch.distributed.all_reduce, i.e. to hetccl; built, it would move
+    data between vendor groups through one host's memory, bypassing the bridge (between
+    emulated vendors: memory a real vendor pair would not share), and leak its segments."""
+    try:
+        import deepspeed.comm.torch  # noqa: F401
+    except ImportError:  # another DeepSpeed layout: nothing to switch off
+        yield
+        return
+    # from sys.modules: the attribute deepspeed.comm.torch is the torch package (comm/__init__
+    # star-imports comm.py, which imports torch), not DeepSpeed's module of that name
+    ds_torch = sys.modules["deepspeed.comm.torch"]
+    build = getattr(ds_torch, "build_shm_op", None)
+    if build is None:
+        yield
+        return
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = build
+
+
+def _ds_shm_path(rank: int) -> str | None:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port):
+        return None
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def _unlink_ds_shm_segment() -> None:
+    """Other backends keep DeepSpeed's shm op, but its segment is unlinked once every rank has
+    mapped every other rank's (DeepSpeed's initialisation returns only then; the barrier makes
+    sure all ranks are past it): the mappings stay valid, and the memory goes back to the system
+    when the processes end, also when they crash."""
+    import torch.distributed as dist
+
+    path = _ds_shm_path(dist.get_rank()) if dist.is_initialized() else None
+    if path is None or not os.path.exists(path):
+        # no shm op in this run (ranks on several nodes, no CPU accelerator): every rank takes
+        # this branch alike (DeepSpeed builds it on all ranks or on none)
+        return
+    dist.barrier()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 # --------------------------------------------------------------------------------------------

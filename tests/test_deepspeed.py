@@ -271,3 +271,58 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
         hds.init_distributed(comm_backend="hetccl")
     with pytest.raises(ImportError, match=r"pip install hetccl\[deepspeed\]"):
         hds.cli_main(["--comm_backend", "hetccl", "train.py"])
+
+
+def _ds_init_ranks(ctx, backend):
+    """Per rank: DeepSpeed's initialisation through the integration, then the DeepSpeed
+    segments of this job (named after MASTER_ADDR/MASTER_PORT) left in /dev/shm, and whether
+    DeepSpeed built its shm op."""
+    import glob
+
+    import torch
+    import torch.distributed as dist
+    import deepspeed.comm as dcomm
+
+    if backend == "direct":  # the control: DeepSpeed's own initialisation, no integration
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        hds.init_distributed(comm_backend=backend)
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+            f"{os.environ['MASTER_PORT']}_*")
+    x = torch.ones(1000) * (ctx.rank + 1)
+    # over gloo: DeepSpeed's shm all-reduce, on segments already unlinked (the mappings stay);
+    # over hetccl: no shm op, torch.distributed's all_reduce, i.e. hetccl
+    dcomm.inference_all_reduce(x)
+    dist.barrier()
+    left = sorted(glob.glob(name))
+    dist.barrier()
+    if backend == "direct" and ctx.rank == 0:
+        for path in left:  # the control leaves them: remove what this job made
+            os.unlink(path)
+    dist.destroy_process_group()
+    return {"left": left, "sum": float(x.sum())}
+
+
+# LOCAL_SIZE (set by the deepspeed launcher) is what makes DeepSpeed create its segments
+DS_SHM_ENV = dict(ENV, LOCAL_SIZE="2")
+
+
+def test_deepspeed_alone_leaves_segments():
+    """The control for the test below: DeepSpeed's own init_distributed on CPU leaves one
+    segment per rank in /dev/shm (this test removes them)."""
+    res = spawn(_ds_init_ranks, 2, args=("direct",), env=DS_SHM_ENV, timeout=240)
+    assert len(res[0]["left"]) == 2, res
+
+
+@pytest.mark.parametrize("backend", ["gloo", BACKEND])
+def test_no_deepspeed_segments_left_in_dev_shm(backend):
+    """DeepSpeed's CPU backend creates a 69 MB /dev/shm segment per rank that it never
+    unlinks; through the integration none is left while the job still runs: over hetccl the
+    op is not built (inference_all_reduce goes to hetccl and gives the right sum), over gloo
+    each rank unlinks its own once all have mapped them."""
+    kw = {"vendors": VENDORS} if backend == BACKEND else {}
+    res = spawn(_ds_init_ranks, 2, args=(backend,), env=DS_SHM_ENV, timeout=240, **kw)
+    for r in res:
+        assert r["left"] == [], r
+        assert r["sum"] == 1000 * 3, r

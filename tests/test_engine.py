@@ -457,3 +457,35 @@ def test_engine_direct_refusals():
     assert e.broken() == ""  # refused before anything moved: the engine is still usable
     e.close()
     u.close()
+
+
+def _withdraw_rank(ctx, name):
+    """Rank 0 posts a checked plan whose peer never sends its header: after the timeout the
+    engine withdraws the plan's header receive (Transport.cancel) instead of keeping the plan
+    until close; rank 1 only waits."""
+    st = ctx.store()
+    rank, peer = ctx.rank, 1 - ctx.rank
+    t = _C.Transport(name, rank, 2, _opts())
+    _connect(t, st, "w", rank)
+    e = _engine(t, rank)
+    x = torch.ones(1024)
+    try:
+        if rank == 1:
+            time.sleep(3)
+            return None
+        hdr = checks.header("all_reduce", x.numel(), x.dtype, "sum", -1, x.device)
+        try:
+            e.wait(_post(e, [(peer, False, x.data_ptr(), _b(x))], 7, timeout=1000, header=hdr))
+            return {"error": None}
+        except _C.CommError as err:
+            return {"error": str(err), "stats": dict(e.stats())}
+    finally:
+        e.close()
+        t.close()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_failed_plan_withdraws_its_header_receive(name):
+    res = spawn(_withdraw_rank, 2, args=(name,), timeout=120)[0]
+    assert res["error"] and "Timed out" in res["error"], res
+    assert res["stats"].get("cancelled_receives", 0) == 1, res["stats"]

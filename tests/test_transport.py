@@ -313,8 +313,40 @@ def sc_foreign_sockets(t, st, rank, peer, name):
     _barrier(st, "foreign/done", rank)
 
 
+def sc_cancel(t, st, rank, peer, name):
+    """cancel(): a posted receive no data has reached is withdrawn (fails with "cancelled"),
+    and its buffer stays untouched when the message it would have taken arrives afterwards;
+    a send, a finished receive and a withdrawn one cannot be cancelled; the transport goes on
+    working (a receive on another tag, posted after the cancelled message arrived)."""
+    n = 3 << 20  # several tcp chunks / shm slots, a UCX rendezvous
+    if rank == 0:
+        _barrier(st, "cancel/posted", rank)
+        src = _data(11, n)
+        other = _data(12, 1000)
+        s = [t.isend(peer, src.ctypes.data, n, 600), t.isend(peer, other.ctypes.data, 1000, 601)]
+        assert not t.cancel(s[0]), "a send was cancelled"
+        _C.wait_all(s, 30000)
+        _barrier(st, "cancel/done", rank)
+        return
+    a = np.full(n, 0xAA, np.uint8)
+    r = t.irecv(peer, a.ctypes.data, n, 600)
+    assert t.cancel(r), "a posted receive that no data reached was not withdrawn"
+    with pytest.raises(_C.CommError, match="(?i)cancel"):
+        r.wait(1000)
+    assert not t.cancel(r), "cancelled twice"
+    _barrier(st, "cancel/posted", rank)
+    b = np.zeros(1000, np.uint8)
+    time.sleep(0.3)  # the 3 MiB message on tag 600 arrives meanwhile
+    rb = t.irecv(peer, b.ctypes.data, 1000, 601)
+    assert rb.wait(30000) == 1000 and np.array_equal(b, _data(12, 1000))
+    assert not t.cancel(rb), "a finished receive was cancelled"
+    time.sleep(0.2)
+    assert (a == 0xAA).all(), "a cancelled receive's buffer was written"
+    _barrier(st, "cancel/done", rank)
+
+
 SCENARIOS = [sc_sizes, sc_many_tags, sc_late_receive, sc_irecv_reduce, sc_truncation,
-             sc_bad_args, sc_zero_copy, sc_foreign_sockets]
+             sc_bad_args, sc_zero_copy, sc_foreign_sockets, sc_cancel]
 
 
 def run_scenarios(ctx, name, st):

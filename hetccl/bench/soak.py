@@ -188,7 +188,19 @@ def main(argv=None) -> int:
     p.add_argument("--transport", default=None, help="force HETCCL_TRANSPORT (shm, tcp, ucx)")
     p.add_argument("--jsonl", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--netns", type=int, default=0, metavar="HOSTS",
+                   help="run across HOSTS emulated hosts (network namespaces with their own "
+                        "address, /dev/shm and hostname, torchrun --nnodes HOSTS; needs root; "
+                        "hetccl/netns.py); --per-host gives each host's vendor labels")
+    p.add_argument("--per-host", default="a,b",
+                   help="with --netns: vendor label of each local rank of a host (default a,b: "
+                        "two ranks per host, one of each vendor)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # torchrun rank entry
     args = p.parse_args(argv)
+    if args.worker:
+        return _netns_worker(args.worker)
+    if args.netns:
+        return _netns_main(args)
     world = sum(int(x) for x in args.vendors.split("+"))
     shm_before = set(glob.glob("/dev/shm/hetccl*"))
     env = {"HETCCL_TRANSPORT": args.transport} if args.transport else None
@@ -197,6 +209,10 @@ def main(argv=None) -> int:
     res = spawn(_rank_main, world, args=(cfg,), vendors=args.vendors, env=env,
                 timeout=args.seconds + 300)
     shm_leak = len(set(glob.glob("/dev/shm/hetccl*")) - shm_before)
+    return _summary(args, res, shm_leak, args.vendors, world)
+
+
+def _summary(args, res, shm_leak, vendors, world) -> int:
     ops = res[0]["ops"]
     wrong = sum(r["wrong"] for r in res)
     moved = sum(r["bytes"] for r in res)
@@ -204,7 +220,7 @@ def main(argv=None) -> int:
     fd_names = sorted({n for r in res for n in r["fd_leak"]})
     fds = max(len(r["fd_leak"]) for r in res)
     leaks = shm_leak + max(0, threads) + max(0, fds)
-    print(f"hetccl soak: {world} ranks, vendors {args.vendors}, transport "
+    print(f"hetccl soak: {world} ranks, vendors {vendors}, transport "
           f"{args.transport or 'auto'}, {res[0]['elapsed']:.0f} s")
     print(f"  operations        : {ops} collectives (per rank), {moved / 1e9:.2f} GB of "
           f"inputs checked")
@@ -218,12 +234,94 @@ def main(argv=None) -> int:
     print(f"  verdict           : {'OK' if ok else 'FAILED'}")
     if args.jsonl:
         with open(args.jsonl, "a") as f:
-            f.write(json.dumps({"bench": "soak", "vendors": args.vendors, "world_size": world,
+            f.write(json.dumps({"bench": "soak", "vendors": vendors, "world_size": world,
                                 "transport": args.transport or "auto", "ops": ops,
                                 "wrong": wrong, "bytes": moved, "leaks": leaks,
                                 "seconds": res[0]["elapsed"], "hardware": hardware(),
                                 "date": today()}) + "\n")
     return 0 if ok else 1
+
+
+class _TorchrunCtx:
+    """The launch.RankContext shape _rank_main needs, for a torchrun worker."""
+
+    def __init__(self):
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    @staticmethod
+    def init_method():
+        return "env://"
+
+
+def _netns_worker(spec: str) -> int:
+    """A rank of `--netns`, under torchrun on one emulated host: writes its result (and the
+    hetccl segments left in its host's /dev/shm after the group is gone) to the out folder."""
+    cfg = json.loads(spec)
+    labels = cfg.pop("per_host").split(",")
+    os.environ["HETCCL_VENDOR"] = labels[int(os.environ["LOCAL_RANK"])]
+    out = cfg.pop("out")
+    ctx = _TorchrunCtx()
+    res = _rank_main(ctx, cfg)
+    res["shm_left"] = sorted(glob.glob("/dev/shm/hetccl*"))
+    res["host"] = os.uname().nodename
+    with open(os.path.join(out, f"rank{ctx.rank}.json.tmp"), "w") as f:
+        json.dump(res, f)
+    os.replace(os.path.join(out, f"rank{ctx.rank}.json.tmp"),
+               os.path.join(out, f"rank{ctx.rank}.json"))
+    return 0
+
+
+def _netns_main(args) -> int:
+    import subprocess
+    import tempfile
+
+    from .. import netns
+
+    ok, why = netns.available()
+    if not ok:
+        print(f"hetccl soak --netns: cannot create emulated hosts here: {why}", file=sys.stderr)
+        return 2
+    per = args.per_host.split(",")
+    world = args.netns * len(per)
+    out = tempfile.mkdtemp(prefix="hetccl-soak-")
+    cfg = dict(seconds=args.seconds, max_ops=args.max_ops, max_elems=args.max_elems,
+               seed=args.seed, progress=False, per_host=args.per_host, out=out)
+    env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", HETCCL_LOG_LEVEL="WARNING")
+    for k in ("HETCCL_EMULATE_HOSTS", "HETCCL_VENDOR_SPLIT", "HETCCL_VENDOR"):
+        env.pop(k, None)
+    if args.transport:
+        env["HETCCL_TRANSPORT"] = args.transport
+    with netns.Hosts(args.netns) as h:
+        procs = [h.torchrun(i, ["-m", "hetccl.bench.soak", "--worker", json.dumps(cfg)],
+                            nproc=len(per), port=29400 + os.getpid() % 500, env=env,
+                            stdout=open(os.path.join(out, f"host{i}.log"), "w"),
+                            stderr=subprocess.STDOUT)
+                 for i in range(args.netns)]
+        bar = None
+        if not args.no_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=int(args.seconds), desc=f"soak over {args.netns} hosts (s)",
+                       file=sys.stderr)
+        t0, limit = time.monotonic(), args.seconds + 300
+        while (len(glob.glob(os.path.join(out, "rank*.json"))) < world
+               and time.monotonic() - t0 < limit and all(p.poll() in (None, 0) for p in procs)):
+            time.sleep(0.5)
+            if bar is not None:
+                bar.n = min(int(args.seconds), int(time.monotonic() - t0))
+                bar.refresh()
+        if bar is not None:
+            bar.close()
+        files = sorted(glob.glob(os.path.join(out, "rank*.json")))
+        if len(files) < world:
+            logs = "".join(open(os.path.join(out, f"host{i}.log")).read()[-2000:]
+                           for i in range(args.netns))
+            print(f"hetccl soak --netns: {len(files)} of {world} ranks finished\n{logs}")
+            return 1
+    res = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+    shm_leak = len({s for r in res for s in r["shm_left"]})
+    hosts = sorted({r["host"] for r in res})
+    return _summary(args, res, shm_leak,
+                    f"{args.per_host} on each of {args.netns} hosts ({', '.join(hosts)})", world)
 
 
 if __name__ == "__main__":
