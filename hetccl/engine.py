@@ -208,7 +208,7 @@ class Engine:
             return e
         text = str(e)
         native = (isinstance(e, torch.distributed.DistError)
-                  or any(k in text.lower() for k in ("gloo", "nccl", "rccl")))
+                  or any(k in text.lower() for k in devices.native_names()))
         if "[rank " not in text and (isinstance(e, CommError) or native):
             if isinstance(e, CommError):
                 named = sorted({int(m) for m in re.findall(r"rank (\d+)", text)

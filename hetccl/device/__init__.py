@@ -116,5 +116,19 @@ def ucx_device_paths() -> tuple[str, ...]:
     return tuple(paths)
 
 
+def native_names() -> tuple[str, ...]:
+    """Lower-case names under which the native libraries of every seam show up in their error
+    texts: torch backend names (gloo, nccl) and library stems (nccl, rccl)."""
+    names = set()
+    for classes in _CANDIDATES.values():
+        for cls in classes:
+            names.add(cls.native_backend.lower())
+            lib = getattr(cls, "native_library", None)
+            if lib:
+                stem = lib[0].rsplit("/", 1)[-1].split(".so")[0]
+                names.add(stem[3:] if stem.startswith("lib") else stem)
+    return tuple(sorted(names))
+
+
 def native_backend(device_type: str) -> str:
     return seam(device_type).native_backend
