@@ -91,14 +91,15 @@ for w in $what; do
     doctor)
       timeout $T python3 -m hetccl.cli doctor --copy-test 2>&1 | tee "$OUT/doctor.log" | tail -4 ;;
     ucxprobe)
-      # Which thread and call stall UCX's direct device path, and whether the fix holds: three
-      # configurations (direct without / with prepared handles, staged), each in fresh processes,
+      # Which thread and call stall UCX's direct device path, and whether the fix holds: four
+      # configurations (direct without / with prepared handles, the latter also eager-only;
+      # staged), each in fresh processes,
       # every step bounded; stacks of stalled ranks in $OUT/ucx_probe_stacks_*.txt
       # (tests/gpu_ucx_probe.py). At most PROBE_CONFIG_TIMEOUT (50) s per configuration.
       ucx_build || continue
-      PROBE_OUT="$OUT" PROBE_CONFIG_TIMEOUT=${PROBE_CONFIG_TIMEOUT:-50} timeout $((3 * ${PROBE_CONFIG_TIMEOUT:-50} + 20)) \
+      PROBE_OUT="$OUT" PROBE_CONFIG_TIMEOUT=${PROBE_CONFIG_TIMEOUT:-50} timeout $((4 * ${PROBE_CONFIG_TIMEOUT:-50} + 20)) \
         python3 tests/gpu_ucx_probe.py 2>&1 | grep -v "UCX  WARN" > "$OUT/ucx_probe.log"
-      grep -E "^(===|---|  rank|      thread|  only|VERDICT)" "$OUT/ucx_probe.log" | cut -c1-400 ;;
+      grep -E "^(===|---|  rank|      thread|  only|direct-|VERDICT)" "$OUT/ucx_probe.log" | cut -c1-400 ;;
     ucx)
       # Bounded for one late run (about 4 minutes after the build): the doctor's UCX and RDMA
       # lines, then ucx-device / ucx-staged / tcp rows (1+1, hosts emulated; 64 KiB - 64 MiB,
@@ -115,12 +116,13 @@ for w in $what; do
             tcp) e="HETCCL_TRANSPORT=tcp" ;;
           esac
           rm -f /tmp/ucx_rows.jsonl
-          env HETCCL_EMULATE_HOSTS=1 CUDA_MODULE_LOADING=EAGER $e timeout ${UCX_ROW_TIMEOUT:-60} $B collectives \
+          env HETCCL_EMULATE_HOSTS=1 CUDA_MODULE_LOADING=EAGER $e timeout ${UCX_ROW_TIMEOUT:-50} $B collectives \
             --device cuda --vendors $v --backends hetccl --colls ${BRIDGE_COLLS:-all_reduce,all_gather,reduce_scatter} \
             --minbytes ${BRIDGE_MINBYTES:-64K} --maxbytes ${BRIDGE_MAXBYTES:-64M} --factor 4 \
-            --dtype bfloat16 --iters ${ITERS:-10} --timeout ${UCX_ROW_TIMEOUT:-60} --no-progress \
+            --dtype bfloat16 --iters ${ITERS:-10} --timeout ${UCX_ROW_TIMEOUT:-50} --no-progress \
             --jsonl /tmp/ucx_rows.jsonl 2>&1 | grep -E "^ +(all_|reduce_)" | sed "s/^/$mode /"
-          echo "$mode: $(wc -l < /tmp/ucx_rows.jsonl 2>/dev/null || echo 0) rows (exit ${PIPESTATUS[0]})"
+          rc=${PIPESTATUS[0]}
+          echo "$mode: $(cat /tmp/ucx_rows.jsonl 2>/dev/null | wc -l) rows (exit $rc; 124: stopped at UCX_ROW_TIMEOUT)"
           python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'mode': sys.argv[1], 'vendors': sys.argv[2]})) for l in open('/tmp/ucx_rows.jsonl')]" \
             $mode $v >> "$OUT/ucx_bench.jsonl" 2>/dev/null
         done

@@ -97,7 +97,9 @@ _SETTINGS = [
             "the engine; auto hands device memory to UCX directly when both ranks' UCX handle "
             "their device's memory type. auto is experimental: on the H200 box (UCX 1.22 "
             "cuda_copy over tcp) a collective whose result the caller copies to the host at once "
-            "stalled (docs/transports.md). Must be equal on every rank."),
+            "stalled; HETCCL_UCX_DEVICE_PREPARE addresses the cause, tests/gpu_ucx_probe.py "
+            "decides whether this default can become auto (docs/transports.md). Must be equal "
+            "on every rank."),
     Setting("HETCCL_UCX_COPY_THREAD", _bool, True,
             "UCX transport: copies out of the unexpected-message buffer and irecv_reduce's "
             "reductions run on a thread of their own beside UCX's progress thread (0: on the "

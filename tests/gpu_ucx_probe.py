@@ -1,11 +1,13 @@
 """Diagnostic for UCX's direct device path (`.ci/gpu-box.sh ucxprobe`; not a test): 1+1 emulated
 vendors on emulated hosts over UCX, every step bounded in time, one run that decides.
 
-It runs the same steps under three configurations, each in a fresh pair of processes:
+It runs the same steps under four configurations, each in a fresh pair of processes:
   direct-unprepared  HETCCL_UCX_DEVICE=auto HETCCL_UCX_DEVICE_PREPARE=off: the landed direct
                      path, where UCX queries every device buffer on the engine's proxy thread
   direct-prepared    HETCCL_UCX_DEVICE=auto HETCCL_UCX_DEVICE_PREPARE=on: the issuing thread
                      maps each buffer once and posts carry the handle (csrc/ucx_transport.cc)
+  direct-prepared-eager  the same with UCX_RNDV_THRESH=inf (no rendezvous fragments, whose first
+                     registration per allocation queries memory on UCX's thread)
   staged             HETCCL_UCX_DEVICE=off: the engine stages device data through host memory
 Steps: host memory through the transport; synchronized all-reduces (fp32 SUM, bf16 MAX); the
 pattern that stalled on 2026-12-01 -- `x = host.to(dev); all_reduce(x); x.cpu()`, a pageable
@@ -18,8 +20,8 @@ gdb exists, gdb's `thread apply all bt` go to $PROBE_OUT), the Python stacks, pr
 and exits, so the next configuration still runs. The last lines say per configuration "ok" or
 "STALL at <step>" with the threads that sit in the CUDA driver or UCX, and a verdict.
 
-Knobs: PROBE_CONFIGS (comma list, default all three), PROBE_STEP_TIMEOUT (15), PROBE_CONFIG_TIMEOUT
-(70, per configuration), PROBE_OUT (directory for raw stacks; default: none written).
+Knobs: PROBE_CONFIGS (comma list, default all four), PROBE_STEP_TIMEOUT (10), PROBE_CONFIG_TIMEOUT
+(50, per configuration), PROBE_OUT (directory for raw stacks; default: none written).
 Earlier results: docs/benchmarks/ucx_probe_h200x1.txt."""
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ import torch.distributed as dist
 CONFIGS = {
     "direct-unprepared": {"HETCCL_UCX_DEVICE": "auto", "HETCCL_UCX_DEVICE_PREPARE": "off"},
     "direct-prepared": {"HETCCL_UCX_DEVICE": "auto", "HETCCL_UCX_DEVICE_PREPARE": "on"},
+    # the prepared path with UCX's eager protocol only: no rendezvous fragments, whose first
+    # registration per allocation (ucp_memh_get_slow) would still query memory on UCX's thread
+    "direct-prepared-eager": {"HETCCL_UCX_DEVICE": "auto", "HETCCL_UCX_DEVICE_PREPARE": "on",
+                              "UCX_RNDV_THRESH": "inf"},
     "staged": {"HETCCL_UCX_DEVICE": "off"},
 }
 # objects whose frames say where a stalled thread waits
@@ -103,7 +109,7 @@ def native_stacks(tag: str) -> list:
             ctypes.CDLL(None).prctl(0x59616d61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER_ANY
             gdb_text = subprocess.run(
                 ["gdb", "-p", str(os.getpid()), "-batch", "-nx", "-ex", "thread apply all bt 30"],
-                capture_output=True, text=True, timeout=40).stdout
+                capture_output=True, text=True, timeout=12).stdout
         except Exception as e:  # noqa: BLE001
             gdb_text = f"gdb failed: {e}"
     out_dir = os.environ.get("PROBE_OUT")
@@ -143,7 +149,7 @@ def rank_main(ctx) -> dict:
     from hetccl._core import _C
 
     cfg = os.environ.get("PROBE_CONFIG", "?")
-    step_s = float(os.environ.get("PROBE_STEP_TIMEOUT", "15"))
+    step_s = float(os.environ.get("PROBE_STEP_TIMEOUT", "10"))
     dev = torch.device("cuda", ctx.rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
@@ -295,7 +301,7 @@ def _child(name: str) -> int:
            "PROBE_CONFIG": name, **CONFIGS[name]}
     try:
         spawn(rank_main, 2, vendors="1+1", env=env,
-              timeout=float(os.environ.get("PROBE_CONFIG_TIMEOUT", "70")) - 5)
+              timeout=float(os.environ.get("PROBE_CONFIG_TIMEOUT", "50")) - 5)
     except Exception as e:  # noqa: BLE001  (a stalled rank exits 3: reported from its result)
         print(f"spawn: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return 1
@@ -310,7 +316,7 @@ def main() -> int:
     if bad:
         print(f"unknown PROBE_CONFIGS {bad}; known: {list(CONFIGS)}")
         return 2
-    timeout = float(os.environ.get("PROBE_CONFIG_TIMEOUT", "70"))
+    timeout = float(os.environ.get("PROBE_CONFIG_TIMEOUT", "50"))
     verdicts = {}
     for name in names:
         res = _run_config(name, CONFIGS[name], timeout)
@@ -332,10 +338,18 @@ def main() -> int:
         verdicts[name] = ok
         print(f"--- {name}: {'ok' if ok else 'NOT ok'}\n  " + "\n  ".join(lines), flush=True)
     print("=== summary: " + ", ".join(f"{n} {'ok' if v else 'STALL/FAIL'}" for n, v in verdicts.items()))
+    if "direct-unprepared" in verdicts:
+        print("direct-unprepared (the landed path): " + (
+            "stalled, as on 2026-12-01: its stacks above show where" if not verdicts["direct-unprepared"]
+            else "did NOT stall in this run (the stall is timing-dependent; the comparison is weaker)"))
     if verdicts.get("direct-prepared") and verdicts.get("staged", True):
         print("VERDICT: the direct device path with prepared handles ran every step, the pageable "
               "copy-out pattern included: HETCCL_UCX_DEVICE=auto is safe on this box "
               "(the default can be flipped, docs/transports.md)")
+    elif verdicts.get("direct-prepared-eager"):
+        print("VERDICT: prepared handles alone are not enough, with UCX_RNDV_THRESH=inf (eager only) "
+              "every step ran: keep HETCCL_UCX_DEVICE=off by default; the rendezvous path's "
+              "registration is what remains (docs/transports.md)")
     elif "direct-prepared" in verdicts:
         print("VERDICT: the direct device path still stalls or fails with prepared handles: keep "
               "HETCCL_UCX_DEVICE=off (staged) as the default; the stacks above say where")
