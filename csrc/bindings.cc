@@ -76,8 +76,8 @@ void crash_handler(int sig) {
 // dump_thread_stacks(): every thread of this process prints its native frames (diagnostics of a
 // stall, tests/gpu_ucx_probe.py). Each thread in turn gets SIGURG (whose default action is to
 // ignore it, so a stray one is harmless) and its handler writes "hetccl-stack <tid> <name>" and
-// "hetccl-frame <object> +<offset> <symbol>" lines to stderr; the caller waits up to 0.5 s per
-// thread for the handler's done mark. A thread blocked in the kernel (a futex inside the CUDA
+// "hetccl-frame <object> +<offset> <symbol>" lines to stderr; the caller waits up to 0.2 s per
+// thread for the handler's done mark (a thread that blocks the signal is skipped after that). A thread blocked in the kernel (a futex inside the CUDA
 // driver) runs the handler and goes back to waiting. backtrace() and dladdr() are not formally
 // async-signal-safe (both are warmed up first so no library is loaded inside the handler):
 // acceptable for a diagnostic taken once the process is stuck anyway.
@@ -124,7 +124,7 @@ int dump_thread_stacks() {
   for (long tid : tids) {
     g_stack_done.store(0);
     if (syscall(SYS_tgkill, getpid(), tid, SIGURG) != 0) continue;
-    for (int i = 0; i < 500 && !g_stack_done.load(); ++i) usleep(1000);
+    for (int i = 0; i < 200 && !g_stack_done.load(); ++i) usleep(1000);
     done += g_stack_done.load();
   }
   sigaction(SIGURG, &old, nullptr);

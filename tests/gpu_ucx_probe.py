@@ -102,6 +102,11 @@ def native_stacks(tag: str) -> list:
         os.close(saved)
     f.seek(0)
     text = f.read().decode(errors="replace")
+    out_dir = os.environ.get("PROBE_OUT")
+    raw = os.path.join(out_dir, f"ucx_probe_stacks_{tag}.txt") if out_dir else ""
+    if raw:  # written at once: a configuration killed at its time limit keeps it
+        with open(raw, "w") as g:
+            g.write(f"# {answered} threads answered\n{text}\n")
     gdb_text = ""
     if shutil.which("gdb"):
         try:
@@ -109,15 +114,12 @@ def native_stacks(tag: str) -> list:
             ctypes.CDLL(None).prctl(0x59616d61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER_ANY
             gdb_text = subprocess.run(
                 ["gdb", "-p", str(os.getpid()), "-batch", "-nx", "-ex", "thread apply all bt 30"],
-                capture_output=True, text=True, timeout=12).stdout
+                capture_output=True, text=True, timeout=10).stdout
         except Exception as e:  # noqa: BLE001
             gdb_text = f"gdb failed: {e}"
-    out_dir = os.environ.get("PROBE_OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, f"ucx_probe_stacks_{tag}.txt"), "w") as g:
-            g.write(f"# {answered} threads answered\n{text}\n")
-            if gdb_text:
-                g.write("# gdb\n" + gdb_text)
+    if raw and gdb_text:
+        with open(raw, "a") as g:
+            g.write("# gdb\n" + gdb_text)
     threads, cur = [], None
     for line in text.splitlines():
         m = re.match(r"hetccl-stack (\d+) (.*)", line)
