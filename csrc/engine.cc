@@ -52,6 +52,8 @@ struct WireHeader {
   uint32_t status;     // 0: ok; 1: the sender knows the call is wrong (text follows)
   uint32_t for_group;  // 1: the sender's whole vendor group has this header (checked natively)
   uint32_t text_len;
+  uint32_t waits;      // 1: the sender holds its data until every header is known (wait_check)
+  uint32_t reserved;
   int64_t f[CheckHeader::kFields];
 };
 constexpr size_t kMaxText = 4096;
@@ -217,10 +219,11 @@ std::shared_ptr<Engine::Plan> Engine::find(uint64_t id) {
 }
 
 // ----------------------------------------------------------------------------- check headers
-void Engine::post_headers(Plan& p) {
+void Engine::post_headers(Plan& p, bool waits) {
   const PlanSpec& s = p.spec;
   WireHeader h{};
   h.magic = kHdrMagic;
+  h.waits = waits ? 1 : 0;
   h.status = s.error.empty() ? 0 : 1;
   h.for_group = s.header_for_group ? 1 : 0;
   std::string text = s.error.substr(0, kMaxText);
@@ -317,6 +320,16 @@ std::string Engine::compare_headers(Plan& p) {
   return "";
 }
 
+// Whether a peer's header says it did not hold its data for the check (it issued the collective
+// and its data may already be on the way or in our slots). Call once every header is in.
+bool Engine::a_peer_did_not_wait(const Plan& p) const {
+  for (auto& in : p.hdr_in) {
+    if (in.req->nbytes() < sizeof(WireHeader)) continue;  // malformed: compare_headers says so
+    if (!reinterpret_cast<const WireHeader*>(in.buf.data())->waits) return true;
+  }
+  return false;
+}
+
 bool Engine::progress_headers(Plan& p) {
   if (p.headers_done) return false;
   for (auto& in : p.hdr_in)
@@ -366,7 +379,7 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
     if (!broken_.empty()) throw_kind(broken_kind_, broken_);
     p->id = next_id_++;
   }
-  if (spec.check) post_headers(*p);
+  if (spec.check) post_headers(*p, wait_check);
   if (spec.check && wait_check) {
     // The posting thread waits for every header (they travel on the transports' tagged paths,
     // which progress on their own) and decides before anything else moves.
@@ -403,7 +416,21 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
       std::lock_guard<std::mutex> g(mu_);
       ++stats_["checks_blocking"];
     }
-    if (!bad.empty()) throw ArgMismatch(bad);
+    if (!bad.empty()) {
+      // Every rank that waited raises this text at the call. Contract (hetccl/checks.py): the
+      // group stays usable only when every rank held its data back; a peer that did not
+      // (HETCCL_CHECK_ARGS=async on its device tensors) has issued data that no receive will
+      // ever take, and breaks its own engine when it sees our header. So we break too, with
+      // the same text, and every rank's next call fails alike instead of timing out.
+      if (a_peer_did_not_wait(*p)) {
+        std::lock_guard<std::mutex> g(mu_);
+        bury(p);
+        break_engine(bad + " (a peer had already issued its data; the group is unusable from "
+                           "here on)",
+                     kArg);
+      }
+      throw ArgMismatch(bad);
+    }
     p->gate = true;
   } else if (spec.check) {
     std::lock_guard<std::mutex> g(mu_);

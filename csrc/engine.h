@@ -194,7 +194,8 @@ class Engine {
   std::string direct_memory() const;             // "cuda" / "rocm" / "host" (bind, prepare)
   void prepare_direct(const DevicePart& part);  // issuing thread: Transport::prepare_device
   void drive_device_sync(Plan& p, const DevicePart& part);
-  void post_headers(Plan& p);
+  void post_headers(Plan& p, bool waits);
+  bool a_peer_did_not_wait(const Plan& p) const;
   std::string compare_headers(Plan& p);
   void finish_chunk(Plan& p);
   void mark_done(Plan& p);

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import compat, device as devices, tags, vendor
+from . import compat, device as devices, hostmem, tags, vendor
 from ._core import CommTimeout
 from .algorithms import select
 from .engine import Engine
@@ -269,9 +269,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"hetccl: sparse all_reduce supports up to {max_dims} "
                                  f"dimensions, got {t.dim()}")
             self._check(ctx, "all_reduce", t.numel(), t.dtype, op)
-            meta = torch.full((3 + max_dims,), -1, dtype=torch.int64)
+            meta = hostmem.full((3 + max_dims,), -1, torch.int64)
             meta[0], meta[1], meta[2] = x._nnz(), x.sparse_dim(), x.dense_dim()
-            meta[3:3 + t.dim()] = torch.tensor(list(t.shape), dtype=torch.int64)
+            meta[3:3 + t.dim()] = hostmem.tensor(list(t.shape), torch.int64)
             metas = gather(ctx, meta)
             shapes = {tuple(m[1:].tolist()) for m in metas}
             if len(shapes) > 1:
@@ -525,8 +525,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if self.engine.check_mode == "off":
             return
         w = self.size()
-        mine = torch.tensor(list(in_counts) + list(out_counts), dtype=torch.int64)
-        out = torch.empty(w * 2 * w, dtype=torch.int64)
+        mine = hostmem.tensor(list(in_counts) + list(out_counts), torch.int64)
+        out = hostmem.empty(w * 2 * w, torch.int64)
         from .algorithms.allgather import all_gather_hier
         all_gather_hier(ctx, out, mine, phase=1)
         m = out.view(w, 2, w)  # m[s][0][d]: s sends to d; m[d][1][s]: d expects from s
@@ -605,7 +605,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):
-        t = torch.zeros(1)
+        t = hostmem.zeros(1)
 
         def body(ctx, algo):
             self._check(ctx, "barrier", 1, t.dtype, "sum")
@@ -664,7 +664,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             work = self.engine.local.recv(buf, topo.local_rank_of[peer], tag)
             posted = _PostedRecv(peer, buf, native=work)
         else:
-            host = buf if buf.device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8)
+            host = buf if buf.device.type == "cpu" else hostmem.empty(nbytes, torch.uint8)
             req = self.engine.bridge.irecv(peer, host, tags.p2p(tag))
             posted = _PostedRecv(peer, host, bridge=req)
         self._posted.setdefault((peer, tag), collections.deque()).append(posted)
@@ -871,7 +871,7 @@ class _P2PWork(HetcclWork):
     @classmethod
     def recv(cls, engine, peer, t, tag):
         if t.is_cuda or not t.is_contiguous():
-            host = torch.empty(t.shape, dtype=t.dtype)
+            host = hostmem.staging_for(t)
             return cls(engine, engine.bridge.irecv(peer, host.view(-1), tag), host,
                        finish=lambda: t.copy_(host))
         return cls(engine, engine.bridge.irecv(peer, t.view(-1), tag), t)

@@ -1,8 +1,11 @@
 """The bridge: moves bytes between vendor groups over the C++ transports.
 
 A Bridge belongs to one multi-vendor process group. At creation it connects this rank to every
-rank of the *other* vendor groups (never to its own group: that traffic stays on the native
-library). The transport of a pair is chosen from the capability tables both ranks publish
+rank of the *other* vendor groups; traffic inside a vendor group stays on the native library,
+except host data of a job on one host whose groups are not two of equal size 2^m: then the
+rest of its own vendor group is linked through shared memory too (group_links), and host
+collectives run on the engine alone (algorithms/linked.py). The transport of a pair is chosen
+from the capability tables both ranks publish
 (hetccl/transports.py: the most preferred transport of both tables that reaches the pair,
 shm on one host, ucx or tcp between hosts; HETCCL_TRANSPORT forces one), together with whether
 device memory goes to it directly. Addresses, tables and the group's random secret go through
@@ -99,6 +102,19 @@ class Bridge:
         self.choices = choose_all(topo, caps)
         self.kind_of: dict[int, str] = {p: self.choices[(topo.rank, p)].transport
                                         for p in self.peers}
+        # Same-vendor ranks of this host reached through shared memory too, for host tensors
+        # only (group_links() says when): their data then needs no native (gloo) step.
+        self.groups_linked = group_links(topo, caps)  # the same on every rank
+        self.group_peers = [r for r in topo.groups[topo.my_group]
+                            if r != topo.rank] if self.groups_linked else []
+        for p in self.group_peers:
+            self.kind_of[p] = "shm"
+        # Every pair of ranks on a shared-memory ring (engine.py: host collectives on the
+        # engine alone): a property of the job, from tables every rank has, so the same on
+        # every rank -- never from this rank's own links, which differ across ranks.
+        self.all_linked = (topo.size >= 3
+                           and (self.groups_linked or max(len(g) for g in topo.groups) == 1)
+                           and all(c.transport == "shm" for c in self.choices.values()))
         self.device_direct: dict[int, bool] = {p: self.choices[(topo.rank, p)].device_direct
                                                for p in self.peers}
         opts = {
@@ -122,6 +138,8 @@ class Bridge:
                 bool(config.get("HETCCL_EMULATE_HOSTS"))) + transports.ucx_copy_exclusions(
                 any(self.device_direct[p] for p in self.peers if self.kind_of[p] == "ucx")))
         self.transports: dict[str, object] = {}
+        if self.group_peers and "shm" not in kinds:
+            kinds.append("shm")
         try:
             for k in kinds:
                 t = _C.Transport(k, topo.rank, topo.size, opts)
@@ -129,7 +147,7 @@ class Bridge:
                 store.set(f"hetccl/bridge/{k}/{topo.rank}", t.address())
             timeout_ms = int(timeout.total_seconds() * 1000)
             for k, t in self.transports.items():
-                mine = [p for p in self.peers if self.kind_of[p] == k]
+                mine = [p for p in self.linked if self.kind_of[p] == k]
                 store.wait([f"hetccl/bridge/{k}/{p}" for p in mine], timeout)
                 addrs = [b""] * topo.size
                 for p in mine:
@@ -149,11 +167,16 @@ class Bridge:
                  f" [UCX {ucx.get('version')}: UCX_TLS={ucx.get('tls')}, lanes {ucx.get('lanes')}]"
                  if ucx else "")
 
+    @property
+    def linked(self) -> list[int]:
+        """Every rank this one has a link to: the cross-vendor peers, then group_peers."""
+        return self.peers + self.group_peers
+
     def transport_of(self, peer: int):
         try:
             return self.transports[self.kind_of[peer]]
         except KeyError:
-            raise ValueError(f"hetccl: rank {peer} is not a cross-vendor peer of rank "
+            raise ValueError(f"hetccl: rank {peer} is not a linked peer of rank "
                              f"{self.topo.rank}") from None
 
     # --- data movement (host tensors) ---
@@ -187,6 +210,29 @@ def pair_same_host(topo: Topology, a: int, b: int) -> bool:
     if config.get("HETCCL_EMULATE_HOSTS") and topo.group_of[a] != topo.group_of[b]:
         return False
     return topo.same_host(a, b)
+
+
+def group_links(topo: Topology, caps: list[dict]) -> bool:
+    """Whether same-vendor ranks link to each other through shared memory too, for host
+    tensors (every rank to the rest of its vendor group): when every rank of the job is on
+    this host, every rank's table has shm,
+    no transport is forced, hosts are not emulated, HETCCL_GROUP_LINKS is auto, and the
+    topology is not two groups of equal size 2^m (those have the pairs paths, which need no
+    native step and no extra links). Then every pair of ranks has a shared-memory ring, and
+    host collectives run on the engine alone (algorithms "direct"): on one host the native host
+    library (gloo over TCP loopback, a loop thread per call) is the slow part of a 2+1 group.
+    Trade-off: one more ring per same-vendor pair (shm memory). A property of the job, the same
+    on every rank (a rank alone in its group links nobody more, but runs the same protocols)."""
+    if (config.get("HETCCL_GROUP_LINKS") != "auto" or config.get("HETCCL_TRANSPORT") != "auto"
+            or config.get("HETCCL_EMULATE_HOSTS") or topo.num_groups < 2
+            or max(len(g) for g in topo.groups) < 2):
+        return False
+    if not all(topo.same_host(0, r) for r in range(topo.size)):
+        return False
+    if not all("shm" in c["table"] and c["table"]["shm"].get("same_host") for c in caps):
+        return False
+    from .checks import butterfly_masks
+    return butterfly_masks(topo.groups) is None
 
 
 def choose_all(topo: Topology, caps: list[dict]) -> dict:
@@ -233,6 +279,11 @@ def _left_ms(deadline: float) -> int:
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    # the transports read and write these pointers from the host: a device pointer here would
+    # crash the process (hostmem.py), so it is refused before anything is posted
+    if t.device.type != "cpu":
+        raise ValueError(f"hetccl: internal error: the bridge moves host memory only, got a "
+                         f"tensor on {t.device}")
     if not t.is_contiguous():
         raise ValueError("hetccl: internal error: bridge tensors must be contiguous")
     return t.numel() * t.element_size()

@@ -9,14 +9,21 @@ the verdict travels to the other groups in the header's error text. Every rank t
 same ValueError, and an error raised this way leaves the group usable.
 
 HETCCL_CHECK_ARGS:
-  on   (default) host tensors: checked before data moves, every call. Device tensors: the first
-       call with each signature is checked the same way (the issuing thread waits for the
-       headers); later calls with a signature already checked carry their header with the
-       data and the engine compares it asynchronously, so issuing never waits for the peers.
-       A mismatch found that way is reported at the next call and makes the group unusable
-       (the streams already hold the collective's copies); like the native library, a
-       mismatch only inside one vendor group is then not caught on those calls.
-  full every call of every device type is checked before data moves (debugging).
+  on   (default) every call, host and device tensors, is checked before data moves: the calling
+       thread waits until every rank's header is known (for device tensors that is a wait for
+       the peers to *issue* the call, never for the data or the GPU). Every rank reaches the same
+       verdict at the call, whatever each rank called before, and an error leaves the group
+       usable. (Until 2026-12 device calls skipped the wait for signatures a rank had checked
+       before; a rank that had used its size and one that had not then ran different protocols.
+       A rank cannot know that its peer's arguments are the ones it checked before, so a
+       per-rank cache cannot be correct.) `full` is accepted as a synonym.
+  async device collectives never wait: the headers ride with the data and the engine compares
+       them as they arrive, so issuing never waits for the peers. Every rank takes the same
+       path whatever it called before; a mismatch found that way breaks the group on every rank
+       (HETCCL_ASYNC_ERROR_HANDLING: abort the process, or raise at the next call), and a
+       mismatch only inside one vendor group is not caught (as with the native library). A rank
+       that did wait (host tensors on it) raises ValueError at the call and breaks its group too,
+       since its peers already issued their data.
   off  no checks (a mismatch then fails as a timeout or a protocol error, never silently).
 """
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from . import hostmem
 
 COLL_CODES = {name: i + 1 for i, name in enumerate(
     ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
@@ -132,8 +141,8 @@ def within_group(local, local_ranks: list[int], mine: list[int], coll: str, mask
     tensors; a group of one has nothing to compare) and returns the mismatch text, or None."""
     if local is None or len(local_ranks) < 2:
         return None
-    t = torch.tensor(mine, dtype=torch.int64)
-    got = torch.empty(len(local_ranks) * HEADER_LEN, dtype=torch.int64)
+    t = hostmem.tensor(mine, torch.int64)
+    got = hostmem.empty(len(local_ranks) * HEADER_LEN, torch.int64)
     local.all_gather(got, t).wait()
     rows = got.view(len(local_ranks), HEADER_LEN).tolist()
     return mismatch_text(coll, dict(zip(local_ranks, rows)), mask)

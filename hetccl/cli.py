@@ -53,7 +53,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mod = importlib.import_module(module)
     entry = getattr(mod, "cli_main", None) or getattr(mod, "main")
-    return int(entry(rest) or 0)
+    try:
+        code = int(entry(rest) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the reader went away (`hetccl doctor | head`): as for any Unix filter, that is not an
+        # error of ours. Point stdout at /dev/null so that the interpreter's own flush at exit
+        # does not raise again (the recipe of Python's signal documentation).
+        import os
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -25,9 +25,25 @@ def _bool(s: str) -> bool:
 
 def _check_mode(s: str) -> str:
     v = s.strip().lower()
-    v = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(v, v)
-    if v not in ("on", "full", "off"):
-        raise ValueError("expected on, full or off")
+    # full: the former name of what on does now (every call checked before data moves)
+    v = {"1": "on", "true": "on", "yes": "on", "full": "on", "0": "off", "false": "off",
+         "no": "off"}.get(v, v)
+    if v not in ("on", "async", "off"):
+        raise ValueError("expected on, async or off")
+    return v
+
+
+def _group_links_mode(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("auto", "off"):
+        raise ValueError("expected auto or off")
+    return v
+
+
+def _share_mode(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("auto", "on", "off"):
+        raise ValueError("expected auto, on or off")
     return v
 
 
@@ -118,15 +134,26 @@ _SETTINGS = [
             "whether `hetccl run` replaced the script's backend); WARNING silences that line; "
             "INFO adds per-group details."),
     Setting("HETCCL_CHECK_ARGS", _check_mode, "on",
-            "Argument checks across ranks (hetccl/checks.py): on (default: host collectives "
-            "every call; device collectives the first call of each signature before data moves, "
-            "later calls asynchronously with the data), full (every call before data moves), "
+            "Argument checks across ranks (hetccl/checks.py): on (default: every call is "
+            "checked before data moves, host and device tensors; full is a synonym), async "
+            "(device collectives never wait: the headers travel with the data and a mismatch "
+            "found afterwards breaks the group on every rank, see HETCCL_ASYNC_ERROR_HANDLING), "
             "off."),
     Setting("HETCCL_ASYNC_ERROR_HANDLING", _async_mode, "abort",
             "A device collective that fails after it was issued (peer died, timeout, arguments "
             "found to differ): abort (default) logs the error and stops the process, as torch's "
             "NCCL backend does, so a result of a failed collective is never consumed; raise "
             "releases the streams and raises the error at the next call on the group."),
+    Setting("HETCCL_GROUP_LINKS", _group_links_mode, "auto",
+            "Same-vendor ranks of one host linked through shared memory for host tensors "
+            "(hetccl.bridge.group_links): auto (default: when the whole job is on one host and "
+            "the groups are not two of equal size 2^m, host collectives then run on the "
+            "engine alone, no gloo step), off (native gloo inside each vendor group)."),
+    Setting("HETCCL_SHARE_GPUS", _share_mode, "auto",
+            "Workers of an emulated mixed-vendor job on a host with fewer GPUs than workers "
+            "(hetccl.launch.share_gpus): auto (default: under vendor emulation each worker sees "
+            "one GPU, local rank % GPUs, as its GPU 0, and LOCAL_RANK=0), on (also without "
+            "emulation), off (leave CUDA_VISIBLE_DEVICES and LOCAL_RANK as launched)."),
     Setting("HETCCL_SLOWDOWN", float, 1.0,
             "TEST ONLY: emulate a slower device; hetccl.balance.emulate multiplies this rank's "
             "compute time by this factor."),
@@ -137,6 +164,7 @@ SETTINGS = {s.name: s for s in _SETTINGS}
 # algorithm, its chunks, which ring carries them): every rank of a group must use the same
 # values. The bridge compares them across ranks when it starts and names any difference.
 MUST_AGREE = ("HETCCL_TRANSPORT", "HETCCL_ALGO", "HETCCL_CHUNK_BYTES", "HETCCL_HOST_KERNEL",
+              "HETCCL_GROUP_LINKS",
               "HETCCL_CHECK_ARGS", "HETCCL_EMULATE_HOSTS", "HETCCL_UCX_LANES",
               "HETCCL_UCX_DEVICE")
 

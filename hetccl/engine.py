@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import checks, config, device as devices, tags, tuning
+from . import checks, config, device as devices, hostmem, tags, tuning
 from .algorithms import overrides as algo_overrides
 from ._core import HOST_REDUCE_DTYPES, CommError, _C
 from .bridge import Bridge, torch_dtype_name
@@ -92,11 +92,10 @@ class Engine:
         self.algo_overrides = algo_overrides()
         self.algo_runs: collections.Counter = collections.Counter()  # EngineCtx.count
         self.check_runs: collections.Counter = collections.Counter()  # bridge / native checks
-        self._checked: set[tuple] = set()  # device signatures already checked before data moved
         # rounds of the argument check through the bridge (checks.butterfly_masks), or None:
         # then a native all-gather inside the vendor group (checks.within_group)
         self.check_masks = checks.butterfly_masks(topo.groups)
-        self._check_table = torch.empty(size, 1 + checks.HEADER_LEN, dtype=torch.int64)
+        self._check_table = hostmem.empty((size, 1 + checks.HEADER_LEN), torch.int64)
         self._check_rows: dict[tuple, tuple] = {}  # signature -> (table row, compared columns)
         self._headers: dict[tuple, tuple] = {}  # call -> (header, mask, signature key, tag bits)
         self._device_ops: dict[str, Any] = {}
@@ -107,7 +106,7 @@ class Engine:
                                          topo.local_size, timeout)
             self.bridge = Bridge(store, topo, timeout)
             self.core = _C.Engine(
-                {p: self.bridge.transport_of(p) for p in self.bridge.peers}, rank,
+                {p: self.bridge.transport_of(p) for p in self.bridge.linked}, rank,
                 int(config.get("HETCCL_REDUCE_THREADS")), list(self.bridge.peers),
                 [list(g) for g in topo.groups], list(topo.group_of), checks.FIELD_NAMES,
                 self.bridge.slot_bytes, int(config.get("HETCCL_SHM_NSLOTS")), 8,
@@ -118,6 +117,12 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        # Every rank linked to every rank by a shared-memory ring (one host; bridge.group_links
+        # or groups of one): host collectives run on the engine alone (algorithms/linked.py),
+        # and, where same-vendor peers are linked, the argument check is one exchange of the
+        # headers over those links instead of a native all-gather in each vendor group.
+        self.all_linked = self.bridge.all_linked  # the same on every rank (bridge.py)
+        self.check_linked = self.all_linked and self.bridge.groups_linked
         self._q: queue.Queue = queue.Queue()
         self._exec = threading.Lock()
         self._queued = 0  # items put on the queue and not yet executed (under _exec)
@@ -264,6 +269,7 @@ class EngineCtx:
         self.deadline = deadline
         self.device = device
         self.launch = launch
+        self.all_linked = engine.all_linked
         self.what = "collective"
         self._header = None  # the check header the next transfer carries
         self._sig = 0        # tags.signature of this collective's header (in every data tag)
@@ -293,14 +299,38 @@ class EngineCtx:
                 mine, mask, (tuple(mine), mask),
                 tags.signature([v for f, v in enumerate(mine) if mask & (1 << f)]))
         mine, mask, sig, self._sig = cached
-        wait = self.launch is None or e.check_mode == "full" or sig not in e._checked
+        # Whether this rank holds the collective until every rank's arguments are known. The
+        # choice must be the same on every rank whatever each rank called before, so it depends
+        # only on the mode (equal on every rank: config.MUST_AGREE) and the device type (which
+        # the header compares): never on a rank's own history. A per-signature cache ("this rank
+        # checked these arguments before") let a rank that had used its size skip the wait
+        # while a rank with a new size waited; the two then ran different protocols.
+        wait = self.launch is None or e.check_mode != "async"
         err = None
+        if wait and e.check_linked:
+            # every rank has a link to every rank: one exchange of the header rows gives
+            # every rank the whole table (host and device tensors alike; the same branch on
+            # every rank: topology and mode)
+            row, cols = self._check_row(sig, mine, mask)
+            table = e._check_table
+            table.fill_(checks.UNKNOWN)
+            table[self.topo.rank] = row
+            nb = row.numel() * row.element_size()
+            items = []
+            for p in range(self.topo.size):
+                if p != self.topo.rank:
+                    items += [(p, True, row.data_ptr(), nb), (p, False, table[p].data_ptr(), nb)]
+            self._post(items, 0, None, None, False,
+                       tag=(tags.check_round(self.seq, 0), tags.CHECK_INDEX_BITS,
+                            f"argument check of {coll} #{self.seq}"))
+            err = checks.bridge_verdict(coll, table, cols, mask)
+            e.check_runs["linked"] += 1
+            if err:
+                raise ValueError(err)  # every rank has the same table: the same error
+            return
         if wait and e.check_masks is not None:
-            # every rank takes this branch alike (topology; a checked device signature skips
-            # it as it skips the native all-gather), host and device tensors alike
-            row, cols = e._check_rows.get(sig) or e._check_rows.setdefault(sig, (
-                torch.tensor([1] + list(mine), dtype=torch.int64),
-                torch.tensor([0] + [f + 1 for f in range(checks.HEADER_LEN) if mask & (1 << f)])))
+            # every rank takes this branch alike (topology and mode), host and device alike
+            row, cols = self._check_row(sig, mine, mask)
             table = checks.all_headers_over_bridge(
                 e._check_table, row, self.topo.groups, self.topo.my_group,
                 self.topo.local_rank, self.topo.rank, e.check_masks, self._check_exchange)
@@ -308,8 +338,6 @@ class EngineCtx:
             e.check_runs["bridge"] += 1
             if err:
                 raise ValueError(err)  # every rank has the same table: the same error
-            if self.launch is not None:
-                e._checked.add(sig)
             return  # checked everywhere: no header rides with the data
         if wait and self.local is not None:
             err = checks.within_group(self.local, self.topo.local_ranks, mine, coll, mask)
@@ -317,6 +345,17 @@ class EngineCtx:
         self._header = (mine, mask, err or "", wait, wait, sig)
         if err:
             self.flush()  # tells the other groups, then raises the same error here
+
+    def _check_row(self, sig, mine, mask):
+        """(this rank's table row, the compared columns) of a signature, made once."""
+        e = self.engine
+        got = e._check_rows.get(sig)
+        if got is None:
+            got = e._check_rows[sig] = (
+                hostmem.tensor([1] + list(mine), torch.int64),
+                hostmem.tensor([0] + [f + 1 for f in range(checks.HEADER_LEN) if mask & (1 << f)],
+                               torch.int64))
+        return got
 
     def _check_exchange(self, rnd: int, peer: int, table: torch.Tensor) -> None:
         """One round of the argument check through the bridge: merges the partner's table into
@@ -373,8 +412,6 @@ class EngineCtx:
                         mine, mask, err, for_group, tags.header(self.seq), wait, dev,
                         launch.index if launch else 0, launch.comm_handle if launch else 0,
                         launch.side_handle if launch else 0)
-        if header is not None and wait and sig is not None:
-            e._checked.add(sig)
         if not dev:
             core.wait(pid)
         return pid

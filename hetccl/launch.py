@@ -61,8 +61,55 @@ def vendor_labels(split: Sequence[int] | str) -> list[str]:
     return labels
 
 
+def share_gpus(env=None, argv: list[str] | None = None) -> str | None:
+    """Put the workers of an emulated mixed-vendor job on the GPUs this host has.
+
+    Contract: when vendors are emulated (HETCCL_VENDOR_SPLIT or HETCCL_VENDOR set) and a host
+    runs more workers (LOCAL_WORLD_SIZE) than it has GPUs, the worker of local rank r is shown
+    exactly one GPU, number r % n of the n it would see, and LOCAL_RANK becomes 0: the index of
+    that GPU among the ones it sees. Frameworks bind LOCAL_RANK to a GPU index (DeepSpeed, HF
+    accelerate, Megatron's scripts: `cuda:{LOCAL_RANK}`), which on a one-GPU box fails for every
+    rank but the first, and two ranks of one GPU index refuse each other in some of them. The
+    real local rank stays in HETCCL_LOCAL_RANK, and an argv holding `--local_rank=N` /
+    `--local_rank N` (the deepspeed launcher passes one) gets 0 too. Trade-off: several workers
+    of a host now see LOCAL_RANK 0, so code that does once-per-host work on local rank 0 does it
+    in each of them. HETCCL_SHARE_GPUS=off leaves everything as the launcher set it, on forces
+    it without emulation. Must run before the worker initialises its GPU runtime. Returns a
+    line saying what it did, or None. env: the worker's environment (default os.environ)."""
+    from . import config
+    from .device import cuda as gpu
+
+    env = os.environ if env is None else env
+    mode = config.get("HETCCL_SHARE_GPUS")
+    emulated = bool(env.get("HETCCL_VENDOR_SPLIT") or env.get("HETCCL_VENDOR"))
+    if mode == "off" or (mode == "auto" and not emulated) or "HETCCL_LOCAL_RANK" in env:
+        return None
+    try:
+        # torchrun and hetccl.launch say LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
+        local = int(env["LOCAL_RANK"])
+        workers = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or "0")
+    except (KeyError, ValueError):
+        return None
+    gpus = gpu.visible_gpus(env)
+    if not gpus or (mode == "auto" and workers <= len(gpus)):
+        return None
+    mine = gpus[local % len(gpus)]
+    gpu.show_one_gpu(env, mine)
+    env["HETCCL_LOCAL_RANK"] = str(local)
+    env["LOCAL_RANK"] = "0"
+    if argv is not None:
+        for i, a in enumerate(argv):
+            if a.startswith("--local_rank=") or a.startswith("--local-rank="):
+                argv[i] = a.split("=", 1)[0] + "=0"
+            elif a in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+                argv[i + 1] = "0"
+    return (f"hetccl: {workers} workers on {len(gpus)} GPU(s) (vendors emulated): local rank "
+            f"{local} uses GPU {mine} as its only GPU (LOCAL_RANK=0, HETCCL_LOCAL_RANK={local})")
+
+
 def _entry(fn, ctx: RankContext, env: dict, args, q):
     os.environ.update(env)
+    share_gpus()
     # a rank that dies on a signal (a native abort or crash) prints every thread's Python stack
     # to its stderr first, so the parent's "exited with code -6" has a place to look
     faulthandler.enable(all_threads=True)

@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print("usage: python -m hetccl.shim script.py [args...]", file=sys.stderr)
         return 2
+    from hetccl.launch import share_gpus
+    note = share_gpus(argv=argv)  # before anything initialises the GPU runtime
+    if note and os.environ.get("RANK", "0") == "0":
+        log.warning("%s", note)
     install()
     install_framework_hooks()
     script = argv[0]

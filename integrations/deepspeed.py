@@ -252,7 +252,7 @@ def balanced_step(engine, plan, rank: int, make_batch: Callable[[int, int], Any]
         weights += [0.0] * (steps - len(sizes))
         sizes += [0] * (steps - len(sizes))
     offset = plan.offsets()[rank]
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device="cpu")
     for size, weight in zip(sizes, weights):
         batch = empty_batch() if size == 0 and empty_batch is not None else make_batch(offset, size)
         offset += size
@@ -399,6 +399,14 @@ def _worker_main(argv: list[str]) -> int:
     p.add_argument("--module", action="store_true")
     opts = p.parse_args(argv[1:sep])
     target, user_args = argv[sep + 1], argv[sep + 2:]
+    if opts.comm_backend == "hetccl":
+        from hetccl.launch import share_gpus
+        if opts.vendors:
+            emulate_vendors(opts.vendors)
+        # before DeepSpeed is imported: its accelerator probe initialises the GPU runtime
+        note = share_gpus(argv=local_rank_arg)
+        if note and os.environ.get("RANK", "0") == "0":
+            print(note, file=sys.stderr, flush=True)
     init_distributed(comm_backend=opts.comm_backend, vendors=opts.vendors)
     # The user script sees the argv the plain launcher would have given it.
     sys.argv = [target] + local_rank_arg + user_args

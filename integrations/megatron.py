@@ -123,7 +123,7 @@ def install_cpu_shims() -> None:
             n = functools.reduce(operator.mul, tensor_shape, 1)
             buf = self.buffer.get((name, dtype))
             if buf is None or buf.numel() < n:
-                buf = self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype)
+                buf = self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype, device="cpu")
             return buf[:n].view(*tensor_shape)
 
     class CpuRNGTracker(mr.CudaRNGStatesTracker):
@@ -319,11 +319,11 @@ def synthetic_sample(index: int, seq: int, vocab: int, seed: int):
     mask of random length in [seq/2, seq] so that samples carry different token counts."""
     import torch
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    start = int(torch.randint(0, vocab, (1,), generator=g))
-    step = int(torch.randint(1, 8, (1,), generator=g))
-    toks = (start + step * torch.arange(seq + 1)) % vocab
-    n = int(torch.randint(seq // 2, seq + 1, (1,), generator=g))
-    mask = (torch.arange(seq) < n).float()
+    start = int(torch.randint(0, vocab, (1,), generator=g, device="cpu"))
+    step = int(torch.randint(1, 8, (1,), generator=g, device="cpu"))
+    toks = (start + step * torch.arange(seq + 1, device="cpu")) % vocab
+    n = int(torch.randint(seq // 2, seq + 1, (1,), generator=g, device="cpu"))
+    mask = (torch.arange(seq, device="cpu") < n).float()
     return toks[:-1], toks[1:], mask
 
 

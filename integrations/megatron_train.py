@@ -191,7 +191,27 @@ def build_model(rec: dict, stage_layers: list[int] | None, device: str, layout=N
     # embedding group); deterministic_init gives both the embedding's global name, so they
     # start equal, as Megatron's copy would make them.
     deterministic_init(chunks, rec, rec["seed"])
-    return chunks, cfg
+    return [half_precision(c, cfg, rec) for c in chunks], cfg
+
+
+def half_precision(model, cfg, rec: dict):
+    """bf16 as Megatron-LM's get_model does it: the chunk inside megatron-core's Float16Module,
+    which casts every parameter to bf16 (params_dtype covers the linear layers but not the local
+    spec's torch norms, whose fp32 output then met bf16 weights: "expected mat1 and mat2 to have
+    the same dtype", the GPU recipe's failure), feeds the first stage bf16 and hands the last
+    stage's output back in fp32 for the loss. fp32 recipes get the chunk unchanged."""
+    if not rec["bf16"]:
+        return model
+    from megatron.core.transformer.module import Float16Module
+    return Float16Module(cfg, model)
+
+
+def gpt_of(chunk):
+    """The GPTModel inside a chunk (through DDP and Float16Module)."""
+    m = getattr(chunk, "module", chunk)
+    while not hasattr(m, "decoder") and hasattr(m, "module"):
+        m = m.module
+    return m
 
 
 # --------------------------------------------------------------------------- data
@@ -201,7 +221,7 @@ def _micro_batches(rec: dict, first_sample: int, counts: list[int], device: str)
     import torch
     from .megatron import _batch
     seq, vocab, seed = rec["seq_length"], rec["vocab_size"], rec["seed"]
-    pos = torch.arange(seq).unsqueeze(0)
+    pos = torch.arange(seq, device="cpu").unsqueeze(0)
     out, k = [], first_sample
     for size in counts:
         x, y, m = _batch(range(k, k + size), seq, vocab, seed)
@@ -253,9 +273,10 @@ def _probe_once(rec: dict, k: int, device: str, iters: int) -> float:
         layout[0].insert(0, "embedding")
         layout[-1].append("loss")
     cfg = transformer_config(rec, num_layers=k, layout=layout, vpp=vpp, device=device)
-    model = _gpt(rec, cfg, pre=True, post=True, vp_stage=0 if vpp else None,
-                 tied=False).to(device)
-    slow = slow_down_modules(list(model.decoder.layers) + [model.output_layer],
+    gpt = _gpt(rec, cfg, pre=True, post=True, vp_stage=0 if vpp else None,
+               tied=False).to(device)
+    model = half_precision(gpt, cfg, rec)
+    slow = slow_down_modules(list(gpt.decoder.layers) + [gpt.output_layer],
                              device=device if device == "cuda" else None)
     mb = _micro_batches(rec, 0, [rec["micro_batch_size"]], device)[0]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -448,7 +469,7 @@ def _init_state_for_load(optimizer) -> None:
             for p in group["params"]:
                 st = inner.state[p]
                 if st and "step" not in st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
 
 
 def _restore_steps(optimizer) -> None:
@@ -468,7 +489,7 @@ def _restore_steps(optimizer) -> None:
             for p in group["params"]:
                 st = inner.state[p]
                 if "step" in st:
-                    st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+                    st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32, device="cpu")
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler) -> tuple[int, dict] | None:
@@ -628,8 +649,8 @@ def run(rec: dict, sess, *, iters: int | None = None, out: str | None = None,
             consumed = int(extra.get("consumed_samples", 0))
             micro = extra.get("micro", micro)
 
-    slow = slow_down_modules([m for c in chunks for m in list(c.module.decoder.layers)
-                              + ([c.module.output_layer] if c.module.post_process else [])],
+    slow = slow_down_modules([m for c in chunks for m in list(gpt_of(c).decoder.layers)
+                              + ([gpt_of(c).output_layer] if gpt_of(c).post_process else [])],
                              device=device if device == "cuda" else None)
     bal = None
     if h["balance"] == "auto":

@@ -10,15 +10,19 @@ from hetccl.launch import spawn
 
 import collective_cases
 
-SPLITS = ["1+1", "2+1", "1+2+1", "2+2"]
+# "2+1/native": the same group with same-vendor links off (HETCCL_GROUP_LINKS=off), so the
+# hierarchical paths with native (gloo) steps keep their coverage beside the linked ones
+SPLITS = ["1+1", "2+1", "2+1/native", "1+2+1", "2+2"]
 # Small pipeline chunks so that multi-chunk paths run on test-sized tensors.
 ENV = {"HETCCL_CHUNK_BYTES": "65536"}
 
 
 @functools.lru_cache(maxsize=None)
 def results(split: str) -> dict[str, dict[str, str]]:
+    split, _, variant = split.partition("/")
     world = sum(int(x) for x in split.split("+"))
-    per_rank = spawn(collective_cases.run_all, world, vendors=split, env=ENV, timeout=420)
+    env = dict(ENV, **({"HETCCL_GROUP_LINKS": "off"} if variant == "native" else {}))
+    per_rank = spawn(collective_cases.run_all, world, vendors=split, env=env, timeout=420)
     merged: dict[str, dict[str, str]] = {}
     for r, res in enumerate(per_rank):
         for case, verdict in res.items():
@@ -42,9 +46,9 @@ def test_collectives(split):
 
 
 @functools.lru_cache(maxsize=None)
-def all_reduce_results(split: str, host_kernel: str, algo: str = "") -> list[dict]:
+def all_reduce_results(split: str, host_kernel: str, algo: str = "", links: str = "auto") -> list[dict]:
     world = sum(int(x) for x in split.split("+"))
-    env = dict(ENV, HETCCL_HOST_KERNEL=host_kernel)
+    env = dict(ENV, HETCCL_HOST_KERNEL=host_kernel, HETCCL_GROUP_LINKS=links)
     if algo:
         env["HETCCL_ALGO"] = algo
     return spawn(collective_cases.run_all_reduce, world, vendors=split, env=env, timeout=300)
@@ -77,6 +81,34 @@ def test_all_reduce_host_paths(split, host_kernel, algo, path):
             other = "split" if path == "pairs" else "pairs"
             assert runs.get(f"algo_all_reduce_{path}", 0) > 0, (r, runs)
             assert runs.get(f"algo_all_reduce_{other}", 0) == 0, (r, runs)
+
+
+@pytest.mark.parametrize("split,links,path", [
+    ("2+1", "auto", "linked"),       # same-vendor ranks linked too: no native step
+    ("1+1+1", "auto", "linked"),     # groups of one: every pair already on shared memory
+    ("3+1", "auto", "linked"),
+    ("2+1", "off", None),            # links off: hier / flat with gloo inside the group
+])
+def test_all_reduce_linked_path(split, links, path):
+    """Host all-reduce when every pair of ranks shares a memory ring (algorithms/linked.py):
+    every op and dtype against the reference, and the path that ran is the one expected
+    (engine stats), with the argument check over the links where same-vendor ranks are
+    linked (no native all-gather of the headers)."""
+    per_rank = all_reduce_results(split, "1", "", links)
+    bad = {f"rank {r} {case}": v for r, res in enumerate(per_rank)
+           for case, v in res["results"].items() if v != "ok"}
+    assert len(per_rank[0]["results"]) > 50
+    assert not bad, sorted(bad.items())[:10]
+    for r, res in enumerate(per_rank):
+        st = res["stats"]
+        runs = {k for k, v in st.items() if k.startswith("algo_all_reduce") and v}
+        if path is None:
+            assert "algo_all_reduce_linked" not in runs and st.get("check_linked", 0) == 0, st
+        else:
+            assert runs == {f"algo_all_reduce_{path}"}, (r, runs)
+            grouped = max(int(x) for x in split.split("+")) > 1
+            assert (st.get("check_linked", 0) > 0) == grouped, (r, st)
+            assert st.get("check_native", 0) == 0, (r, st)
 
 
 @pytest.mark.parametrize("split,algo,pairs", [

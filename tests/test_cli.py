@@ -53,3 +53,18 @@ def test_bench_transport_runs(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "shm" in out and "tcp" in out and "memcpy" in out
+
+
+def test_doctor_into_a_closed_pipe_ends_quietly():
+    """`hetccl doctor | head`: the reader goes away before doctor is done. A filter then ends
+    quietly (exit 0, no BrokenPipeError traceback); doctor did not. The pipe is closed before
+    doctor writes anything, so its first write fails."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "hetccl.cli", "doctor"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.communicate(timeout=120)[1].decode()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert p.returncode == 0, err

@@ -221,6 +221,34 @@ def _device_async_mismatch(e, rank, peer, tag0, dev):
     return "ok" if ok else f"broken={msg!r} later={later!r}"
 
 
+def _mixed_wait_mismatch(e, rank, peer, tag0, dev):
+    """Rank 0 holds its data for the check (wait_check), rank 1 does not (HETCCL_CHECK_ARGS=async
+    on its device tensors): rank 0 raises the mismatch at the call, and both engines end broken
+    with that text, so neither rank's next call waits for the other (checks.py's contract)."""
+    ops, S, Sd = dev
+    n = 4096 + rank
+    x = torch.ones(n, dtype=torch.uint8)
+    got = torch.zeros(n, dtype=torch.uint8)
+    raised = ""
+    try:
+        _post(e, [(peer, True, x.data_ptr(), n), (peer, False, got.data_ptr(), n)], tag0,
+              header=[1, n, 6, 0, -1, 2], wait_check=rank == 0, streams=(S, Sd))
+    except _C.ArgMismatch as err:
+        raised = str(err)
+    ops.synchronize(S)
+    ops.synchronize(Sd)
+    deadline = time.monotonic() + 10
+    while not e.broken() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    msg = e.broken()
+    want = "number of elements differs across ranks (ranks [0]: 4096; ranks [1]: 4097)"
+    if rank == 0 and want not in raised:
+        return f"rank 0 did not raise at the call: {raised!r}"
+    if rank == 1 and raised:
+        return f"rank 1 raised at the call although it did not wait: {raised!r}"
+    return "ok" if want in msg else f"broken={msg!r}"
+
+
 def rank_main(ctx, name):
     torch.set_num_threads(1)
     st = ctx.store()
@@ -277,6 +305,15 @@ def rank_main(ctx, name):
     _connect(t2, st, "fresh", rank)
     attempt("paths_agree", lambda: _paths_agree(t2, rank, peer, 900, st, name))
     t2.close()
+    t3 = _C.Transport(name, rank, 2, _opts())
+    _connect(t3, st, "mixed", rank)
+    e3 = _engine(t3, rank)
+    ops = _C.device_ops("emulated")
+    e3.set_device_ops(ops)
+    attempt("mixed_wait_mismatch", lambda: _mixed_wait_mismatch(
+        e3, rank, peer, 1200, (ops, ops.emulated_stream(), ops.emulated_stream())))
+    e3.close()
+    t3.close()
     return res
 
 

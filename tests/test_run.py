@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -117,37 +118,16 @@ def test_split_parser_shared_by_the_launchers():
             hrun.parse_split(bad)
 
 
-def _have_notice_entry_point() -> bool:
-    return any(ep.value.startswith("hetccl_autoload:")
-               for ep in importlib.metadata.entry_points(group="torch.backends"))
-
-
-@pytest.mark.skipif(not _have_notice_entry_point(),
-                    reason="hetccl is not installed with its torch.backends entry point "
-                           "(pip install -e . / .ci/setup installs it)")
-def test_hetccl_settings_noticed_under_plain_torchrun(tmp_path):
-    """HETCCL_VENDOR_SPLIT set, but plain torchrun and init_process_group('gloo'): hetccl is
-    never loaded, yet rank 0 says once that the setting has no effect and how to use hetccl."""
-    script = tmp_path / "plain.py"
-    script.write_text(textwrap.dedent("""
-        import sys, torch, torch.distributed as dist
-        dist.init_process_group("gloo")
-        dist.barrier()
-        print(f"rank {dist.get_rank()} backend {dist.get_backend()} "
-              f"hetccl-loaded {'hetccl' in sys.modules}", flush=True)
-        dist.destroy_process_group()
-    """))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HETCCL_")}
-    env["HETCCL_VENDOR_SPLIT"] = "1+1"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", "2", str(script)], env=env, capture_output=True,
-                       text=True, timeout=180)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out
-    assert "rank 0 backend gloo hetccl-loaded False" in out, out
-    notes = [line for line in out.splitlines() if "HETCCL_VENDOR_SPLIT=1+1 is set" in line]
-    assert len(notes) == 1, out
-    assert "backend 'gloo', not hetccl" in notes[0] and "hetccl run" in notes[0], notes
+def test_no_torch_backends_entry_point():
+    """torch imports every "torch.backends" entry point while it is itself imported and raises
+    if one fails, so a broken hetccl installation would make `import torch` fail for every
+    program (seen with an editable install whose source folder was gone). hetccl installs none
+    (pyproject.toml says why); this guards against one coming back."""
+    ours = [f"{ep.name} = {ep.value}" for ep in importlib.metadata.entry_points(group="torch.backends")
+            if ep.dist is not None and ep.dist.name.lower() == "hetccl"]
+    assert not ours, f"hetccl registers torch.backends entry points: {ours}"
+    text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'entry-points."torch.backends"' not in text
 
 
 def test_script_that_ends_right_after_an_async_work_exits_cleanly(tmp_path):
@@ -173,3 +153,72 @@ def test_script_that_ends_right_after_an_async_work_exits_cleanly(tmp_path):
         assert r.returncode == 0, f"run {attempt}: {out[-4000:]}"
         for rank in (0, 1):
             assert f"rank {rank} sum 8" in out, out[-4000:]
+
+
+# ------------------------------------------------------------------ workers sharing GPUs
+def _share(env, argv=None):
+    from hetccl.launch import share_gpus
+
+    env = {k: str(v) for k, v in env.items()}
+    note = share_gpus(env, argv)
+    return env, note
+
+
+@pytest.mark.parametrize("size_var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
+def test_emulated_workers_share_the_gpus_a_host_has(monkeypatch, size_var):
+    """hetccl.launch.share_gpus: more emulated workers than GPUs -> each sees GPU local % n as
+    its only GPU and LOCAL_RANK 0 (frameworks bind LOCAL_RANK to a GPU index). The GPU list
+    comes from CUDA_VISIBLE_DEVICES here, so this runs without a GPU."""
+    monkeypatch.delenv("HETCCL_SHARE_GPUS", raising=False)
+    for local, want in [(0, "3"), (1, "5"), (2, "3")]:
+        argv = ["--local_rank=%d" % local, "--lr", "1"]
+        env, note = _share({"HETCCL_VENDOR_SPLIT": "2+1", "LOCAL_RANK": local, size_var: 3,
+                            "CUDA_VISIBLE_DEVICES": "3,5"}, argv)
+        assert env["CUDA_VISIBLE_DEVICES"] == want and env["LOCAL_RANK"] == "0", env
+        assert env["HETCCL_LOCAL_RANK"] == str(local) and note and f"GPU {want}" in note
+        assert argv == ["--local_rank=0", "--lr", "1"], argv
+    argv = ["--local_rank", "1"]
+    _share({"HETCCL_VENDOR": "v1", "LOCAL_RANK": 1, size_var: 2, "CUDA_VISIBLE_DEVICES": "0"},
+           argv)
+    assert argv == ["--local_rank", "0"]
+
+
+def test_gpu_sharing_only_where_it_is_needed(monkeypatch):
+    monkeypatch.delenv("HETCCL_SHARE_GPUS", raising=False)
+    base = {"LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2, "CUDA_VISIBLE_DEVICES": "0"}
+    # no emulation: a real job is never rearranged
+    env, note = _share(base)
+    assert note is None and env["LOCAL_RANK"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "0"
+    # as many GPUs as workers: one GPU each already
+    env, note = _share({**base, "HETCCL_VENDOR_SPLIT": "1+1", "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert note is None and env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["LOCAL_RANK"] == "1"
+    # no GPU at all
+    env, note = _share({**base, "HETCCL_VENDOR_SPLIT": "1+1", "CUDA_VISIBLE_DEVICES": ""})
+    assert note is None and env["LOCAL_RANK"] == "1"
+    # already placed (a worker that re-enters): left alone
+    env, note = _share({**base, "HETCCL_VENDOR_SPLIT": "1+1", "HETCCL_LOCAL_RANK": "1"})
+    assert note is None and env["LOCAL_RANK"] == "1"
+    monkeypatch.setenv("HETCCL_SHARE_GPUS", "off")
+    env, note = _share({**base, "HETCCL_VENDOR_SPLIT": "1+1"})
+    assert note is None and env["LOCAL_RANK"] == "1"
+    monkeypatch.setenv("HETCCL_SHARE_GPUS", "on")
+    env, note = _share(base)
+    assert note and env["LOCAL_RANK"] == "0" and env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_hetccl_run_places_emulated_workers_on_one_gpu(tmp_path):
+    """`hetccl run --vendors 1+1 --nproc_per_node 2` on a host that shows one GPU: every worker
+    starts with that GPU as its only one and LOCAL_RANK 0, the script's --local_rank too."""
+    script = tmp_path / "where.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        print(f"rank {os.environ['RANK']} local {os.environ['LOCAL_RANK']} "
+              f"real {os.environ.get('HETCCL_LOCAL_RANK')} cvd {os.environ['CUDA_VISIBLE_DEVICES']} "
+              f"argv {sys.argv[1:]}", flush=True)
+    """))
+    r = _run(["--vendors", "1+1", "--standalone", "--nproc_per_node", "2", str(script),
+              "--local_rank=7"], env={"CUDA_VISIBLE_DEVICES": "0"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    for rank in (0, 1):
+        assert f"rank {rank} local 0 real {rank} cvd 0 argv ['--local_rank=0']" in out, out

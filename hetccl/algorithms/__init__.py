@@ -14,13 +14,17 @@ from .allgather import all_gather_hier, all_gather_pairs, broadcast_hier
 from .allreduce import (all_reduce_flat, all_reduce_hier, all_reduce_latency, all_reduce_pairs,
                         all_reduce_split)
 from .direct import all_to_all_direct, gather_direct, scatter_direct
+from .linked import all_gather_linked, all_reduce_linked, reduce_scatter_linked
 from .reducescatter import reduce_hier, reduce_scatter_hier, reduce_scatter_pairs
 
 ALGORITHMS = {
     "all_reduce": {"hier": all_reduce_hier, "flat": all_reduce_flat, "split": all_reduce_split,
-                   "pairs": all_reduce_pairs, "latency": all_reduce_latency},
-    "all_gather": {"hier": all_gather_hier, "pairs": all_gather_pairs},
-    "reduce_scatter": {"hier": reduce_scatter_hier, "pairs": reduce_scatter_pairs},
+                   "pairs": all_reduce_pairs, "latency": all_reduce_latency,
+                   "linked": all_reduce_linked},
+    "all_gather": {"hier": all_gather_hier, "pairs": all_gather_pairs,
+                   "linked": all_gather_linked},
+    "reduce_scatter": {"hier": reduce_scatter_hier, "pairs": reduce_scatter_pairs,
+                       "linked": reduce_scatter_linked},
     "broadcast": {"hier": broadcast_hier},
     "reduce": {"hier": reduce_hier},
     "all_to_all": {"direct": all_to_all_direct},

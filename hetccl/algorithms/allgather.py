@@ -26,6 +26,7 @@ import torch
 
 from .common import CollCtx, copy
 from .layout import intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
+from .linked import all_gather_linked, linked_applies
 from .transfer import transfer
 
 
@@ -59,6 +60,9 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
     """out: (W * N,) flat, x: (N,) flat."""
     if pairs and pairs_masks(ctx, x, phase) is not None:
         all_gather_pairs(ctx, out, x, phase)
+        return
+    if linked_applies(ctx, x):
+        all_gather_linked(ctx, out, x, phase)
         return
     topo = ctx.topo
     n = x.numel()

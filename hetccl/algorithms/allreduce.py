@@ -24,6 +24,9 @@ flat: native all-reduce inside each group, then rank i of group g exchanges the 
 with rank i mod n_h of every other group h (and answers every rank j of h with j mod n_g = i).
 Two latency steps instead of three: used for small messages, where latency dominates.
 
+linked (host memory, every pair of ranks on shared memory, three or more ranks: linked.py): hier
+and the latency path hand over to it; no native step.
+
 split (host memory, two vendor groups of equal size n > 2, peers on shared memory; hier hands
 over to it then): 1) rank i of each group and rank i of the other run the two-rank round trip
 on the whole buffer (both then hold their pair's sum); 2) each group's native library
@@ -40,6 +43,7 @@ import torch
 
 from .common import CollCtx, copy, pad_to
 from .layout import padded_ranges, padded_shard, pairs_masks, peer_pieces
+from .linked import all_reduce_linked, linked_applies
 from .transfer import transfer
 
 
@@ -47,6 +51,9 @@ def all_reduce_hier(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     topo = ctx.topo
     n = x.numel()
     ng, li = topo.local_size, topo.local_rank
+    if linked_applies(ctx, x):
+        all_reduce_linked(ctx, x, op)  # every pair on shared memory: no native step (linked.py)
+        return
     if topo.local_size == 2 and _pairs_applies(ctx, x):
         _pairs(ctx, x, op)  # measured faster than split only for n = 2 so far
         return
@@ -185,6 +192,8 @@ def all_reduce_latency(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     (docs/algorithms.md)."""
     if _pairs_applies(ctx, x):
         _pairs(ctx, x, op)
+    elif linked_applies(ctx, x):
+        all_reduce_linked(ctx, x, op)
     else:
         all_reduce_flat(ctx, x, op)
 

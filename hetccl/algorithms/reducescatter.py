@@ -18,6 +18,7 @@ import torch
 
 from .common import CollCtx, copy, pad_to
 from .layout import intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
+from .linked import linked_applies, reduce_scatter_linked
 from .transfer import transfer
 
 
@@ -52,6 +53,9 @@ def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: 
                         pairs: bool = True) -> None:
     if pairs and pairs_masks(ctx, inp, 0) is not None:
         reduce_scatter_pairs(ctx, out, inp, op)
+        return
+    if linked_applies(ctx, inp):
+        reduce_scatter_linked(ctx, out, inp, op)
         return
     topo = ctx.topo
     n = out.numel()

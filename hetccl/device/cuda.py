@@ -121,3 +121,36 @@ class CudaSeam:
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- placement
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"  # honoured by CUDA and by ROCm's HIP runtime alike
+
+
+def visible_gpus(env=None) -> list[str]:
+    """The GPUs this process would see, as entries for VISIBLE_ENV, WITHOUT initialising the
+    runtime (a process whose runtime is initialised can no longer be shown fewer GPUs):
+    the entries of VISIBLE_ENV when it is set, else 0..n-1 counted through NVML (NVIDIA) or
+    amdsmi (AMD). [] when there is no GPU or it cannot be counted. env: the process's
+    environment (default os.environ)."""
+    listed = (os.environ if env is None else env).get(VISIBLE_ENV)
+    if listed is not None:
+        return [e.strip() for e in listed.split(",") if e.strip()]
+    n = -1
+    if torch.version.hip is not None:
+        counter = getattr(torch.cuda, "_device_count_amdsmi", None)
+    else:
+        counter = getattr(torch.cuda, "_device_count_nvml", None)
+    if counter is not None:
+        try:
+            n = int(counter())
+        except Exception:  # noqa: BLE001 - no management library: counted as none
+            n = -1
+    if n < 0 and torch.version.hip is None and os.path.isdir("/proc/driver/nvidia/gpus"):
+        n = len(os.listdir("/proc/driver/nvidia/gpus"))
+    return [str(i) for i in range(max(n, 0))]
+
+
+def show_one_gpu(env, gpu: str) -> None:
+    """Make `gpu` (an entry of visible_gpus()) the only GPU of a process started with env."""
+    env[VISIBLE_ENV] = gpu
