@@ -95,9 +95,9 @@ for w in $what; do
       # configurations (direct without / with prepared handles, the latter also eager-only;
       # staged), each in fresh processes,
       # every step bounded; stacks of stalled ranks in $OUT/ucx_probe_stacks_*.txt
-      # (tests/gpu_ucx_probe.py). At most PROBE_CONFIG_TIMEOUT (50) s per configuration.
+      # (tests/gpu_ucx_probe.py). At most PROBE_CONFIG_TIMEOUT (45) s per configuration.
       ucx_build || continue
-      PROBE_OUT="$OUT" PROBE_CONFIG_TIMEOUT=${PROBE_CONFIG_TIMEOUT:-50} timeout $((4 * ${PROBE_CONFIG_TIMEOUT:-50} + 20)) \
+      PROBE_OUT="$OUT" PROBE_CONFIG_TIMEOUT=${PROBE_CONFIG_TIMEOUT:-45} timeout $((4 * ${PROBE_CONFIG_TIMEOUT:-45} + 20)) \
         python3 tests/gpu_ucx_probe.py 2>&1 | grep -v "UCX  WARN" > "$OUT/ucx_probe.log"
       grep -E "^(===|---|  rank|      thread|  only|direct-|VERDICT)" "$OUT/ucx_probe.log" | cut -c1-400 ;;
     ucx)
@@ -143,12 +143,12 @@ for c, s in keys:
     print(f"{c:<15} {s:>10} " + " ".join(f"{m} {bw[m] if bw[m] is not None else '-'}" for m in cell)
           + f"  wrong {wrong}  dev/tcp {ratio('ucx-device')} staged/tcp {ratio('ucx-staged')}")
 PY
-      if [ $((SECONDS - t_ucx)) -lt $((${UCX_BUDGET:-300} - 120)) ]; then
-        HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 timeout 120 python3 -m pytest -q \
+      if [ $((SECONDS - t_ucx)) -lt $((${UCX_BUDGET:-210} - 120)) ]; then
+        HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 timeout 90 python3 -m pytest -q \
           ${BRIDGE_TESTS:-tests/test_gpu_ucx.py tests/test_rdma.py} -k "not 2+1" -m "gpu or not gpu" \
           -p no:cacheprovider 2>&1 | tee "$OUT/ucx_tests.log" | tail -8
       else
-        echo "ucx tests skipped: $((SECONDS - t_ucx)) s of UCX_BUDGET=${UCX_BUDGET:-300} s used"
+        echo "ucx tests skipped: $((SECONDS - t_ucx)) s of UCX_BUDGET=${UCX_BUDGET:-210} s used"
       fi ;;
   esac
 done
