@@ -1,29 +1,47 @@
 #!/usr/bin/env bash
-# Builds, checks and times hetccl on the GPU box (2 GPUs, Python 3.12, torch 2.11, no network).
-# Results land in $OUT (the device tool brings them back):
-#   gpu_tests.log          pytest -m gpu: CUDA correctness, stream semantics, async issue, DDP,
-#                          argument errors, no NCCL across emulated vendors
+# Builds, checks and times hetccl on the GPU box (1 or more GPUs, Python 3.12, torch 2.11, no
+# network). Results land in $OUT (the device tool brings them back); the default steps write
+# 8 files, all directly in $OUT:
+#   gpu_tests.log          (tests) pytest -m gpu over tests/test_gpu*.py (but test_gpu_ucx.py,
+#                          the ucx step's): the GPU suite
+#                          (tests/test_gpu_suite.py: every c10d family on CUDA tensors, bad
+#                          input, peer death, DDP/FSDP2/DeepSpeed/HF/Megatron/bench train
+#                          against references) and test_gpu.py's stream and async checks
+#   gpu_figures.jsonl      (tests) one row per figure the suite measured (loss differences,
+#                          ms per step of the recipes' correctness runs)
+#   gpu_summary.txt        (tests) counts, time, failures, skips, the figures as a table
+#                          (.ci/gpu_suite.py summary); the lead commits it under docs/benchmarks/
 #   collectives.jsonl      all_reduce / all_gather / reduce_scatter, hetccl 1+1 beside nccl
-#   sweep.jsonl            all_reduce with forced engine chunk sizes (tuning.py's evidence)
-#   train.jsonl            `hetccl bench train`: GPT-2-small DDP efficiency, single / nccl / hetccl
+#   sweep.jsonl            all_reduce with forced engine chunk sizes (tuning.py's evidence;
+#                          rows tagged {"chunk_bytes"})
+#   train.jsonl            `hetccl bench train`: GPT-2-small DDP efficiency, single / nccl (gloo
+#                          on one GPU) / hetccl
 #   host.jsonl             host tensors: hetccl 2+2 and 1+1 beside gloo on the box's CPUs
 #   doctor.log             `hetccl doctor --copy-test`: the box's PCIe copy ceiling, same session
+# Steps not in the default list, one file each (ucx: three):
 #   profile.txt            tests/gpu_profile.py: where a small all-reduce spends its time
 #   passthrough.jsonl      one vendor (hetccl:1v, native pass-through) beside nccl, interleaved
-#   ucx_doctor.log         (ucx step) the capability table and UCX's transports on the box
-#   ucx_tests.log          (ucx step) tests/test_gpu_ucx.py (all collectives, 1+1 and 2+1, hosts
+#   megatron.txt           (megatron) recipes/megatron/gpu.sh's summary, ITERS=${MEG_ITERS:-10}
+#   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
+#   ucx_tests.log          (ucx) tests/test_gpu_ucx.py (all collectives, 1+1 and 2+1, hosts
 #                          emulated, device memory direct and host-staged), test_ucx, choice tests
-#   ucx_bench.jsonl        (ucx step) hetccl 1+1 (BRIDGE_VENDORS), hosts emulated: ucx-device,
+#   ucx_bench.jsonl        (ucx) hetccl 1+1 (BRIDGE_VENDORS), hosts emulated: ucx-device,
 #                          ucx-staged, tcp in one run; each row tagged {"mode", "vendors"};
 #                          ucx_summary.txt: busbw per mode side by side with ratios to tcp
-#   ucx_probe.log          (ucxprobe step) tests/gpu_ucx_probe.py: per configuration ok or the
+#   ucx_probe.log          (ucxprobe) tests/gpu_ucx_probe.py: per configuration ok or the
 #                          stalled step, with ucx_probe_stacks_*.txt (every thread's frames)
 # Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [passthrough] [sweep] [train] [host]
-#                            [profile] [doctor] [ucx] [ucxprobe]
-# (default: all but ucx, in that order). Each step is bounded by STEP_TIMEOUT seconds (default
-# 240). The ucx step needs the UCX wheel carried in .whl/ (recipes/fetch_gpu_wheels.sh; the box
-# has no registry), e.g. with the device tool: carry [".whl"], command
-#   bash .ci/gpu-box.sh ucx
+#                            [profile] [doctor] [ucx] [ucxprobe] [megatron]
+# (default: build tests bench sweep train host doctor, in that order). Each step is bounded by
+# STEP_TIMEOUT seconds (default 240), the tests step by TESTS_TIMEOUT (default 540: the suite
+# is meant to take <= ~8 minutes on one H200; run `build` and `tests` as two device commands
+# when both together would pass the device tool's 10 minutes). TESTS="tests/test_gpu_suite.py"
+# runs one file, PYTEST_K="deepspeed or megatron" a subset (pytest -k), PYTEST_ARGS adds
+# pytest flags. The tests and megatron steps install the wheels carried in .whl/ that the box
+# lacks (deepspeed, megatron-core and their pure-Python dependencies; carried_wheels below);
+# without .whl the DeepSpeed and Megatron tests skip with a reason.
+# The GPU suite alone, with the wheels (device tool: carry [".whl"]):
+#   bash .ci/gpu-box.sh build tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -32,6 +50,29 @@ OUT=${OUT:-$(mktemp -d)}
 T=${STEP_TIMEOUT:-240}
 what=${*:-build tests bench sweep train host doctor}
 B="python3 -m hetccl.cli bench"
+# The wheels of .whl/ whose distribution the box lacks (deepspeed, megatron-core and their
+# pure-Python dependencies; .ci/gpu_suite.py wheels says which), installed once into /tmp/site,
+# on PYTHONPATH from then on. Nothing the box has is taken from .whl (torch, numpy, CUDA
+# libraries stay the box's); libucx is the ucx step's (it rebuilds _C against it).
+carried_wheels() {
+  if [ ! -d .whl ]; then
+    echo "no .whl/: the DeepSpeed and Megatron tests skip (recipes/fetch_gpu_wheels.sh, carry .whl)"
+    return 0
+  fi
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  if [ ! -f /tmp/site/.hetccl-carried ]; then
+    local wheels
+    wheels=$(python3 .ci/gpu_suite.py wheels .whl)
+    if [ -n "$wheels" ]; then
+      echo "installing carried wheels into /tmp/site: $wheels"
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site $wheels 2>&1 | tail -3
+    fi
+    mkdir -p /tmp/site && touch /tmp/site/.hetccl-carried
+  fi
+  python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+  python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>&1 | tail -1
+}
 # UCX from the carried wheel (the version pyproject's [ucx] extra pins), then a rebuild so that
 # _C has the UCX transport ("hetccl: UCX transport: ON"); once per run
 ucx_build() {
@@ -55,10 +96,22 @@ for w in $what; do
         2>&1 | tail -3
       python3 -m hetccl.cli doctor | head -12 ;;
     tests)
-      HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 timeout $T python3 -m pytest -q -x \
-        tests/test_gpu.py -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+      # tests/test_gpu*.py but test_gpu_ucx.py, the ucx step's (it needs _C built with UCX, and
+      # its direct-device case can stall up to its timeout: docs/transports.md)
+      GPU_TESTS=$(ls tests/test_gpu*.py | grep -v test_gpu_ucx.py | tr '\n' ' ')
+      carried_wheels
+      : > "$OUT/gpu_figures.jsonl"
+      t0=$SECONDS
+      # shellcheck disable=SC2086 # TESTS and PYTEST_ARGS are word lists
+      HETCCL_GPU_FIGURES="$OUT/gpu_figures.jsonl" HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 \
+        timeout -k 15 "${TESTS_TIMEOUT:-540}" python3 -m pytest -q ${TESTS:-$GPU_TESTS} \
+        -m gpu -p no:cacheprovider -rfEs --durations=12 ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -40
+      rc=${PIPESTATUS[0]}
       grep -o "hetccl-frame [^ ]* +0x[0-9a-f]*" "$OUT/gpu_tests.log" | sort -u | head -40 \
-        | while read -r _ obj off; do echo "$obj $off $(addr2line -f -C -e "$obj" "${off#+}" 2>/dev/null | tr '\n' ' ')"; done ;;
+        | while read -r _ obj off; do echo "$obj $off $(addr2line -f -C -e "$obj" "${off#+}" 2>/dev/null | tr '\n' ' ')"; done
+      python3 .ci/gpu_suite.py summary "$OUT" "$rc" "$((SECONDS - t0))" "${TESTS_TIMEOUT:-540}" \
+        | tee "$OUT/gpu_summary.txt" ;;
     bench)
       for dt in ${DTYPES:-bfloat16 float32}; do
         timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl,nccl \
@@ -74,7 +127,10 @@ for w in $what; do
       for c in ${CHUNKS:-262144 1048576 4194304 8388608}; do
         HETCCL_CHUNK_BYTES=$c timeout $T $B collectives --device cuda --vendors 1+1 \
           --backends hetccl --colls all_reduce --minbytes 256K --maxbytes 64M --factor 4 \
-          --dtype bfloat16 --iters 20 --no-progress --jsonl "$OUT/sweep_$c.jsonl"
+          --dtype bfloat16 --iters 20 --no-progress --jsonl /tmp/sweep_rows.jsonl
+        python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'chunk_bytes': int(sys.argv[1])})) for l in open('/tmp/sweep_rows.jsonl')]" \
+          "$c" >> "$OUT/sweep.jsonl" 2>/dev/null
+        rm -f /tmp/sweep_rows.jsonl
       done ;;
     train)
       timeout $((T * 2)) $B train --device cuda --steps ${TRAIN_STEPS:-8} --no-progress \
@@ -88,6 +144,16 @@ for w in $what; do
         --jsonl "$OUT/host.jsonl" ;;
     profile)
       timeout $T python3 tests/gpu_profile.py "$OUT" 2>&1 | head -60 ;;
+    megatron)
+      # recipes/megatron/gpu.sh (one GPU: pp=2 correctness with both stages' processes on the
+      # GPU, even and uneven split, beside a pp=1 run, and the recipe trained on the GPU); only
+      # its summary comes back
+      carried_wheels
+      rm -rf /tmp/hetccl-megatron
+      OUT=/tmp/hetccl-megatron ITERS=${MEG_ITERS:-10} PY=python3 timeout -k 15 $((T * 2)) \
+        bash recipes/megatron/gpu.sh 2>&1 | tail -5
+      cp /tmp/hetccl-megatron/megatron_summary.txt "$OUT/megatron.txt" 2>/dev/null \
+        || echo "no megatron summary (/tmp/hetccl-megatron/megatron_gpu.log on the box)" ;;
     doctor)
       timeout $T python3 -m hetccl.cli doctor --copy-test 2>&1 | tee "$OUT/doctor.log" | tail -4 ;;
     ucxprobe)

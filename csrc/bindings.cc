@@ -384,6 +384,19 @@ PYBIND11_MODULE(_C, m) {
       "A vendor runtime's stream memory operations, copies, events and host registration "
       "(csrc/device_ops.h), opened from the library the framework loaded.")
       .def_property_readonly("name", &DeviceOps::name)
+      .def_property_readonly("memory_type", &DeviceOps::memory_type)
+      .def("wait_geq",
+           [](DeviceOps& d, uintptr_t s, uint64_t word, uint64_t counter) {
+             d.wait_geq(as_ptr(s), word, counter);
+           },
+           py::arg("stream"), py::arg("word"), py::arg("counter"),
+           "Enqueue a wait on a flag word (device_ops.h's contract; tests).")
+      .def("write",
+           [](DeviceOps& d, uintptr_t s, uint64_t word, uint64_t counter) {
+             d.write(as_ptr(s), word, counter);
+           },
+           py::arg("stream"), py::arg("word"), py::arg("counter"),
+           "Enqueue a write of a flag word (tests).")
       .def("stream_mem_ops", &DeviceOps::stream_mem_ops, py::arg("device_index"))
       .def("host_register",
            [](DeviceOps& d, uintptr_t p, size_t n) { return d.host_register(as_ptr(p), n); },
@@ -392,12 +405,37 @@ PYBIND11_MODULE(_C, m) {
            py::arg("ptr"))
       .def("device_address", [](DeviceOps& d, uintptr_t p) { return d.device_address(as_ptr(p)); },
            py::arg("ptr"))
+      .def("wait_word_alloc",
+           [](DeviceOps& d) { return reinterpret_cast<uintptr_t>(d.wait_word_alloc()); },
+           "A word for streams to wait on where the runtime requires its own memory (0: any "
+           "registered host memory; tests).")
+      .def("wait_word_address",
+           [](DeviceOps& d, uintptr_t w) { return d.wait_word_address(as_ptr(w)); }, py::arg("word"))
+      .def("wait_word_free", [](DeviceOps& d, uintptr_t w) { d.wait_word_free(as_ptr(w)); },
+           py::arg("word"))
+      .def("set_device", &DeviceOps::set_device, py::arg("device_index"))
+      .def("event_create", [](DeviceOps& d) { return reinterpret_cast<uintptr_t>(d.event_create()); })
+      .def("event_destroy", [](DeviceOps& d, uintptr_t e) { d.event_destroy(as_ptr(e)); },
+           py::arg("event"))
+      .def("memcpy_async",
+           [](DeviceOps& d, uintptr_t dst, uintptr_t src, size_t n, uintptr_t s) {
+             d.memcpy_async(as_ptr(dst), as_ptr(src), n, as_ptr(s));
+           },
+           py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"))
       .def("emulated_stream",
            [](DeviceOps& d) { return reinterpret_cast<uintptr_t>(emulated_stream(d)); },
            "A new stream of the emulated device (tests).")
       .def("synchronize", [](DeviceOps& d, uintptr_t s) { d.sync(as_ptr(s)); }, py::arg("stream"),
            py::call_guard<py::gil_scoped_release>());
-  m.def("device_ops", &make_device_ops, py::arg("vendor"), py::arg("library") = "");
+  m.def("device_ops", &make_device_ops, py::arg("runtime"), py::arg("library") = "");
+  m.def("runtime_api",
+        [](const std::string& runtime) {
+          RuntimeApi a = runtime_api(runtime);
+          return py::make_tuple(a.constants, a.functions);
+        },
+        py::arg("runtime"),
+        "The vendor declarations a device runtime module uses (csrc/device_ops.h: runtime_api): "
+        "(constants {name: value}, functions {name: [return type, parameter types...]}).");
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
       "The progress engine of one multi-vendor group (csrc/engine.h states the contracts).")
@@ -481,6 +519,8 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", &Engine::wait, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
       .def("test", &Engine::test, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
       .def("set_device_ops", &Engine::set_device_ops, py::arg("ops"))
+      .def("_set_position_base", &Engine::set_position_base, py::arg("base"),
+           "Tests: message links start at this position (wrap-around of positions).")
       .def("stream_join", &Engine::stream_join, py::arg("device_index"), py::arg("waiter"),
            py::arg("waitee"))
       .def("broken", &Engine::broken)

@@ -1,46 +1,75 @@
-// hetccl engine: the one seam for vendor device runtimes (CUDA driver API, HIP runtime).
+// hetccl engine: the one seam for vendor device runtimes. One module per runtime, each holding
+// everything vendor-specific about it (csrc/device/):
+//   cuda_ops.cc      the CUDA driver API (NVIDIA), libcuda
+//   hip_ops.cc       the HIP runtime (AMD, ROCm), libamdhip64; declarations in hip_api.h, checked
+//                    against ROCm's own headers and bindings (tests/test_hip_api.py)
+//   emulated_ops.cc  host threads as streams (tests: the engine's device protocol without a GPU,
+//                    with CUDA's or HIP's comparison rules)
+//   registry.cc      make_device_ops: runtime name -> module
+// Nothing else in the C++ core names a vendor.
 //
 // The engine moves device data between vendors through pinned host memory with operations it
 // enqueues on the caller's streams at issue time. Those operations are the only vendor calls in
-// the C++ core, and they live behind this table, one implementation per vendor (device_ops.cc):
-//   * stream memory operations: a stream waits until a 32-bit word in pinned host memory reaches
-//     a value (wait_geq), or writes a word after the work queued before it (write) -- the
-//     engine's proxy thread reads and writes the same words from the host, so the proxy never
-//     calls the vendor runtime itself (no lock shared with kernel launches or lazy module
-//     loading; the stream is what waits, never a host thread);
+// the C++ core:
+//   * stream memory operations: a stream waits until a flag word reaches a position (wait_geq),
+//     or writes a word after the work queued before it (write) -- the engine's proxy thread
+//     reads and writes the same words from the host, so the proxy never calls the vendor
+//     runtime itself (no lock shared with kernel launches or lazy module loading; the stream is
+//     what waits, never a host thread);
 //   * asynchronous copies on a stream (device <-> pinned host, unified addressing);
 //   * events (record / stream waits on them) to fork and join the engine's copy streams;
-//   * page-locking existing host memory (the shared-memory rings, the engine's flag words) and
-//     the device address of pinned host memory.
-// The library is the one the framework already loaded (Python finds its path: libcuda for CUDA,
-// libamdhip64 for ROCm/HIP), opened with dlopen, so there is no link-time dependency and no
-// second copy of a runtime. Every failing call throws CommError naming the call and the
-// runtime's error string. Handles (streams, events) are opaque pointers as the runtime gives
-// them (torch's stream.cuda_stream is the same handle).
+//   * page-locking existing host memory (the shared-memory rings, the engine's flag pages) and
+//     the device address of pinned host memory;
+//   * memory for the words streams wait on, where the runtime documents its own kind of memory
+//     for them (HIP: signal memory).
+// The library is the one the framework already loaded (Python's device seam finds its path),
+// opened with dlopen, so there is no link-time dependency and no second copy of a runtime.
+// Every failing call throws CommError naming the call and the runtime's error string. Handles
+// (streams, events) are opaque pointers as the runtime gives them (torch's stream handle is the
+// same pointer).
+//
+// Flag words and positions (the contract every runtime implements alike). A flag word is a
+// 64-bit counter in host memory, 8-byte aligned, whose low 32 bits are the engine's free-running
+// 32-bit position; the engine extends a position to the counter value nearest the word's current
+// counter (engine.cc: Word::counter), so counter and position agree as long as the two are within
+// 2^31 positions of each other (the engine keeps far fewer in flight). Comparisons:
+//   CUDA: cuStreamWaitValue32 with CU_STREAM_WAIT_VALUE_GEQ on the low 32 bits, which the CUDA
+//         driver API documents as (int32_t)(*addr - value) >= 0: wrap-aware; writes are 32-bit
+//         (cuStreamWriteValue32) to the low half.
+//   HIP:  hipStreamWaitValue64 with hipStreamWaitValueGte on the whole counter (HIP documents
+//         *ptr & mask >= value, unsigned, not wrap-aware, so the 32-bit form would break when
+//         positions cross 2^32; a 64-bit counter does not wrap); writes are 64-bit.
+//   emulated: either rule, chosen when opened ("cuda" or "hip").
+// All three therefore implement "the word's position has reached value, wrap-aware".
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace hetccl {
 
 class DeviceOps {
  public:
   virtual ~DeviceOps() = default;
-  virtual std::string name() const = 0;  // "cuda" or "hip"
+  virtual std::string name() const = 0;  // "cuda", "hip" or "emulated"
+  // The memory type a transport declares for this runtime's device buffers ("cuda", "rocm", or
+  // "host" for the emulated device: its "device memory" is host memory).
+  virtual std::string memory_type() const = 0;
   // Makes device `index` current on the calling thread (the thread that enqueues).
   virtual void set_device(int index) = 0;
   // Whether stream memory operations work on this device; false means the engine drives device
   // plans from the issuing thread instead (slower, host-blocking, same protocol).
   virtual bool stream_mem_ops(int index) = 0;
-  // Stream waits until (int32_t)(*word - value) >= 0 (CUDA) / *word >= value (HIP). `word` is a
-  // device address of pinned host memory (device_address()).
-  virtual void wait_geq(void* stream, uint64_t word, uint32_t value) = 0;
-  // Stream writes value to the word once the work queued before it is done (with a memory
-  // barrier: the data it wrote before is visible first).
-  virtual void write(void* stream, uint64_t word, uint32_t value) = 0;
+  // Stream waits until the flag word at device address `word` has reached `counter` (the
+  // contract above: wrap-aware on the low 32 bits, or unsigned on the 64-bit counter).
+  virtual void wait_geq(void* stream, uint64_t word, uint64_t counter) = 0;
+  // Stream writes `counter` to the word once the work queued before it is done (with a memory
+  // barrier: the data it wrote before is visible first). 32-bit runtimes write the low half.
+  virtual void write(void* stream, uint64_t word, uint64_t counter) = 0;
   virtual void memcpy_async(void* dst, const void* src, size_t nbytes, void* stream) = 0;
   virtual void sync(void* stream) = 0;
   virtual void* event_create() = 0;
@@ -51,13 +80,32 @@ class DeviceOps {
   virtual bool host_register(void* p, size_t nbytes) = 0;
   virtual void host_unregister(void* p) = 0;
   virtual uint64_t device_address(void* host) = 0;
+  // An 8-byte, 8-aligned word, readable and writable by the host, for a stream to wait on, where
+  // the runtime requires its own memory for that (HIP: hipExtMallocWithFlags with
+  // hipMallocSignalMemory); nullptr means any registered host memory will do (the engine's flag
+  // page). wait_word_address gives the address to pass to wait_geq / write.
+  virtual void* wait_word_alloc() { return nullptr; }
+  virtual uint64_t wait_word_address(void* w) { return device_address(w); }
+  virtual void wait_word_free(void* w) {}
 };
 
-// Opens the vendor runtime at `library` ("cuda": a libcuda path; "hip": a libamdhip64 path).
-// Throws CommError when the library or a required symbol is missing. "emulated" (tests only)
-// is a device whose streams are host threads running their operations in order, so the
-// engine's device protocol runs on machines without a GPU; emulated_stream() makes a stream.
-std::shared_ptr<DeviceOps> make_device_ops(const std::string& vendor, const std::string& library);
+// Opens a runtime by name: "cuda" (library: a libcuda path), "hip" (a libamdhip64 path), or
+// "emulated" (tests only; library "" or "cuda": CUDA's comparison rule, "hip": HIP's, with
+// separately allocated wait words as HIP's signal memory) -- a device whose streams are host
+// threads running their operations in order, so the engine's device protocol runs on machines
+// without a GPU; emulated_stream() makes a stream. Throws CommError when the library or a
+// required symbol is missing, or the name is unknown.
+std::shared_ptr<DeviceOps> make_device_ops(const std::string& runtime, const std::string& library);
+
+// The vendor declarations a runtime module uses, as data, for tests that check them against the
+// vendor's own definitions (tests/test_hip_api.py): constant name -> value, function name ->
+// [return type, parameter types...]. Only "hip" has such a table (the CUDA module's few are
+// exercised on the GPU box); CommError for others.
+struct RuntimeApi {
+  std::map<std::string, long long> constants;
+  std::map<std::string, std::vector<std::string>> functions;
+};
+RuntimeApi runtime_api(const std::string& runtime);
 void* emulated_stream(DeviceOps& ops);
 
 }  // namespace hetccl

@@ -154,6 +154,10 @@ class Engine {
   // Device registration of host memory the device plans copy from/to (ring slots): called once
   // per device runtime before the first device plan.
   void set_device_ops(std::shared_ptr<DeviceOps> ops);
+  // Tests: message links start their positions at `base` instead of 0, so a short run crosses
+  // 2^32 (the wrap-around of free-running positions). Only before the first plan; zero-copy
+  // links take their positions from the transport's rings and are refused.
+  void set_position_base(uint32_t base);
   // Orders `waiter` after the work queued on `waitee` so far (one reused event: a stream wait
   // keeps the event's state at the time it is enqueued).
   void stream_join(int device_index, uintptr_t waiter, uintptr_t waitee);
@@ -225,6 +229,9 @@ class Engine {
   bool closed_ = false;
   // flag words for device plans (one page per link, registered with the device runtime)
   std::vector<void*> flag_pages_;
+  // words streams wait on, where the runtime allocates them (DeviceOps::wait_word_alloc); freed
+  // with the flag pages
+  std::vector<void*> wait_words_;
   std::vector<void*> registered_;
   std::vector<void*> events_;  // fork/join events of device plans (reused)
   void* join_event_ = nullptr;

@@ -864,13 +864,13 @@ class _P2PWork(HetcclWork):
     @classmethod
     def send(cls, engine, peer, t, tag):
         src = t.contiguous()
-        if src.is_cuda:
+        if not devices.is_host(src):
             src = src.to("cpu")
         return cls(engine, engine.bridge.isend(peer, src.view(-1), tag), src)
 
     @classmethod
     def recv(cls, engine, peer, t, tag):
-        if t.is_cuda or not t.is_contiguous():
+        if not devices.is_host(t) or not t.is_contiguous():
             host = hostmem.staging_for(t)
             return cls(engine, engine.bridge.irecv(peer, host.view(-1), tag), host,
                        finish=lambda: t.copy_(host))
@@ -918,8 +918,8 @@ def _start_line(topo: Topology, pg) -> str:
     sizes = " + ".join(f"{lab}:{len(rs)}" for lab, rs in zip(topo.labels, topo.groups))
     if topo.num_groups == 1:
         what = (f"one vendor ({sizes}): native pass-through "
-                f"({'nccl for cuda, ' if vendor.build_kind() in ('cuda', 'rocm') else ''}"
-                f"gloo for cpu)")
+                f"({''.join(f'{devices.native_backend(d)} for {d}, ' for d in devices.accelerator_types())}"
+                f"{devices.native_backend('cpu')} for cpu)")
     else:
         kinds = sorted(set(pg.engine.bridge.kind_of.values()))
         what = (f"{topo.num_groups} vendor groups ({sizes}), bridge transport "
@@ -968,4 +968,4 @@ def _create(dist_backend_opts, pg_options=None):
 def register() -> None:
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    compat.register_backend(BACKEND_NAME, _create, ["cpu", "cuda"])
+    compat.register_backend(BACKEND_NAME, _create, devices.device_types())

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch
 
-from . import _core, config, transports, vendor
+from . import _core, config, device as devices, transports, vendor
 from ._core import _C
 from .topology import Topology
 
@@ -84,7 +84,7 @@ class Bridge:
         store.wait(["hetccl/secret"], timeout)
         secret = store.get("hetccl/secret").decode()
         self.slot_bytes = int(config.get("HETCCL_SHM_SLOT_BYTES")) or (
-            8 << 20 if vendor.build_kind() in ("cuda", "rocm") else 1 << 20)
+            devices.build_seam().staging_slot_bytes)
         _check_settings_agree(store, topo, timeout, {
             **{k: config.get(k) for k in config.MUST_AGREE},
             "HETCCL_SHM_SLOT_BYTES (in force)": self.slot_bytes,

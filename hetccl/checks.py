@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import hostmem
+from . import device as devices, hostmem
 
 COLL_CODES = {name: i + 1 for i, name in enumerate(
     ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
@@ -43,7 +43,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.int32, torch.int64, torch.int16, torch.bool, torch.complex64, torch.complex128,
           torch.float8_e4m3fn, torch.float8_e5m2]
 DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
-DEVICE_CODES = {"cpu": 1, "cuda": 2}
+DEVICE_CODES = devices.device_codes()  # the device seams' (hetccl/device/: device_code)
 HEADER_LEN = 6
 UNKNOWN = -(2**63)  # a row of all_headers_over_bridge's table not heard of yet
 FIELDS = ["collective", "number of elements", "dtype", "reduction op", "root", "device type"]

@@ -74,12 +74,15 @@ def passthrough_group(store, rank: int, size: int, backends: dict[str, Any]) -> 
     all-reduce in backward). Its backend name for C++ callers is therefore the native one; see
     install_ddp_logging_name for what DDP reports."""
     pg = dist.ProcessGroup(store, rank, size)
-    types = {"gloo": dist.ProcessGroup.BackendType.GLOO,
-             "nccl": dist.ProcessGroup.BackendType.NCCL}
-    default = "nccl" if "cuda" in backends else "gloo"
+    # backends: {device type: (native backend name, backend)}, from the device seams; the
+    # default is an accelerator's native backend where there is one (as torch's own default)
+    def btype(kind):
+        return getattr(dist.ProcessGroup.BackendType, kind.upper())
+    default = next((kind for d, (kind, _) in backends.items() if d != "cpu"),
+                   backends["cpu"][0] if "cpu" in backends else "gloo")
     for device, (kind, backend) in backends.items():
-        pg._register_backend(torch.device(device), types[kind], backend)
-    pg._set_default_backend(types[default])
+        pg._register_backend(torch.device(device), btype(kind), backend)
+    pg._set_default_backend(btype(default))
     return pg
 
 

@@ -40,6 +40,10 @@ def local_report() -> list[str]:
                  + (f", cuda -> {devices.native_backend('cuda')}"
                     f" ({'RCCL' if kind == 'rocm' else 'NCCL'})" if kind in ("cuda", "rocm") else ""))
     if kind in ("cuda", "rocm"):
+        seam = devices.seam("cuda")
+        lines.append(f"native library    : {seam.native_library_path() or 'not found'} "
+                     f"({seam.native_library[1]}, {seam.vendor})")
+    if kind in ("cuda", "rocm"):
         try:
             ops = devices.seam("cuda").runtime()
             memops = ops.stream_mem_ops(torch.cuda.current_device())

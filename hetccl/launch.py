@@ -77,7 +77,7 @@ def share_gpus(env=None, argv: list[str] | None = None) -> str | None:
     it without emulation. Must run before the worker initialises its GPU runtime. Returns a
     line saying what it did, or None. env: the worker's environment (default os.environ)."""
     from . import config
-    from .device import cuda as gpu
+    from . import device as devices
 
     env = os.environ if env is None else env
     mode = config.get("HETCCL_SHARE_GPUS")
@@ -90,11 +90,11 @@ def share_gpus(env=None, argv: list[str] | None = None) -> str | None:
         workers = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or "0")
     except (KeyError, ValueError):
         return None
-    gpus = gpu.visible_gpus(env)
+    seam, gpus = devices.visible_accelerators(env)
     if not gpus or (mode == "auto" and workers <= len(gpus)):
         return None
     mine = gpus[local % len(gpus)]
-    gpu.show_one_gpu(env, mine)
+    seam.show_only(env, mine)
     env["HETCCL_LOCAL_RANK"] = str(local)
     env["LOCAL_RANK"] = "0"
     if argv is not None:

@@ -17,13 +17,8 @@ from . import device as devices
 # dtypes each native library can reduce (checked before any communication starts, so an
 # unsupported dtype is a clear error on every rank rather than a failure on some of them).
 # Copy-type collectives move bytes and accept every dtype (see _bytes).
-REDUCE_DTYPES = {
-    "cpu": {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-            torch.uint8, torch.int32, torch.int64, torch.bool, torch.complex64,
-            torch.complex128},
-    "cuda": {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-             torch.uint8, torch.int32, torch.int64},
-}
+# The sets are the device seams' (hetccl/device/: reduce_dtypes).
+REDUCE_DTYPES = {t: devices.reduce_dtypes(t) for t in devices.device_types()}
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from . import device as devices
+
 #: UCX transports that move data between two devices' memories, or map another process's device
 #: memory (IPC, GDRCopy): never between emulated vendor groups on one host, whose devices a real
 #: vendor pair would not share.
-UCX_DEVICE_PATHS = ("cuda_ipc", "rocm_ipc", "gdr_copy", "rocm_gdr")
+UCX_DEVICE_PATHS = devices.ucx_device_paths()  # every vendor's (the device seams')
 #: UCX's shared-memory transports: removed too when hosts are emulated (HETCCL_EMULATE_HOSTS), so
 #: that the emulated hosts share only the network.
 UCX_SHM_PATHS = ("posix", "sysv", "xpmem", "cma", "knem")

@@ -1,8 +1,9 @@
 """Vendor labels: which vendor group a rank belongs to, and which host it is on.
 
 Device-specific code (streams, copies, native libraries) lives in the device seam
-(hetccl/device/); this module only names vendors. On ROCm builds of torch, HIP is exposed as
-``torch.cuda`` (device type "cuda", native library RCCL under the name "nccl"): the label is
+(hetccl/device/), and so does each build's vendor label ("nvidia", "amd", "host": the seam's
+`vendor`); this module picks a process's label (emulation, splits, the build's) and its host
+identity. On ROCm builds of torch, HIP is exposed as torch's "cuda" device type: the label is
 what tells an AMD rank from an NVIDIA one.
 """
 from __future__ import annotations
@@ -11,22 +12,14 @@ import functools
 import os
 import socket
 
-import torch
-
 from . import config
 
-VENDOR_OF_BUILD = {"cuda": "nvidia", "rocm": "amd", "xpu": "intel", "cpu": "host"}
-
-
 def build_kind() -> str:
-    """What this torch build drives: 'rocm', 'cuda', 'xpu' or 'cpu' (no usable accelerator)."""
-    from .device.cuda import CudaSeam
+    """What this torch build drives, from the device seams (hetccl/device/): 'cuda', 'rocm', or
+    'cpu' where no accelerator with a seam is usable."""
+    from . import device as devices
 
-    if CudaSeam.available():
-        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return "xpu"
-    return "cpu"
+    return devices.build_seam().build
 
 
 def detect_vendor(rank: int | None = None) -> str:
@@ -58,7 +51,9 @@ def detect_vendor(rank: int | None = None) -> str:
             raise ValueError(f"hetccl: HETCCL_VENDOR_SPLIT={split!r} covers {len(labels)} ranks,"
                              f" but this is rank {rank}")
         return labels[rank]
-    return VENDOR_OF_BUILD[build_kind()]
+    from . import device as devices
+
+    return devices.build_seam().vendor
 
 
 @functools.lru_cache(maxsize=1)

@@ -38,6 +38,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 SMOKE=0
 if [ "$DEVICE" = cpu ]; then SMOKE=1; export OMP_NUM_THREADS=1; fi
+# GPUs on this machine: with one, the two solo runs of part e share GPU 0 one after the other
+# (at once they would halve each other's throughput) instead of one per GPU
+NGPU=0
+if [ "$DEVICE" = cuda ]; then NGPU=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0); fi
 
 log() { echo "$@" | tee -a "$LOG"; }
 # run PART LIMIT_S cmd...: runs with a time limit, output to the log (tail shown), never aborts
@@ -158,7 +162,7 @@ e)
       --steps $DSSTEPS --warmup $DSWARM --comm_backend hetccl --out "$OUT/e_deepspeed.jsonl")
   TR=($PY -m torch.distributed.run --standalone)
   : > "$OUT/e_deepspeed.jsonl"
-  if [ $SMOKE = 1 ]; then
+  if [ $SMOKE = 1 ] || [ "$NGPU" -lt 2 ]; then
     run e 200 "${TR[@]}" --nproc_per_node 1 "${DS[@]}" --tag solo-f1 --hetccl_slowdown 1
     run e 200 "${TR[@]}" --nproc_per_node 1 "${DS[@]}" --tag solo-f2 --hetccl_slowdown 2
   else   # the two solo runs at once, one per GPU
@@ -168,9 +172,14 @@ e)
         --hetccl_slowdown 2) &
     wait
   fi
-  run e 200 "${TR[@]}" --nproc_per_node 2 "${DS[@]}" --tag unbalanced --hetccl_vendors 1+1 \
+  # two ranks: DeepSpeed binds LOCAL_RANK to a GPU index, so with fewer GPUs than ranks the
+  # workers start through `hetccl run` (torchrun's options), which shows each rank the GPU
+  # local_rank % device_count as its GPU 0
+  TR2=("${TR[@]}")
+  if [ $SMOKE = 0 ] && [ "$NGPU" -lt 2 ]; then TR2=($PY -m hetccl.cli run --standalone); fi
+  run e 200 "${TR2[@]}" --nproc_per_node 2 "${DS[@]}" --tag unbalanced --hetccl_vendors 1+1 \
       --hetccl_slowdown 1,2
-  run e 200 "${TR[@]}" --nproc_per_node 2 "${DS[@]}" --tag balanced --hetccl_vendors 1+1 \
+  run e 200 "${TR2[@]}" --nproc_per_node 2 "${DS[@]}" --tag balanced --hetccl_vendors 1+1 \
       --hetccl_slowdown 1,2 --balance auto --max_micro $DSCAP
   $PY - "$OUT/e_deepspeed.jsonl" "$JSONL" $DSWARM <<'EOF' 2>&1 | tee -a "$LOG"
 import json, statistics, sys
@@ -213,7 +222,7 @@ EOF
         --max-micro 64)
   fi
   HFR=($PY recipes/hf/finetune_tiny_lm.py --no-reference --no-progress "${HF[@]}")
-  if [ $SMOKE = 1 ]; then
+  if [ $SMOKE = 1 ] || [ "$NGPU" -lt 2 ]; then
     run e 200 "${HFR[@]}" --out "$OUT/e_hf_solo-f1" --vendors 1 --slowdown 1
     run e 200 "${HFR[@]}" --out "$OUT/e_hf_solo-f2" --vendors 1 --slowdown 2
   else

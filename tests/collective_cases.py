@@ -1,9 +1,23 @@
-"""Rank-side checks of every collective against float64 / exact references.
+"""Rank-side checks of every collective against float64 / exact references, on any device.
 
-Each rank generates every rank's input from a seed (rank, case), so it can compute the
-reference for the whole group locally; results are compared with tolerances derived from the
-dtype (see TOL). run_all() returns {case: "ok" | error text} so one spawn per vendor split
-covers everything and pytest reports each case separately.
+Each rank generates every rank's input from a seed (rank, case) on the CPU, so it can compute
+the reference for the whole group locally; the inputs are moved to the device under test and
+results are brought back to the CPU and compared with tolerances derived from the dtype (see
+TOL). run_all() returns {case: "ok" | "skip: reason" | error text} so one spawn per vendor split
+covers everything and pytest reports each case (tests/test_backend.py: CPU; tests/test_gpu_suite.py:
+CUDA, and the same cases on CPU for validation).
+
+Device contract: `device` is "cpu" or "cuda"; "cuda" means GPU rank % device_count (ranks share
+GPUs when there are fewer GPUs than ranks). `default_device=True` runs every case with
+torch.set_default_device(<the rank's GPU>) in effect, as model code and HF do (on the CPU:
+"meta", see run_all): the cases always name their devices, so what the default changes is only
+where hetccl's (and torch's) internal allocations without a device land -- the path that once
+put host staging buffers on the GPU. Input generation always names the CPU (a CPU generator
+cannot fill a CUDA tensor).
+
+`record` (optional): a callable(case, verdict) called as soon as each case has its verdict, so a
+parent can read the cases done so far even when a rank dies (tests/test_gpu_suite.py writes them
+to a file per rank).
 """
 from __future__ import annotations
 
@@ -13,34 +27,51 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+CPU = torch.device("cpu")
 REDUCE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                  torch.uint8, torch.int32, torch.int64]
 COPY_DTYPES = REDUCE_DTYPES + [torch.bool, torch.int16, torch.complex64]
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "prod": dist.ReduceOp.PRODUCT,
        "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+BITWISE = {"band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
+BITWISE_DTYPES = [torch.uint8, torch.int32, torch.int64, torch.bool]
 SIZES = [0, 1, 7, 1000, 70001]
 # absolute tolerance per element and contributing rank, for data in [-1, 1]
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# the case families run_all reports (the first component of every case name)
+FAMILIES = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather_coalesced",
+            "reduce_scatter", "all_to_all_single", "all_to_all", "gather_scatter", "barrier",
+            "object_collectives", "p2p", "coalescing_manager", "new_group", "async", "stream"]
 
 
 def data(rank: int, case: int, n: int, dtype: torch.dtype, op: str = "sum") -> torch.Tensor:
+    """Rank `rank`'s input of case `case`: n elements on the CPU, in [-1, 1] for floats (away
+    from 0 for prod, so products neither vanish nor blow up), small integers otherwise."""
     g = torch.Generator().manual_seed(1000003 * case + rank)
     if dtype == torch.bool:
-        return torch.rand(n, generator=g) > 0.5
+        return torch.rand(n, generator=g, device=CPU) > 0.5
     if dtype.is_complex:
-        return torch.randn(n, generator=g, dtype=dtype)
+        return torch.randn(n, generator=g, dtype=dtype, device=CPU)
     if dtype.is_floating_point:
-        x = torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1
+        x = torch.rand(n, generator=g, dtype=torch.float64, device=CPU) * 2 - 1
         if op == "prod":
             x = x.sign() * (0.5 + x.abs() / 2)
         return x.to(dtype)
     lo, hi = (0, 4) if dtype == torch.uint8 else (-3, 4)
     if op == "prod":
         lo, hi = (1, 3) if dtype == torch.uint8 else (-2, 3)
-    return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype)
+    return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64, device=CPU).to(dtype)
 
 
 def reference(inputs: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Tensor:
+    """float64 (floats) or int64 (integers, wrapped like the dtype) reduction of the inputs."""
+    inputs = [x.cpu() for x in inputs]
+    if op in ("band", "bor", "bxor"):
+        fn = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
+        r = inputs[0].clone()
+        for x in inputs[1:]:
+            r = fn(r, x)
+        return r
     if dtype.is_floating_point:
         xs = torch.stack([x.to(torch.float64) for x in inputs])
     else:
@@ -63,10 +94,13 @@ def reference(inputs: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.
 
 
 def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, world: int) -> str | None:
+    got, ref = got.detach().cpu(), ref.cpu()
     if got.shape != ref.shape:
         return f"shape {tuple(got.shape)} != {tuple(ref.shape)}"
     if got.numel() == 0:
         return None
+    if dtype == torch.bool:
+        return None if torch.equal(got, ref.to(torch.bool)) else "wrong bool elements"
     if dtype.is_floating_point:
         err = (got.to(torch.float64) - ref).abs().max().item()
         tol = TOL[dtype] * world * max(1.0, ref.abs().max().item())
@@ -75,34 +109,71 @@ def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, world: int) 
     return None if bad == 0 else f"{bad} wrong elements"
 
 
+def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact equality of values and shape, whatever devices the two live on."""
+    return torch.equal(a.detach().cpu(), b.detach().cpu())
+
+
+def case_device(rank: int, device: str) -> torch.device:
+    """The device rank `rank` runs its cases on: the CPU, or GPU rank % device_count."""
+    if device == "cpu":
+        return CPU
+    dev = torch.device(device, rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
 class Cases:
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, world: int, record=None):
         self.rank, self.world = rank, world
         self.results: dict[str, str] = {}
         self.case = 0
+        self.record = record
 
     def run(self, name, fn):
         self.case += 1
         try:
             err = fn(self.case)
-            self.results[name] = "ok" if err is None else err
+            verdict = "ok" if err is None else err
         except Exception:  # noqa: BLE001
-            self.results[name] = traceback.format_exc(limit=6)
+            verdict = traceback.format_exc(limit=6)
+        self.results[name] = verdict
+        if self.record is not None:
+            self.record(name, verdict)
+
+    def skip(self, name, reason):
+        self.case += 1
+        self.results[name] = f"skip: {reason}"
+        if self.record is not None:
+            self.record(name, self.results[name])
 
 
-def _all_reduce_matrix(c: Cases, rank: int, W: int) -> None:
-    """all_reduce: every op x dtype, several sizes."""
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _all_reduce_matrix(c: Cases, rank: int, W: int, dev: torch.device = CPU) -> None:
+    """all_reduce: every op x dtype (bitwise ops on integer and bool dtypes), several sizes."""
     for dtype in REDUCE_DTYPES:
         for opn, op in OPS.items():
             if opn == "avg" and not dtype.is_floating_point:
                 continue
             for n in (SIZES if dtype == torch.float32 and opn == "sum" else [0, 7, 70001]):
                 def f(case, dtype=dtype, opn=opn, op=op, n=n):
-                    x = data(rank, case, n, dtype, opn)
+                    x = data(rank, case, n, dtype, opn).to(dev)
                     dist.all_reduce(x, op=op)
                     ref = reference([data(r, case, n, dtype, opn) for r in range(W)], opn, dtype)
                     return close(x, ref, dtype, W)
                 c.run(f"all_reduce/{opn}/{str(dtype)[6:]}/n{n}", f)
+    for dtype in BITWISE_DTYPES:
+        for opn, op in BITWISE.items():
+            def f(case, dtype=dtype, opn=opn, op=op):
+                x = data(rank, case, 3001, dtype).to(dev)
+                dist.all_reduce(x, op=op)
+                ref = reference([data(r, case, 3001, dtype) for r in range(W)], opn, dtype)
+                return close(x, ref, dtype, W)
+            c.run(f"all_reduce/{opn}/{str(dtype)[6:]}/n3001", f)
 
 
 def run_all_reduce(ctx) -> dict:
@@ -119,21 +190,67 @@ def run_all_reduce(ctx) -> dict:
     return {"results": c.results, "stats": stats}
 
 
-def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
+def run_all(ctx, extra_env_case: str = "", device: str = "cpu", default_device: bool = False,
+            record=None, timeout_s: float = 60) -> dict[str, str]:
+    """Every family of FAMILIES on `device` (see the module docstring), {case: verdict}."""
     import hetccl  # noqa: F401 - registers the backend
 
     rank, world = ctx.rank, ctx.world_size
+    dev = case_device(rank, device)
+    if default_device:
+        # CUDA: the rank's GPU, as model code does. CPU: "meta", which holds no data, so any
+        # allocation (hetccl's or torch's) that does not name its device fails loudly instead
+        # of silently landing on the CPU -- the same defect the CUDA default would expose
+        torch.set_default_device(dev if dev.type == "cuda" else "meta")
     dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    c = Cases(rank, world)
-    W = world
-    _all_reduce_matrix(c, rank, W)
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    c = Cases(rank, world, record)
+    _cases(c, rank, world, dev)
+    dist.barrier()
+    dist.destroy_process_group()
+    return c.results
+
+
+def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
+    def put(x):
+        return x.to(dev)
+
+    def empty(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device=dev)
+
+    _all_reduce_matrix(c, rank, W, dev)
+
+    # PREMUL_SUM (torch builds it for NCCL only): a correct result or a clear refusal naming
+    # the op on every rank, and the group usable afterwards
+    def f(case):
+        make = getattr(dist, "_make_nccl_premul_sum", None)
+        if make is None:
+            return None
+        x = put(data(rank, case, 999, torch.float32))
+        try:
+            dist.all_reduce(x, op=make(0.5))
+        except Exception as e:  # noqa: BLE001
+            if "premul" not in str(e).lower():
+                return f"refused without naming PREMUL_SUM: {type(e).__name__}: {e}"
+        else:
+            ref = reference([data(r, case, 999, torch.float32) for r in range(W)], "sum",
+                            torch.float32) * 0.5
+            err = close(x, ref, torch.float32, W)
+            if err:
+                return "premul result: " + err
+        y = torch.full((17,), float(rank), device=dev)
+        dist.all_reduce(y)
+        return None if eq(y, torch.full((17,), float(sum(range(W))), device=CPU)) else \
+            "unusable after"
+    c.run("all_reduce/premul_sum", f)
 
     # async all_reduce with futures, non-contiguous input, 2-D tensor
     def f(case):
-        xs = [data(rank, case + k, 5000, torch.float32) for k in range(3)]
+        xs = [put(data(rank, case + k, 5000, torch.float32)) for k in range(3)]
         works = [dist.all_reduce(x, async_op=True) for x in xs]
         fut_vals = [w.get_future().wait()[0] for w in works]
+        for w in works:
+            w.wait()
         for k, x in enumerate(xs):
             ref = reference([data(r, case + k, 5000, torch.float32) for r in range(W)], "sum",
                             torch.float32)
@@ -144,7 +261,7 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
     c.case += 3
 
     def f(case):
-        base = data(rank, case, 600, torch.float32).view(20, 30)
+        base = put(data(rank, case, 600, torch.float32).view(20, 30))
         x = base.t()  # non-contiguous
         dist.all_reduce(x)
         ref = reference([data(r, case, 600, torch.float32).view(20, 30).t() for r in range(W)],
@@ -152,53 +269,91 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
         return close(x, ref, torch.float32, W)
     c.run("all_reduce/non_contiguous", f)
 
-    # broadcast from every root, several dtypes
+    # broadcast from every root, several dtypes, plus a non-contiguous tensor
     for root in range(W):
         for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64):
             for n in (0, 13, 70001):
                 def f(case, root=root, dtype=dtype, n=n):
-                    x = data(rank, case, n, dtype) if rank == root else torch.zeros(n, dtype=dtype)
+                    x = put(data(rank, case, n, dtype)) if rank == root else \
+                        torch.zeros(n, dtype=dtype, device=dev)
                     dist.broadcast(x, src=root)
-                    ref = data(root, case, n, dtype)
-                    return None if torch.equal(x, ref) else "mismatch"
+                    return None if eq(x, data(root, case, n, dtype)) else "mismatch"
                 c.run(f"broadcast/root{root}/{str(dtype)[6:]}/n{n}", f)
+
+        def f(case, root=root):
+            x = put(data(rank, case, 400, torch.float32).view(20, 20)).t()
+            dist.broadcast(x, src=root)
+            return None if eq(x, data(root, case, 400, torch.float32).view(20, 20).t()) \
+                else "mismatch"
+        c.run(f"broadcast/root{root}/non_contiguous", f)
 
     # reduce to every root
     for root in range(W):
-        for opn in ("sum", "max", "avg"):
-            def f(case, root=root, opn=opn):
-                x = data(rank, case, 3001, torch.float32, opn)
-                dist.reduce(x, dst=root, op=OPS[opn])
-                if rank != root:
-                    return None
-                ref = reference([data(r, case, 3001, torch.float32, opn) for r in range(W)], opn,
-                                torch.float32)
-                return close(x, ref, torch.float32, W)
-            c.run(f"reduce/root{root}/{opn}", f)
+        for opn in ("sum", "max", "avg", "prod"):
+            for n in (0, 3001):
+                def f(case, root=root, opn=opn, n=n):
+                    x = put(data(rank, case, n, torch.float32, opn))
+                    dist.reduce(x, dst=root, op=OPS[opn])
+                    if rank != root:
+                        return None
+                    ref = reference([data(r, case, n, torch.float32, opn) for r in range(W)],
+                                    opn, torch.float32)
+                    return close(x, ref, torch.float32, W)
+                c.run(f"reduce/root{root}/{opn}/n{n}", f)
 
     # all_gather (list and into tensor)
     for dtype in COPY_DTYPES:
         for n in (0, 1, 999, 70001):
             def f(case, dtype=dtype, n=n):
-                x = data(rank, case, n, dtype)
-                outs = [torch.empty(n, dtype=dtype) for _ in range(W)]
+                x = put(data(rank, case, n, dtype))
+                outs = [empty(n, dtype=dtype) for _ in range(W)]
                 dist.all_gather(outs, x)
                 for r in range(W):
-                    if not torch.equal(outs[r], data(r, case, n, dtype)):
+                    if not eq(outs[r], data(r, case, n, dtype)):
                         return f"block of rank {r} wrong"
-                big = torch.empty(W * n, dtype=dtype)
+                big = empty(W * n, dtype=dtype)
                 dist.all_gather_into_tensor(big, x)
                 ref = torch.cat([data(r, case, n, dtype) for r in range(W)])
-                return None if torch.equal(big, ref) else "into_tensor mismatch"
+                return None if eq(big, ref) else "into_tensor mismatch"
             c.run(f"all_gather/{str(dtype)[6:]}/n{n}", f)
+
+    def f(case):
+        # non-contiguous input; 2-D output of the into-tensor form (one row per rank)
+        x = put(data(rank, case, 300, torch.float32).view(15, 20)).t()
+        outs = [empty(20, 15) for _ in range(W)]
+        dist.all_gather(outs, x)
+        for r in range(W):
+            if not eq(outs[r], data(r, case, 300, torch.float32).view(15, 20).t()):
+                return f"block of rank {r} wrong"
+        y = put(data(rank, case + 1, 64, torch.float32))
+        big = empty(W, 64)
+        dist.all_gather_into_tensor(big, y)
+        ref = torch.stack([data(r, case + 1, 64, torch.float32) for r in range(W)])
+        return None if eq(big, ref) else "2-D into_tensor mismatch"
+    c.run("all_gather/non_contiguous", f)
+    c.case += 1
+
+    # all_gather_coalesced: output_lists[r][i] receives input_list[i] of rank r
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        def f(case, dtype=dtype):
+            sizes = [5, 0, 1000, 3]
+            ins = [put(data(rank, case + i, n, dtype)) for i, n in enumerate(sizes)]
+            outs = [[empty(n, dtype=dtype) for n in sizes] for _ in range(W)]
+            dist.all_gather_coalesced(outs, ins)
+            for r in range(W):
+                for i, n in enumerate(sizes):
+                    if not eq(outs[r][i], data(r, case + i, n, dtype)):
+                        return f"output [{r}][{i}] wrong"
+        c.run(f"all_gather_coalesced/{str(dtype)[6:]}", f)
+        c.case += 4
 
     # reduce_scatter (list and tensor)
     for dtype in REDUCE_DTYPES:
         for opn in ("sum", "max", "min", "prod") + (("avg",) if dtype.is_floating_point else ()):
             for n in (0, 5, 20001):
                 def f(case, dtype=dtype, opn=opn, n=n):
-                    full = [data(rank, case, W * n, dtype, opn)]
-                    out = torch.empty(n, dtype=dtype)
+                    full = [put(data(rank, case, W * n, dtype, opn))]
+                    out = empty(n, dtype=dtype)
                     dist.reduce_scatter_tensor(out, full[0].clone(), op=OPS[opn])
                     ref_full = reference([data(r, case, W * n, dtype, opn) for r in range(W)],
                                          opn, dtype)
@@ -206,13 +361,23 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
                     e = close(out, ref, dtype, W)
                     if e:
                         return "tensor: " + e
-                    out2 = torch.empty(n, dtype=dtype)
+                    out2 = empty(n, dtype=dtype)
                     dist.reduce_scatter(out2, list(full[0].clone().chunk(W)) if n else
-                                        [torch.empty(0, dtype=dtype) for _ in range(W)],
+                                        [empty(0, dtype=dtype) for _ in range(W)],
                                         op=OPS[opn])
                     e = close(out2, ref, dtype, W)
                     return "list: " + e if e else None
                 c.run(f"reduce_scatter/{opn}/{str(dtype)[6:]}/n{n}", f)
+
+    def f(case):
+        # non-contiguous list inputs (columns of a matrix)
+        m = put(data(rank, case, 40 * W, torch.float32).view(40, W))
+        out = empty(40)
+        dist.reduce_scatter(out, [m[:, r] for r in range(W)])
+        ref = reference([data(r, case, 40 * W, torch.float32).view(40, W)[:, rank]
+                         for r in range(W)], "sum", torch.float32)
+        return close(out, ref, torch.float32, W)
+    c.run("reduce_scatter/non_contiguous", f)
 
     # all_to_all_single: even and uneven splits, 2-D rows
     def split_of(src, dst, case):
@@ -227,8 +392,8 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
                     outs = [split_of(s, rank, case) for s in range(W)]
                 else:
                     ins = outs = [2] * W
-                x = data(rank, case, sum(ins) * cols, dtype).view(-1, cols)
-                y = torch.empty(sum(outs), cols, dtype=dtype)
+                x = put(data(rank, case, sum(ins) * cols, dtype).view(-1, cols))
+                y = empty(sum(outs), cols, dtype=dtype)
                 dist.all_to_all_single(y, x, outs if uneven else None, ins if uneven else None)
                 # reference: the piece rank s sends to me
                 pos = 0
@@ -237,35 +402,55 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
                     xs = data(s, case, sum(s_ins) * cols, dtype).view(-1, cols)
                     start = sum(s_ins[:rank])
                     piece = xs[start:start + s_ins[rank]]
-                    if not torch.equal(y[pos:pos + piece.shape[0]], piece):
+                    if not eq(y[pos:pos + piece.shape[0]], piece):
                         return f"piece from rank {s} wrong"
                     pos += piece.shape[0]
             c.run(f"all_to_all_single/{'uneven' if uneven else 'even'}/{str(dtype)[6:]}", f)
 
     def f(case):
-        ins = [data(rank * W + d, case, d + 1, torch.float32) for d in range(W)]
-        outs = [torch.empty(rank + 1) for _ in range(W)]
+        x = empty(0, 3)
+        y = empty(0, 3)
+        dist.all_to_all_single(y, x, [0] * W, [0] * W)
+        return None if y.shape == (0, 3) else f"shape {tuple(y.shape)}"
+    c.run("all_to_all_single/zero_size", f)
+
+    def f(case):
+        ins = [put(data(rank * W + d, case, d + 1, torch.float32)) for d in range(W)]
+        outs = [empty(rank + 1) for _ in range(W)]
         dist.all_to_all(outs, ins)
         for s in range(W):
-            if not torch.equal(outs[s], data(s * W + rank, case, rank + 1, torch.float32)):
+            if not eq(outs[s], data(s * W + rank, case, rank + 1, torch.float32)):
                 return f"from rank {s} wrong"
     c.run("all_to_all/list", f)
 
-    # gather / scatter to and from every root
+    def f(case):
+        # uneven list with zero-size pieces: rank s sends (s + d) % 3 elements to rank d
+        ins = [put(data(rank * W + d, case, (rank + d) % 3, torch.int64)) for d in range(W)]
+        outs = [empty((s + rank) % 3, dtype=torch.int64) for s in range(W)]
+        dist.all_to_all(outs, ins)
+        for s in range(W):
+            if not eq(outs[s], data(s * W + rank, case, (s + rank) % 3, torch.int64)):
+                return f"from rank {s} wrong"
+    c.run("all_to_all/list_uneven_zero", f)
+
+    # gather / scatter to and from every root, several sizes (zero included)
     for root in range(W):
-        def f(case, root=root):
-            x = data(rank, case, 777, torch.float32)
-            outs = [torch.empty(777) for _ in range(W)] if rank == root else None
-            dist.gather(x, outs, dst=root)
-            if rank == root:
-                for r in range(W):
-                    if not torch.equal(outs[r], data(r, case, 777, torch.float32)):
-                        return f"gather from {r} wrong"
-            ins = [data(100 + r, case, 555, torch.float32) for r in range(W)] if rank == root else None
-            y = torch.empty(555)
-            dist.scatter(y, ins, src=root)
-            return None if torch.equal(y, data(100 + rank, case, 555, torch.float32)) else "scatter wrong"
-        c.run(f"gather_scatter/root{root}", f)
+        for n in (0, 777):
+            def f(case, root=root, n=n):
+                x = put(data(rank, case, n, torch.float32))
+                outs = [empty(n) for _ in range(W)] if rank == root else None
+                dist.gather(x, outs, dst=root)
+                if rank == root:
+                    for r in range(W):
+                        if not eq(outs[r], data(r, case, n, torch.float32)):
+                            return f"gather from {r} wrong"
+                ins = [put(data(100 + r, case, n, torch.float32)) for r in range(W)] \
+                    if rank == root else None
+                y = empty(n)
+                dist.scatter(y, ins, src=root)
+                return None if eq(y, data(100 + rank, case, n, torch.float32)) else \
+                    "scatter wrong"
+            c.run(f"gather_scatter/root{root}/n{n}", f)
 
     # barrier, object collectives
     c.run("barrier", lambda case: dist.barrier())
@@ -277,41 +462,24 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
             return f"all_gather_object: {objs}"
         lst = [{"k": [1, 2, 3]}, "hello"] if rank == W - 1 else [None, None]
         dist.broadcast_object_list(lst, src=W - 1)
-        return None if lst == [{"k": [1, 2, 3]}, "hello"] else f"broadcast_object_list: {lst}"
+        if lst != [{"k": [1, 2, 3]}, "hello"]:
+            return f"broadcast_object_list: {lst}"
+        got = [None] * W if rank == 0 else None
+        dist.gather_object(("g", rank), got, dst=0)
+        if rank == 0 and got != [("g", r) for r in range(W)]:
+            return f"gather_object: {got}"
+        out = [None]
+        dist.scatter_object_list(out, [{"to": r} for r in range(W)] if rank == 0 else None,
+                                 src=0)
+        return None if out == [{"to": rank}] else f"scatter_object_list: {out}"
     c.run("object_collectives", f)
 
-    # point to point: ring send/recv (crosses vendors or not, depending on the split)
-    def f(case):
-        nxt, prv = (rank + 1) % W, (rank - 1) % W
-        x = data(rank, case, 4097, torch.float32)
-        y = torch.empty(4097)
-        if rank % 2 == 0:
-            dist.send(x, nxt)
-            dist.recv(y, prv)
-        else:
-            dist.recv(y, prv)
-            dist.send(x, nxt)
-        if not torch.equal(y, data(prv, case, 4097, torch.float32)):
-            return "send/recv mismatch"
-        # isend/irecv + batch_isend_irecv, every pair both ways
-        ops, bufs = [], {}
-        for p in range(W):
-            if p == rank:
-                continue
-            bufs[p] = torch.empty(33, dtype=torch.int64)
-            ops.append(dist.P2POp(dist.isend, data(rank * 100 + p, case, 33, torch.int64), p))
-            ops.append(dist.P2POp(dist.irecv, bufs[p], p))
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        for p, b in bufs.items():
-            if not torch.equal(b, data(p * 100 + rank, case, 33, torch.int64)):
-                return f"batch_isend_irecv from {p} wrong"
-    c.run("p2p", f)
+    _p2p_cases(c, rank, W, dev, put, empty)
 
     # coalescing manager
     def f(case):
         from torch.distributed.distributed_c10d import _coalescing_manager
-        xs = [data(rank, case + k, 100 + k, torch.float32) for k in range(3)]
+        xs = [put(data(rank, case + k, 100 + k, torch.float32)) for k in range(3)]
         with _coalescing_manager(async_ops=True) as cm:
             for x in xs:
                 dist.all_reduce(x)
@@ -336,7 +504,7 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
         mine, pg = groups[labels[rank]]
         if isinstance(pg, hetccl.HetcclProcessGroup):
             return "single-vendor subgroup did not take the native pass-through"
-        x = data(rank, case, 64, torch.float32)
+        x = put(data(rank, case, 64, torch.float32))
         dist.all_reduce(x, group=pg)
         ref = reference([data(r, case, 64, torch.float32) for r in mine], "sum", torch.float32)
         e = close(x, ref, torch.float32, len(mine))
@@ -348,17 +516,160 @@ def run_all(ctx, extra_env_case: str = "") -> dict[str, str]:
             mixed_labels = {labels[r] for r in mixed}
             if len(mixed_labels) > 1 and not isinstance(sub, hetccl.HetcclProcessGroup):
                 return "mixed subgroup is not a hetccl group"
-            y = data(rank, case + 1, 999, torch.float32)
+            y = put(data(rank, case + 1, 999, torch.float32))
             dist.all_reduce(y, group=sub)
             ref = reference([data(r, case + 1, 999, torch.float32) for r in mixed], "sum",
                             torch.float32)
-            return close(y, ref, torch.float32, len(mixed))
+            e = close(y, ref, torch.float32, len(mixed))
+            if e:
+                return "mixed subgroup: " + e
+            # a broadcast and an all_gather inside the subgroup (group ranks != global ranks)
+            z = put(data(mixed[-1], case + 2, 50, torch.float32)) if rank == mixed[-1] else \
+                empty(50)
+            dist.broadcast(z, src=mixed[-1], group=sub)
+            if not eq(z, data(mixed[-1], case + 2, 50, torch.float32)):
+                return "mixed subgroup broadcast wrong"
     c.run("new_group", f)
-    c.case += 2
+    c.case += 3
 
-    dist.barrier()
-    dist.destroy_process_group()
-    return c.results
+    _async_cases(c, rank, W, dev, put, empty)
+
+
+def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
+    """send/recv (a ring, crossing vendors or not depending on the split), non-contiguous and
+    zero-size messages, isend/irecv, batch_isend_irecv, recv from any source."""
+    nxt, prv = (rank + 1) % W, (rank - 1) % W
+
+    def ring(x, y):
+        if rank % 2 == 0:
+            dist.send(x, nxt)
+            dist.recv(y, prv)
+        else:
+            dist.recv(y, prv)
+            dist.send(x, nxt)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for n in (0, 4097):
+            def f(case, dtype=dtype, n=n):
+                y = empty(n, dtype=dtype)
+                ring(put(data(rank, case, n, dtype)), y)
+                return None if eq(y, data(prv, case, n, dtype)) else "send/recv mismatch"
+            c.run(f"p2p/send_recv/{str(dtype)[6:]}/n{n}", f)
+
+    def f(case):
+        x = put(data(rank, case, 600, torch.float32).view(20, 30)).t()  # non-contiguous send
+        y = empty(30, 20)
+        ring(x, y)
+        return None if eq(y, data(prv, case, 600, torch.float32).view(20, 30).t()) else \
+            "mismatch"
+    c.run("p2p/send_non_contiguous", f)
+
+    def f(case):
+        # isend/irecv to both ring neighbours, waited out of order
+        y_prev, y_next = empty(1000), empty(1000)
+        reqs = [dist.irecv(y_prev, prv, tag=1), dist.isend(put(data(rank, case, 1000,
+                                                                    torch.float32)), nxt, tag=1)]
+        if W > 2:
+            reqs += [dist.irecv(y_next, nxt, tag=2),
+                     dist.isend(put(data(rank, case + 1, 1000, torch.float32)), prv, tag=2)]
+        for r in reversed(reqs):
+            r.wait()
+        if not eq(y_prev, data(prv, case, 1000, torch.float32)):
+            return "irecv from previous wrong"
+        if W > 2 and not eq(y_next, data(nxt, case + 1, 1000, torch.float32)):
+            return "irecv from next wrong"
+    c.run("p2p/isend_irecv", f)
+    c.case += 1
+
+    def f(case):
+        # batch_isend_irecv, every pair both ways
+        ops, bufs = [], {}
+        for p in range(W):
+            if p == rank:
+                continue
+            bufs[p] = empty(33, dtype=torch.int64)
+            ops.append(dist.P2POp(dist.isend, put(data(rank * 100 + p, case, 33, torch.int64)), p))
+            ops.append(dist.P2POp(dist.irecv, bufs[p], p))
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        for p, b in bufs.items():
+            if not eq(b, data(p * 100 + rank, case, 33, torch.int64)):
+                return f"batch_isend_irecv from {p} wrong"
+    c.run("p2p/batch_isend_irecv", f)
+
+    def f(case):
+        # recv from any source (src=None): rank 0 receives one message from every other rank,
+        # whichever comes first; every sender names itself in the data
+        if rank == 0:
+            seen = {}
+            for _ in range(W - 1):
+                y = empty(257)
+                src = dist.recv(y, src=None, tag=7)
+                if src in seen:
+                    return f"rank {src} received twice"
+                seen[src] = y
+            if sorted(seen) != list(range(1, W)):
+                return f"sources {sorted(seen)}"
+            for s, y in seen.items():
+                if not eq(y, data(s, case, 257, torch.float32)):
+                    return f"message from rank {s} wrong"
+        else:
+            dist.send(put(data(rank, case, 257, torch.float32)), 0, tag=7)
+    c.run("p2p/recv_any_source", f)
+
+
+def _async_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
+    """Works and futures: then() callbacks, many works in flight waited in reverse, wait() on
+    another stream (CUDA only)."""
+    def f(case):
+        x = put(data(rank, case, 3000, torch.float32))
+        w = dist.all_reduce(x, async_op=True)
+        fut = w.get_future().then(lambda fu: fu.value()[0] * 2)
+        got = fut.wait()
+        ref = reference([data(r, case, 3000, torch.float32) for r in range(W)], "sum",
+                        torch.float32)
+        return close(got, ref * 2, torch.float32, W) or close(x, ref, torch.float32, W)
+    c.run("async/future_then", f)
+
+    def f(case):
+        xs = [put(data(rank, case + k, 2000 + 100 * k, torch.float32)) for k in range(6)]
+        works = [dist.all_reduce(x, async_op=True) for x in xs]
+        works.append(dist.broadcast(xs[0], src=W - 1, async_op=True))
+        for w in reversed(works):
+            w.wait()
+        _sync(dev)
+        for k, x in enumerate(xs):
+            ref = reference([data(r, case + k, 2000 + 100 * k, torch.float32) for r in range(W)],
+                            "sum", torch.float32)
+            e = close(x, ref, torch.float32, W)
+            if e:
+                return f"work {k}: {e}"
+        if any(not w.is_completed() for w in works[1:]):
+            return "a waited work is not completed"
+    c.run("async/many_works_reverse_wait", f)
+    c.case += 6
+
+    if dev.type != "cuda":
+        c.skip("stream/wait_on_stream", "CUDA only: wait() orders a CUDA stream")
+        return
+
+    def f(case):
+        # work queued before the collective on the current stream is seen; wait() under another
+        # stream orders that stream after the collective
+        x = torch.zeros(1 << 18, device=dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda._sleep(50_000_000)
+        x.copy_(put(data(rank, case, 1 << 18, torch.float32)))
+        w = dist.all_reduce(x, async_op=True)
+        s = torch.cuda.Stream(dev)
+        with torch.cuda.stream(s):
+            w.wait()
+            y = x * 2
+        s.synchronize()
+        ref = reference([data(r, case, 1 << 18, torch.float32) for r in range(W)], "sum",
+                        torch.float32)
+        return close(y, ref * 2, torch.float32, W)
+    c.run("stream/wait_on_stream", f)
 
 
 def run_all_gather_paths(ctx) -> dict:

@@ -60,14 +60,22 @@ def run(ctx) -> dict[str, str]:
     x = torch.full((1000,), float(rank))
     dist.all_reduce(x)
     out["usable_after_errors"] = "ok" if torch.all(x == sum(range(world))) else f"wrong {x[:3]}"
-    # which check ran: through the bridge where two groups of equal size 2^m allow it, else the
-    # native all-gather inside the vendor group (checks.py)
-    stats = dict(dist.group.WORLD.engine.stats)
-    sizes = sorted(len(g) for g in dist.group.WORLD.engine.topo.groups)
+    # which check ran: one exchange over the links where same-vendor ranks are linked too
+    # (one host, HETCCL_GROUP_LINKS), through the bridge where two groups of equal size 2^m
+    # allow it, else the native all-gather inside the vendor group (checks.py)
+    engine = dist.group.WORLD.engine
+    stats = dict(engine.stats)
+    sizes = sorted(len(g) for g in engine.topo.groups)
     bridge = len(sizes) == 2 and sizes[0] == sizes[1] > 1 and not sizes[0] & (sizes[0] - 1)
-    alone = dist.group.WORLD.engine.local is None  # a group of one has nothing to gather
-    ran = (stats.get("check_bridge", 0), stats.get("check_native", 0))
-    want = (ran[0] > 0 and ran[1] == 0) if bridge else (ran[0] == 0 and (ran[1] > 0) != alone)
-    out["check_path"] = "ok" if want else f"bridge/native {ran}"
+    linked = engine.check_linked
+    alone = engine.local is None  # a group of one has nothing to gather
+    ran = (stats.get("check_bridge", 0), stats.get("check_native", 0), stats.get("check_linked", 0))
+    if linked:
+        want = ran[2] > 0 and ran[0] == ran[1] == 0
+    elif bridge:
+        want = ran[0] > 0 and ran[1] == ran[2] == 0
+    else:
+        want = ran[0] == ran[2] == 0 and (ran[1] > 0) != alone
+    out["check_path"] = "ok" if want else f"bridge/native/linked {ran} (linked {linked})"
     dist.destroy_process_group()
     return out

@@ -42,7 +42,8 @@ def rank(ctx, nelem, iters, profile):
     import hetccl  # noqa: F401
     from hetccl import checks, tags, tuning  # noqa: F401
 
-    dev = torch.device("cuda", ctx.rank)
+    # GPU rank % device_count: on a one-GPU box both emulated vendors' processes share it
+    dev = torch.device("cuda", ctx.rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
                             world_size=ctx.world_size, timeout=timedelta(seconds=60))
@@ -61,7 +62,7 @@ def rank(ctx, nelem, iters, profile):
     s = torch.cuda.Stream()
     out.append(f"  x.add_(y)                  {_each(lambda: x.add_(y)):.1f} us")
     out.append(f"  torch.empty_like(x)        {_each(lambda: torch.empty_like(x)):.1f} us")
-    out.append(f"  current_stream()           {_each(lambda: torch.cuda.current_stream(0 + ctx.rank)):.1f} us")
+    out.append(f"  current_stream()           {_each(lambda: torch.cuda.current_stream(dev)):.1f} us")
     out.append(f"  record_stream              {_each(lambda: x.record_stream(s)):.1f} us")
 
     def fut():
@@ -71,14 +72,14 @@ def rank(ctx, nelem, iters, profile):
     out.append(f"  Future(devices)+set+wait   {_each(fut):.1f} us")
 
     def sw():
-        prev = torch.cuda.current_stream(ctx.rank)
+        prev = torch.cuda.current_stream(dev)
         torch.cuda.set_stream(s)
         torch.cuda.set_stream(prev)
     out.append(f"  set_stream x2              {_each(sw):.1f} us")
     pg = dist.group.WORLD
     eng = pg.engine
     out.append(f"  core.broken()              {_each(lambda: eng.core.broken()):.1f} us")
-    out.append(f"  stream_join                {_each(lambda: eng.core.stream_join(ctx.rank, s.cuda_stream, 0)):.1f} us")
+    out.append(f"  stream_join                {_each(lambda: eng.core.stream_join(dev.index, s.cuda_stream, 0)):.1f} us")
     torch.cuda.synchronize()
     dist.barrier()
     # the C++ post of a device plan alone (both ranks post the same sequence)
@@ -91,7 +92,7 @@ def rank(ctx, nelem, iters, profile):
     for k in range(iters):
         eng.core.post(items, tags.collective(base + k, 0), tags.INDEX_BITS, "sum", "bfloat16",
                       False, False, 0, 60000, "raw", False, [], 0, "", False, 0, False, True,
-                      ctx.rank, s.cuda_stream, side.cuda_stream)
+                      dev.index, s.cuda_stream, side.cuda_stream)
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()

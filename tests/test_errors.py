@@ -8,10 +8,14 @@ from hetccl.launch import spawn
 import error_cases
 
 
-@pytest.mark.parametrize("split", ["2+1", "2+2", "4+4"])
-def test_bad_input_errors_on_every_rank(split):
+@pytest.mark.parametrize("split,links", [("2+1", "auto"), ("2+1", "off"), ("2+2", "auto"),
+                                         ("4+4", "auto")])
+def test_bad_input_errors_on_every_rank(split, links):
+    """links: HETCCL_GROUP_LINKS (2+1 on one host: the check over the same-vendor links, or
+    with them off the native all-gather inside the vendor group)."""
     world = sum(int(x) for x in split.split("+"))
-    per_rank = spawn(error_cases.run, world, vendors=split, timeout=300)
+    per_rank = spawn(error_cases.run, world, vendors=split, timeout=300,
+                     env={"HETCCL_GROUP_LINKS": links})
     bad = {(r, k): v for r, res in enumerate(per_rank) for k, v in res.items() if v != "ok"}
     assert len(per_rank[0]) >= 8
     assert not bad, "\n".join(f"rank {r} {k}: {v}" for (r, k), v in sorted(bad.items()))

@@ -222,3 +222,21 @@ def test_hetccl_run_places_emulated_workers_on_one_gpu(tmp_path):
     assert r.returncode == 0, out
     for rank in (0, 1):
         assert f"rank {rank} local 0 real {rank} cvd 0 argv ['--local_rank=0']" in out, out
+
+
+def test_listed_gpus_that_do_not_exist_are_dropped(monkeypatch):
+    """The deepspeed launcher writes CUDA_VISIBLE_DEVICES=0,1 for --num_gpus 2 on a one-GPU
+    host: the GPUs counted are the ones that exist (the host's count from the management
+    library; faked here, where there is none)."""
+    from hetccl import device as devices
+    seam, _ = devices.visible_accelerators({})
+    monkeypatch.setattr(seam, "count_devices", classmethod(lambda cls: 1))
+    monkeypatch.delenv("HETCCL_SHARE_GPUS", raising=False)
+    assert seam.visible_devices({"CUDA_VISIBLE_DEVICES": "0,1"}) == ["0"]
+    assert seam.visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-abc,1"}) == ["GPU-abc"]
+    assert seam.visible_devices({}) == ["0"]
+    env, note = _share({"HETCCL_VENDOR": "v1", "LOCAL_RANK": 1, "LOCAL_SIZE": 2,
+                        "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert note and env["CUDA_VISIBLE_DEVICES"] == "0" and env["LOCAL_RANK"] == "0", env
+    monkeypatch.setattr(seam, "count_devices", classmethod(lambda cls: -1))  # cannot count
+    assert seam.visible_devices({"CUDA_VISIBLE_DEVICES": "0,1"}) == ["0", "1"]

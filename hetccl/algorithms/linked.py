@@ -8,9 +8,8 @@ native step is needed, and on one host the native host library (gloo: TCP loopba
 thread per call) is what made 2+1 slower than gloo alone.
 
 all_reduce "linked": 1) every rank sends shard j (padded sharding over all W ranks) to rank j
-and receives its own shard from every other rank into scratch buffers, one engine plan; it then
-reduces them into its shard in rank order; 2) every rank sends its reduced shard to every other
-rank and receives theirs in place, one plan. Per rank 2 (W-1)/W N bytes each way, two latency
+and receives its own shard from every other rank, reducing it in as it arrives, one engine plan;
+2) every rank sends its reduced shard to every other rank and receives theirs in place, one plan. Per rank 2 (W-1)/W N bytes each way, two latency
 steps, every shard reduced once (by its owner), so all ranks end bit-identical.
 all_gather "linked": one plan, each rank sends its input to every other rank.
 reduce_scatter "linked": step 1 of the all-reduce on the W chunks.
@@ -38,20 +37,19 @@ def _others(ctx: CollCtx) -> list[int]:
 def _reduce_scatter_into(ctx: CollCtx, dst: torch.Tensor, src: torch.Tensor,
                          ranges: list[tuple[int, int]], op: str, phase: int) -> None:
     """dst (this rank's range of src, or a buffer of its length) = op over every rank's src of
-    this rank's range; src's other ranges go to their owners."""
+    this rank's range; src's other ranges go to their owners. The receives reduce into dst as
+    their chunks arrive (the engine reduces one chunk at a time, so chunks of several peers
+    never reduce into dst at once; the order of arrival decides the order of the sum, but only
+    this rank reduces this range, so every rank ends with the same values)."""
     me = ctx.topo.rank
     lo, hi = ranges[me]
     others = _others(ctx)
-    bufs = {r: torch.empty(hi - lo, dtype=src.dtype, device=src.device) for r in others}
-    sends = [(r, ranges[r][0], ranges[r][1], src[ranges[r][0]:ranges[r][1]]) for r in others
-             if ranges[r][1] > ranges[r][0]]
-    recvs = [(r, lo, hi, bufs[r]) for r in others if hi > lo]
-    transfer(ctx, phase, sends, recvs)
     if dst.data_ptr() != src[lo:hi].data_ptr() or dst.numel() != hi - lo:
         copy(dst, src[lo:hi])
-    if hi > lo:
-        for r in others:  # rank order: the same reduction on the owner, whoever sent first
-            ctx.reduce_into(dst, bufs[r], op)
+    sends = [(r, ranges[r][0], ranges[r][1], src[ranges[r][0]:ranges[r][1]]) for r in others
+             if ranges[r][1] > ranges[r][0]]
+    recvs = [(r, lo, hi, dst) for r in others if hi > lo]
+    transfer(ctx, phase, sends, recvs, op)
 
 
 def all_reduce_linked(ctx: CollCtx, x: torch.Tensor, op: str) -> None:

@@ -2,10 +2,12 @@
 
     hetccl bench train --device cuda                      # single GPU, nccl, hetccl 1+1
     hetccl bench train --device cpu --tiny --steps 4      # a smoke run on any machine
+    hetccl bench train --device cuda --tiny --steps 4     # a smoke run on one or more GPUs
 
 One run measures, with the same model, data and per-GPU micro-batch:
   * single:  one process on one device (the throughput every other row is compared with);
-  * nccl:    2 ranks over the native library (on GPUs);
+  * nccl:    2 ranks over the native library (on 2+ GPUs; on one GPU, where NCCL cannot put
+             two ranks, and on CPUs: gloo);
   * hetccl:  2 ranks over hetccl with emulated vendors 1+1 (the cross-vendor path);
 each with 1 and 4 micro-batches per optimizer step (DDP's no_sync for all but the last).
 Efficiency = throughput of the 2-rank run / (2 x throughput of the single run). Losses of the
@@ -186,7 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     p.add_argument("--configs", default=None,
                    help="comma list of single, nccl, gloo, hetccl (default: single,nccl,hetccl "
-                        "on cuda; single,gloo,hetccl on cpu)")
+                        "on 2+ GPUs; single,gloo,hetccl on one GPU and on cpu)")
     p.add_argument("--micro", default="1,4", help="micro-batches per step, comma list")
     p.add_argument("--batch", type=int, default=8, help="sequences per micro-batch per rank")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -196,8 +198,13 @@ def main(argv=None) -> int:
     p.add_argument("--jsonl", default=None)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    configs = (args.configs or ("single,nccl,hetccl" if args.device == "cuda" else
-                                "single,gloo,hetccl")).split(",")
+    configs = args.configs
+    if configs is None:
+        # the 2-rank reference: NCCL needs one GPU per rank; with fewer GPUs (both ranks on GPU
+        # rank % device_count) gloo is the reference (DDP over gloo takes CUDA tensors)
+        two_gpus = args.device == "cuda" and torch.cuda.device_count() >= 2
+        configs = "single,nccl,hetccl" if two_gpus else "single,gloo,hetccl"
+    configs = configs.split(",")
     micros = [int(m) for m in args.micro.split(",")]
     shape = TINY if args.tiny else GPT2_SMALL
     hw = hardware()

@@ -1,5 +1,7 @@
-"""torch's "cuda" device type: NVIDIA GPUs (CUDA) and AMD GPUs (ROCm/HIP, which torch exposes
-under the same name). The one module that calls torch.cuda.
+"""NVIDIA GPUs: torch's "cuda" device type on CUDA builds of torch. The stream, event and future
+handling here is torch.cuda's and serves AMD too (ROCm builds of torch expose HIP as torch.cuda):
+rocm.py subclasses this module's seam and replaces only the vendor facts (runtime, native
+library, memory type, vendor label). These two modules are the only ones that call torch.cuda.
 
 Stream semantics of a collective on device tensors (what DDP and FSDP expect, as with NCCL):
   * launch() makes the engine's comm stream of the device wait for the caller's current stream
@@ -9,7 +11,8 @@ Stream semantics of a collective on device tensors (what DDP and FSDP expect, as
   * the Work's future is completed on the comm stream, so work.wait() makes the caller's stream
     wait and never blocks the host.
 The engine's copies and flag operations go through the vendor runtime the process already
-loaded (libcuda for CUDA, libamdhip64 for ROCm), opened by the C++ core (csrc/device_ops.cc).
+loaded (here the CUDA driver, libcuda), opened by the C++ core's CUDA module
+(csrc/device/cuda_ops.cc).
 """
 from __future__ import annotations
 
@@ -68,17 +71,54 @@ class Launch:
         return torch.futures.Future(devices=self._devices)
 
 
+def _native_library_path(stems: tuple[str, ...], torch_lib_names: tuple[str, ...]) -> str | None:
+    """The native library's file: the copy already loaded, else one shipped beside torch."""
+    path = _loaded_library(stems)
+    if path:
+        return path
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for n in torch_lib_names:
+        p = os.path.join(lib_dir, n)
+        if os.path.exists(p):
+            return p
+    return None
+
+
 class CudaSeam:
     type = "cuda"
-    native_backend = "nccl"  # NCCL on CUDA builds, RCCL on ROCm builds
+    build = "cuda"            # vendor.build_kind() of a process this seam serves
+    vendor = "nvidia"         # its vendor label
+    runtime_name = "cuda"     # the C++ runtime module (csrc/device/cuda_ops.cc)
+    runtime_library = ("libcuda.so", "libcuda.so.1")  # (file-name stem when loaded, dlopen name)
+    native_backend = "nccl"   # torch's backend name inside a vendor group
+    native_library = ("libnccl.so", "libnccl.so.2")   # NCCL: (stem when loaded, soname)
     asynchronous = True
-
-    def __init__(self):
-        self.is_rocm = bool(getattr(torch.version, "hip", None))
+    device_code = 2           # argument-check header code of torch's "cuda" type (rocm.py: same)
+    memory_type = "cuda"      # UCX's / the transports' name of this device memory
+    # UCX transports that move or map this vendor's device memory between processes
+    ucx_device_paths: tuple[str, ...] = ("cuda_ipc", "gdr_copy")
+    staging_slot_bytes = 8 << 20  # default shared-memory slot (bridge.py) where devices stage
+    # dtypes NCCL reduces (checked before any communication starts)
+    reduce_dtypes = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                               torch.int8, torch.uint8, torch.int32, torch.int64})
 
     @staticmethod
     def available() -> bool:
         return torch.cuda.is_available()
+
+    @staticmethod
+    def build_matches() -> bool:
+        """Whether this torch build is this vendor's (CUDA: no HIP version)."""
+        return not getattr(torch.version, "hip", None)
+
+    @staticmethod
+    def is_device(t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def native_library_path(self) -> str | None:
+        """The native library's file (loaded, or shipped with torch); None if neither."""
+        stem, soname = self.native_library
+        return _native_library_path((stem,), (soname,))
 
     def new_native(self, store, rank: int, size: int, timeout, group_name: str = "",
                    global_ranks=None):
@@ -94,15 +134,12 @@ class CudaSeam:
 
     @functools.lru_cache(maxsize=1)
     def runtime(self):
-        """hetccl._C.DeviceOps over the vendor runtime torch loaded (CUDA driver / HIP)."""
+        """hetccl._C.DeviceOps over the vendor runtime torch loaded (the copy in this process)."""
         from .._core import _C
 
         torch.cuda.init()
-        if self.is_rocm:
-            lib = _loaded_library(("libamdhip64.so",)) or "libamdhip64.so"
-            return _C.device_ops("hip", lib)
-        lib = _loaded_library(("libcuda.so",)) or "libcuda.so.1"
-        return _C.device_ops("cuda", lib)
+        stem, default = self.runtime_library
+        return _C.device_ops(self.runtime_name, _loaded_library((stem,)) or default)
 
     def launch(self, device: torch.device, tensors, cache: dict, join) -> Launch:
         """cache: the process group's own streams (per device): two groups never share a
@@ -115,42 +152,49 @@ class CudaSeam:
                                          torch.cuda.Stream(device=idx), idx)
         join(idx, launch.comm_handle, torch.cuda.current_stream(idx).cuda_stream)
         for t in tensors:
-            if t.is_cuda:
+            if t.is_cuda:  # torch.cuda's allocator (ROCm builds: HIP's, under the same name)
                 t.record_stream(launch.comm)
         return launch
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
+    # ------------------------------------------------------------------------- placement
+    # CUDA_VISIBLE_DEVICES is honoured by CUDA and by ROCm's HIP runtime alike.
+    visible_env = "CUDA_VISIBLE_DEVICES"
 
-# ----------------------------------------------------------------------------- placement
-VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"  # honoured by CUDA and by ROCm's HIP runtime alike
-
-
-def visible_gpus(env=None) -> list[str]:
-    """The GPUs this process would see, as entries for VISIBLE_ENV, WITHOUT initialising the
-    runtime (a process whose runtime is initialised can no longer be shown fewer GPUs):
-    the entries of VISIBLE_ENV when it is set, else 0..n-1 counted through NVML (NVIDIA) or
-    amdsmi (AMD). [] when there is no GPU or it cannot be counted. env: the process's
-    environment (default os.environ)."""
-    listed = (os.environ if env is None else env).get(VISIBLE_ENV)
-    if listed is not None:
-        return [e.strip() for e in listed.split(",") if e.strip()]
-    n = -1
-    if torch.version.hip is not None:
-        counter = getattr(torch.cuda, "_device_count_amdsmi", None)
-    else:
-        counter = getattr(torch.cuda, "_device_count_nvml", None)
-    if counter is not None:
+    @classmethod
+    def count_devices(cls) -> int:
+        """GPUs of this host, whatever visible_env says, through the management library
+        (NVML), without initialising the runtime; -1 when they cannot be counted."""
         try:
-            n = int(counter())
-        except Exception:  # noqa: BLE001 - no management library: counted as none
+            n = int(torch.cuda._raw_device_count_nvml())
+        except Exception:  # noqa: BLE001 - no management library: not counted
             n = -1
-    if n < 0 and torch.version.hip is None and os.path.isdir("/proc/driver/nvidia/gpus"):
-        n = len(os.listdir("/proc/driver/nvidia/gpus"))
-    return [str(i) for i in range(max(n, 0))]
+        if n < 0 and os.path.isdir("/proc/driver/nvidia/gpus"):
+            n = len(os.listdir("/proc/driver/nvidia/gpus"))
+        return n
 
+    @classmethod
+    def visible_devices(cls, env) -> list[str]:
+        """The GPUs a process started with env would see, as entries for visible_env, WITHOUT
+        initialising the runtime (a process whose runtime is initialised can no longer be
+        shown fewer GPUs): visible_env's entries when it is set, else 0..n-1. [] when there is
+        no GPU or it cannot be counted."""
+        listed = env.get(cls.visible_env)
+        n = cls.count_devices()
+        if listed is None:
+            return [str(i) for i in range(max(n, 0))]
+        items = [e.strip() for e in listed.split(",") if e.strip()]
+        # Launchers list GPUs that do not exist (the deepspeed launcher writes 0,1 for
+        # --num_gpus 2 on a one-GPU host): ordinals past the host's count are dropped, as the
+        # runtime would. UUIDs and MIG names are kept as they are.
+        if n >= 0:
+            items = [e for e in items if not e.isdigit() or int(e) < n]
+        return items
 
-def show_one_gpu(env, gpu: str) -> None:
-    """Make `gpu` (an entry of visible_gpus()) the only GPU of a process started with env."""
-    env[VISIBLE_ENV] = gpu
+    @classmethod
+    def show_only(cls, env, device: str) -> None:
+        """Make `device` (an entry of visible_devices()) the only GPU of a process started
+        with env."""
+        env[cls.visible_env] = device

@@ -1,0 +1,176 @@
+// The host-emulated runtime module: a device whose "streams" are host threads executing their
+// queued operations in order -- waits spin on the word, copies are memcpy, writes are stores. It
+// runs the engine's device protocol (positions, flag words, ring wrap-around, fork/join of the
+// two streams, failure release) on a machine without a GPU, for tests; it is never chosen for
+// real tensors. It follows one of the two comparison rules of device_ops.h, chosen when opened:
+//   "cuda" (default): 32-bit waits and writes on the low half of the counter, wait passes when
+//                     (int32_t)(low - value) >= 0 (what cuStreamWaitValue32 GEQ documents);
+//   "hip":            64-bit waits (*word >= counter, unsigned, as hipStreamWaitValueGte) and
+//                     writes, and the words streams wait on allocated apart from the flag page
+//                     (as HIP's signal memory), so the engine's separate-word path runs too.
+#include <sched.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "errors.h"
+#include "runtime.h"
+
+namespace hetccl {
+namespace device {
+namespace {
+
+class EmulatedOps final : public DeviceOps {
+  struct Stream {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> q;
+    bool stop = false;
+    uint64_t queued = 0;
+    std::atomic<uint64_t> done{0};
+    std::thread th;
+  };
+  struct Event {
+    std::atomic<uint64_t> fired{0};
+    uint64_t recorded = 0;
+  };
+
+ public:
+  explicit EmulatedOps(bool hip_rule) : hip_(hip_rule) {}
+  ~EmulatedOps() override {
+    for (auto* s : streams_) {
+      {
+        std::lock_guard<std::mutex> g(s->mu);
+        s->stop = true;
+      }
+      s->cv.notify_all();
+      s->th.join();
+      delete s;
+    }
+  }
+  std::string name() const override { return "emulated"; }
+  std::string memory_type() const override { return "host"; }
+  void set_device(int) override {}
+  bool stream_mem_ops(int) override { return true; }
+  void* create_stream() {
+    auto* s = new Stream();
+    s->th = std::thread([s] {
+      for (;;) {
+        std::function<void()> op;
+        {
+          std::unique_lock<std::mutex> g(s->mu);
+          s->cv.wait(g, [&] { return s->stop || !s->q.empty(); });
+          if (s->q.empty()) return;
+          op = std::move(s->q.front());
+          s->q.pop_front();
+        }
+        op();
+        s->done.fetch_add(1);
+      }
+    });
+    std::lock_guard<std::mutex> g(mu_);
+    streams_.push_back(s);
+    return s;
+  }
+  void wait_geq(void* stream, uint64_t word, uint64_t counter) override {
+    auto* w = reinterpret_cast<uint64_t*>(uintptr_t(word));
+    if (hip_) {
+      enqueue(stream, [w, counter] {
+        int spins = 0;
+        while (__atomic_load_n(w, __ATOMIC_ACQUIRE) < counter)
+          if (++spins > 64) sched_yield();
+      });
+    } else {
+      auto* low = reinterpret_cast<uint32_t*>(w);  // little-endian: the low half comes first
+      uint32_t value = uint32_t(counter);
+      enqueue(stream, [low, value] {
+        int spins = 0;
+        while (int32_t(__atomic_load_n(low, __ATOMIC_ACQUIRE) - value) < 0)
+          if (++spins > 64) sched_yield();
+      });
+    }
+  }
+  void write(void* stream, uint64_t word, uint64_t counter) override {
+    auto* w = reinterpret_cast<uint64_t*>(uintptr_t(word));
+    if (hip_) {
+      enqueue(stream, [w, counter] { __atomic_store_n(w, counter, __ATOMIC_RELEASE); });
+    } else {
+      auto* low = reinterpret_cast<uint32_t*>(w);
+      uint32_t value = uint32_t(counter);
+      enqueue(stream, [low, value] { __atomic_store_n(low, value, __ATOMIC_RELEASE); });
+    }
+  }
+  void memcpy_async(void* dst, const void* src, size_t nbytes, void* stream) override {
+    enqueue(stream, [dst, src, nbytes] { std::memcpy(dst, src, nbytes); });
+  }
+  void sync(void* stream) override {
+    auto* s = static_cast<Stream*>(stream);
+    uint64_t target;
+    {
+      std::lock_guard<std::mutex> g(s->mu);
+      target = s->queued;
+    }
+    while (s->done.load() < target) sched_yield();
+  }
+  void* event_create() override { return new Event(); }
+  void event_record(void* event, void* stream) override {
+    auto* e = static_cast<Event*>(event);
+    uint64_t gen = ++e->recorded;
+    enqueue(stream, [e, gen] { e->fired.store(gen); });
+  }
+  void stream_wait_event(void* stream, void* event) override {
+    auto* e = static_cast<Event*>(event);
+    uint64_t gen = e->recorded;
+    enqueue(stream, [e, gen] {
+      while (e->fired.load() < gen) sched_yield();
+    });
+  }
+  void event_destroy(void* event) override { delete static_cast<Event*>(event); }
+  bool host_register(void*, size_t) override { return true; }
+  void host_unregister(void*) override {}
+  uint64_t device_address(void* host) override { return uint64_t(reinterpret_cast<uintptr_t>(host)); }
+  void* wait_word_alloc() override {
+    if (!hip_) return nullptr;
+    return new uint64_t(0);
+  }
+  uint64_t wait_word_address(void* w) override { return uint64_t(reinterpret_cast<uintptr_t>(w)); }
+  void wait_word_free(void* w) override { delete static_cast<uint64_t*>(w); }
+
+ private:
+  void enqueue(void* stream, std::function<void()> op) {
+    auto* s = static_cast<Stream*>(stream);
+    {
+      std::lock_guard<std::mutex> g(s->mu);
+      s->q.push_back(std::move(op));
+      ++s->queued;
+    }
+    s->cv.notify_one();
+  }
+  const bool hip_;
+  std::mutex mu_;
+  std::vector<Stream*> streams_;
+};
+
+}  // namespace
+
+std::shared_ptr<DeviceOps> make_emulated_ops(const std::string& rule) {
+  if (rule.empty() || rule == "cuda") return std::make_shared<EmulatedOps>(false);
+  if (rule == "hip") return std::make_shared<EmulatedOps>(true);
+  throw CommError("hetccl: the emulated device follows the 'cuda' or 'hip' rule, not '" + rule + "'");
+}
+
+void* emulated_stream(DeviceOps& ops) {
+  auto* e = dynamic_cast<EmulatedOps*>(&ops);
+  if (!e) throw CommError("hetccl: streams can be created only on the emulated device");
+  return e->create_stream();
+}
+
+}  // namespace device
+}  // namespace hetccl

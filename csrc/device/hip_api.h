@@ -1,0 +1,107 @@
+// Every HIP declaration hetccl relies on, in one place, without including a HIP header (the
+// runtime is opened with dlopen: no build- or link-time dependency on ROCm). Each constant names
+// the HIP identifier it stands for, and each function type is written over a type set, so one
+// table serves twice:
+//   * hip_ops.cc instantiates it over OpaqueTypes (int for hipError_t and the enums, void* for
+//     handles) and resolves the functions by name with dlsym;
+//   * tests/hip_api_check.cc instantiates it over the real HIP types with
+//     <hip/hip_runtime_api.h> included, and static_asserts that every function type is exactly
+//     the header's prototype, every constant the header's value, and every opaque type the size
+//     and kind of the real one (tests/test_hip_api.py compiles it against the ROCm headers and
+//     compares the same table, exported by hetccl._C.runtime_api("hip"), with the generated bindings of a
+//     current ROCm).
+// Values are from ROCm's hip_runtime_api.h; both checked generations (5.2 headers, 7.x
+// bindings) agree on every one of them (docs/gpu.md).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hetccl {
+namespace hip {
+
+// constant name in HIP, hetccl's name, value
+#define HETCCL_HIP_CONSTANTS(X)                                                              \
+  X(hipSuccess, kSuccess, 0)                                                                 \
+  X(hipErrorHostMemoryAlreadyRegistered, kErrorHostMemoryAlreadyRegistered, 712)             \
+  X(hipDeviceAttributeCanUseStreamWaitValue, kAttrCanUseStreamWaitValue, 10013)              \
+  X(hipStreamWaitValueGte, kStreamWaitValueGte, 0x0)                                         \
+  X(hipHostRegisterPortable, kHostRegisterPortable, 0x1)                                     \
+  X(hipHostRegisterMapped, kHostRegisterMapped, 0x2)                                         \
+  X(hipEventDisableTiming, kEventDisableTiming, 0x2)                                         \
+  X(hipMemcpyDefault, kMemcpyDefault, 4)                                                     \
+  X(hipMallocSignalMemory, kMallocSignalMemory, 0x2)
+
+#define HETCCL_HIP_DECLARE_CONSTANT(hip_name, name, value) constexpr long long name = value;
+HETCCL_HIP_CONSTANTS(HETCCL_HIP_DECLARE_CONSTANT)
+#undef HETCCL_HIP_DECLARE_CONSTANT
+
+// The types hetccl uses in place of HIP's: sizes and kinds must match (checked).
+struct OpaqueTypes {
+  using Error = int;        // hipError_t (an enum)
+  using Stream = void*;     // hipStream_t (ihipStream_t*)
+  using Event = void*;      // hipEvent_t (ihipEvent_t*)
+  using MemcpyKind = int;   // hipMemcpyKind (an enum)
+  using DeviceAttr = int;   // hipDeviceAttribute_t (an enum)
+  using Size = size_t;      // size_t (a type of its own here only so the table can spell it)
+};
+
+// function name in HIP, hetccl's type name
+#define HETCCL_HIP_FUNCTIONS(X)                         \
+  X(hipSetDevice, SetDevice)                            \
+  X(hipDeviceGetAttribute, DeviceGetAttribute)          \
+  X(hipStreamWaitValue64, StreamWaitValue64)            \
+  X(hipStreamWriteValue64, StreamWriteValue64)          \
+  X(hipMemcpyAsync, MemcpyAsync)                        \
+  X(hipStreamSynchronize, StreamSynchronize)            \
+  X(hipEventCreateWithFlags, EventCreateWithFlags)      \
+  X(hipEventRecord, EventRecord)                        \
+  X(hipStreamWaitEvent, StreamWaitEvent)                \
+  X(hipEventDestroy, EventDestroy)                      \
+  X(hipHostRegister, HostRegister)                      \
+  X(hipHostUnregister, HostUnregister)                  \
+  X(hipHostGetDevicePointer, HostGetDevicePointer)      \
+  X(hipExtMallocWithFlags, ExtMallocWithFlags)          \
+  X(hipFree, Free)                                      \
+  X(hipGetErrorString, GetErrorString)
+
+template <class T>
+struct Api {
+  using Error = typename T::Error;
+  using Stream = typename T::Stream;
+  using Event = typename T::Event;
+  using Size = typename T::Size;
+  using SetDevice = Error(int);
+  using DeviceGetAttribute = Error(int*, typename T::DeviceAttr, int);
+  using StreamWaitValue64 = Error(Stream, void*, uint64_t, unsigned int, uint64_t);
+  using StreamWriteValue64 = Error(Stream, void*, uint64_t, unsigned int);
+  using MemcpyAsync = Error(void*, const void*, Size, typename T::MemcpyKind, Stream);
+  using StreamSynchronize = Error(Stream);
+  using EventCreateWithFlags = Error(Event*, unsigned);
+  using EventRecord = Error(Event, Stream);
+  using StreamWaitEvent = Error(Stream, Event, unsigned int);
+  using EventDestroy = Error(Event);
+  using HostRegister = Error(void*, Size, unsigned int);
+  using HostUnregister = Error(void*);
+  using HostGetDevicePointer = Error(void**, void*, unsigned int);
+  using ExtMallocWithFlags = Error(void**, Size, unsigned int);
+  using Free = Error(void*);
+  using GetErrorString = const char*(Error);
+};
+
+}  // namespace hip
+}  // namespace hetccl
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace hetccl {
+namespace hip {
+// The table above as data (hetccl._C.runtime_api("hip"), for tests/test_hip_api.py): constant name ->
+// value; function name -> [return type, parameter types...] in hetccl's spelling ("Error",
+// "Stream", "Event", "MemcpyKind", "DeviceAttr", C types otherwise).
+std::map<std::string, long long> constants();
+std::map<std::string, std::vector<std::string>> functions();
+}  // namespace hip
+}  // namespace hetccl

@@ -1,0 +1,41 @@
+// make_device_ops: a runtime's name -> its module (csrc/device/*_ops.cc), and the library
+// helpers the modules share.
+#include <dlfcn.h>
+
+#include "errors.h"
+#include "hip_api.h"
+#include "runtime.h"
+
+namespace hetccl {
+namespace device {
+
+void* open_library(const std::string& library) {
+  void* lib = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  if (!lib) lib = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) throw CommError("hetccl: cannot open the device runtime " + library + ": " + dlerror());
+  return lib;
+}
+
+void* must_symbol(void* lib, const std::string& library, const char* symbol) {
+  void* f = dlsym(lib, symbol);
+  if (!f) throw CommError(std::string("hetccl: ") + library + " lacks " + symbol);
+  return f;
+}
+
+}  // namespace device
+
+void* emulated_stream(DeviceOps& ops) { return device::emulated_stream(ops); }
+
+RuntimeApi runtime_api(const std::string& runtime) {
+  if (runtime == "hip") return {hip::constants(), hip::functions()};
+  throw CommError("hetccl: no declaration table for the device runtime '" + runtime + "' (only hip)");
+}
+
+std::shared_ptr<DeviceOps> make_device_ops(const std::string& runtime, const std::string& library) {
+  if (runtime == "cuda") return device::make_cuda_ops(library);
+  if (runtime == "hip") return device::make_hip_ops(library);
+  if (runtime == "emulated") return device::make_emulated_ops(library);
+  throw CommError("hetccl: unknown device runtime '" + runtime + "' (known: cuda, hip, emulated)");
+}
+
+}  // namespace hetccl
