@@ -5,12 +5,18 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <dirent.h>
 #include <dlfcn.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <execinfo.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <thread>
 
@@ -65,6 +71,64 @@ void crash_handler(int sig) {
   }
   signal(sig, SIG_DFL);
   raise(sig);
+}
+
+// dump_thread_stacks(): every thread of this process prints its native frames (diagnostics of a
+// stall, tests/gpu_ucx_probe.py). Each thread in turn gets SIGURG (whose default action is to
+// ignore it, so a stray one is harmless) and its handler writes "hetccl-stack <tid> <name>" and
+// "hetccl-frame <object> +<offset> <symbol>" lines to stderr; the caller waits up to 0.2 s per
+// thread for the handler's done mark (a thread that blocks the signal is skipped after that). A thread blocked in the kernel (a futex inside the CUDA
+// driver) runs the handler and goes back to waiting. backtrace() and dladdr() are not formally
+// async-signal-safe (both are warmed up first so no library is loaded inside the handler):
+// acceptable for a diagnostic taken once the process is stuck anyway.
+std::atomic<int> g_stack_done{0};
+
+void stack_handler(int) {
+  void* frames[48];
+  int n = backtrace(frames, 48);
+  char line[640];
+  char name[32] = "?";
+  prctl(PR_GET_NAME, name, 0, 0, 0);
+  int len = snprintf(line, sizeof line, "hetccl-stack %ld %s\n", long(syscall(SYS_gettid)), name);
+  if (len > 0) (void)!write(2, line, size_t(len));
+  for (int i = 2; i < n; ++i) {  // 0, 1: this handler and the signal trampoline
+    Dl_info info;
+    if (dladdr(frames[i], &info) && info.dli_fname) {
+      len = snprintf(line, sizeof line, "hetccl-frame %s +0x%lx %s\n", info.dli_fname,
+                     (unsigned long)((char*)frames[i] - (char*)info.dli_fbase),
+                     info.dli_sname ? info.dli_sname : "?");
+      if (len > 0) (void)!write(2, line, size_t(std::min<int>(len, int(sizeof line) - 1)));
+    }
+  }
+  g_stack_done.store(1);
+}
+
+int dump_thread_stacks() {
+  {
+    void* warm[2];
+    backtrace(warm, 2);
+    Dl_info info;
+    dladdr(reinterpret_cast<void*>(&stack_handler), &info);
+  }
+  struct sigaction sa {}, old {};
+  sa.sa_handler = stack_handler;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGURG, &sa, &old);
+  int done = 0;
+  DIR* d = opendir("/proc/self/task");
+  std::vector<long> tids;
+  for (dirent* e; d && (e = readdir(d));)
+    if (e->d_name[0] != '.') tids.push_back(std::atol(e->d_name));
+  if (d) closedir(d);
+  for (long tid : tids) {
+    g_stack_done.store(0);
+    if (syscall(SYS_tgkill, getpid(), tid, SIGURG) != 0) continue;
+    for (int i = 0; i < 200 && !g_stack_done.load(); ++i) usleep(1000);
+    done += g_stack_done.load();
+  }
+  sigaction(SIGURG, &old, nullptr);
+  return done;
 }
 
 std::string to_bytes_str(const py::handle& h) {
@@ -193,6 +257,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("device_ops"), py::arg("device_index"), py::arg("memory"),
            "Transport::bind_device with this runtime's device (what the engine does before its "
            "first direct device message; diagnostics and tests).")
+      .def("prepare_device",
+           [](PyTransport& s, uintptr_t ptr, size_t nbytes, const std::string& memory) {
+             s.t().prepare_device(as_ptr(ptr), nbytes, memory);
+           },
+           py::arg("ptr"), py::arg("nbytes"), py::arg("memory"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Transport::prepare_device (what the engine does on the issuing thread for every direct "
+           "device buffer; diagnostics and tests).")
       .def_property_readonly("zc_supported", [](PyTransport& s) { return s.t().zc_supported(); })
       .def("zc_regions",
            [](PyTransport& s) {
@@ -258,6 +330,9 @@ PYBIND11_MODULE(_C, m) {
           return out;
         },
         "Every transport's capabilities (csrc/transport.h TransportCaps), most preferred first.");
+  m.def("dump_thread_stacks", &dump_thread_stacks, py::call_guard<py::gil_scoped_release>(),
+        "Every thread prints its native frames to stderr (hetccl-stack / hetccl-frame lines; "
+        "addr2line -f -e <object> <offset> names a frame); returns the number that answered.");
   m.def("enable_crash_backtrace", [] {
     for (int sig : {SIGSEGV, SIGBUS, SIGFPE}) signal(sig, crash_handler);
   });

@@ -681,10 +681,42 @@ Engine::DevicePart Engine::device_part_locked(Plan& p) {
   return part;
 }
 
+// Memory type the direct path declares to the transport (the device runtime's).
+std::string Engine::direct_memory() const { return dev_->memory_type(); }
+
+// Direct links: the transport prepares every device range of the plan here, on the issuing
+// thread, before the proxy can post any of them (Transport::prepare_device: UCX maps them, so
+// that no driver call that takes the context's lock is left for the proxy's posts). A lane's
+// chunks of one buffer are adjacent: each run of adjacent chunks is prepared as one range.
+void Engine::prepare_direct(const DevicePart& part) {
+  const std::string memory = direct_memory();
+  for (auto& lane : part) {
+    if (!lane.direct) continue;
+    for (int dir = 0; dir < 2; ++dir) {
+      const auto& v = dir == 0 ? lane.sends : lane.recvs;
+      const char* lo = nullptr;
+      const char* hi = nullptr;
+      for (const DeviceCopy& c : v) {
+        const char* b = static_cast<const char*>(dir == 0 ? c.src : c.dst);
+        if (!c.len) continue;
+        if (lo && b == hi) {
+          hi = b + c.len;
+          continue;
+        }
+        if (lo) lane.link->t->prepare_device(lo, size_t(hi - lo), memory);
+        lo = b;
+        hi = b + c.len;
+      }
+      if (lo) lane.link->t->prepare_device(lo, size_t(hi - lo), memory);
+    }
+  }
+}
+
 void Engine::enqueue_device(Plan& p, const DevicePart& part) {
   std::lock_guard<std::mutex> g(issue_mu_);
   const PlanSpec& s = p.spec;
   dev_->set_device(s.device_index);
+  prepare_direct(part);
   void* S = reinterpret_cast<void*>(s.stream);
   void* Sd = reinterpret_cast<void*>(s.side_stream ? s.side_stream : s.stream);
   // Latency path: at most one chunk each way per peer -- nothing to overlap, so the sends go on
@@ -771,6 +803,7 @@ void Engine::enqueue_device(Plan& p, const DevicePart& part) {
 void Engine::drive_device_sync(Plan& p, const DevicePart& part) {
   const PlanSpec& s = p.spec;
   dev_->set_device(s.device_index);
+  prepare_direct(part);
   void* S = reinterpret_cast<void*>(s.stream);
   dev_->sync(S);  // the stream has reached this plan
   std::vector<size_t> ns(part.size(), 0), nr(part.size(), 0);
@@ -1001,9 +1034,8 @@ bool Engine::recv_zc(Link& l) {
 void Engine::bind_direct(Link& l, int device_index) {
   if (l.bound_device == device_index) return;
   // The device runtime says which memory type the transport declares to its library.
-  const std::string memory = dev_->memory_type();
   auto dev = dev_;
-  l.t->bind_device([dev, device_index] { dev->set_device(device_index); }, memory);
+  l.t->bind_device([dev, device_index] { dev->set_device(device_index); }, direct_memory());
   l.bound_device = device_index;
 }
 
@@ -1327,6 +1359,7 @@ bool Engine::test(uint64_t id) {
 }
 
 void Engine::proxy_loop() {
+  pthread_setname_np(pthread_self(), "hetccl-proxy");  // names the thread in stack dumps
   int idle = 0;
   int64_t last_check = now_ms();
   int64_t spin_until = 0;

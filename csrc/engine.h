@@ -195,6 +195,8 @@ class Engine {
   void start_locked(std::shared_ptr<Plan> p);
   DevicePart device_part_locked(Plan& p);
   void enqueue_device(Plan& p, const DevicePart& part);
+  std::string direct_memory() const;             // "cuda" / "rocm" / "host" (bind, prepare)
+  void prepare_direct(const DevicePart& part);  // issuing thread: Transport::prepare_device
   void drive_device_sync(Plan& p, const DevicePart& part);
   void post_headers(Plan& p, bool waits);
   bool a_peer_did_not_wait(const Plan& p) const;

@@ -219,6 +219,17 @@ class Transport {
     (void)make_current;
     (void)memory;
   }
+  // Called by the thread that issues a collective (never the engine's proxy), before the
+  // device buffer [ptr, ptr + nbytes) is handed to isend_device/irecv_device from another thread:
+  // the transport may do here, where no CUDA/HIP call of the application can be waiting on the
+  // collective's stream, the driver calls its library would otherwise make on the data path
+  // (UCX: the memory query that takes the CUDA context's lock, see ucx_transport.cc).
+  // Default: nothing to prepare. Errors are not fatal: a buffer not prepared is still sent.
+  virtual void prepare_device(const void* ptr, size_t nbytes, const std::string& memory) {
+    (void)ptr;
+    (void)nbytes;
+    (void)memory;
+  }
 
   // Zero-copy ring (shm only; the defaults say "not supported"). A second strictly ordered ring
   // per direction beside the tagged one, used by one caller at a time: the sender acquires the

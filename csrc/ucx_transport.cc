@@ -21,6 +21,23 @@
 //    the stash (it could not be copied into device memory here); UCX moves device memory itself
 //    (cuda_copy / rocm_copy, GPUDirect RDMA). A device send completes once the peer posted the
 //    receive (transport.h).
+//  * Device memory handles (prepare_device, option device_prepare, default on): UCX 1.22's
+//    cuda_copy calls cuCtxSetFlags(CU_CTX_SYNC_MEMOPS) -- which takes the CUDA context's write
+//    lock -- on every memory query of a device buffer (uct_cuda_copy_md_mem_query; UCX PR 11705,
+//    "set once per context", is not in 1.22.0), and UCP queries device buffers per operation
+//    even when their memory type is declared (ucp_datatype_iter_detect_mem_info shortcuts only
+//    host memory). The engine posts device messages from its proxy thread; an application
+//    thread blocked inside a driver call behind the collective's stream (`x.cpu()` right after
+//    the all-reduce: a pageable copy waits for the stream holding the lock) then deadlocks with
+//    it. So the issuing thread maps each direct buffer range once (ucp_mem_map: the query runs
+//    there, where no application CUDA call waits on the stream), and posts carry the handle
+//    (UCP_OP_ATTR_FIELD_MEMH), which makes UCP take the memory info from it instead of querying.
+//    Handles are cached per range (at most kMemhMax; unmapped only while no device operation is
+//    pending) and used only where no RDMA transport registers (pins) device memory: with
+//    cuda_copy/rocm_copy and tcp a handle describes the memory (type, device) and pins nothing,
+//    so a range freed and reallocated by the framework's caching allocator stays correctly
+//    described; an RDMA registration of freed memory would not be, so with RDMA UCX's own
+//    registration cache decides (posts without a handle).
 //  * Configuration applied before the context exists: options["ucx_config"] (tuning,
 //    "KEY=VALUE;..."), options["exclude_tls"] (transports removed from the UCX_TLS in force:
 //    restrict_tls()); info() reports what UCX reads back.
@@ -54,7 +71,10 @@
 //    one host, because posix/sysv cannot carry a PEER-mode lane.
 //  * Progress: a thread that progresses the worker, spins for ~kSpinUs after the last event,
 //    then arms the worker (ucp_worker_arm) and sleeps in poll() on its event fd. Posting
-//    threads wake it with ucp_worker_signal when it sleeps.
+//    threads wake it with ucp_worker_signal when it sleeps. Finished host receives that still
+//    need a copy (from the stash) or a reduction (irecv_reduce) go to a second thread, the copy
+//    thread (option copy_thread, default on; off: the progress thread runs them), so that UCX
+//    keeps reading and sending while they run; it touches no UCX object and takes no mu_.
 //  * Configuration: UCX reads its own UCX_* environment variables (UCX_TLS, UCX_NET_DEVICES, ...).
 //    options["bind_addr"]: a loopback address (a job on one host; Python's default there) sets
 //    UCX's NET_DEVICES to the loopback interface through ucp_config_modify, overriding
@@ -110,6 +130,7 @@ constexpr int kPollMs = 100;                   // sleep bound while armed
 constexpr size_t kPoolMaxBytes = size_t(256) << 20;  // bounce buffers kept for reuse
 constexpr int64_t kCloseFlushMs = 2000;        // graceful flush at close, when nothing is pending
 constexpr int64_t kLivenessMs = 200;           // pid checks of peers on this host
+constexpr size_t kMemhMax = 512;               // cached device memory handles (prepare_device)
 
 uint64_t make_tag(uint64_t src, uint64_t tag, bool device = false) {
   return (device ? kDeviceBit : 0) | (src << kTagShift) | tag;
@@ -353,6 +374,12 @@ class BouncePool {
 
 class UcxTransport;
 
+// A device memory range mapped by prepare_device (start: the key of UcxTransport::memh_).
+struct MemhEntry {
+  uintptr_t end = 0;
+  ucp_mem_h memh = nullptr;
+};
+
 // Send, Recv, RecvReduce: a user operation. Stash: the receive of an unexpected message into
 // a heap buffer (no Request; it belongs to the transport until a user receive takes it).
 enum class OpKind { Send, Recv, RecvReduce, Stash };
@@ -366,6 +393,7 @@ struct Op {
   uint64_t tag = 0;   // user tag
   OpKind kind = OpKind::Send;
   int lane = 0;       // worker the operation is posted on
+  bool device = false;  // device tag space (prepare_device's handles stay mapped while pending)
   size_t nbytes = 0;  // posted size (Stash: message size)
   void* ucp_req = nullptr;  // set once posting returned a request handle
   void* buf = nullptr;      // Recv: the user's buffer
@@ -426,6 +454,18 @@ class UcxTransport final : public Transport {
     }
 
     lanes_ = int(opt_int(opts, "lanes", 1, 1, kMaxLanes));
+    {
+      std::string ct = opt_str(opts, "copy_thread", "on");
+      if (ct != "on" && ct != "off")
+        throw CommError("hetccl ucx: copy_thread must be on or off, not '" + ct + "'");
+      copy_thread_on_ = ct == "on";
+    }
+    {
+      std::string dp = opt_str(opts, "device_prepare", "on");
+      if (dp != "on" && dp != "off")
+        throw CommError("hetccl ucx: device_prepare must be on or off, not '" + dp + "'");
+      device_prepare_ = dp == "on";
+    }
     ucp_config_t* config = nullptr;
     check(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
     try {
@@ -466,6 +506,9 @@ class UcxTransport final : public Transport {
     ucp_config_release(config);
     check(st, "ucp_init");
     resources_ = context_transports(context_);
+    for (auto& t : resources_)
+      for (const char* r : {"rc", "dc", "ud", "srd", "gga"})
+        if (t.compare(0, std::strlen(r), r) == 0) rdma_ = true;
     ucp_context_attr_t ca{};
     ca.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
     if (ucp_context_query(context_, &ca) == UCS_OK) memory_types_ = ca.memory_types;
@@ -505,6 +548,7 @@ class UcxTransport final : public Transport {
                " " + (start.empty() ? "-" : start) + " " + host_ + " " + to_hex(nonce_) + " " +
                join(worker_addrs);
 
+    if (copy_thread_on_) copy_thread_ = std::thread([this] { copy_loop(); });
     thread_ = std::thread([this] { progress_loop(); });
   }
 
@@ -701,6 +745,42 @@ class UcxTransport final : public Transport {
     wake_locked();
   }
 
+  // Maps [ptr, ptr + nbytes) once (ucp_mem_map with its memory type: UCX's memory query runs
+  // here, on the issuing thread) so that device posts of any sub-range carry the handle instead
+  // of making UCX query the buffer on the posting thread (header comment). Not fatal: a range
+  // UCX does not map is posted without a handle.
+  void prepare_device(const void* ptr, size_t nbytes, const std::string& memory) override {
+    if (!device_prepare_ || rdma_ || !nbytes || !ptr) return;
+    ucs_memory_type_t mt = memory == "cuda" ? UCS_MEMORY_TYPE_CUDA
+                           : memory == "rocm" ? UCS_MEMORY_TYPE_ROCM
+                                              : UCS_MEMORY_TYPE_UNKNOWN;
+    if (mt == UCS_MEMORY_TYPE_UNKNOWN || !(memory_types_ & (uint64_t(1) << mt))) return;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_ || find_memh_locked(a, nbytes)) return;
+    if (memh_.size() >= kMemhMax) evict_memh_locked();
+    if (memh_.size() >= kMemhMax) return;  // all in use by pending posts: post without one
+    auto it = memh_.find(a);
+    if (it != memh_.end()) {  // same start, shorter range: replace it if nothing uses it
+      if (device_pending_locked()) return;
+      ucp_mem_unmap(context_, it->second.memh);
+      memh_.erase(it);
+    }
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    mp.address = const_cast<void*>(ptr);
+    mp.length = nbytes;
+    mp.memory_type = mt;
+    ucp_mem_h h = nullptr;
+    ucs_status_t st = ucp_mem_map(context_, &mp, &h);
+    if (st != UCS_OK) {
+      ++memh_failed_;
+      return;
+    }
+    memh_[a] = MemhEntry{a + nbytes, h};
+  }
+
   std::map<std::string, std::string> info() override {
     std::lock_guard<std::mutex> g(mu_);
     std::map<std::string, std::string> m;
@@ -717,6 +797,11 @@ class UcxTransport final : public Transport {
     for (Peer& pr : peers_)
       if (pr.is_peer) modes += (modes.empty() ? "" : ",") + std::to_string(pr.rank) + ":" + (pr.peer_mode ? "peer" : "none");
     m["error_handling"] = modes;
+    m["copy_thread"] = copy_thread_.joinable() ? "on" : "off";
+    m["device_prepare"] = !device_prepare_ ? "off" : rdma_ ? "off (RDMA: UCX registers)" : "on";
+    m["device_handles"] = std::to_string(memh_.size()) + " cached, " + std::to_string(memh_hits_) +
+                          " posts with one, " + std::to_string(memh_misses_) + " without, " +
+                          std::to_string(memh_failed_) + " map failures";
     return m;
   }
 
@@ -761,6 +846,14 @@ class UcxTransport final : public Transport {
     stop_.store(true);
     ucp_worker_signal(workers_[0]);
     if (thread_.joinable()) thread_.join();
+    if (copy_thread_.joinable()) {  // it finishes what the progress thread handed it, then exits
+      {
+        std::lock_guard<std::mutex> g(copy_mu_);
+        copy_stop_ = true;
+      }
+      copy_cv_.notify_one();
+      copy_thread_.join();
+    }
 
     std::lock_guard<std::mutex> g(mu_);
     const std::string msg = "hetccl ucx: transport closed while the operation was pending";
@@ -799,6 +892,8 @@ class UcxTransport final : public Transport {
     while (!pending_.empty() && std::chrono::steady_clock::now() < until) progress_all_locked();
     fail_work_locked(msg);
     for (ucp_worker_h w : workers_) ucp_worker_destroy(w);
+    for (auto& kv : memh_) ucp_mem_unmap(context_, kv.second.memh);
+    memh_.clear();
     ucp_cleanup(context_);
     workers_.clear();
     context_ = nullptr;
@@ -923,6 +1018,10 @@ class UcxTransport final : public Transport {
       prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;  // declared by bind_device, not detected
       prm.memory_type = device_mem_;
     }
+    if (key & kDeviceBit) {
+      op->device = true;
+      attach_memh_locked(prm, buf, op->nbytes);
+    }
     pending_.insert(op);
     ucs_status_ptr_t r = ucp_tag_recv_nbx(workers_[op->lane], buf, op->nbytes, key, kFullMask, &prm);
     after_post_locked(op, r, info.length);
@@ -989,9 +1088,47 @@ class UcxTransport final : public Transport {
       prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;  // declared by bind_device, not detected
       prm.memory_type = device_mem_;
     }
+    if (utag & kDeviceBit) {
+      op->device = true;
+      attach_memh_locked(prm, buf, nbytes);
+    }
     pending_.insert(op);
     ucs_status_ptr_t r = ucp_tag_send_nbx(pr.eps[lane], buf, nbytes, utag, &prm);
     after_post_locked(op, r, nbytes);
+  }
+
+  // The cached handle whose range holds [a, a + n), or null.
+  const MemhEntry* find_memh_locked(uintptr_t a, size_t n) const {
+    auto it = memh_.upper_bound(a);
+    if (it == memh_.begin()) return nullptr;
+    --it;
+    return it->second.end >= a + n ? &it->second : nullptr;
+  }
+
+  // A device post carries prepare_device's handle when one covers its buffer.
+  void attach_memh_locked(ucp_request_param_t& prm, const void* buf, size_t n) {
+    if (!device_prepare_ || rdma_ || !n) return;
+    const MemhEntry* e = find_memh_locked(reinterpret_cast<uintptr_t>(buf), n);
+    if (!e) {
+      ++memh_misses_;
+      return;
+    }
+    ++memh_hits_;
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    prm.memh = e->memh;
+  }
+
+  bool device_pending_locked() const {
+    for (Op* op : pending_)
+      if (op->device) return true;
+    return false;
+  }
+
+  // Drops every cached handle, unless a device operation (which may use one) is pending.
+  void evict_memh_locked() {
+    if (device_pending_locked()) return;
+    for (auto& kv : memh_) ucp_mem_unmap(context_, kv.second.memh);
+    memh_.clear();
   }
 
   void after_post_locked(Op* op, ucs_status_ptr_t r, size_t imm_len) {
@@ -1249,7 +1386,27 @@ class UcxTransport final : public Transport {
     }
   }
 
+  // The copy thread: runs the progress thread's finished receives (memcpy out of the stash,
+  // irecv_reduce's reduction) so that UCX keeps progressing -- reading sockets, sending --
+  // while a large message is copied or reduced (one thread did both: UCX's host path was half
+  // of hetccl's tcp, which reduces on its own threads). Exits once stopped and drained.
+  void copy_loop() {
+    pthread_setname_np(pthread_self(), "hetccl-ucx-cp");
+    std::vector<Work> batch;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> g(copy_mu_);
+        copy_cv_.wait(g, [&] { return copy_stop_ || !copy_q_.empty(); });
+        if (copy_q_.empty()) return;  // stopped and drained
+        batch.swap(copy_q_);
+      }
+      for (const Work& w : batch) run_work(w);
+      batch.clear();
+    }
+  }
+
   void progress_loop() {
+    pthread_setname_np(pthread_self(), "hetccl-ucx");  // names the thread in stack dumps
     auto last_event = std::chrono::steady_clock::now();
     auto next_liveness = last_event;
     std::vector<Work> reds;
@@ -1275,7 +1432,17 @@ class UcxTransport final : public Transport {
           ++events;
         }
       }
-      for (const Work& w : reds) run_work(w);
+      if (!reds.empty()) {
+        if (copy_thread_.joinable()) {  // copies / reductions beside the progress (header comment)
+          {
+            std::lock_guard<std::mutex> g(copy_mu_);
+            copy_q_.insert(copy_q_.end(), reds.begin(), reds.end());
+          }
+          copy_cv_.notify_one();
+        } else {
+          for (const Work& w : reds) run_work(w);
+        }
+      }
       if (std::chrono::steady_clock::now() >= next_liveness) {
         check_liveness();
         next_liveness = std::chrono::steady_clock::now() + std::chrono::milliseconds(kLivenessMs);
@@ -1334,12 +1501,24 @@ class UcxTransport final : public Transport {
 
   std::atomic<bool> stop_{false};
   std::thread thread_;
+  // copy thread (option copy_thread, default on): finished receives to copy / reduce
+  bool copy_thread_on_ = true;
+  std::mutex copy_mu_;
+  std::condition_variable copy_cv_;
+  std::vector<Work> copy_q_;
+  bool copy_stop_ = false;
+  std::thread copy_thread_;
   // bind_device (under mu_): the memory type declared for device-tag-space buffers, the
   // context hook the progress thread still has to run, and its failure (fails device posts).
   ucs_memory_type_t device_mem_ = UCS_MEMORY_TYPE_UNKNOWN;
   std::function<void()> make_current_;
   bool bind_pending_ = false;
   std::string bind_error_;
+  // prepare_device's handles by range start (under mu_), and their use (info())
+  bool device_prepare_ = true;
+  bool rdma_ = false;  // the context has an RDMA transport (handles not cached: header comment)
+  std::map<uintptr_t, MemhEntry> memh_;
+  uint64_t memh_hits_ = 0, memh_misses_ = 0, memh_failed_ = 0;
   BouncePool pool_;
 };
 

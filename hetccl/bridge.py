@@ -131,9 +131,12 @@ class Bridge:
             real_host = [i.host for i in topo.infos]
             opts["lanes"] = str(config.get("HETCCL_UCX_LANES"))
             opts["ucx_config"] = config.ucx_tuning()
+            opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
+            opts["device_prepare"] = "on" if config.get("HETCCL_UCX_DEVICE_PREPARE") else "off"
             opts["exclude_tls"] = ",".join(transports.ucx_exclusions(
                 real_host[topo.rank], [real_host[p] for p in self.peers if self.kind_of[p] == "ucx"],
-                bool(config.get("HETCCL_EMULATE_HOSTS"))))
+                bool(config.get("HETCCL_EMULATE_HOSTS"))) + transports.ucx_copy_exclusions(
+                any(self.device_direct[p] for p in self.peers if self.kind_of[p] == "ucx")))
         self.transports: dict[str, object] = {}
         if self.group_peers and "shm" not in kinds:
             kinds.append("shm")

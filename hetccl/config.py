@@ -113,7 +113,19 @@ _SETTINGS = [
             "the engine; auto hands device memory to UCX directly when both ranks' UCX handle "
             "their device's memory type. auto is experimental: on the H200 box (UCX 1.22 "
             "cuda_copy over tcp) a collective whose result the caller copies to the host at once "
-            "stalled (docs/transports.md). Must be equal on every rank."),
+            "stalled; HETCCL_UCX_DEVICE_PREPARE addresses the cause, tests/gpu_ucx_probe.py "
+            "decides whether this default can become auto (docs/transports.md). Must be equal "
+            "on every rank."),
+    Setting("HETCCL_UCX_COPY_THREAD", _bool, True,
+            "UCX transport: copies out of the unexpected-message buffer and irecv_reduce's "
+            "reductions run on a thread of their own beside UCX's progress thread (0: on the "
+            "progress thread, as before; docs/transports.md)."),
+    Setting("HETCCL_UCX_DEVICE_PREPARE", _bool, True,
+            "With HETCCL_UCX_DEVICE=auto: the thread that issues a collective maps its device "
+            "buffers for UCX (ucp_mem_map, cached per range) so that the engine's proxy posts "
+            "them with the handle and UCX makes no memory query -- whose cuCtxSetFlags takes "
+            "the CUDA context's lock in UCX 1.22 -- on the proxy's thread (docs/transports.md). "
+            "0: the landed behaviour (diagnostics: tests/gpu_ucx_probe.py compares both)."),
     Setting("HETCCL_ALGO", str, "",
             "Algorithm overrides, e.g. 'all_reduce=flat,all_gather=hier' (see docs/algorithms.md)."),
     Setting("HETCCL_LOG_LEVEL", str, "NOTICE",

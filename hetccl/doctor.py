@@ -59,6 +59,8 @@ def local_report() -> list[str]:
     except ImportError:
         ucx = "libucx wheel not installed (pip install hetccl[ucx])"
     lines.append(f"UCX               : {'built in' if 'ucx' in names else 'not built'}; {ucx}")
+    from . import rdma
+    lines.extend(rdma.report(kind))  # RDMA devices, GPU memory registration, UCX per vendor
     lines.append(f"host identity     : {vendor.host_identity()}")
     lines.append("settings:")
     for name, value, is_set, doc in config.table():

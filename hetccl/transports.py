@@ -35,6 +35,20 @@ UCX_DEVICE_PATHS = devices.ucx_device_paths()  # every vendor's (the device seam
 UCX_SHM_PATHS = ("posix", "sysv", "xpmem", "cma", "knem")
 
 
+#: UCX's copy transports between device and host memory: needed only where device memory is handed
+#: to UCX (the direct path). Without it they are removed: the engine's staging hands UCX host
+#: memory only, and a context that lists cuda_copy checks every buffer's memory type (UCX's
+#: memory-type cache lookup on every post; UCX issue 11652: lower throughput where it carries no
+#: traffic) and calls the CUDA driver from UCX's threads.
+UCX_COPY_PATHS = ("cuda_copy", "rocm_copy")
+
+
+def ucx_copy_exclusions(any_direct: bool) -> list[str]:
+    """UCX's device copy transports to remove from this rank's UCX context: all of them unless
+    one of its UCX peers gets device memory directly (``any_direct``)."""
+    return [] if any_direct else list(UCX_COPY_PATHS)
+
+
 @functools.lru_cache(maxsize=1)
 def local_table() -> tuple[dict, ...]:
     """This process's transport table, most preferred first (computed once: UCX's entry needs a

@@ -30,8 +30,10 @@ def _ucx_memory():
 @pytest.mark.parametrize("vendors", ["1+1", "2+1"])
 @pytest.mark.parametrize("device", [
     # the opt-in direct path: stalled on the one-GPU H200 box (2026-12-01) when a collective's
-    # result is copied to the host at once; tests/gpu_ucx_probe.py narrows it down
-    # (docs/transports.md, "Device memory straight to UCX"). Kept running, reported as xfail.
+    # result is copied to the host at once (UCX 1.22's cuCtxSetFlags on the proxy's posts);
+    # prepared handles (HETCCL_UCX_DEVICE_PREPARE, default on) are the fix under test:
+    # tests/gpu_ucx_probe.py decides (docs/transports.md, "Device memory straight to UCX").
+    # Kept running, reported as a non-strict xfail until that run shows it clean (XPASS).
     pytest.param("auto", marks=pytest.mark.xfail(
         reason="known stall of UCX's direct device path (docs/transports.md)", strict=False)),
     "off"])

@@ -273,6 +273,7 @@ def test_emulated_hosts_over_ucx_2p1():
         assert set(out["choices"].values()) == {"ucx"}, out["choices"]
         tls, resources = out["ucx"]["tls"], out["ucx"]["resources"].split(",")
         assert tls.startswith("^") and "cuda_ipc" in tls and "posix" in tls, tls
+        assert "cuda_copy" in tls and "rocm_copy" in tls, tls  # no device memory goes to UCX
         assert not set(resources) & set(transports.UCX_DEVICE_PATHS + transports.UCX_SHM_PATHS)
         assert "tcp" in resources, resources
         assert out["stats"].get("msg_host_bytes", 0) > 0, out["stats"]

@@ -28,6 +28,9 @@ ALLOWED = {
     "hetccl/doctor.py": "the doctor's report: it names the torch build (cuda/hip versions), the "
                         "GPUs and their native library to the user, and probes copies with "
                         "torch.cuda",
+    "hetccl/rdma.py": "the doctor's RDMA readiness report: it names vendor kernel modules "
+                      "(nvidia_peermem, amdgpu), the CUDA driver attribute for dma-buf and which "
+                      "vendor a loaded UCX build serves (UCX issue 8764) to the user",
     "hetccl/shim.py": "redirects what user scripts call by its vendor name: "
                       "init_process_group('nccl'), torch.cuda.set_device(device_id), "
                       "Megatron's model_parallel_cuda_manual_seed, accelerate's CPU switch",
