@@ -40,7 +40,7 @@ UCX_SHM_PATHS = ("posix", "sysv", "xpmem", "cma", "knem")
 #: memory only, and a context that lists cuda_copy checks every buffer's memory type (UCX's
 #: memory-type cache lookup on every post; UCX issue 11652: lower throughput where it carries no
 #: traffic) and calls the CUDA driver from UCX's threads.
-UCX_COPY_PATHS = ("cuda_copy", "rocm_copy")
+UCX_COPY_PATHS = devices.ucx_copy_paths()  # every vendor's (the device seams')
 
 
 def ucx_copy_exclusions(any_direct: bool) -> list[str]:

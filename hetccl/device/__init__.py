@@ -24,6 +24,7 @@ Seam interface:
     device_code: int        the device type's code in argument-check headers (checks.py)
     memory_type: str        the transports' / UCX's name of this memory ("host", "cuda", "rocm")
     ucx_device_paths        UCX transports that move or map this memory between processes
+    ucx_copy_paths          UCX's copy transport between this memory and the host
     staging_slot_bytes      default shared-memory slot size where this device stages data
     reduce_dtypes           dtypes the native library reduces
     available() / build_matches()   usable here / this torch build is this seam's
@@ -107,13 +108,23 @@ def has_accelerator() -> bool:
     return build_seam().asynchronous
 
 
-def ucx_device_paths() -> tuple[str, ...]:
-    """Every seam's UCX device transports (all vendors': a peer may be of another vendor)."""
+def _every_seams(field: str) -> tuple[str, ...]:
     paths: list[str] = []
     for cs in _CANDIDATES.values():
         for c in cs:
-            paths += [p for p in c.ucx_device_paths if p not in paths]
+            paths += [p for p in getattr(c, field, ()) if p not in paths]
     return tuple(paths)
+
+
+def ucx_device_paths() -> tuple[str, ...]:
+    """Every seam's UCX device transports (all vendors': a peer may be of another vendor)."""
+    return _every_seams("ucx_device_paths")
+
+
+def ucx_copy_paths() -> tuple[str, ...]:
+    """Every seam's UCX copy transport between its device memory and the host (cuda_copy,
+    rocm_copy)."""
+    return _every_seams("ucx_copy_paths")
 
 
 def native_names() -> tuple[str, ...]:

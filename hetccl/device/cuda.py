@@ -97,6 +97,7 @@ class CudaSeam:
     memory_type = "cuda"      # UCX's / the transports' name of this device memory
     # UCX transports that move or map this vendor's device memory between processes
     ucx_device_paths: tuple[str, ...] = ("cuda_ipc", "gdr_copy")
+    ucx_copy_paths: tuple[str, ...] = ("cuda_copy",)
     staging_slot_bytes = 8 << 20  # default shared-memory slot (bridge.py) where devices stage
     # dtypes NCCL reduces (checked before any communication starts)
     reduce_dtypes = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,

@@ -16,6 +16,7 @@ class HostSeam:
     device_code = 1             # argument-check header code of the device type (checks.py)
     memory_type = "host"        # what a transport's capability table calls this memory
     ucx_device_paths: tuple[str, ...] = ()
+    ucx_copy_paths: tuple[str, ...] = ()
     staging_slot_bytes = 1 << 20  # default shared-memory slot (bridge.py): host data only
     # dtypes gloo reduces (checked before any communication, so an unsupported dtype is a clear
     # error on every rank); copy-type collectives move bytes and accept every dtype

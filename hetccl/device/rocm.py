@@ -32,6 +32,7 @@ class RocmSeam(CudaSeam):
     native_library = ("librccl.so", "librccl.so.1")
     memory_type = "rocm"
     ucx_device_paths = ("rocm_ipc", "rocm_gdr")
+    ucx_copy_paths = ("rocm_copy",)
     # dtypes RCCL reduces, as torch's ProcessGroupNCCL on ROCm offers them (NCCL's set)
     reduce_dtypes = CudaSeam.reduce_dtypes
 
