@@ -215,11 +215,10 @@ def pair_same_host(topo: Topology, a: int, b: int) -> bool:
 def group_links(topo: Topology, caps: list[dict]) -> bool:
     """Whether same-vendor ranks link to each other through shared memory too, for host
     tensors (every rank to the rest of its vendor group): when every rank of the job is on
-    this host, every rank's table has shm,
-    no transport is forced, hosts are not emulated, HETCCL_GROUP_LINKS is auto, and the
+    this host, every rank's table has shm, no transport is forced, hosts are not emulated, HETCCL_GROUP_LINKS is auto, and the
     topology is not two groups of equal size 2^m (those have the pairs paths, which need no
     native step and no extra links). Then every pair of ranks has a shared-memory ring, and
-    host collectives run on the engine alone (algorithms "direct"): on one host the native host
+    host collectives run on the engine alone (algorithms/linked.py): on one host the native host
     library (gloo over TCP loopback, a loop thread per call) is the slow part of a 2+1 group.
     Trade-off: one more ring per same-vendor pair (shm memory). A property of the job, the same
     on every rank (a rank alone in its group links nobody more, but runs the same protocols)."""

@@ -649,8 +649,9 @@ def run(rec: dict, sess, *, iters: int | None = None, out: str | None = None,
             consumed = int(extra.get("consumed_samples", 0))
             micro = extra.get("micro", micro)
 
-    slow = slow_down_modules([m for c in chunks for m in list(gpt_of(c).decoder.layers)
-                              + ([gpt_of(c).output_layer] if gpt_of(c).post_process else [])],
+    gpts = [gpt_of(c) for c in chunks]
+    slow = slow_down_modules([m for g in gpts for m in list(g.decoder.layers)
+                              + ([g.output_layer] if g.post_process else [])],
                              device=device if device == "cuda" else None)
     bal = None
     if h["balance"] == "auto":

@@ -19,6 +19,7 @@ class CollCtx(Protocol):
     topo: Topology
     local: object      # hetccl.native.NativeGroup (or None in a group of one)
     deadline: float
+    all_linked: bool   # every pair of ranks on a shared-memory ring (algorithms/linked.py)
 
     def tag(self, phase: int, index: int) -> int: ...
     # transfer.py's primitive (one engine plan); op=None copies, else reduces into the receives

@@ -9,8 +9,9 @@ thread per call) is what made 2+1 slower than gloo alone.
 
 all_reduce "linked": 1) every rank sends shard j (padded sharding over all W ranks) to rank j
 and receives its own shard from every other rank, reducing it in as it arrives, one engine plan;
-2) every rank sends its reduced shard to every other rank and receives theirs in place, one plan. Per rank 2 (W-1)/W N bytes each way, two latency
-steps, every shard reduced once (by its owner), so all ranks end bit-identical.
+2) every rank sends its reduced shard to every other rank and receives theirs in place, one
+plan. Per rank 2 (W-1)/W N bytes each way, two latency steps, every shard reduced once (by its
+owner), so all ranks end bit-identical.
 all_gather "linked": one plan, each rank sends its input to every other rank.
 reduce_scatter "linked": step 1 of the all-reduce on the W chunks.
 """
@@ -27,7 +28,7 @@ def linked_applies(ctx: CollCtx, x: torch.Tensor) -> bool:
     """Host tensor and every rank linked to every rank by a shared-memory ring (the same answer
     on every rank: it depends on the topology, the settings and the device type only, which the
     argument check compares)."""
-    return x.device.type == "cpu" and bool(getattr(ctx, "all_linked", False))
+    return x.device.type == "cpu" and ctx.all_linked
 
 
 def _others(ctx: CollCtx) -> list[int]:
@@ -36,16 +37,14 @@ def _others(ctx: CollCtx) -> list[int]:
 
 def _reduce_scatter_into(ctx: CollCtx, dst: torch.Tensor, src: torch.Tensor,
                          ranges: list[tuple[int, int]], op: str, phase: int) -> None:
-    """dst (this rank's range of src, or a buffer of its length) = op over every rank's src of
-    this rank's range; src's other ranges go to their owners. The receives reduce into dst as
+    """dst, which holds this rank's own part of its range (src's range itself, or a copy of
+    it), becomes op over every rank's part; src's other ranges go to their owners. The receives reduce into dst as
     their chunks arrive (the engine reduces one chunk at a time, so chunks of several peers
     never reduce into dst at once; the order of arrival decides the order of the sum, but only
     this rank reduces this range, so every rank ends with the same values)."""
     me = ctx.topo.rank
     lo, hi = ranges[me]
     others = _others(ctx)
-    if dst.data_ptr() != src[lo:hi].data_ptr() or dst.numel() != hi - lo:
-        copy(dst, src[lo:hi])
     sends = [(r, ranges[r][0], ranges[r][1], src[ranges[r][0]:ranges[r][1]]) for r in others
              if ranges[r][1] > ranges[r][0]]
     recvs = [(r, lo, hi, dst) for r in others if hi > lo]
@@ -82,6 +81,7 @@ def all_gather_linked(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: i
 
 def reduce_scatter_linked(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
     """inp: (W * N,) flat, out: (N,): the reduction of chunk rank."""
-    n, w = out.numel(), ctx.topo.size
+    n, w, me = out.numel(), ctx.topo.size, ctx.topo.rank
+    copy(out, inp[me * n:(me + 1) * n])
     _reduce_scatter_into(ctx, out, inp, [(r * n, (r + 1) * n) for r in range(w)], op, 0)
     ctx.count("reduce_scatter_linked")
