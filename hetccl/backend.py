@@ -52,6 +52,25 @@ _BITWISE_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int6
 replaced_backend: str | None = None
 
 
+def outside_autograd(cls):
+    """Class decorator: every method `cls` defines (but dunders, class and static methods) runs
+    under torch.no_grad().
+
+    c10d writes into the caller's tensors outside autograd: ProcessGroupNCCL and gloo do it in
+    C++, where grad mode never applies. Here the writes are torch ops (a staged receive's copy
+    back, an all-gather's copy into the outputs, an in-place reduction), and with grad mode on a
+    write into a leaf that requires grad -- Megatron makes its pipeline receive buffers with
+    requires_grad=True; dist.broadcast(param) is common -- raises "a leaf Variable that requires
+    grad is being used in an in-place operation". The engine's worker thread runs with grad mode
+    off for the same reason (engine.py)."""
+    for name, fn in list(vars(cls).items()):
+        if name.startswith("__") or not callable(fn) or isinstance(fn, (staticmethod,
+                                                                         classmethod)):
+            continue
+        setattr(cls, name, torch.no_grad()(fn))
+    return cls
+
+
 def op_name(op) -> str:
     red = getattr(op, "op", op)
     for k, v in _OPS.items():
@@ -636,9 +655,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
             return self._track(_AnySourceWork(self, t, tag, [src]))
         if topo.group_of[src] == topo.my_group:
             f, copied = _flat(t)
-            if copied:
-                raise ValueError("hetccl: recv into a non-contiguous tensor is not supported")
-            return self._track(self.engine.local.recv(f, topo.local_rank_of[src], tag))
+            work = self.engine.local.recv(f, topo.local_rank_of[src], tag)
+            # the native library receives into contiguous memory only: a non-contiguous
+            # tensor receives into a contiguous copy, copied back by wait() (as across vendors)
+            return self._track(_CopyBackWork(work, t, f) if copied else work)
         return self._track(_P2PWork.recv(self.engine, src, t, tags.p2p(tag)))
 
     def recv_anysource(self, tensors, tag=0):
@@ -738,6 +758,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return _AllWork(works, None)
 
 
+outside_autograd(HetcclProcessGroup)
 compat.install_aliases(HetcclProcessGroup)
 
 
@@ -789,6 +810,7 @@ class _PostedRecv:
             raise torch_timeout_wording(e) from None
 
 
+@outside_autograd
 class _AnySourceWork(HetcclWork):
     """recv from any of `peers` (recv_anysource), or from one peer whose next message an
     earlier any-source receive already holds. Completed by wait() (or is_completed())."""
@@ -853,6 +875,38 @@ class _AnySourceWork(HetcclWork):
         return self.fut
 
 
+@outside_autograd
+class _CopyBackWork(HetcclWork):
+    """A native work whose result lands in `staged` (a contiguous stand-in for `t`): wait()
+    waits for it (stream-ordered on a device, as the native work's own wait), then copies
+    staged into t."""
+
+    def __init__(self, native, t: torch.Tensor, staged: torch.Tensor):
+        super().__init__(torch.futures.Future(), [t])
+        self.native, self.t, self.staged = native, t, staged
+        self._done = False
+
+    def wait(self, timeout=None):
+        if not self._done:
+            try:
+                self.native.wait() if timeout is None else self.native.wait(timeout)
+                self.t.copy_(self.staged.view_as(self.t))
+                self._done = True
+                self.fut.set_result([self.t])
+            except BaseException as e:
+                if not self.fut.done():
+                    self.fut.set_exception(e)
+                raise
+        return True
+
+    def is_completed(self):
+        return self._done or self.native.is_completed()
+
+    def get_future(self):
+        return self.fut
+
+
+@outside_autograd
 class _P2PWork(HetcclWork):
     """Point-to-point over the bridge: posted at once, completed by wait()."""
 

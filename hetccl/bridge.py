@@ -78,6 +78,8 @@ class Bridge:
     def __init__(self, store, topo: Topology, timeout: timedelta):
         self.topo = topo
         self.timeout = timeout
+        # operations whose wait failed while the transport still held their buffer (_Req)
+        self._parked: list = []
         self.peers = [r for r in range(topo.size) if topo.group_of[r] != topo.my_group]
         if topo.rank == 0:
             store.set("hetccl/secret", secrets.token_hex(16))
@@ -181,15 +183,17 @@ class Bridge:
 
     # --- data movement (host tensors) ---
     def isend(self, peer: int, t: torch.Tensor, tag: int):
-        return _Req(self.transport_of(peer).isend(peer, t.data_ptr(), _nbytes(t), tag), t)
+        tr = self.transport_of(peer)
+        return _Req(tr.isend(peer, t.data_ptr(), _nbytes(t), tag), t, tr, self._parked)
 
     def irecv(self, peer: int, t: torch.Tensor, tag: int):
-        return _Req(self.transport_of(peer).irecv(peer, t.data_ptr(), _nbytes(t), tag), t)
+        tr = self.transport_of(peer)
+        return _Req(tr.irecv(peer, t.data_ptr(), _nbytes(t), tag), t, tr, self._parked)
 
     def irecv_reduce(self, peer: int, t: torch.Tensor, tag: int, op: str):
-        req = self.transport_of(peer).irecv_reduce(peer, t.data_ptr(), _nbytes(t), tag, op,
-                                                   torch_dtype_name(t.dtype))
-        return _Req(req, t)
+        tr = self.transport_of(peer)
+        req = tr.irecv_reduce(peer, t.data_ptr(), _nbytes(t), tag, op, torch_dtype_name(t.dtype))
+        return _Req(req, t, tr, self._parked)
 
     def zero_copy(self, peers) -> bool:
         """True when every peer is reached through a transport with a zero-copy ring."""
@@ -202,6 +206,7 @@ class Bridge:
             except Exception as e:  # noqa: BLE001
                 log.warning("hetccl: closing transport failed: %s", e)
         self.transports = {}
+        self._parked.clear()  # closed transports write into no buffer
 
 
 def pair_same_host(topo: Topology, a: int, b: int) -> bool:
@@ -289,12 +294,45 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class _Req:
-    """A posted transport operation plus the tensor it reads or writes (kept alive until done)."""
+    """A posted transport operation plus the tensor it reads or writes.
 
-    __slots__ = ("req", "tensor")
+    Contract: the transport holds only the raw pointer, so the tensor must outlive the
+    operation. A wait that fails or times out (a p2p recv whose peer never sends, say) leaves
+    the operation posted; withdraw() then cancels a receive that no data has reached
+    (Transport::cancel) or, where it cannot, parks this _Req on its bridge until the bridge
+    closes, so the caller may drop its work and the tensor without the transport ever writing
+    into freed memory."""
 
-    def __init__(self, req, tensor):
-        self.req, self.tensor = req, tensor
+    __slots__ = ("req", "tensor", "transport", "parked")
+
+    def __init__(self, req, tensor, transport=None, parked=None):
+        self.req, self.tensor, self.transport, self.parked = req, tensor, transport, parked
 
     def wait(self, deadline: float) -> int:
-        return self.req.wait(_left_ms(deadline))
+        try:
+            return self.req.wait(_left_ms(deadline))
+        except BaseException:
+            self.withdraw()
+            raise
+
+    def withdraw(self) -> None:
+        try:
+            if self.req.test():
+                return  # finished: the transport is done with the buffer
+        except Exception:  # noqa: BLE001 - failed: likewise
+            return
+        try:
+            if self.transport is not None and self.transport.cancel(self.req):
+                return
+        except Exception:  # noqa: BLE001 - a closed transport: park it, dropped at close
+            pass
+        if self.parked is not None:
+            self.parked[:] = [p for p in self.parked if not _finished(p.req)]
+            self.parked.append(self)
+
+
+def _finished(req) -> bool:
+    try:
+        return bool(req.test())
+    except Exception:  # noqa: BLE001 - failed counts as finished
+        return True

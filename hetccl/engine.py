@@ -165,6 +165,9 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
     def _run(self) -> None:
+        # Bodies write into the callers' tensors outside autograd, as c10d's C++ backends do
+        # (backend.outside_autograd); grad mode is per thread and on in a new one.
+        torch.set_grad_enabled(False)
         while True:
             item = self._q.get()
             if item is None:

@@ -41,7 +41,8 @@ TOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfl
 # the case families run_all reports (the first component of every case name)
 FAMILIES = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather_coalesced",
             "reduce_scatter", "all_to_all_single", "all_to_all", "gather_scatter", "barrier",
-            "object_collectives", "p2p", "coalescing_manager", "new_group", "async", "stream"]
+            "object_collectives", "p2p", "coalescing_manager", "new_group", "async", "stream",
+            "requires_grad"]
 
 
 def data(rank: int, case: int, n: int, dtype: torch.dtype, op: str = "sum") -> torch.Tensor:
@@ -533,6 +534,7 @@ def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
     c.case += 3
 
     _async_cases(c, rank, W, dev, put, empty)
+    _requires_grad_cases(c, rank, W, dev, put)
 
 
 def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
@@ -670,6 +672,103 @@ def _async_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
                         torch.float32)
         return close(y, ref * 2, torch.float32, W)
     c.run("stream/wait_on_stream", f)
+
+
+def _requires_grad_cases(c: Cases, rank: int, W: int, dev, put) -> None:
+    """Collectives and receives write into leaf tensors that require grad (and into views of
+    them), outside autograd, as c10d's C++ backends do: Megatron makes its pipeline receive
+    buffers with requires_grad=True, and dist.broadcast(param) / all_reduce(param) are common.
+    The call must give the right values and leave the tensor a leaf that requires grad (no
+    "a leaf Variable that requires grad is being used in an in-place operation")."""
+    def leaf(x):
+        return x.detach().clone().requires_grad_(True)
+
+    def zeros(*shape):
+        return torch.zeros(*shape, device=dev).requires_grad_(True)
+
+    def still_leaf(*ts):
+        for t in ts:
+            if not (t.requires_grad and t.is_leaf and t.grad_fn is None):
+                return f"tensor no longer a leaf that requires grad (grad_fn {t.grad_fn})"
+
+    f32 = torch.float32
+
+    def f(case):
+        x = leaf(put(data(rank, case, 3001, f32)))
+        dist.all_reduce(x)
+        ref = reference([data(r, case, 3001, f32) for r in range(W)], "sum", f32)
+        return still_leaf(x) or close(x.detach(), ref, f32, W)
+    c.run("requires_grad/all_reduce", f)
+
+    def f(case):
+        x = leaf(put(data(rank, case, 999, f32)))
+        dist.broadcast(x, src=W - 1)
+        return still_leaf(x) or (None if eq(x, data(W - 1, case, 999, f32))
+                                 else "broadcast wrong")
+    c.run("requires_grad/broadcast", f)
+
+    def f(case):
+        out = zeros(W * 257)
+        dist.all_gather_into_tensor(out, put(data(rank, case, 257, f32)))
+        outs = [zeros(257) for _ in range(W)]
+        dist.all_gather(outs, put(data(rank, case, 257, f32)))
+        want = torch.cat([data(r, case, 257, f32) for r in range(W)])
+        return still_leaf(out, *outs) or (
+            None if eq(out, want) and eq(torch.cat([o.detach().cpu() for o in outs]), want)
+            else "all_gather wrong")
+    c.run("requires_grad/all_gather", f)
+
+    def f(case):
+        out = zeros(300)
+        dist.reduce_scatter_tensor(out, put(data(rank, case, W * 300, f32)))
+        ref = reference([data(r, case, W * 300, f32) for r in range(W)], "sum",
+                        f32)[rank * 300:(rank + 1) * 300]
+        return still_leaf(out) or close(out.detach(), ref, f32, W)
+    c.run("requires_grad/reduce_scatter", f)
+
+    def f(case):
+        out = zeros(W * 5)
+        dist.all_to_all_single(out, put(data(rank, case, W * 5, f32)))
+        want = torch.cat([data(r, case, W * 5, f32)[rank * 5:(rank + 1) * 5] for r in range(W)])
+        return still_leaf(out) or (None if eq(out, want) else "all_to_all wrong")
+    c.run("requires_grad/all_to_all_single", f)
+
+    def f(case):
+        # a ring of send/recv into a leaf and into a non-contiguous view of a leaf
+        nxt, prv = (rank + 1) % W, (rank - 1) % W
+        y = zeros(4097)
+        base = zeros(30, 20)
+        z = base.t()
+        x = put(data(rank, case, 4097, f32))
+        x2 = put(data(rank, case + 1, 600, f32).view(20, 30))
+        if rank % 2 == 0:
+            dist.send(x, nxt)
+            dist.send(x2, nxt)
+            dist.recv(y, prv)
+            dist.recv(z, prv)
+        else:
+            dist.recv(y, prv)
+            dist.recv(z, prv)
+            dist.send(x, nxt)
+            dist.send(x2, nxt)
+        ok = eq(y, data(prv, case, 4097, f32)) and \
+            eq(z, data(prv, case + 1, 600, f32).view(20, 30))
+        return still_leaf(y, base) or (None if ok else "send/recv wrong")
+    c.run("requires_grad/send_recv", f)
+    c.case += 1
+
+    def f(case):
+        # irecv (Megatron's pipeline receive), waited through the request
+        nxt, prv = (rank + 1) % W, (rank - 1) % W
+        y = zeros(2, 513)
+        reqs = [dist.irecv(y, prv, tag=3), dist.isend(put(data(rank, case, 1026, f32)
+                                                          .view(2, 513)), nxt, tag=3)]
+        for r in reqs:
+            r.wait()
+        _sync(dev)
+        return still_leaf(y) or (None if eq(y, data(prv, case, 1026, f32).view(2, 513))
+                                 else "irecv wrong")
+    c.run("requires_grad/irecv", f)
 
 
 def run_all_gather_paths(ctx) -> dict:

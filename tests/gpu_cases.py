@@ -245,10 +245,11 @@ def run_errors(ctx, device: str, orders: list[str], check: str = "on", record=No
                 whatever the order of earlier calls, and a correct all_reduce on the group
                 succeeds afterwards (an argument error leaves the group usable:
                 docs/reliability.md).
-                check "async": the mismatch was raised, naming what differs, by the call or by
-                the next call on the group (device calls do not wait: the engine compares the
-                headers as they arrive, HETCCL_ASYNC_ERROR_HANDLING=raise), and afterwards the
-                group either works or refuses every call at once (a broken group), never a hang
+                check "async": the mismatch was raised, naming what differs, by the call (a
+                ValueError where the call itself saw it; the group's CommError where the engine
+                found it after issue and the call's wait reported it) or by the next call
+                (device calls do not wait: the engine compares the headers as they arrive,
+                HETCCL_ASYNC_ERROR_HANDLING=raise), and afterwards the group either works or refuses every call at once (a broken group), never a hang
                 or a wrong value.
       else      the failure.
     The ranks run with HETCCL_ASYNC_ERROR_HANDLING=raise (tests/test_gpu_suite.py), so an
@@ -307,6 +308,12 @@ def _one_error_case(kind, order, side, words, dev, g, world, check):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     except Exception as e:  # noqa: BLE001
+        if check == "async" and isinstance(e, RuntimeError):
+            # found by the engine after the call was issued (the headers compared as they
+            # arrived): reported by the call's own wait -- torch's dist.all_reduce waits the
+            # work -- as the group's failure (CommError, a RuntimeError), naming what differs
+            err = named(str(e))
+            return ("async report " + err) if err else (fails_fast() or "ok")
         if not isinstance(e, ValueError):
             return f"wrong exception {type(e).__name__}: {str(e)[:300]}"
         err = named(str(e))

@@ -47,3 +47,56 @@ def test_settings_that_must_agree_are_checked_at_start():
         assert "HETCCL_CHUNK_BYTES: 65536 on ranks [0], 0 on ranks [1]" in msg, (r, msg)
         assert "HETCCL_HOST_KERNEL: true on ranks [0], false on ranks [1]" in msg, (r, msg)
     assert per_rank[0] == per_rank[1]
+
+
+def _p2p_after_timed_out_recv(ctx, nbytes):
+    """Rank 1's recv from rank 0 times out (rank 0 has not sent yet); rank 0 sends afterwards.
+    The transport must never write into that tensor after the failed wait -- the caller may
+    have freed it, and a stale write into freed memory corrupts or crashes the process (seen
+    with a recv that had timed out). Observed here by keeping the tensor: it stays zero. And
+    the group keeps working: a p2p message of another tag and an all_reduce arrive intact."""
+    import gc
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import hetccl  # noqa: F401
+
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    n = nbytes // 4
+    out = {}
+    if ctx.rank == 1:
+        y = torch.zeros(n)
+        w = dist.irecv(y, 0, tag=5)
+        try:
+            w.wait(timeout=timedelta(seconds=1))
+            out["timed_out"] = "no: the recv completed"
+        except Exception as e:  # noqa: BLE001
+            out["timed_out"] = "ok" if "imed out" in str(e) else f"{type(e).__name__}: {e}"
+        del w
+        gc.collect()
+        dist.barrier()  # rank 0 sends only now
+        z = torch.zeros(1000)
+        dist.recv(z, 0, tag=6)
+        out["later_message"] = "ok" if bool((z == 7).all()) else f"wrong: {z[:3].tolist()}"
+        out["stale_buffer_untouched"] = "ok" if not bool(y.any()) else \
+            "written after its wait had failed"
+    else:
+        dist.barrier()
+        dist.send(torch.full((n,), 3.0), 1, tag=5)
+        dist.send(torch.full((1000,), 7.0), 1, tag=6)
+    x = torch.full((100,), float(ctx.rank + 1))
+    dist.all_reduce(x)
+    out["all_reduce"] = "ok" if bool((x == 3).all()) else f"wrong: {x[:3].tolist()}"
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_timed_out_recv_never_writes_into_freed_memory(transport):
+    per_rank = spawn(_p2p_after_timed_out_recv, 2, args=(32 << 20,), vendors="1+1",
+                     timeout=120, env={"HETCCL_TRANSPORT": transport})
+    bad = {(r, k): v for r, res in enumerate(per_rank) for k, v in res.items() if v != "ok"}
+    assert "timed_out" in per_rank[1] and not bad, bad

@@ -202,7 +202,17 @@ def main(argv: list[str] | None = None) -> int:
                    ("algbw", 7), ("busbw", 7), ("#wrong", 6)], jsonl=args.jsonl)
     table.header()
     all_rows = []
-    for cfg in configs(args):
+    cfgs = configs(args)
+    if args.device == "cuda" and torch.cuda.device_count() < world:
+        # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected");
+        # with ranks sharing GPUs (rank % device_count) gloo on CUDA tensors is the baseline
+        for cfg in cfgs:
+            if cfg["backend"] == "nccl":
+                cfg["backend"] = "gloo"
+                print(f"# nccl needs one GPU per rank ({world} ranks, "
+                      f"{torch.cuda.device_count()} GPUs): gloo is the baseline instead")
+        cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
+    for cfg in cfgs:
         rc = dict(cfg, colls=args.colls.split(","), sizes=sizes, dtype=args.dtype, op=args.op,
                   device=args.device, iters=args.iters, warmup=args.warmup,
                   timeout=args.timeout, progress=not args.no_progress, hardware=hw)
