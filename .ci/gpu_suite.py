@@ -2,11 +2,16 @@
 
     python3 .ci/gpu_suite.py wheels [DIR]          # the carried wheels the box lacks
     python3 .ci/gpu_suite.py summary OUT RC SECS LIMIT   # OUT/gpu_summary.txt's text
+    python3 .ci/gpu_suite.py fingerprint           # the source tree's fingerprint
 
 wheels: one wheel per distribution of DIR (default .whl), the highest version of each, leaving
 out every distribution the box already has (importlib.metadata finds it) and torch, numpy,
 triton, nvidia-* and libucx whatever is installed: a wheel installed with --target onto
 PYTHONPATH would shadow the box's copy, and the box's torch must keep its own dependencies.
+fingerprint: sha1 over the paths and contents of the tracked-kind source files (hetccl/,
+csrc/, integrations/, tests/, .ci/, CMakeLists.txt, pyproject.toml): the device tool sends a
+copy of the working tree whose git metadata may be older than the tree, so the summary names
+both, and `fingerprint` run here says which commit a summary was made from.
 summary: counts and wall time of the pytest run in OUT/gpu_tests.log, its failures and skips,
 and the figure rows of OUT/gpu_figures.jsonl (written by tests/test_gpu_suite.py) as a table.
 """
@@ -52,6 +57,27 @@ def _fmt(v) -> str:
     return str(v)
 
 
+SOURCE = ("hetccl", "csrc", "integrations", "tests", ".ci", "CMakeLists.txt", "pyproject.toml")
+
+
+def fingerprint(root: str = ".") -> str:
+    import hashlib
+    h = hashlib.sha1()
+    paths = []
+    for top in SOURCE:
+        full = os.path.join(root, top)
+        if os.path.isfile(full):
+            paths.append(top)
+        for d, dirs, files in os.walk(full):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__" and not x.startswith("."))
+            paths += [os.path.relpath(os.path.join(d, f), root) for f in files
+                      if f.endswith((".py", ".cc", ".h", ".sh", ".txt", ".toml", ".cmake"))
+                      or f == "run" or f == "setup"]
+    for rel in sorted(set(paths)):
+        h.update(rel.encode() + b"\0" + open(os.path.join(root, rel), "rb").read() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def summary(out: str, rc: int, secs: int, limit: str) -> str:
     lines = []
     log_path = os.path.join(out, "gpu_tests.log")
@@ -67,7 +93,8 @@ def summary(out: str, rc: int, secs: int, limit: str) -> str:
                          text=True).stdout.strip()
     date = subprocess.run(["date", "-u", "+%Y-%m-%d %H:%M UTC"], capture_output=True,
                           text=True).stdout.strip()
-    lines.append(f"GPU suite, {date}, commit {rev or '?'}, {gpu}")
+    lines.append(f"GPU suite, {date}, commit {rev or '?'} (git metadata of the copy), source "
+                 f"fingerprint {fingerprint()} (.ci/gpu_suite.py fingerprint), {gpu}")
     lines.append("command: bash .ci/gpu-box.sh build tests   "
                  "(python3 -m pytest tests/test_gpu.py tests/test_gpu_suite.py -m gpu)")
     last = next((l for l in reversed(log.splitlines()) if re.search(r"\d+ (passed|failed)", l)),
@@ -93,6 +120,9 @@ def summary(out: str, rc: int, secs: int, limit: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "fingerprint":
+        print(fingerprint())
+        return 0
     if argv and argv[0] == "wheels":
         print(" ".join(wheels(*argv[1:2])))
         return 0
