@@ -396,6 +396,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if len(outs) != self.size():
             raise ValueError(f"hetccl: all_gather needs {self.size()} output tensors, got "
                              f"{len(outs)}")
+        if len({o.numel() for o in outs}) > 1:
+            return self._uneven_all_gather(output_tensors, outs, inp)
         for o in outs:
             if o.numel() != inp.numel():
                 raise ValueError(f"hetccl: all_gather output tensor has {o.numel()} elements, "
@@ -409,6 +411,29 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         return self._submit("all_gather", 0, self._all_gather_flat(buf, inp, scatter_out),
                             output_tensors, [inp, *outs])
+
+    def _uneven_all_gather(self, output_tensors, outs, inp):
+        """Outputs of different sizes, as ProcessGroupNCCL allows (gloo refuses): one broadcast
+        per rank, rank k's input into outs[k] everywhere. Rank k is the root of broadcast k with
+        its input itself, so an input that does not match outs[k] fails the argument check of
+        that broadcast on every rank (naming the sizes), not on rank k alone."""
+        me = self.rank()
+        for o in outs:
+            if o.dtype != inp.dtype:
+                raise TypeError(f"hetccl: all_gather output dtype {o.dtype} != input dtype "
+                                f"{inp.dtype}")
+        src, _ = _flat(inp)
+        flats = [(src, False) if k == me else _flat(o) for k, o in enumerate(outs)]
+
+        def body(ctx, algo):
+            for k, (f, copied) in enumerate(flats):
+                self._check(ctx, "broadcast", f.numel(), f.dtype, None, k)
+                algo(ctx, f, k)
+                if copied:
+                    outs[k].copy_(f.view_as(outs[k]))
+            outs[me].copy_(src.view_as(outs[me]))
+
+        return self._submit("broadcast", 0, body, output_tensors, [inp, *outs])
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """torch's layout: output_lists[rank][i] receives input_list[i] of `rank`. One
@@ -490,9 +515,42 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if len(ins) != self.size():
             raise ValueError(f"hetccl: reduce_scatter needs {self.size()} input tensors, got "
                              f"{len(ins)}")
+        if any(t.numel() != out.numel() for t in ins):
+            return self._uneven_reduce_scatter(output_tensors, out, ins, op)
         inp = torch.cat([t.reshape(-1) for t in ins])
         return self._submit("reduce_scatter", 0, self._reduce_scatter_flat(out, inp, op),
                             output_tensors, [out, inp])
+
+    def _uneven_reduce_scatter(self, output_tensors, out, ins, op: str):
+        """Inputs of different sizes, as ProcessGroupNCCL and gloo allow: one reduce per rank,
+        every rank's ins[k] reduced into rank k's output. Each reduce works on a copy (the
+        inputs stay as they were). The root's part is output-sized, so an output that does not
+        match ins[k] fails that reduce's argument check on every rank."""
+        me, world = self.rank(), self.size()
+        for t in ins:
+            if t.dtype != out.dtype:
+                raise TypeError(f"hetccl: reduce_scatter input dtype {t.dtype} != output "
+                                f"dtype {out.dtype}")
+        parts = []
+        for k, t in enumerate(ins):
+            if k == me and t.numel() != out.numel():
+                parts.append(torch.empty(out.numel(), dtype=out.dtype, device=out.device))
+            else:
+                parts.append(t.reshape(-1).clone())
+
+        def body(ctx, algo):
+            for k, f in enumerate(parts):
+                self._check(ctx, "reduce", f.numel(), f.dtype, op, k)
+                if op in _BITWISE:
+                    self._bitwise_all_reduce(ctx, f, op)
+                else:
+                    algo(ctx, f, k, "sum" if op == "avg" else op)
+                if k == me:
+                    if op == "avg":
+                        f.div_(world)
+                    out.copy_(f.view_as(out))
+
+        return self._submit("reduce", 0, body, output_tensors, [out, *ins])
 
     def _hc_reduce_scatter_single(self, output, input, opts=None):
         op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)

@@ -380,6 +380,31 @@ def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
         return close(out, ref, torch.float32, W)
     c.run("reduce_scatter/non_contiguous", f)
 
+    # outputs / inputs of different sizes per rank (list forms), as ProcessGroupNCCL allows
+    # (all_gather: one broadcast per rank; reduce_scatter: one reduce per rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        def f(case, dtype=dtype):
+            sizes = [(3 * k + 5) % 11 for k in range(W)]  # one of them may be 0
+            outs = [empty(s, dtype=dtype) for s in sizes]
+            dist.all_gather(outs, put(data(rank, case, sizes[rank], dtype)))
+            for k, o in enumerate(outs):
+                if not eq(o, data(k, case, sizes[k], dtype)):
+                    return f"all_gather uneven: part of rank {k} wrong"
+        c.run(f"all_gather/uneven_list/{str(dtype)[6:]}", f)
+    for opn in ("sum", "max", "avg"):
+        def f(case, opn=opn):
+            sizes = [2 * k + 1 for k in range(W)]
+            ins = [put(data(rank * W + k, case, sizes[k], torch.float32, opn)) for k in range(W)]
+            keep = [t.clone() for t in ins]
+            out = empty(sizes[rank])
+            dist.reduce_scatter(out, ins, op=OPS[opn])
+            ref = reference([data(r * W + rank, case, sizes[rank], torch.float32, opn)
+                             for r in range(W)], opn, torch.float32)
+            if any(not eq(a, b) for a, b in zip(ins, keep)):
+                return "reduce_scatter uneven changed its inputs"
+            return close(out, ref, torch.float32, W)
+        c.run(f"reduce_scatter/uneven_list/{opn}", f)
+
     # all_to_all_single: even and uneven splits, 2-D rows
     def split_of(src, dst, case):
         return (src * 7 + dst * 3 + case) % 4  # rows src sends to dst (some zero)

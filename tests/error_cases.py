@@ -49,6 +49,16 @@ def run(ctx) -> dict[str, str]:
                                 NotImplementedError, "AVG", "int32")
     out["invalid_root"] = _expect(lambda: dist.broadcast(torch.ones(3), src=world + 5),
                                   (ValueError, RuntimeError), "rank")
+    # uneven all_gather (list): rank 1's input does not match outs[1], which every rank
+    # expects: reported on every rank by broadcast 1's check
+    out["uneven_all_gather_input_mismatch"] = _expect(
+        lambda: dist.all_gather([torch.empty(2 + k) for k in range(world)],
+                                torch.ones(2 + rank + (rank == 1))),
+        ValueError, "number of elements")
+    out["uneven_reduce_scatter_output_mismatch"] = _expect(
+        lambda: dist.reduce_scatter(torch.empty(2 + rank + (rank == 1)),
+                                    [torch.ones(2 + k) for k in range(world)]),
+        ValueError, "number of elements")
     ins = [1] * world
     outs = [1] * world
     if rank == 0:
