@@ -110,6 +110,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         self.engine = Engine(store, rank, size, timeout, topo, name=group_id)
         self.topo = topo
         self._coalescing: list | None = None
+        self._self_p2p = _SelfMailbox(timeout)
         # monitored_barrier's rendezvous keys live in the group's (incarnation-prefixed) store
         self._mb_store = dist.PrefixStore("hetccl/monitored_barrier/", store)
         self._mb_seq = 0
@@ -693,12 +694,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ point to point
     def _p2p_peer(self, peer: int, what: str):
         self._validate_root(peer, what)
-        if peer == self.rank():
-            raise ValueError(f"hetccl: {what} rank {peer} is this rank itself")
 
     def send(self, tensors, dst, tag=0):
         self._p2p_peer(dst, "destination")
         t = tensors[0]
+        if dst == self.rank():
+            return self._track(self._self_p2p.post("send", t, tag))
         topo = self.topo
         if topo.group_of[dst] == topo.my_group:
             return self._track(self.engine.local.send(_flat(t)[0], topo.local_rank_of[dst], tag))
@@ -707,6 +708,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def recv(self, tensors, src, tag=0):
         self._p2p_peer(src, "source")
         t = tensors[0]
+        if src == self.rank():
+            return self._track(self._self_p2p.post("recv", t, tag))
         topo = self.topo
         pending = self._posted.get((src, tag))
         if pending:  # an any-source receive already holds the next message of (src, tag)
@@ -928,6 +931,87 @@ class _AnySourceWork(HetcclWork):
     def _source_rank(self) -> int:
         self.wait()
         return self.src
+
+    def get_future(self):
+        return self.fut
+
+
+class _SelfMailbox:
+    """Point-to-point between a rank and itself, which NCCL allows (isend/irecv to one's own
+    rank, in batch_isend_irecv say; torch's blocking dist.send/recv refuse it before any
+    backend). Sends and receives of one tag match in posting order; at the match the sent
+    tensor is copied into the receiving one (for device tensors on the current stream of the
+    call that makes the match, so later work on that stream sees the data) and both works
+    complete. A work whose partner is never posted times out in wait() after the group's
+    timeout, naming the tag."""
+
+    def __init__(self, timeout: timedelta):
+        self.timeout = timeout.total_seconds()
+        self.lock = threading.Lock()
+        self.pending: dict[tuple[str, int], collections.deque] = {}
+
+    def post(self, kind: str, t: torch.Tensor, tag: int) -> "_SelfWork":
+        work = _SelfWork(kind, t, tag, self.timeout)
+        other = "recv" if kind == "send" else "send"
+        with self.lock:
+            q = self.pending.get((other, tag))
+            if not q:
+                self.pending.setdefault((kind, tag), collections.deque()).append(work)
+                return work
+            peer = q.popleft()
+        send, recv = (work, peer) if kind == "send" else (peer, work)
+        err = None
+        try:
+            with torch.no_grad():
+                _self_copy(send.t, recv.t)
+        except Exception as e:  # noqa: BLE001 - both works report it
+            err = e
+        send.finish(err)
+        recv.finish(err)
+        return work
+
+
+def _self_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    if src.numel() * src.element_size() != dst.numel() * dst.element_size():
+        raise ValueError(f"hetccl: point-to-point message to this rank itself carried "
+                         f"{src.numel() * src.element_size()} bytes, the receiving tensor has "
+                         f"{dst.numel() * dst.element_size()}")
+    if src.dtype == dst.dtype:
+        dst.copy_(src.reshape(dst.shape))
+    else:  # a byte copy, as the message would be
+        flat, copied = _flat(dst)
+        flat.view(torch.uint8).copy_(src.contiguous().view(-1).view(torch.uint8))
+        if copied:
+            dst.copy_(flat.view_as(dst))
+
+
+class _SelfWork(HetcclWork):
+    def __init__(self, kind: str, t: torch.Tensor, tag: int, timeout: float):
+        super().__init__(torch.futures.Future(), [t])
+        self.kind, self.t, self.tag, self.timeout = kind, t, tag, timeout
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def finish(self, err) -> None:
+        self.error = err
+        if err is None:
+            self.fut.set_result([self.t])
+        else:
+            self.fut.set_exception(err)
+        self.done.set()
+
+    def wait(self, timeout=None):
+        limit = timeout.total_seconds() if timeout else self.timeout
+        if not self.done.wait(limit):
+            other = "receive" if self.kind == "send" else "send"
+            raise CommTimeout(f"hetccl: Timed out after {limit:.0f} s waiting for the {other} "
+                              f"that matches a {self.kind} to this rank itself (tag {self.tag})")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self):
+        return self.done.is_set()
 
     def get_future(self):
         return self.fut

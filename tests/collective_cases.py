@@ -625,6 +625,32 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
     c.run("p2p/batch_isend_irecv", f)
 
     def f(case):
+        # batch_isend_irecv including this rank itself (NCCL allows it; an all-to-all written
+        # with p2p does it): every pair both ways, self included, a non-contiguous receive to
+        # self, receive posted before send
+        ops, bufs = [], {}
+        for p in range(W):
+            bufs[p] = empty(17, dtype=torch.int64)
+            if p == rank:
+                col = empty(17, 2)[:, 1]
+                ops.append(dist.P2POp(dist.irecv, col, p, tag=4))
+                ops.append(dist.P2POp(dist.isend, put(data(rank * 100 + p, case, 17,
+                                                           torch.float32)), p, tag=4))
+                bufs["col"] = col
+            ops.append(dist.P2POp(dist.isend, put(data(rank * 100 + p, case, 17, torch.int64)),
+                                  p))
+            ops.append(dist.P2POp(dist.irecv, bufs[p], p))
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        _sync(dev)
+        for p in range(W):
+            if not eq(bufs[p], data(p * 100 + rank, case, 17, torch.int64)):
+                return f"batch_isend_irecv from {p} wrong"
+        if not eq(bufs["col"], data(rank * 100 + rank, case, 17, torch.float32)):
+            return "non-contiguous receive from this rank itself wrong"
+    c.run("p2p/batch_with_self", f)
+
+    def f(case):
         # recv from any source (src=None): rank 0 receives one message from every other rank,
         # whichever comes first; every sender names itself in the data
         if rank == 0:

@@ -100,3 +100,43 @@ def test_timed_out_recv_never_writes_into_freed_memory(transport):
                      timeout=120, env={"HETCCL_TRANSPORT": transport})
     bad = {(r, k): v for r, res in enumerate(per_rank) for k, v in res.items() if v != "ok"}
     assert "timed_out" in per_rank[1] and not bad, bad
+
+
+def _unmatched_self_send(ctx):
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import hetccl  # noqa: F401
+
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    out = {}
+    w = dist.isend(torch.ones(4), ctx.rank, tag=9)
+    try:
+        w.wait(timeout=timedelta(seconds=1))
+        out["unmatched"] = "completed without a receive"
+    except Exception as e:  # noqa: BLE001
+        out["unmatched"] = "ok" if "itself" in str(e) and "tag 9" in str(e) else repr(e)
+    y = torch.zeros(2)  # a size mismatch at the match: both works fail, naming the sizes
+    r = dist.irecv(y, ctx.rank, tag=9)
+    for name, work in (("send_mismatch", w), ("recv_mismatch", r)):
+        try:
+            work.wait()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = "ok" if "16 bytes" in str(e) and "8" in str(e) else repr(e)
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    out["group_usable"] = "ok" if bool((x == ctx.world_size).all()) else "wrong"
+    dist.destroy_process_group()
+    return out
+
+
+def test_point_to_point_with_itself_fails_clearly():
+    """A send to this rank itself that no receive matches times out naming the tag; a size
+    mismatch at the match fails both works naming the sizes; the group stays usable."""
+    per_rank = spawn(_unmatched_self_send, 2, vendors="1+1", timeout=120)
+    bad = {(r, k): v for r, res in enumerate(per_rank) for k, v in res.items() if v != "ok"}
+    assert len(per_rank[0]) == 4 and not bad, bad
