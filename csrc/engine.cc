@@ -1262,6 +1262,7 @@ void Engine::break_engine(const std::string& msg, int kind) {
     }
   }
   for (auto& kv : plans_) fail_plan(*kv.second, broken_, broken_kind_);
+  withdraw_host_requests();
   for (auto& kv : links_) {
     Link& l = *kv.second;
     l.sq.clear();
@@ -1270,6 +1271,41 @@ void Engine::break_engine(const std::string& msg, int kind) {
     l.back.clear();
   }
   release_device_waits();
+}
+
+// Host data on message links goes between the transport and the caller's memory directly (no
+// staging), and once a collective has failed the caller may free that memory: the face keeps
+// no reference to its tensors after the error (engine.py, _with_hosts). So before the queues
+// are dropped, every issued host receive that no data has reached is withdrawn
+// (Transport::cancel: its buffer is never written); a receive whose data is arriving and an
+// issued send (it reads the caller's memory) cannot be withdrawn (stats "withdrawn_receives"
+// counts those that were), and are waited for, up to
+// kStaleWaitMs in all (a live peer's data lands in microseconds; a failed peer's requests fail
+// at once). What is still in flight after that is counted in stats "left_in_flight". Device
+// chunks are not touched: they move through the engine's own staging slots and device memory,
+// which the streams and flag_pages_ keep until close().
+void Engine::withdraw_host_requests() {
+  constexpr int64_t kStaleWaitMs = 1000;
+  std::vector<RequestPtr> waiting;
+  for (auto& kv : links_) {
+    Link& l = *kv.second;
+    if (l.zc) continue;  // zero-copy rings: the engine itself copies, and stops with the queues
+    for (auto& c : l.rq) {
+      if (c.device || !c.issued || !c.req || c.req->test_nothrow()) continue;
+      if (l.t->cancel(c.req)) {
+        stats_["withdrawn_receives"] += 1;
+      } else {
+        waiting.push_back(c.req);
+      }
+    }
+    for (auto& c : l.sq)
+      if (!c.device && c.issued && c.req && !c.req->test_nothrow()) waiting.push_back(c.req);
+  }
+  int64_t until = now_ms() + kStaleWaitMs;
+  for (auto& r : waiting) {
+    while (!r->test_nothrow() && now_ms() < until) sched_yield();
+    if (!r->test_nothrow()) stats_["left_in_flight"] += 1;
+  }
 }
 
 // ----------------------------------------------------------------------------- waiting

@@ -204,6 +204,7 @@ class Engine {
   void finish_chunk(Plan& p);
   void mark_done(Plan& p);
   void bury(const std::shared_ptr<Plan>& p);
+  void withdraw_host_requests();  // break_engine: see engine.cc
   void fail_plan(Plan& p, const std::string& msg, int kind);
   void break_engine(const std::string& msg, int kind);
   void release_device_waits();

@@ -140,3 +140,49 @@ def test_point_to_point_with_itself_fails_clearly():
     per_rank = spawn(_unmatched_self_send, 2, vendors="1+1", timeout=120)
     bad = {(r, k): v for r, res in enumerate(per_rank) for k, v in res.items() if v != "ok"}
     assert len(per_rank[0]) == 4 and not bad, bad
+
+
+def _host_receive_of_failed_collective(ctx):
+    """Rank 0's all_gather times out (rank 1 comes 4 s late); rank 1 then sends its part. Host
+    data on message links (tcp) goes straight into the caller's tensor, so the engine must have
+    withdrawn that receive when the collective failed: rank 0's output keeps its old values."""
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import hetccl  # noqa: F401
+
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    g = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    n = 1 << 18
+    out = {}
+    o = torch.full((2 * n,), -1.0)
+    if ctx.rank == 1:
+        time.sleep(4)
+    try:
+        dist.all_gather_into_tensor(o, torch.full((n,), float(ctx.rank + 1)), group=g)
+        out["all_gather"] = "completed"
+    except Exception as e:  # noqa: BLE001
+        out["all_gather"] = "timed out" if "imed out" in str(e) else repr(e)[:300]
+    if ctx.rank == 0:
+        time.sleep(3)  # rank 1's data has arrived by now
+        stats = g.engine.stats
+        out["withdrawn"] = stats.get("withdrawn_receives", 0)
+        out["left_in_flight"] = stats.get("left_in_flight", 0)
+        out["untouched"] = bool((o[n:] == -1).all())
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_failed_collective_withdraws_its_host_receives():
+    per_rank = spawn(_host_receive_of_failed_collective, 2, vendors="1+1", timeout=120,
+                     env={"HETCCL_TRANSPORT": "tcp", "HETCCL_EMULATE_HOSTS": "1",
+                          "HETCCL_CHECK_ARGS": "off"})
+    r0 = per_rank[0]
+    assert r0["all_gather"] == "timed out", per_rank
+    assert r0["withdrawn"] >= 1 and r0["left_in_flight"] == 0, per_rank
+    assert r0["untouched"], f"rank 1's data was written after the collective failed: {per_rank}"
