@@ -220,10 +220,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"),
            py::call_guard<py::gil_scoped_release>())
       .def("cancel",
-           [](PyTransport& s, const RequestPtr& req) { return s.t().cancel(req); },
-           py::arg("request"), py::call_guard<py::gil_scoped_release>(),
+           [](PyTransport& s, const RequestPtr& req, bool unpost) {
+             return s.t().cancel(req, unpost);
+           },
+           py::arg("request"), py::arg("unpost") = false, py::call_guard<py::gil_scoped_release>(),
            "Withdraws a posted receive no data has reached yet (True: it failed with "
-           "'cancelled' and its buffer is never written; False: it finishes as before).")
+           "'cancelled' and its buffer is never written; False: it finishes as before). "
+           "unpost=True: only if its message then goes to the next receive of (peer, tag).")
       .def("irecv_reduce",
            [](PyTransport& s, int peer, uintptr_t ptr, size_t nbytes, uint64_t tag,
               const std::string& op, const std::string& dtype) {

@@ -219,7 +219,8 @@ class ShmTransport final : public Transport {
     return post_recv(peer, RecvOp::reducing("hetccl shm", dst, nbytes, rop, dtype), tag);
   }
   void close() override;
-  bool cancel(const RequestPtr& req) override;
+  // a withdrawn receive's message goes to the next receive of (peer, tag): unpost or not
+  bool cancel(const RequestPtr& req, bool unpost = false) override;
 
   bool zc_supported() const override { return true; }
   std::vector<std::pair<void*, size_t>> zc_regions() override;
@@ -311,7 +312,10 @@ class ShmTransport final : public Transport {
     return {p.in.zdata + size_t(slot) * p.in.slot_bytes, size_t(zh.nbytes), zh.tag};
   }
   void fail_peer(Peer& p, Request::ErrorKind kind, const std::string& msg);
-  void fail_all_locked(Peer& p, Request::ErrorKind kind, const std::string& msg);
+  // keep_delivered: the receiver thread found the peer gone after reading everything it had
+  // written: messages that arrived whole and were not received yet stay deliverable (post_recv)
+  void fail_all_locked(Peer& p, Request::ErrorKind kind, const std::string& msg,
+                       bool keep_delivered = false);
   RequestPtr post_recv(int peer, RecvOp op, uint64_t tag);
   void send_loop(Peer* p);
   void recv_loop(Peer* p);
@@ -520,7 +524,8 @@ void ShmTransport::connect(const std::vector<std::string>& addresses, int64_t ti
   }
 }
 
-void ShmTransport::fail_all_locked(Peer& p, Request::ErrorKind kind, const std::string& msg) {
+void ShmTransport::fail_all_locked(Peer& p, Request::ErrorKind kind, const std::string& msg,
+                                   bool keep_delivered) {
   if (p.failed.empty()) {
     p.failed = msg;
     p.failed_kind = kind;
@@ -530,12 +535,27 @@ void ShmTransport::fail_all_locked(Peer& p, Request::ErrorKind kind, const std::
   for (auto& kv : p.posted)
     for (auto& r : kv.second) r.req->fail(kind, msg);
   p.posted.clear();
-  p.unexpected.clear();
+  if (!keep_delivered) {
+    p.unexpected.clear();
+    return;
+  }
+  // A peer that finished its part of a collective and closed (destroy_process_group) may do so
+  // before this rank has posted the receive of its last message, which is here whole: an
+  // orderly close must not lose it. Per tag only the leading whole messages stay (a later one
+  // behind a partial one could never be reached in order).
+  for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
+    auto& q = it->second;
+    size_t keep = 0;
+    while (keep < q.size() && q[keep]->complete && !q[keep]->matched) ++keep;
+    q.erase(q.begin() + keep, q.end());
+    it = q.empty() ? p.unexpected.erase(it) : std::next(it);
+  }
 }
 
 void ShmTransport::fail_peer(Peer& p, Request::ErrorKind kind, const std::string& msg) {
   std::lock_guard<std::mutex> g(p.mu);
-  fail_all_locked(p, kind, msg);
+  // the peer is gone: what it had sent whole stays deliverable (see fail_all_locked)
+  fail_all_locked(p, kind, msg, /*keep_delivered=*/true);
   p.cv.notify_all();
 }
 
@@ -566,7 +586,7 @@ RequestPtr ShmTransport::isend(int peer, const void* buf, size_t nbytes, uint64_
   return req;
 }
 
-bool ShmTransport::cancel(const RequestPtr& req) {
+bool ShmTransport::cancel(const RequestPtr& req, bool /*unpost*/) {
   if (!req || req->peer() < 0 || req->peer() >= size_ || !peers_[req->peer()]) return false;
   Peer& p = *peers_[req->peer()];
   {
@@ -594,11 +614,12 @@ RequestPtr ShmTransport::post_recv(int peer, RecvOp op, uint64_t tag) {
   std::shared_ptr<Unexpected> ux;
   {
     std::lock_guard<std::mutex> g(p.mu);
-    if (!p.failed.empty()) {
+    auto it = p.unexpected.find(tag);
+    if (!p.failed.empty() && it == p.unexpected.end()) {
+      // only messages that arrived whole before the peer went are still deliverable
       op.req->fail(p.failed_kind, p.failed);
       return op.req;
     }
-    auto it = p.unexpected.find(tag);
     if (it == p.unexpected.end()) {
       p.posted[tag].push_back(op);
       return op.req;
@@ -684,7 +705,7 @@ void ShmTransport::recv_loop(Peer* pp) {
     std::unique_lock<std::mutex> g(p.mu);
     if (active && direct) op.req->fail(Request::ErrorKind::Peer, err);
     if (active && ux && ux->matched) ux->op.req->fail(Request::ErrorKind::Peer, err);
-    fail_all_locked(p, Request::ErrorKind::Peer, err);
+    fail_all_locked(p, Request::ErrorKind::Peer, err, /*keep_delivered=*/true);
     p.cv.notify_all();
     p.cv.wait(g, [&] { return stop_.load(); });
   };

@@ -234,7 +234,7 @@ class TcpTransport final : public Transport {
     return post_recv(peer, RecvOp::reducing("hetccl tcp", dst, nbytes, rop, dtype), tag);
   }
   void close() override;
-  bool cancel(const RequestPtr& req) override;
+  bool cancel(const RequestPtr& req, bool unpost = false) override;
 
  private:
   Peer& peer_ref(int peer) {
@@ -260,7 +260,10 @@ class TcpTransport final : public Transport {
   void end_frame(Conn& c);
   void migrate(Peer& p, std::shared_ptr<InMsg> m, std::unique_lock<std::mutex>& g);
   void fail_peer(Peer& p, const std::string& msg);
-  void fail_locked(Peer& p, Request::ErrorKind kind, const std::string& msg);
+  // keep_delivered: an orderly close by the peer (every connection at EOF between messages):
+  // messages that arrived whole and were not received yet stay deliverable (post_recv)
+  void fail_locked(Peer& p, Request::ErrorKind kind, const std::string& msg,
+                   bool keep_delivered = false);
   void wake_workers();
 
   const int rank_, size_;
@@ -677,7 +680,7 @@ RequestPtr TcpTransport::isend(int peer, const void* buf, size_t nbytes, uint64_
   return m->req;
 }
 
-bool TcpTransport::cancel(const RequestPtr& req) {
+bool TcpTransport::cancel(const RequestPtr& req, bool unpost) {
   if (!req || req->peer() < 0 || req->peer() >= size_ || req->peer() >= int(peers_.size()) ||
       !peers_[req->peer()])
     return false;
@@ -685,15 +688,24 @@ bool TcpTransport::cancel(const RequestPtr& req) {
   {
     std::lock_guard<std::mutex> g(p.mu);
     // A receive is withdrawn only while no frame of its message has begun: begin_frame sets
-    // have_total (under p.mu) before any byte is read into the buffer. The message keeps its
-    // sequence number; its frames are then discarded on arrival (op_failed) and the entry goes
-    // once they are all in.
+    // have_total (under p.mu) before any byte is read into the buffer. Without unpost the
+    // message keeps its sequence number; its frames are then discarded on arrival (op_failed)
+    // and the entry goes once they are all in. With unpost only the latest receive of its tag
+    // is withdrawn: its entry goes and the tag's receive sequence steps back, so the message
+    // becomes the next receive's (an earlier receive cannot step back: false).
     bool withdrawn = false;
-    for (auto& kv : p.inmsgs) {
-      InMsg& m = *kv.second;
-      if (kv.first.first != req->tag() || !m.has_op || m.op.req != req) continue;
+    for (auto it = p.inmsgs.begin(); it != p.inmsgs.end(); ++it) {
+      InMsg& m = *it->second;
+      if (it->first.first != req->tag() || !m.has_op || m.op.req != req) continue;
       if (m.op_failed || m.have_total || req->test_nothrow()) return false;
-      m.op_failed = true;
+      if (unpost) {
+        auto rs = p.recv_seq.find(req->tag());
+        if (rs == p.recv_seq.end() || rs->second != it->first.second + 1) return false;
+        rs->second -= 1;
+        p.inmsgs.erase(it);
+      } else {
+        m.op_failed = true;
+      }
       withdrawn = true;
       break;
     }
@@ -711,8 +723,12 @@ RequestPtr TcpTransport::post_recv(int peer, RecvOp op, uint64_t tag) {
   op.req = std::make_shared<Request>(peer, tag, op.cap);
   std::unique_lock<std::mutex> g(p.mu);
   if (!p.failed.empty()) {
-    op.req->fail(p.failed_kind, p.failed);
-    return op.req;
+    // only a message that arrived whole before the peer closed is still deliverable
+    auto kept = p.inmsgs.find(std::make_pair(tag, p.recv_seq[tag]));
+    if (kept == p.inmsgs.end() || kept->second->has_op || !kept->second->complete()) {
+      op.req->fail(p.failed_kind, p.failed);
+      return op.req;
+    }
   }
   auto key = std::make_pair(tag, p.recv_seq[tag]++);
   auto it = p.inmsgs.find(key);
@@ -763,7 +779,8 @@ void TcpTransport::migrate(Peer& p, std::shared_ptr<InMsg> m, std::unique_lock<s
 }
 
 // ---------------------------------------------------------------- failure
-void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::string& msg) {
+void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::string& msg,
+                               bool keep_delivered) {
   if (p.failed.empty()) {
     p.failed = msg;
     p.failed_kind = kind;
@@ -771,9 +788,18 @@ void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::stri
   for (auto& m : p.active) m->req->fail(kind, msg);
   p.active.clear();
   p.sendq.clear();
-  for (auto& kv : p.inmsgs)
-    if (kv.second->has_op && !kv.second->op_failed) kv.second->op.req->fail(kind, msg);
-  p.inmsgs.clear();
+  // A peer that finished its part of a collective and closed (destroy_process_group) may do so
+  // before this rank has posted the receive of its last message: that message is already here
+  // whole, and an orderly close must not lose it.
+  for (auto it = p.inmsgs.begin(); it != p.inmsgs.end();) {
+    InMsg& m = *it->second;
+    if (keep_delivered && !m.has_op && m.complete()) {
+      ++it;
+      continue;
+    }
+    if (m.has_op && !m.op_failed) m.op.req->fail(kind, msg);
+    it = p.inmsgs.erase(it);
+  }
   for (auto& c : p.conns) c->dead.store(true);
 }
 
@@ -838,7 +864,8 @@ bool TcpTransport::do_read(Conn& c) {
       c.readable = false;
       std::lock_guard<std::mutex> g(p.mu);
       if (++p.eof_conns == int(p.conns.size()) && p.failed.empty())
-        fail_locked(p, Request::ErrorKind::Peer, "hetccl tcp: " + who(p) + " closed the connection");
+        fail_locked(p, Request::ErrorKind::Peer, "hetccl tcp: " + who(p) + " closed the connection",
+                    /*keep_delivered=*/true);
       return false;
     }
     if (r < 0) {

@@ -183,8 +183,14 @@ class Transport {
   // receive of the same (peer, tag) takes it (shm, UCX) or it is dropped on arrival (tcp, whose
   // matching is by sequence number) is the transport's: callers cancel only receives whose tag
   // is never posted again (the engine's tags carry the collective's sequence number).
-  virtual bool cancel(const RequestPtr& req) {
+  // unpost = true asks for the first behaviour on every transport: the receive is withdrawn
+  // only if the message it would have taken then goes to the next receive of (peer, tag), as if
+  // it had never been posted (tcp: only the latest receive of its tag, rewinding the sequence
+  // number; otherwise false). For receives posted speculatively (recv from any source:
+  // backend.py), whose tag is posted again.
+  virtual bool cancel(const RequestPtr& req, bool unpost = false) {
     (void)req;
+    (void)unpost;
     return false;
   }
 

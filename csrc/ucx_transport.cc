@@ -809,7 +809,8 @@ class UcxTransport final : public Transport {
   // ucp_request_cancel, which completes it at once (recv_cb, UCS_ERR_CANCELED: the request fails
   // and the op is gone); anything else -- a receive waiting for a stashed message still arriving,
   // one UCX has matched (a rendezvous in flight), a send -- is left to finish as before.
-  bool cancel(const RequestPtr& req) override {
+  // UCX matches a message arriving after the cancel to a later receive: unpost or not.
+  bool cancel(const RequestPtr& req, bool /*unpost*/ = false) override {
     std::lock_guard<std::mutex> g(mu_);
     if (closed_ || !req) return false;
     Op* found = nullptr;

@@ -118,6 +118,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         # first. Transports match FIFO per (peer, tag), so the oldest posted receive holds the
         # next message of that pair: a later recv from that peer and tag must take it first.
         self._posted: dict[tuple[int, int], collections.deque] = {}
+        self._anysource_open: dict[int, int] = {}  # tag -> any-source receives not yet complete
         log.info("hetccl: group %r rank %d/%d vendors %s", group_id, rank, size, topo.describe())
 
     # ------------------------------------------------------------------ identity
@@ -727,15 +728,29 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         Contract: a receive of the tensor's size is posted to every other rank that has none
         pending for this tag; the first to complete wins (lowest rank first among those already
-        complete), the others stay posted and are consumed, oldest first, by later receives from
-        that rank with that tag (recv(src=...) or recv_anysource). So until those are consumed,
-        a rank's next message with this tag must have this size; a different size fails that
+        complete). Once no any-source receive of this tag is left waiting, the other posted
+        receives are withdrawn where the transport can do so as if they had never been posted
+        (cross-vendor peers: Transport::cancel with unpost). A receive that cannot be withdrawn
+        stays posted: one to a same-vendor peer (the native library cannot cancel), or one whose
+        message is already arriving. Later receives from that rank with that tag
+        (recv(src=...) or recv_anysource) consume it, oldest first. So until it is consumed,
+        that rank's next message with this tag must have this size; a different size fails that
         receive with an error naming the sizes."""
         t = tensors[0]
         if not t.is_contiguous():
             raise ValueError("hetccl: recv into a non-contiguous tensor is not supported")
         peers = [r for r in range(self.size()) if r != self.rank()]
-        return self._track(_AnySourceWork(self, t, tag, peers))
+        return self._track(_AnySourceWork(self, t, tag, peers, anysource=True))
+
+    def _withdraw_speculative(self, tag: int, peers: list[int]) -> None:
+        """No any-source receive of `tag` waits any more: withdraw the posted receives nobody
+        needs, newest first per peer, as if never posted (bridge peers; see recv_anysource)."""
+        for p in peers:
+            q = self._posted.get((p, tag))
+            while q and q[-1].bridge is not None and not q[-1].done() and q[-1].bridge.unpost():
+                q.pop()
+            if not q:
+                self._posted.pop((p, tag), None)
 
     def _post_recv(self, peer: int, tag: int, nbytes: int, device) -> "_PostedRecv":
         """Post a receive of nbytes from peer with tag into a buffer of our own."""
@@ -876,28 +891,54 @@ class _AnySourceWork(HetcclWork):
     """recv from any of `peers` (recv_anysource), or from one peer whose next message an
     earlier any-source receive already holds. Completed by wait() (or is_completed())."""
 
-    def __init__(self, pg: HetcclProcessGroup, t: torch.Tensor, tag: int, peers: list[int]):
+    def __init__(self, pg: HetcclProcessGroup, t: torch.Tensor, tag: int, peers: list[int],
+                 anysource: bool = False):
         super().__init__(torch.futures.Future(), [t])
         self.pg, self.t, self.tag, self.peers = pg, t, tag, peers
         self.nbytes = t.numel() * t.element_size()
         self.src = -1
-        for p in peers:
-            if not pg._posted.get((p, tag)):
-                pg._post_recv(p, tag, self.nbytes, t.device)
+        self.anysource = anysource
+        if anysource:
+            pg._anysource_open[tag] = pg._anysource_open.get(tag, 0) + 1
+        self._post_missing()
+
+    def _post_missing(self) -> None:
+        # every peer has a posted receive while this one waits (an earlier any-source receive
+        # of the tag may have taken the one it shared)
+        for p in self.peers:
+            if not self.pg._posted.get((p, self.tag)):
+                self.pg._post_recv(p, self.tag, self.nbytes, self.t.device)
+
+    def _closed(self) -> None:
+        if not self.anysource:
+            return
+        self.anysource = False
+        left = self.pg._anysource_open.get(self.tag, 1) - 1
+        if left > 0:
+            self.pg._anysource_open[self.tag] = left
+            return
+        self.pg._anysource_open.pop(self.tag, None)
+        self.pg._withdraw_speculative(self.tag, self.peers)
 
     def _take(self, block_until: float | None) -> bool:
         """Complete from the first finished oldest posted receive; False if none finished
         (block_until None: do not wait; else poll until that monotonic time, then raise)."""
         pause = 1e-5
         while True:
+            if self.anysource:
+                self._post_missing()
             for p in self.peers:
                 q = self.pg._posted.get((p, self.tag))
                 if q and q[0].done():
-                    self._complete(q.popleft())
+                    try:
+                        self._complete(q.popleft())
+                    finally:
+                        self._closed()
                     return True
             if block_until is None:
                 return False
             if time.monotonic() >= block_until:
+                self._closed()
                 raise CommTimeout(
                     f"hetccl: Timed out after {self.pg.engine.timeout.total_seconds():.0f} s "
                     f"waiting for a message with tag {self.tag} from any of ranks {self.peers}")

@@ -315,6 +315,14 @@ class _Req:
             self.withdraw()
             raise
 
+    def unpost(self) -> bool:
+        """Withdraw this receive as if it had never been posted (its message goes to the next
+        receive of its peer and tag); False where the transport cannot (Transport::cancel)."""
+        try:
+            return self.transport is not None and bool(self.transport.cancel(self.req, True))
+        except Exception:  # noqa: BLE001 - a closed transport: nothing to withdraw
+            return False
+
     def withdraw(self) -> None:
         try:
             if self.req.test():

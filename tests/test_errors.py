@@ -186,3 +186,97 @@ def test_failed_collective_withdraws_its_host_receives():
     assert r0["all_gather"] == "timed out", per_rank
     assert r0["withdrawn"] >= 1 and r0["left_in_flight"] == 0, per_rank
     assert r0["untouched"], f"rank 1's data was written after the collective failed: {per_rank}"
+
+
+def _any_source_then_other_sizes(ctx):
+    """Rank 0 receives from any source (ranks 1 and 2 could both send); rank 1's message wins.
+    Rank 2 then sends messages of other sizes with the same tag, which rank 0 receives by
+    source and from any source: the receive posted to rank 2 for the first one must not take
+    them (it is withdrawn as if never posted; before, the larger messages overran it: a size
+    error)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import hetccl  # noqa: F401
+
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=30))
+    out = {}
+    if ctx.rank == 0:
+        y = torch.zeros(10)  # smaller than rank 2's later messages
+        src = dist.recv(y, src=None, tag=7)
+        out["first"] = "ok" if src == 1 and bool((y == 1).all()) else f"src {src} {y[:2]}"
+        dist.barrier()
+        z = torch.zeros(50)
+        dist.recv(z, src=2, tag=7)
+        out["by_source"] = "ok" if bool((z == 2).all()) else f"{z[:2]}"
+        u = torch.zeros(30)
+        src = dist.recv(u, src=None, tag=7)
+        out["any_again"] = "ok" if src == 2 and bool((u == 3).all()) else f"src {src} {u[:2]}"
+    elif ctx.rank == 1:
+        dist.send(torch.ones(10), 0, tag=7)
+        dist.barrier()
+    else:
+        dist.barrier()
+        dist.send(torch.full((50,), 2.0), 0, tag=7)
+        dist.send(torch.full((30,), 3.0), 0, tag=7)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_any_source_leaves_no_receive_posted_across_vendors(transport):
+    env = {"HETCCL_TRANSPORT": transport}
+    if transport == "tcp":
+        env["HETCCL_EMULATE_HOSTS"] = "1"
+    per_rank = spawn(_any_source_then_other_sizes, 3, vendors="1+1+1", timeout=120, env=env)
+    bad = {k: v for k, v in per_rank[0].items() if v != "ok"}
+    assert len(per_rank[0]) == 3 and not bad, per_rank[0]
+
+
+def _message_before_orderly_close(ctx):
+    """Rank 0 sends and leaves at once (destroy_process_group); rank 1 receives only after rank
+    0's transport has closed. The message arrived whole before the close: it must be
+    delivered, not failed with "closed the connection" (a rank that finished its part of the
+    last collective may close before its peer has posted the receive of its last message)."""
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import hetccl  # noqa: F401
+
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=30))
+    out = {}
+    if ctx.rank == 0:
+        dist.send(torch.full((5000,), 4.0), 1, tag=3)
+        dist.destroy_process_group()
+        return out
+    time.sleep(2)
+    y = torch.zeros(5000)
+    try:
+        dist.recv(y, 0, tag=3)
+        out["delivered"] = "ok" if bool((y == 4).all()) else f"wrong {y[:2]}"
+    except Exception as e:  # noqa: BLE001
+        out["delivered"] = f"{type(e).__name__}: {e}"
+    try:
+        dist.recv(y, 0, tag=3)  # nothing more was sent: fails naming the closed peer
+        out["next_fails"] = "received a message that was never sent"
+    except Exception as e:  # noqa: BLE001
+        out["next_fails"] = "ok" if "closed" in str(e) else f"{type(e).__name__}: {e}"
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_message_that_arrived_before_an_orderly_close_is_delivered(transport):
+    env = {"HETCCL_TRANSPORT": transport}
+    if transport == "tcp":
+        env["HETCCL_EMULATE_HOSTS"] = "1"
+    per_rank = spawn(_message_before_orderly_close, 2, vendors="1+1", timeout=120, env=env)
+    assert per_rank[1] == {"delivered": "ok", "next_fails": "ok"}, per_rank[1]
