@@ -696,13 +696,24 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def _p2p_peer(self, peer: int, what: str):
         self._validate_root(peer, what)
 
+    def _native_p2p(self, peer: int, t: torch.Tensor) -> bool:
+        """Whether a message with same-vendor `peer` goes through the native library. Host
+        tensors of a job whose same-vendor ranks are linked by shared memory
+        (bridge.group_links: one host) go over that link instead, as host collectives do: no
+        gloo round on loopback, and a receive posted there can be withdrawn (recv from any
+        source). Both ends decide alike: the same job property and their own tensor's device
+        (device tensors always go native, NCCL/RCCL)."""
+        if self.topo.group_of[peer] != self.topo.my_group:
+            return False
+        return not (devices.is_host(t) and peer in self.engine.bridge.group_peers)
+
     def send(self, tensors, dst, tag=0):
         self._p2p_peer(dst, "destination")
         t = tensors[0]
         if dst == self.rank():
             return self._track(self._self_p2p.post("send", t, tag))
         topo = self.topo
-        if topo.group_of[dst] == topo.my_group:
+        if self._native_p2p(dst, t):
             return self._track(self.engine.local.send(_flat(t)[0], topo.local_rank_of[dst], tag))
         return self._track(_P2PWork.send(self.engine, dst, t, tags.p2p(tag)))
 
@@ -715,7 +726,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         pending = self._posted.get((src, tag))
         if pending:  # an any-source receive already holds the next message of (src, tag)
             return self._track(_AnySourceWork(self, t, tag, [src]))
-        if topo.group_of[src] == topo.my_group:
+        if self._native_p2p(src, t):
             f, copied = _flat(t)
             work = self.engine.local.recv(f, topo.local_rank_of[src], tag)
             # the native library receives into contiguous memory only: a non-contiguous
@@ -756,7 +767,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         """Post a receive of nbytes from peer with tag into a buffer of our own."""
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         topo = self.topo
-        if topo.group_of[peer] == topo.my_group:
+        if self._native_p2p(peer, buf):
             work = self.engine.local.recv(buf, topo.local_rank_of[peer], tag)
             posted = _PostedRecv(peer, buf, native=work)
         else:

@@ -188,11 +188,11 @@ def test_failed_collective_withdraws_its_host_receives():
     assert r0["untouched"], f"rank 1's data was written after the collective failed: {per_rank}"
 
 
-def _any_source_then_other_sizes(ctx):
-    """Rank 0 receives from any source (ranks 1 and 2 could both send); rank 1's message wins.
-    Rank 2 then sends messages of other sizes with the same tag, which rank 0 receives by
-    source and from any source: the receive posted to rank 2 for the first one must not take
-    them (it is withdrawn as if never posted; before, the larger messages overran it: a size
+def _any_source_then_other_sizes(ctx, first: int):
+    """Rank 0 receives from any source (ranks 1 and 2 could both send); rank `first`'s message
+    wins. The other rank then sends larger messages with the same tag, which rank 0 receives by
+    source and from any source: the receive posted to it for the first one must not take them
+    (it is withdrawn as if never posted; before, the larger messages overran it: a size
     error)."""
     from datetime import timedelta
 
@@ -203,19 +203,20 @@ def _any_source_then_other_sizes(ctx):
 
     dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
                             world_size=ctx.world_size, timeout=timedelta(seconds=30))
+    other = 3 - first
     out = {}
     if ctx.rank == 0:
-        y = torch.zeros(10)  # smaller than rank 2's later messages
+        y = torch.zeros(10)  # smaller than the other rank's later messages
         src = dist.recv(y, src=None, tag=7)
-        out["first"] = "ok" if src == 1 and bool((y == 1).all()) else f"src {src} {y[:2]}"
+        out["first"] = "ok" if src == first and bool((y == 1).all()) else f"src {src} {y[:2]}"
         dist.barrier()
         z = torch.zeros(50)
-        dist.recv(z, src=2, tag=7)
+        dist.recv(z, src=other, tag=7)
         out["by_source"] = "ok" if bool((z == 2).all()) else f"{z[:2]}"
         u = torch.zeros(30)
         src = dist.recv(u, src=None, tag=7)
-        out["any_again"] = "ok" if src == 2 and bool((u == 3).all()) else f"src {src} {u[:2]}"
-    elif ctx.rank == 1:
+        out["any_again"] = "ok" if src == other and bool((u == 3).all()) else f"src {src} {u[:2]}"
+    elif ctx.rank == first:
         dist.send(torch.ones(10), 0, tag=7)
         dist.barrier()
     else:
@@ -227,12 +228,17 @@ def _any_source_then_other_sizes(ctx):
     return out
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_any_source_leaves_no_receive_posted_across_vendors(transport):
+@pytest.mark.parametrize("split,first,transport", [("1+1+1", 1, "shm"), ("1+1+1", 1, "tcp"),
+                                                   ("2+1", 2, "auto")])
+def test_any_source_leaves_no_receive_posted(split, first, transport):
+    """1+1+1: the leftover receive is at a cross-vendor peer (shm; tcp between emulated
+    hosts). 2+1: rank 2's message wins and the leftover is at rank 1, rank 0's same-vendor
+    peer, linked by shared memory for host tensors on one host (bridge.group_links)."""
     env = {"HETCCL_TRANSPORT": transport}
     if transport == "tcp":
         env["HETCCL_EMULATE_HOSTS"] = "1"
-    per_rank = spawn(_any_source_then_other_sizes, 3, vendors="1+1+1", timeout=120, env=env)
+    per_rank = spawn(_any_source_then_other_sizes, 3, args=(first,), vendors=split,
+                     timeout=120, env=env)
     bad = {k: v for k, v in per_rank[0].items() if v != "ok"}
     assert len(per_rank[0]) == 3 and not bad, per_rank[0]
 
