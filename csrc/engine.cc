@@ -1281,12 +1281,13 @@ void Engine::break_engine(const std::string& msg, int kind) {
 // issued send (it reads the caller's memory) cannot be withdrawn (stats "withdrawn_receives"
 // counts those that were), and are waited for, up to
 // kStaleWaitMs in all (a live peer's data lands in microseconds; a failed peer's requests fail
-// at once). What is still in flight after that is counted in stats "left_in_flight". Device
-// chunks are not touched: staged ones move through the engine's own staging slots, which
-// flag_pages_ keeps until the destructor. Direct ones (irecv_device into the caller's device
-// memory, HETCCL_UCX_DEVICE=auto only) are NOT withdrawn yet: a known gap, suspected behind
-// the intermittent segfault of tests/test_engine.py::test_engine_device_direct (its async
-// mismatch case breaks the engine with direct receives posted, then frees their memory).
+// at once). What is still in flight after that is counted in stats "left_in_flight". Direct
+// device chunks (isend_device / irecv_device on the caller's device memory,
+// HETCCL_UCX_DEVICE=auto) are treated the same way: the caller may free that memory too (an
+// async mismatch breaking the engine with direct receives posted, then the memory freed, was
+// an intermittent segfault of tests/test_engine.py::test_engine_device_direct). Staged device
+// chunks are not touched: they move through the engine's own staging slots, which flag_pages_
+// keeps until the destructor.
 void Engine::withdraw_host_requests() {
   constexpr int64_t kStaleWaitMs = 1000;
   std::vector<RequestPtr> waiting;
@@ -1294,7 +1295,7 @@ void Engine::withdraw_host_requests() {
     Link& l = *kv.second;
     if (l.zc) continue;  // zero-copy rings: the engine itself copies, and stops with the queues
     for (auto& c : l.rq) {
-      if (c.device || !c.issued || !c.req || c.req->test_nothrow()) continue;
+      if ((c.device && !c.direct) || !c.issued || !c.req || c.req->test_nothrow()) continue;
       if (l.t->cancel(c.req)) {
         stats_["withdrawn_receives"] += 1;
       } else {
@@ -1302,7 +1303,8 @@ void Engine::withdraw_host_requests() {
       }
     }
     for (auto& c : l.sq)
-      if (!c.device && c.issued && c.req && !c.req->test_nothrow()) waiting.push_back(c.req);
+      if ((!c.device || c.direct) && c.issued && c.req && !c.req->test_nothrow())
+        waiting.push_back(c.req);
   }
   int64_t until = now_ms() + kStaleWaitMs;
   for (auto& r : waiting) {
