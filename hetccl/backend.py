@@ -348,29 +348,29 @@ class HetcclProcessGroup(dist.ProcessGroup):
         for t in tensors:
             self._validate_reduce(t, op)
         flats = [_flat(t) for t in tensors]
-        world = self.size()
         me = self.rank()
 
         def body(ctx, algo):
             for t, (f, copied) in zip(tensors, flats):
                 self._check(ctx, "reduce", f.numel(), f.dtype, op, root)
-                if op in _BITWISE:
-                    # every rank computes the result; only the root's tensor is written
-                    g = f.clone()
-                    self._bitwise_all_reduce(ctx, g, op)
-                    if me == root:
-                        f.copy_(g)
-                        if copied:
-                            t.copy_(f.view_as(t))
-                    continue
-                algo(ctx, f, root, "sum" if op == "avg" else op)
-                if me == root:
-                    if op == "avg":
-                        f.div_(world)
-                    if copied:
-                        t.copy_(f.view_as(t))
+                self._reduce_to_root(ctx, algo, f, root, op)
+                if me == root and copied:
+                    t.copy_(f.view_as(t))
 
         return self._submit("reduce", 0, body, tensors, tensors, opts)
+
+    def _reduce_to_root(self, ctx, algo, f: torch.Tensor, root: int, op: str) -> None:
+        """One reduce step: the result in root's f (AVG divided), other ranks' f as it was
+        for bitwise ops (every rank computes the result, only the root's tensor is written)."""
+        if op in _BITWISE:
+            g = f.clone()
+            self._bitwise_all_reduce(ctx, g, op)
+            if self.rank() == root:
+                f.copy_(g)
+            return
+        algo(ctx, f, root, "sum" if op == "avg" else op)
+        if self.rank() == root and op == "avg":
+            f.div_(self.size())
 
     # ------------------------------------------------------------------ all-gather
     def _all_gather_flat(self, out_flat: torch.Tensor, inp: torch.Tensor, after=None):
@@ -528,7 +528,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         every rank's ins[k] reduced into rank k's output. Each reduce works on a copy (the
         inputs stay as they were). The root's part is output-sized, so an output that does not
         match ins[k] fails that reduce's argument check on every rank."""
-        me, world = self.rank(), self.size()
+        me = self.rank()
         for t in ins:
             if t.dtype != out.dtype:
                 raise TypeError(f"hetccl: reduce_scatter input dtype {t.dtype} != output "
@@ -543,13 +543,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         def body(ctx, algo):
             for k, f in enumerate(parts):
                 self._check(ctx, "reduce", f.numel(), f.dtype, op, k)
-                if op in _BITWISE:
-                    self._bitwise_all_reduce(ctx, f, op)
-                else:
-                    algo(ctx, f, k, "sum" if op == "avg" else op)
+                self._reduce_to_root(ctx, algo, f, k, op)
                 if k == me:
-                    if op == "avg":
-                        f.div_(world)
                     out.copy_(f.view_as(out))
 
         return self._submit("reduce", 0, body, output_tensors, [out, *ins])
@@ -876,10 +871,7 @@ class _PostedRecv:
         """True once complete (or failed: finish() then raises the error)."""
         if self._thread is not None:
             return not self._thread.is_alive()
-        try:
-            return self.bridge.req.test()
-        except Exception:  # noqa: BLE001 - failed: finish() re-raises it
-            return True
+        return self.bridge.finished()  # failed counts: finish() re-raises it
 
     def finish(self, deadline: float) -> int:
         """Wait for it; the number of bytes that arrived."""
@@ -1070,44 +1062,58 @@ class _SelfWork(HetcclWork):
 
 
 @outside_autograd
-class _CopyBackWork(HetcclWork):
-    """A native work whose result lands in `staged` (a contiguous stand-in for `t`): wait()
-    waits for it (stream-ordered on a device, as the native work's own wait), then copies
-    staged into t."""
+class _WaitOnce(HetcclWork):
+    """A work completed by its first successful wait(): the subclass's _complete(timeout)
+    waits (and copies back); its outcome becomes the future's, and later waits return at once."""
 
-    def __init__(self, native, t: torch.Tensor, staged: torch.Tensor):
-        super().__init__(torch.futures.Future(), [t])
-        self.native, self.t, self.staged = native, t, staged
+    def __init__(self, tensor: torch.Tensor):
+        super().__init__(torch.futures.Future(), [tensor])
         self._done = False
+
+    def _complete(self, timeout) -> None:
+        raise NotImplementedError
 
     def wait(self, timeout=None):
         if not self._done:
             try:
-                self.native.wait() if timeout is None else self.native.wait(timeout)
-                self.t.copy_(self.staged.view_as(self.t))
+                self._complete(timeout)
                 self._done = True
-                self.fut.set_result([self.t])
+                self.fut.set_result(self.outputs)
             except BaseException as e:
                 if not self.fut.done():
                     self.fut.set_exception(e)
                 raise
         return True
 
-    def is_completed(self):
-        return self._done or self.native.is_completed()
-
     def get_future(self):
         return self.fut
 
 
 @outside_autograd
-class _P2PWork(HetcclWork):
+class _CopyBackWork(_WaitOnce):
+    """A native work whose result lands in `staged` (a contiguous stand-in for `t`): wait()
+    waits for it (stream-ordered on a device, as the native work's own wait), then copies
+    staged into t."""
+
+    def __init__(self, native, t: torch.Tensor, staged: torch.Tensor):
+        super().__init__(t)
+        self.native, self.t, self.staged = native, t, staged
+
+    def _complete(self, timeout) -> None:
+        self.native.wait() if timeout is None else self.native.wait(timeout)
+        self.t.copy_(self.staged.view_as(self.t))
+
+    def is_completed(self):
+        return self._done or self.native.is_completed()
+
+
+@outside_autograd
+class _P2PWork(_WaitOnce):
     """Point-to-point over the bridge: posted at once, completed by wait()."""
 
     def __init__(self, engine, req, tensor, finish=None):
+        super().__init__(tensor)
         self.engine, self.req, self.tensor, self._finish = engine, req, tensor, finish
-        self._done = False
-        super().__init__(torch.futures.Future(), [tensor])
 
     @classmethod
     def send(cls, engine, peer, t, tag):
@@ -1124,34 +1130,22 @@ class _P2PWork(HetcclWork):
                        finish=lambda: t.copy_(host))
         return cls(engine, engine.bridge.irecv(peer, t.view(-1), tag), t)
 
-    def wait(self, timeout=None):
-        if not self._done:
-            limit = timeout.total_seconds() if timeout else self.engine.timeout.total_seconds()
-            try:
-                try:
-                    nbytes = self.req.wait(time.monotonic() + limit)
-                except CommTimeout as e:
-                    raise torch_timeout_wording(e) from None
-                expect = self.tensor.numel() * self.tensor.element_size()
-                if nbytes != expect:
-                    raise ValueError(f"hetccl: point-to-point message with peer rank "
-                                     f"{self.req.req.peer} carried {nbytes} bytes, the tensor "
-                                     f"has {expect}")
-                if self._finish is not None:
-                    self._finish()
-                self._done = True
-                self.fut.set_result([self.tensor])
-            except BaseException as e:
-                if not self.fut.done():
-                    self.fut.set_exception(e)
-                raise
-        return True
+    def _complete(self, timeout) -> None:
+        limit = timeout.total_seconds() if timeout else self.engine.timeout.total_seconds()
+        try:
+            nbytes = self.req.wait(time.monotonic() + limit)
+        except CommTimeout as e:
+            raise torch_timeout_wording(e) from None
+        expect = self.tensor.numel() * self.tensor.element_size()
+        if nbytes != expect:
+            raise ValueError(f"hetccl: point-to-point message with peer rank "
+                             f"{self.req.req.peer} carried {nbytes} bytes, the tensor "
+                             f"has {expect}")
+        if self._finish is not None:
+            self._finish()
 
     def is_completed(self):
         return self._done or self.req.req.test()
-
-    def get_future(self):
-        return self.fut
 
 
 # ---------------------------------------------------------------------- registration

@@ -323,11 +323,16 @@ class _Req:
         except Exception:  # noqa: BLE001 - a closed transport: nothing to withdraw
             return False
 
-    def withdraw(self) -> None:
+    def finished(self) -> bool:
+        """True once the operation completed or failed: either way the transport is done with
+        the buffer (wait() then returns or raises)."""
         try:
-            if self.req.test():
-                return  # finished: the transport is done with the buffer
-        except Exception:  # noqa: BLE001 - failed: likewise
+            return bool(self.req.test())
+        except Exception:  # noqa: BLE001 - failed counts as finished
+            return True
+
+    def withdraw(self) -> None:
+        if self.finished():
             return
         try:
             if self.transport is not None and self.transport.cancel(self.req):
@@ -335,12 +340,5 @@ class _Req:
         except Exception:  # noqa: BLE001 - a closed transport: park it, dropped at close
             pass
         if self.parked is not None:
-            self.parked[:] = [p for p in self.parked if not _finished(p.req)]
+            self.parked[:] = [p for p in self.parked if not p.finished()]
             self.parked.append(self)
-
-
-def _finished(req) -> bool:
-    try:
-        return bool(req.test())
-    except Exception:  # noqa: BLE001 - failed counts as finished
-        return True

@@ -294,6 +294,12 @@ def _one_error_case(kind, order, side, words, dev, g, world, check):
         missing = [w for w in words if w.lower() not in msg.lower()]
         return f"message lacks {missing}: {msg[:300]}" if missing else None
 
+    def async_verdict(e):
+        # reported after issue (HETCCL_CHECK_ARGS=async): the text must name what differs,
+        # and the group then works or refuses at once
+        err = named(str(e))
+        return ("async report " + err) if err else (fails_fast() or "ok")
+
     def fails_fast():
         t1 = time.monotonic()
         try:
@@ -312,8 +318,7 @@ def _one_error_case(kind, order, side, words, dev, g, world, check):
             # found by the engine after the call was issued (the headers compared as they
             # arrived): reported by the call's own wait -- torch's dist.all_reduce waits the
             # work -- as the group's failure (CommError, a RuntimeError), naming what differs
-            err = named(str(e))
-            return ("async report " + err) if err else (fails_fast() or "ok")
+            return async_verdict(e)
         if not isinstance(e, ValueError):
             return f"wrong exception {type(e).__name__}: {str(e)[:300]}"
         err = named(str(e))
@@ -331,8 +336,7 @@ def _one_error_case(kind, order, side, words, dev, g, world, check):
         if check != "async":
             return (f"not raised by the mismatching call (order {order}); the next call "
                     f"raised {type(e).__name__}: {str(e)[:300]}")
-        err = named(str(e))
-        return ("async report " + err) if err else (fails_fast() or "ok")
+        return async_verdict(e)
     return (f"no error raised (order {order}); the next correct call "
             f"{'succeeded' if res is None else 'gave ' + res} after {time.monotonic() - t0:.1f} s")
 
