@@ -80,6 +80,8 @@ struct WireHeader {
 };
 constexpr size_t kMaxText = 4096;
 constexpr size_t kHdrCap = sizeof(WireHeader) + kMaxText;
+// fail_mismatch: how long a chunk that does not fit waits for the headers that name why
+constexpr int64_t kMismatchHeaderWaitMs = 2000;
 
 const char* const kFieldWhat[CheckHeader::kFields] = {
     "collective", "number of elements", "dtype", "reduction op", "root", "device type"};
@@ -975,6 +977,35 @@ static bool sends_left(const std::vector<uint8_t>& send_done, const std::vector<
   return true;
 }
 
+// A chunk that does not fit its plan (size or tag): the ranks disagree. When the plan carries
+// argument headers (HETCCL_CHECK_ARGS=async lets data move before they are compared), the
+// headers name the difference (field and values) where the chunk cannot. A peer posts its
+// header before its data, so the header has been sent even when our receive of it has not
+// completed yet (the transport's own thread completes it): wait for the headers briefly --
+// bounded, the engine is failing anyway, and a peer at another collective may never send the
+// one we expect -- then compare. Throws ArgMismatch with the header text, else PeerFailure(generic).
+void Engine::fail_mismatch(Plan& p, const std::string& generic) {
+  if (!p.hdr_in.empty()) {
+    const int64_t until = now_ms() + kMismatchHeaderWaitMs;
+    bool all = true;
+    for (auto& in : p.hdr_in) {
+      try {
+        in.req->wait(std::max<int64_t>(0, until - now_ms()));
+      } catch (const std::exception&) {
+        all = false;  // not here in time, or failed: the generic text
+        break;
+      }
+    }
+    if (all) {
+      std::string bad = compare_headers(p);
+      if (!bad.empty())
+        throw ArgMismatch(bad + " (detected after the collective was issued; the group is "
+                                "unusable from here on)");
+    }
+  }
+  throw PeerFailure(generic);
+}
+
 bool Engine::recv_zc(Link& l) {
   bool moved = finish_consumed(l);
   while (!l.rq.empty()) {
@@ -990,22 +1021,12 @@ bool Engine::recv_zc(Link& l) {
     if (!src) break;
     if (std::get<1>(m) != c.len || std::get<2>(m) != c.tag) {
       l.t->zc_recv_release(l.peer);
-      if (!p.hdr_in.empty()) {
-        // the headers may already name the difference
-        bool all = true;
-        for (auto& in : p.hdr_in) all = all && in.req->test();
-        if (all) {
-          std::string bad = compare_headers(p);
-          if (!bad.empty()) throw ArgMismatch(bad + " (detected after the collective was issued; the "
-                                                    "group is unusable from here on)");
-        }
-      }
-      throw PeerFailure("hetccl: " + p.spec.what + ": peer rank " + std::to_string(l.peer) +
-                        " sent a " + std::to_string(std::get<1>(m)) + "-byte chunk with tag " +
-                        std::to_string(std::get<2>(m)) + " where a " + std::to_string(c.len) +
-                        "-byte chunk with tag " + std::to_string(c.tag) +
-                        " was due: the ranks disagree on the collective, its sizes or the order "
-                        "of collectives");
+      fail_mismatch(p, "hetccl: " + p.spec.what + ": peer rank " + std::to_string(l.peer) +
+                           " sent a " + std::to_string(std::get<1>(m)) + "-byte chunk with tag " +
+                           std::to_string(std::get<2>(m)) + " where a " + std::to_string(c.len) +
+                           "-byte chunk with tag " + std::to_string(c.tag) +
+                           " was due: the ranks disagree on the collective, its sizes or the "
+                           "order of collectives");
     }
     if (c.device) {
       l.flags->avail->set(c.pos + 1);
@@ -1078,14 +1099,23 @@ bool Engine::send_msg(Link& l) {
 
 bool Engine::recv_msg(Link& l) {
   bool moved = finish_consumed(l);
-  while (!l.rq.empty() && l.rq.front().issued && l.rq.front().req->test()) {
+  auto arrived = [&](RecvChunk& c) {
+    try {
+      return c.req->test();
+    } catch (const MessageTruncated& e) {  // the peer sent more than this chunk
+      fail_mismatch(*c.plan, "hetccl: " + c.plan->spec.what + ": " + e.what() +
+                                 ": the ranks disagree on the collective or its sizes");
+    }
+  };
+  while (!l.rq.empty() && l.rq.front().issued && arrived(l.rq.front())) {
     RecvChunk& c = l.rq.front();
     size_t got = c.req->nbytes();
     if (got != c.len)
-      throw PeerFailure("hetccl: " + c.plan->spec.what + ": peer rank " + std::to_string(l.peer) +
-                        " sent " + std::to_string(got) + " bytes where " + std::to_string(c.len) +
-                        " were due (tag " + std::to_string(c.tag) +
-                        "): the ranks disagree on the collective or its sizes");
+      fail_mismatch(*c.plan, "hetccl: " + c.plan->spec.what + ": peer rank " +
+                                 std::to_string(l.peer) + " sent " + std::to_string(got) +
+                                 " bytes where " + std::to_string(c.len) + " were due (tag " +
+                                 std::to_string(c.tag) +
+                                 "): the ranks disagree on the collective or its sizes");
     stats_[c.direct ? "msg_device_direct_bytes_in" : c.device ? "msg_device_bytes_in" : "msg_host_bytes_in"] += c.len;
     auto plan = c.plan;
     if (c.direct) {

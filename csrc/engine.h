@@ -201,6 +201,7 @@ class Engine {
   void post_headers(Plan& p, bool waits);
   bool a_peer_did_not_wait(const Plan& p) const;
   std::string compare_headers(Plan& p);
+  [[noreturn]] void fail_mismatch(Plan& p, const std::string& generic);
   void finish_chunk(Plan& p);
   void mark_done(Plan& p);
   void bury(const std::shared_ptr<Plan>& p);
