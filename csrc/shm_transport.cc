@@ -196,6 +196,7 @@ class ShmTransport final : public Transport {
     secret_ = opt_str(opts, "secret", "");
     slot_bytes_ = round_up(size_t(opt_int(opts, "slot_bytes", 1 << 20, 1, int64_t(1) << 30)), kPage);
     nslots_ = uint32_t(opt_int(opts, "nslots", 8, 1, 4096));
+    fit_budget(size_t(opt_int(opts, "seg_budget", 0, 0, int64_t(1) << 40)));
     nonce_ = to_hex(random_bytes(16));
     bool z = false;
     start_ = proc_start(getpid(), &z);
@@ -203,7 +204,38 @@ class ShmTransport final : public Transport {
   }
   ~ShmTransport() override { close(); }
 
+  // Bounded memory (option seg_budget > 0: bytes one outgoing segment may take, header
+  // included; the bridge passes a rank's budget over its shared-memory peers, the same on
+  // every rank of a host, so both segments of a pair get one geometry): first fewer slots
+  // (down to 2, the least that overlaps the two ends' copies), then smaller slots (page
+  // multiples, down to one page). slot_bytes/nslots are the caps. Trade-off: fewer slots
+  // pipeline less; slots smaller than the engine's chunk cut it smaller (engine.cc clamps
+  // chunks to the slot).
+  void fit_budget(size_t budget) {
+    if (!budget) return;
+    auto seg = [](uint32_t n, size_t s) { return header_bytes(n) + 2 * size_t(n) * s; };
+    while (nslots_ > 2 && seg(nslots_, slot_bytes_) > budget) --nslots_;
+    if (seg(nslots_, slot_bytes_) > budget) {
+      size_t room = budget > header_bytes(nslots_) ? budget - header_bytes(nslots_) : 0;
+      slot_bytes_ = std::max(kPage, room / (2 * size_t(nslots_)) / kPage * kPage);
+    }
+  }
+
   std::string name() const override { return "shm"; }
+  // geometry in force and the shared memory this rank created (outgoing) and mapped (incoming)
+  std::map<std::string, std::string> info() override {
+    size_t out = 0, in = 0, n = 0;
+    for (auto& p : peers_)
+      if (p) {
+        ++n;
+        out += p->out.bytes;
+        in += p->in.bytes;
+      }
+    return {{"slot_bytes", std::to_string(slot_bytes_)}, {"nslots", std::to_string(nslots_)},
+            {"segment_bytes", std::to_string(header_bytes(nslots_) + 2 * size_t(nslots_) * slot_bytes_)},
+            {"peers", std::to_string(n)}, {"created_bytes", std::to_string(out)},
+            {"mapped_bytes", std::to_string(in)}};
+  }
 
   std::string address() override {
     return "shm1|" + host_id() + "|" + std::to_string(getpid()) + "|" + start_ + "|" + nonce_;

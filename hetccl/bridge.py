@@ -97,7 +97,9 @@ class Bridge:
         # every rank instead of leaving the others waiting in connect().
         store.set(f"hetccl/caps/{topo.rank}", json.dumps({
             "table": transports.publishable(transports.local_table()),
-            "kind": vendor.build_kind()}))
+            "kind": vendor.build_kind(),
+            "shm_budget": int(config.get("HETCCL_SHM_BUDGET_BYTES")) or (
+                devices.build_seam().shm_budget_bytes)}))
         keys = [f"hetccl/caps/{r}" for r in range(topo.size)]
         store.wait(keys, timeout)
         caps = [json.loads(store.get(k)) for k in keys]
@@ -119,8 +121,12 @@ class Bridge:
                            and all(c.transport == "shm" for c in self.choices.values()))
         self.device_direct: dict[int, bool] = {p: self.choices[(topo.rank, p)].device_direct
                                                for p in self.peers}
+        # Shared memory per rank is bounded whatever the job size (shm_segment_budget): each
+        # outgoing ring segment gets an equal share of this host's budget.
+        self.seg_budget = shm_segment_budget(topo, caps, self.choices, self.groups_linked)
         opts = {
             "secret": secret,
+            "seg_budget": str(self.seg_budget),
             "nconn": str(config.get("HETCCL_TCP_NCONN")),
             "slot_bytes": str(self.slot_bytes),
             "nslots": str(config.get("HETCCL_SHM_NSLOTS")),
@@ -237,6 +243,27 @@ def group_links(topo: Topology, caps: list[dict]) -> bool:
         return False
     from .checks import butterfly_masks
     return butterfly_masks(topo.groups) is None
+
+
+def shm_segment_budget(topo: Topology, caps: list[dict], choices: dict,
+                       groups_linked: bool) -> int:
+    """Bytes one outgoing shared-memory segment of this rank may take (the shm transport's
+    seg_budget: it fits its ring geometry into them): the smallest budget a rank of this host
+    publishes (HETCCL_SHM_BUDGET_BYTES, default per device seam) divided by the most
+    shared-memory peers any rank of this host links to. Every rank of the host computes the
+    same value from the same tables, so the two segments of a pair get one geometry, and no
+    rank creates more than its budget: memory per rank stays bounded as the job grows (the
+    rings get fewer, then smaller slots instead)."""
+    host = [r for r in range(topo.size) if topo.same_host(topo.rank, r)]
+
+    def shm_peers(r: int) -> int:
+        n = sum(1 for p in range(topo.size)
+                if (r, p) in choices and choices[(r, p)].transport == "shm")
+        return n + (len(topo.groups[topo.group_of[r]]) - 1 if groups_linked else 0)
+
+    most = max(shm_peers(r) for r in host)
+    budget = min(int(caps[r]["shm_budget"]) for r in host)
+    return max(1, budget // max(1, most))
 
 
 def choose_all(topo: Topology, caps: list[dict]) -> dict:

@@ -12,7 +12,8 @@ COMMANDS = {
     "doctor": ("hetccl.doctor", "print what this rank sees: vendor, device, backends, transports"),
     "run": ("hetccl.run", "torchrun wrapper: run an unchanged script over hetccl "
             "[--vendors SPLIT]"),
-    "bench": (None, "benchmarks: transport | collectives | straggler | soak | ddp | train"),
+    "bench": (None, "benchmarks: transport | collectives | straggler | soak | ddp | train | "
+              "footprint"),
     "deepspeed": ("hetccl.integrations.deepspeed", "deepspeed launcher wrapper: workers over "
                   "hetccl [--vendors SPLIT]"),
     "megatron": ("hetccl.integrations.megatron", "train a megatron-core GPT from a recipe YAML "
@@ -25,6 +26,7 @@ BENCHES = {
     "soak": "hetccl.bench.soak",
     "ddp": "hetccl.bench.ddp",
     "train": "hetccl.bench.train",
+    "footprint": "hetccl.bench.footprint",
 }
 
 

@@ -80,9 +80,17 @@ _SETTINGS = [
             "Network interface the bridge listens on (like NCCL_SOCKET_IFNAME). Empty: the "
             "address torch's store uses to reach the master (loopback for local jobs)."),
     Setting("HETCCL_SHM_SLOT_BYTES", int, 0,
-            "Shared-memory ring slot size in bytes; 0: 1 MiB on CPU-only builds (stays in "
-            "cache), 8 MiB where a GPU is driven (fewer, larger PCIe copies per slot)."),
-    Setting("HETCCL_SHM_NSLOTS", int, 8, "Shared-memory ring slots per direction and peer."),
+            "Largest shared-memory ring slot in bytes (also the staging slot of device data on "
+            "message links); 0: the largest chunk of the tuning table of the data this build "
+            "moves (hetccl/tuning.py: 256 KiB host, 4 MiB where a GPU is driven)."),
+    Setting("HETCCL_SHM_NSLOTS", int, 8,
+            "Most shared-memory ring slots per direction and peer (fewer when the budget "
+            "requires: HETCCL_SHM_BUDGET_BYTES)."),
+    Setting("HETCCL_SHM_BUDGET_BYTES", int, 0,
+            "Bound on the shared memory one rank creates for all its shared-memory peers "
+            "together, whatever the job size (its rings get fewer, then smaller slots as peers "
+            "grow); 0: 8 MiB on CPU-only builds, 64 MiB where a GPU is driven (pinned). The "
+            "smallest value of the ranks on a host applies to the host."),
     Setting("HETCCL_REDUCE_THREADS", int, 0, "Host reduction threads (0: all cores)."),
     Setting("HETCCL_CHUNK_BYTES", int, 0,
             "Engine chunk size in bytes for every cross-vendor transfer; 0 (default): the "

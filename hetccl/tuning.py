@@ -31,6 +31,13 @@ DEVICE = [
     (32 * MiB, 2 * MiB),
     (INF, 4 * MiB),
 ]
+
+
+def max_chunk(table) -> int:
+    """The largest chunk a table asks for: a ring slot larger than this is never filled."""
+    return max(chunk for _, chunk in table)
+
+
 # Message transports (tcp, ucx) with host data: requests of this size stream from user memory.
 MESSAGE = [
     (1 * MiB, 1 * MiB),

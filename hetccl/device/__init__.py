@@ -26,6 +26,7 @@ Seam interface:
     ucx_device_paths        UCX transports that move or map this memory between processes
     ucx_copy_paths          UCX's copy transport between this memory and the host
     staging_slot_bytes      default shared-memory slot size where this device stages data
+    shm_budget_bytes        default bound on the shared memory one rank creates (all its peers)
     reduce_dtypes           dtypes the native library reduces
     available() / build_matches()   usable here / this torch build is this seam's
     is_device(t)            whether t lives in this seam's device memory

@@ -22,6 +22,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .. import tuning
+
 
 def _loaded_library(stems: tuple[str, ...]) -> str | None:
     """Path of an already-loaded shared library whose file name starts with one of stems."""
@@ -98,7 +100,11 @@ class CudaSeam:
     # UCX transports that move or map this vendor's device memory between processes
     ucx_device_paths: tuple[str, ...] = ("cuda_ipc", "gdr_copy")
     ucx_copy_paths: tuple[str, ...] = ("cuda_copy",)
-    staging_slot_bytes = 8 << 20  # default shared-memory slot (bridge.py) where devices stage
+    # default shared-memory and staging slot (bridge.py) where devices stage: the device
+    # table's largest chunk (a larger slot would never be filled)
+    staging_slot_bytes = tuning.max_chunk(tuning.DEVICE)
+    # default shared memory one rank creates (HETCCL_SHM_BUDGET_BYTES); pinned on GPU hosts
+    shm_budget_bytes = 64 << 20
     # dtypes NCCL reduces (checked before any communication starts)
     reduce_dtypes = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
                                torch.int8, torch.uint8, torch.int32, torch.int64})

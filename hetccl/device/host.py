@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import tuning
+
 
 class HostSeam:
     type = "cpu"
@@ -17,7 +19,9 @@ class HostSeam:
     memory_type = "host"        # what a transport's capability table calls this memory
     ucx_device_paths: tuple[str, ...] = ()
     ucx_copy_paths: tuple[str, ...] = ()
-    staging_slot_bytes = 1 << 20  # default shared-memory slot (bridge.py): host data only
+    # default shared-memory slot (bridge.py): host data only, so the host table's largest chunk
+    staging_slot_bytes = tuning.max_chunk(tuning.HOST)
+    shm_budget_bytes = 8 << 20  # default shared memory one rank creates (HETCCL_SHM_BUDGET_BYTES)
     # dtypes gloo reduces (checked before any communication, so an unsupported dtype is a clear
     # error on every rank); copy-type collectives move bytes and accept every dtype
     reduce_dtypes = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,

@@ -1,0 +1,137 @@
+"""Per-rank cost that does not grow with the job: shared memory bounded per rank.
+
+Each rank creates one ring segment per shared-memory peer (csrc/shm_transport.cc); the bridge
+gives each segment an equal share of the host's budget (bridge.shm_segment_budget,
+HETCCL_SHM_BUDGET_BYTES), and the transport fits its geometry into it (fewer slots, then
+smaller ones). These tests check the bound on real ranks, and that data still crosses intact
+(float64 references) through the smaller rings, including messages far larger than a ring.
+"""
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+from hetccl._core import _C
+from hetccl.launch import spawn
+
+from test_transport import _connect, _data, _opts
+
+MiB = 1 << 20
+
+
+def _rank_shm(ctx, nelem: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import hetccl  # noqa: F401
+
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    rank, world = ctx.rank, ctx.world_size
+    out = {}
+    xs = [torch.randn(nelem, generator=torch.Generator().manual_seed(10 + r),
+                      dtype=torch.float64) for r in range(world)]
+    ref = torch.stack(xs).sum(0)
+    for dtype in (torch.float32, torch.float64):
+        x = xs[rank].to(dtype).clone()
+        dist.all_reduce(x)
+        err = (x.double() - torch.stack([v.to(dtype).double() for v in xs]).sum(0)).abs().max()
+        out[f"all_reduce/{dtype}"] = float(err) / float(ref.abs().max())
+    g = torch.empty(world * nelem, dtype=torch.float64)
+    dist.all_gather_into_tensor(g, xs[rank])
+    out["all_gather_exact"] = bool(torch.equal(g, torch.cat(xs)))
+    b = dist.group.WORLD.engine.bridge
+    out["seg_budget"] = b.seg_budget
+    out["shm"] = dict(b.info.get("shm", {}))
+    dist.destroy_process_group()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _run(split: str, budget: int | None, nelem: int):
+    world = sum(int(x) for x in split.split("+"))
+    env = {} if budget is None else {"HETCCL_SHM_BUDGET_BYTES": str(budget)}
+    return spawn(_rank_shm, world, args=(nelem,), vendors=split, env=env, timeout=240)
+
+
+@pytest.mark.parametrize("split,budget,peers", [
+    ("2+2", 1 * MiB, 2),   # two cross-vendor shm peers per rank: each segment <= 512 KiB
+    ("2+1", None, 2),      # default budget (8 MiB host); group links: every rank links 2
+])
+def test_shared_memory_per_rank_is_bounded(split, budget, peers):
+    limit = budget or 8 * MiB  # the host seam's default (hetccl/device/host.py)
+    nelem = 3 * MiB // 4 + 5  # 3 MiB of float32: many times a small ring
+    res = _run(split, budget, nelem)
+    for r, o in enumerate(res):
+        shm = o["shm"]
+        assert int(shm["peers"]) == peers, (r, shm)
+        assert o["seg_budget"] == limit // peers, (r, o["seg_budget"])
+        assert int(shm["segment_bytes"]) <= o["seg_budget"], (r, shm)
+        assert int(shm["created_bytes"]) <= limit, (r, shm)
+        assert int(shm["nslots"]) >= 2, (r, shm)
+        for k, v in o.items():
+            if k.startswith("all_reduce/"):
+                assert v <= (1e-5 if "float32" in k else 1e-12), (r, k, v)
+        assert o["all_gather_exact"], r
+
+
+def _pair_budget(ctx, budget: int) -> dict:
+    import torch.distributed as dist
+
+    st = ctx.store()
+    rank, peer = ctx.rank, 1 - ctx.rank
+    t = _C.Transport("shm", rank, 2, _opts(slot_bytes=1 << 20, nslots=8, seg_budget=budget))
+    _connect(t, dist.PrefixStore("b/", st), "shm", rank)
+    info = dict(t.info())
+    ok = {}
+    for i, n in enumerate([0, 1, 4095, 4097, 5 * MiB + 3]):
+        src = _data(7 * rank + i, n)
+        dst = np.zeros(n, np.uint8)
+        rr = t.irecv(peer, dst.ctypes.data, n, 50 + i)
+        rs = t.isend(peer, src.ctypes.data, n, 50 + i)
+        _C.wait_all([rr, rs], 30000)
+        ok[n] = bool(np.array_equal(dst, _data(7 * peer + i, n)))
+    t.close()
+    return {"info": info, "ok": ok}
+
+
+@pytest.mark.parametrize("budget,nslots,slot", [
+    (64 * 1024, 2, 12 * 1024),     # below 2 x 2 x 16 KiB: slots shrink to page multiples
+    (3 * MiB, 2, (3 * MiB - 4096) // 4 // 4096 * 4096),  # fewer slots (8 -> 2), then smaller
+    (5 * MiB, 2, MiB),             # 2 slots of 1 MiB fit (4 MiB + header)
+    (64 * MiB, 8, MiB),            # no change under a large budget
+])
+def test_shm_ring_fits_its_budget(budget, nslots, slot):
+    """The shm transport fits its rings into seg_budget: the geometry in force, and messages of
+    every size (many times the ring) crossing intact through it."""
+    res = spawn(_pair_budget, 2, args=(budget,), timeout=120)
+    for r, o in enumerate(res):
+        info = o["info"]
+        assert int(info["segment_bytes"]) <= budget, (r, info)
+        assert (int(info["nslots"]), int(info["slot_bytes"])) == (nslots, slot), (r, info)
+        assert all(o["ok"].values()), (r, o["ok"])
+
+
+def test_bench_footprint_reports_per_rank_costs(tmp_path):
+    """`hetccl bench footprint` measures each rank from inside: the shm bridge's rings within
+    the default budget, the tcp bridge's nconn connections per peer, right sums."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "fp.jsonl"
+    p = subprocess.run([sys.executable, "-m", "hetccl.cli", "bench", "footprint", "--vendors",
+                        "1+1", "--iters", "3", "--no-progress", "--jsonl", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["hosts"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"shared", "emulated"}, rows
+    sh, em = rows["shared"], rows["emulated"]
+    assert sh["transports"] == "shm" and em["transports"] == "tcp", rows
+    assert 0 < sh["shm_MB"] <= 8 * MiB / 1e6, sh
+    assert em["shm_MB"] == 0 and em["sockets"] >= 4, em  # HETCCL_TCP_NCONN=4 to the one peer
+    assert sh["wrong"] == 0 and em["wrong"] == 0, rows
+    assert "wrong elements: 0" in p.stdout, p.stdout
