@@ -20,6 +20,8 @@
 #   doctor.log             `hetccl doctor --copy-test`: the box's PCIe copy ceiling, same session
 # Steps not in the default list, one file each (ucx: three):
 #   profile.txt            tests/gpu_profile.py: where a small all-reduce spends its time
+#   slots.jsonl            (slots) 1+1 bf16 collectives, the bounded ring geometry beside the
+#                          old one (8 MiB x 8 slots), interleaved; rows tagged {"geometry"}
 #   passthrough.jsonl      one vendor (hetccl:1v, native pass-through) beside nccl, interleaved
 #   megatron.txt           (megatron) recipes/megatron/gpu.sh's summary, ITERS=${MEG_ITERS:-10}
 #   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
@@ -30,7 +32,7 @@
 #                          ucx_summary.txt: busbw per mode side by side with ratios to tcp
 #   ucx_probe.log          (ucxprobe) tests/gpu_ucx_probe.py: per configuration ok or the
 #                          stalled step, with ucx_probe_stacks_*.txt (every thread's frames)
-# Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [passthrough] [sweep] [train] [host]
+# Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [passthrough] [slots] [sweep] [train] [host]
 #                            [profile] [doctor] [ucx] [ucxprobe] [megatron]
 # (default: build tests bench sweep train host doctor, in that order). Each step is bounded by
 # STEP_TIMEOUT seconds (default 240), the tests step by TESTS_TIMEOUT (default 540: the suite
@@ -123,6 +125,18 @@ for w in $what; do
       timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl:1v,nccl,hetccl:1v,nccl \
         --colls all_reduce --minbytes 64M --maxbytes 256M --factor 2 --dtype bfloat16 --iters 20 \
         --no-progress --jsonl "$OUT/passthrough.jsonl" ;;
+    slots)
+      # the bounded ring geometry (HETCCL_SHM_BUDGET_BYTES default, 4 MiB slots) against the
+      # geometry before it (8 MiB slots x 8, no budget), interleaved in one run
+      for mode in bounded old bounded old; do
+        if [ $mode = old ]; then envs="HETCCL_SHM_SLOT_BYTES=8388608 HETCCL_SHM_BUDGET_BYTES=1099511627776"; else envs=""; fi
+        env $envs timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl \
+          --colls all_reduce,all_gather,reduce_scatter --minbytes 1M --maxbytes 64M --factor 4 \
+          --dtype bfloat16 --iters 20 --no-progress --jsonl /tmp/slot_rows.jsonl
+        python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'geometry': sys.argv[1]})) for l in open('/tmp/slot_rows.jsonl')]" \
+          "$mode" >> "$OUT/slots.jsonl" 2>/dev/null
+        rm -f /tmp/slot_rows.jsonl
+      done ;;
     sweep)
       for c in ${CHUNKS:-262144 1048576 4194304 8388608}; do
         HETCCL_CHUNK_BYTES=$c timeout $T $B collectives --device cuda --vendors 1+1 \

@@ -124,6 +124,10 @@ class Bridge:
         # Shared memory per rank is bounded whatever the job size (shm_segment_budget): each
         # outgoing ring segment gets an equal share of this host's budget.
         self.seg_budget = shm_segment_budget(topo, caps, self.choices, self.groups_linked)
+        # Device data on message links (tcp, ucx host-staged) goes through pinned staging
+        # slots the engine allocates per link: bounded by the same per-rank budget.
+        self.staging_slots = staging_depth(topo, caps, self.choices, self.slot_bytes,
+                                           int(config.get("HETCCL_SHM_NSLOTS")))
         opts = {
             "secret": secret,
             "seg_budget": str(self.seg_budget),
@@ -264,6 +268,22 @@ def shm_segment_budget(topo: Topology, caps: list[dict], choices: dict,
     most = max(shm_peers(r) for r in host)
     budget = min(int(caps[r]["shm_budget"]) for r in host)
     return max(1, budget // max(1, most))
+
+
+def staging_depth(topo: Topology, caps: list[dict], choices: dict, slot_bytes: int,
+                  most: int) -> int:
+    """Staging slots per direction of each message link (the engine's device_slots: pinned
+    slot_bytes each, for device data on tcp / host-staged ucx links): as many as fit the
+    smallest published budget (HETCCL_SHM_BUDGET_BYTES) over the most message links any rank
+    of the job has, between 2 (copies overlap the transfer) and `most` (HETCCL_SHM_NSLOTS). The
+    same on every rank."""
+    links = max(sum(1 for p in range(topo.size)
+                    if (r, p) in choices and choices[(r, p)].transport != "shm")
+                for r in range(topo.size))
+    if not links:
+        return max(2, most)
+    budget = min(int(c["shm_budget"]) for c in caps)
+    return max(2, min(most, budget // (links * 2 * max(1, slot_bytes))))
 
 
 def choose_all(topo: Topology, caps: list[dict]) -> dict:

@@ -110,7 +110,7 @@ class Engine:
                 {p: self.bridge.transport_of(p) for p in self.bridge.linked}, rank,
                 int(config.get("HETCCL_REDUCE_THREADS")), list(self.bridge.peers),
                 [list(g) for g in topo.groups], list(topo.group_of), checks.FIELD_NAMES,
-                self.bridge.slot_bytes, int(config.get("HETCCL_SHM_NSLOTS")), 8,
+                self.bridge.slot_bytes, self.bridge.staging_slots, 8,
                 tuning.HOST, tuning.DEVICE, tuning.MESSAGE,
                 int(config.get("HETCCL_CHUNK_BYTES")),
                 config.get("HETCCL_ASYNC_ERROR_HANDLING") == "abort",

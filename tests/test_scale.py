@@ -135,3 +135,53 @@ def test_bench_footprint_reports_per_rank_costs(tmp_path):
     assert em["shm_MB"] == 0 and em["sockets"] >= 4, em  # HETCCL_TCP_NCONN=4 to the one peer
     assert sh["wrong"] == 0 and em["wrong"] == 0, rows
     assert "wrong elements: 0" in p.stdout, p.stdout
+
+
+class _Topo:
+    """The parts of hetccl.topology.Topology the budget functions read."""
+
+    def __init__(self, groups, hosts, rank=0):
+        self.groups = groups
+        self.group_of = {r: i for i, g in enumerate(groups) for r in g}
+        self.size = sum(len(g) for g in groups)
+        self.hosts, self.rank = hosts, rank
+
+    def same_host(self, a, b):
+        return self.hosts[a] == self.hosts[b]
+
+
+def _choices(topo, transport_of_pair):
+    from types import SimpleNamespace
+
+    return {(a, b): SimpleNamespace(transport=transport_of_pair(a, b))
+            for a in range(topo.size) for b in range(topo.size)
+            if topo.group_of[a] != topo.group_of[b]}
+
+
+def test_budget_shares_are_per_host_and_symmetric():
+    """bridge.shm_segment_budget: the smallest budget of the host over the most shm peers of
+    any rank of the host -- the same for both ends of every pair; staging_depth: message-link
+    staging slots within the budget, between 2 and the most."""
+    from hetccl import bridge
+
+    # 2+2 over two hosts: host X = {0, 1, 2} (vendor A: 0, 1; vendor B: 2), host Y = {3}
+    hosts = ["X", "X", "X", "Y"]
+    topo = _Topo([[0, 1], [2, 3]], hosts)
+    ch = _choices(topo, lambda a, b: "shm" if hosts[a] == hosts[b] else "tcp")
+    caps = [{"shm_budget": b} for b in (8 * MiB, 8 * MiB, 4 * MiB, 1 * MiB)]
+    # rank 2 links ranks 0 and 1 by shm (2 peers); host X's smallest budget is rank 2's 4 MiB
+    for r in (0, 1, 2):
+        topo.rank = r
+        assert bridge.shm_segment_budget(topo, caps, ch, False) == 2 * MiB, r
+    topo.rank = 3  # alone on its host: no shm peer, its own budget
+    assert bridge.shm_segment_budget(topo, caps, ch, False) == 1 * MiB
+    # group links (one host, 2+1): every rank links both others
+    t3 = _Topo([[0, 1], [2]], ["X"] * 3)
+    ch3 = _choices(t3, lambda a, b: "shm")
+    assert bridge.shm_segment_budget(t3, [{"shm_budget": 8 * MiB}] * 3, ch3, True) == 4 * MiB
+    # staging: rank 3 has 2 tcp links (ranks 0, 1), the most of any rank; the job's smallest
+    # budget is 1 MiB -> below 2 slots of 4 MiB per direction: 2 (the least)
+    assert bridge.staging_depth(topo, caps, ch, 4 * MiB, 8) == 2
+    big = [{"shm_budget": 1 << 30}] * 4
+    assert bridge.staging_depth(topo, big, ch, 4 * MiB, 8) == 8  # capped by the most
+    assert bridge.staging_depth(topo, [{"shm_budget": 64 * MiB}] * 4, ch, 4 * MiB, 8) == 4
