@@ -977,31 +977,37 @@ static bool sends_left(const std::vector<uint8_t>& send_done, const std::vector<
   return true;
 }
 
-// A chunk that does not fit its plan (size or tag): the ranks disagree. When the plan carries
+// A chunk that does not fit its plan (size or tag): the ranks disagree. When plans carry
 // argument headers (HETCCL_CHECK_ARGS=async lets data move before they are compared), the
-// headers name the difference (field and values) where the chunk cannot. A peer posts its
-// header before its data, so the header has been sent even when our receive of it has not
-// completed yet (the transport's own thread completes it): wait for the headers briefly --
-// bounded, the engine is failing anyway, and a peer at another collective may never send the
-// one we expect -- then compare. Throws ArgMismatch with the header text, else PeerFailure(generic).
+// headers name the difference (field and values) where the chunk cannot -- this plan's, or an
+// earlier plan's still being checked: a device plan returns to its caller before its headers
+// are compared, so a mismatching collective with no receive from this peer (a broadcast whose
+// ranks disagree on the root) leaves its peer's data in the ring for the next plan to meet.
+// A peer posts its header before its data, so the headers have been sent even when our
+// receives of them have not completed yet (the transport's own threads complete them): wait
+// for them briefly -- bounded, the engine is failing anyway, and a peer at another collective
+// may never send the one we expect -- then compare, earliest plan first. Caller holds mu_.
+// Throws ArgMismatch with the header text, else PeerFailure(generic).
 void Engine::fail_mismatch(Plan& p, const std::string& generic) {
-  if (!p.hdr_in.empty()) {
-    const int64_t until = now_ms() + kMismatchHeaderWaitMs;
+  const int64_t until = now_ms() + kMismatchHeaderWaitMs;
+  for (auto& kv : plans_) {  // by id: the earliest plan's verdict first
+    if (kv.first > p.id) break;
+    Plan& q = *kv.second;
+    if (q.hdr_in.empty()) continue;
     bool all = true;
-    for (auto& in : p.hdr_in) {
+    for (auto& in : q.hdr_in) {
       try {
         in.req->wait(std::max<int64_t>(0, until - now_ms()));
       } catch (const std::exception&) {
-        all = false;  // not here in time, or failed: the generic text
+        all = false;  // not here in time, or failed
         break;
       }
     }
-    if (all) {
-      std::string bad = compare_headers(p);
-      if (!bad.empty())
-        throw ArgMismatch(bad + " (detected after the collective was issued; the group is "
-                                "unusable from here on)");
-    }
+    if (!all) continue;
+    std::string bad = compare_headers(q);
+    if (!bad.empty())
+      throw ArgMismatch(bad + " (detected after the collective was issued; the group is "
+                              "unusable from here on)");
   }
   throw PeerFailure(generic);
 }

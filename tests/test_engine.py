@@ -221,6 +221,32 @@ def _device_async_mismatch(e, rank, peer, tag0, dev):
     return "ok" if ok else f"broken={msg!r} later={later!r}"
 
 
+def _earlier_plan_mismatch(e, rank, peer, tag0, dev):
+    """HETCCL_CHECK_ARGS=async: a device plan whose ranks disagree (here on the root, as a
+    broadcast whose ranks name different roots: each rank sends, none receives) returns before
+    its headers are compared, and its peer's data stays in the ring; the next plan, whose own
+    headers agree, meets that data. The verdict must still name what differs (the earlier
+    plan's headers), on both ranks -- not a bare chunk-size complaint."""
+    ops, S, Sd = dev
+    x = torch.ones(64, dtype=torch.uint8)
+    _post(e, [(peer, True, x.data_ptr(), 64)], tag0, header=[4, 64, 6, 0, rank, 2],
+          wait_check=False, streams=(S, Sd))
+    y = torch.ones(4000, dtype=torch.uint8)
+    got = torch.zeros(4000, dtype=torch.uint8)
+    try:
+        _post(e, [(peer, True, y.data_ptr(), 4000), (peer, False, got.data_ptr(), 4000)],
+              tag0 + 1, header=[1, 4000, 6, 1, -1, 2], wait_check=False, streams=(S, Sd))
+    except _C.CommError as err:  # the first plan's headers were compared already: refused
+        return "ok" if "root differs" in str(err) else f"second post: {err}"
+    ops.synchronize(S)
+    ops.synchronize(Sd)
+    deadline = time.monotonic() + 10
+    while not e.broken() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    msg = e.broken()
+    return "ok" if "root differs" in msg else f"broken={msg!r}"
+
+
 def _mixed_wait_mismatch(e, rank, peer, tag0, dev):
     """Rank 0 holds its data for the check (wait_check), rank 1 does not (HETCCL_CHECK_ARGS=async
     on its device tensors): rank 0 raises the mismatch at the call, and both engines end broken
@@ -314,6 +340,14 @@ def rank_main(ctx, name):
         e3, rank, peer, 1200, (ops, ops.emulated_stream(), ops.emulated_stream())))
     e3.close()
     t3.close()
+    t4 = _C.Transport(name, rank, 2, _opts())
+    _connect(t4, st, "earlier", rank)
+    e4 = _engine(t4, rank)
+    e4.set_device_ops(ops)
+    attempt("earlier_plan_mismatch", lambda: _earlier_plan_mismatch(
+        e4, rank, peer, 1300, (ops, ops.emulated_stream(), ops.emulated_stream())))
+    e4.close()
+    t4.close()
     return res
 
 
