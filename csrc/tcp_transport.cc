@@ -131,13 +131,21 @@ struct Peer {
   std::unordered_map<uint64_t, uint64_t> send_seq, recv_seq;
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<InMsg>> inmsgs;
   int eof_conns = 0;
+  // lazy mode (connections made on first use): who makes this peer's connections. dialing:
+  // this rank dials (or has dialed) them; accepting: the peer's dial was accepted, its
+  // connections arrive at the acceptor. At most one is ever set (both under mu).
+  bool dialing = false, accepting = false;
+  std::atomic<bool> registered{false};  // lazy mode: connect() gave this rank an address
+  std::set<int> accepted_idx;  // connection indices accepted from this peer (duplicates refused)
   std::string failed;
   Request::ErrorKind failed_kind = Request::ErrorKind::Peer;
 };
 
 struct Worker {
   int epfd = -1, evfd = -1;
-  std::vector<Conn*> conns;
+  std::vector<Conn*> conns;  // the worker thread's own list
+  std::mutex add_mu;
+  std::vector<Conn*> adds;   // lazy mode: connections made after start, taken in by the worker
   std::thread th;
 };
 
@@ -235,12 +243,24 @@ class TcpTransport final : public Transport {
   }
   void close() override;
   bool cancel(const RequestPtr& req, bool unpost = false) override;
+  // connections in force: with lazy=1 only the peers this rank has exchanged data with
+  std::map<std::string, std::string> info() override {
+    size_t peers = 0, conns = 0;
+    for (auto& p : peers_)
+      if (p) {
+        std::lock_guard<std::mutex> g(p->mu);
+        conns += p->conns.size();
+        peers += p->conns.empty() ? 0 : 1;
+      }
+    return {{"nconn", std::to_string(nconn_)}, {"lazy", lazy_ ? "1" : "0"},
+            {"connected_peers", std::to_string(peers)}, {"connections", std::to_string(conns)}};
+  }
 
  private:
   Peer& peer_ref(int peer) {
     check_peer(peer, rank_, size_);
     Peer* p = peers_.empty() ? nullptr : peers_[peer].get();
-    if (!p)
+    if (!p || (lazy_ && !p->registered.load()))
       throw CommError("hetccl tcp: rank " + std::to_string(peer) +
                       " is not a peer of this transport (empty address at connect(), or connect() "
                       "not called)");
@@ -282,6 +302,15 @@ class TcpTransport final : public Transport {
   std::vector<std::unique_ptr<Peer>> peers_;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::atomic<bool> stop_{false};
+  // lazy mode (option lazy=1): connect() only records the addresses; a peer's nconn connections
+  // are made by the first isend to it, from the rank that sends first (see ensure_dialed).
+  bool lazy_ = false;
+  int64_t dial_timeout_ms_ = 30000;
+  void start_workers();
+  void add_conn(Peer& p, int fd, int idx);  // p.mu held
+  void ensure_dialed(Peer& p);
+  // decides on a lazy dial from `rank`: 0 accept, 1 crossed (this rank dials it), -1 refuse
+  int lazy_accept(int rank, int idx, std::string* why);
   std::mutex close_mu_;
   bool closed_ = false, connected_ = false;
 };
@@ -294,6 +323,8 @@ TcpTransport::TcpTransport(int rank, int size, const Options& opts) : rank_(rank
   nthreads_ = std::min(nthreads_, nconn_);
   chunk_ = size_t(opt_int(opts, "chunk_bytes", 512 << 10, 4096, int64_t(kMaxFrame)));
   hs_timeout_ms_ = opt_int(opts, "handshake_timeout_ms", 5000, 1, 3600000);
+  lazy_ = opt_int(opts, "lazy", 0, 0, 1) != 0;
+  dial_timeout_ms_ = opt_int(opts, "dial_timeout_ms", 30000, 1, 3600000);
 
   sockaddr_storage ss;
   socklen_t len = 0;
@@ -320,7 +351,112 @@ TcpTransport::TcpTransport(int rank, int size, const Options& opts) : rank_(rank
   else if (host == "::") host = "::1";
   address_ = (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
   accept_wake_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (lazy_) {
+    // every rank's Peer exists from the start: a peer may dial before connect() is called here
+    peers_.resize(size_);
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) {
+        peers_[r] = std::make_unique<Peer>();
+        peers_[r]->rank = r;
+      }
+    start_workers();
+  }
   acceptor_ = std::thread([this] { acceptor_loop(); });
+}
+
+void TcpTransport::start_workers() {
+  for (int i = 0; i < nthreads_; ++i) {
+    auto w = std::make_unique<Worker>();
+    w->epfd = epoll_create1(EPOLL_CLOEXEC);
+    w->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = nullptr;
+    epoll_ctl(w->epfd, EPOLL_CTL_ADD, w->evfd, &ev);
+    workers_.push_back(std::move(w));
+  }
+  for (auto& w : workers_) w->th = std::thread([this, wp = w.get()] { worker_loop(wp); });
+}
+
+// Lazy mode: a connection made after the workers started (dialed or accepted), p.mu held. The
+// worker takes it into its own list when woken (only the worker thread touches Worker::conns).
+void TcpTransport::add_conn(Peer& p, int fd, int idx) {
+  auto c = std::make_unique<Conn>();
+  c->fd = fd;
+  c->idx = idx;
+  c->peer = &p;
+  Worker& w = *workers_[p.conns.size() % workers_.size()];
+  {
+    std::lock_guard<std::mutex> g(w.add_mu);
+    w.adds.push_back(c.get());
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+  ev.data.ptr = c.get();
+  epoll_ctl(w.epfd, EPOLL_CTL_ADD, fd, &ev);
+  p.conns.push_back(std::move(c));
+  uint64_t one = 1;
+  ssize_t r = ::write(w.evfd, &one, sizeof one);
+  (void)r;
+}
+
+// Lazy mode, the acceptor's verdict on connection `idx` from `rank` (its secret proved): 0 take
+// it, 1 crossed (both ranks dialed each other: the lower rank's connections win, so a higher
+// rank's dial is turned away while this rank dials it), -1 refuse (*why says why).
+int TcpTransport::lazy_accept(int rank, int idx, std::string* why) {
+  Peer& p = *peers_[rank];
+  bool done;
+  {
+    std::lock_guard<std::mutex> g(acc_mu_);
+    done = connect_done_;
+  }
+  std::lock_guard<std::mutex> g(p.mu);
+  if (done && !p.registered.load()) {
+    *why = "rank " + std::to_string(rank) + " is not a peer of this transport";
+    return -1;
+  }
+  if (!p.failed.empty()) {
+    *why = "rank " + std::to_string(rank) + " already failed: " + p.failed;
+    return -1;
+  }
+  if (p.accepted_idx.count(idx)) {
+    *why = "duplicate connection " + std::to_string(idx) + " from rank " + std::to_string(rank);
+    return -1;
+  }
+  if (p.dialing && rank > rank_ && p.accepted_idx.empty()) return 1;
+  p.accepting = true;
+  p.accepted_idx.insert(idx);
+  return 0;
+}
+
+// Lazy mode, the first send to a peer: dial its nconn connections here (blocking for the
+// handshakes: about a round trip each), unless they exist, are being dialed, or the peer is
+// dialing us. Trade-off: the first send to a peer pays the set-up; a rank that only ever
+// receives from a peer never dials it (the sender's connections carry both directions).
+void TcpTransport::ensure_dialed(Peer& p) {
+  std::string addr;
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    if (p.dialing || p.accepting || !p.conns.empty() || !p.failed.empty()) return;
+    p.dialing = true;
+    addr = p.addr;
+  }
+  Deadline d(dial_timeout_ms_);
+  for (int i = 0; i < nconn_; ++i) {
+    std::string err;
+    int fd = dial(p.rank, addr, i, d, &err);
+    if (fd == -2) return;  // crossed: the peer's connections arrive at the acceptor
+    if (fd < 0) {
+      fail_peer(p, "hetccl tcp: cannot connect to " + who(p) + ": " + err);
+      return;
+    }
+    std::lock_guard<std::mutex> g(p.mu);
+    if (stop_.load() || !p.failed.empty()) {
+      ::close(fd);
+      return;
+    }
+    add_conn(p, fd, i);
+  }
 }
 
 // ---------------------------------------------------------------- acceptor
@@ -433,7 +569,8 @@ void TcpTransport::handshake_step(Handshake& h, bool* drop, std::string* why) {
   if (ver != kVersion) {
     *drop = true;
     *why = "protocol version " + std::to_string(ver) + ", this build speaks " + std::to_string(kVersion);
-  } else if (size != size_ || rank <= rank_ || rank >= size_ || nconn != nconn_ || idx < 0 || idx >= nconn_) {
+  } else if (size != size_ || (lazy_ ? rank == rank_ || rank < 0 : rank <= rank_) || rank >= size_ ||
+             nconn != nconn_ || idx < 0 || idx >= nconn_) {
     *drop = true;
     *why = "inconsistent hello (rank " + std::to_string(rank) + ", connection " + std::to_string(idx) +
            "/" + std::to_string(nconn) + ", world " + std::to_string(size) + "; expected a rank above " +
@@ -443,6 +580,34 @@ void TcpTransport::handshake_step(Handshake& h, bool* drop, std::string* why) {
     *why = "wrong group secret (claimed rank " + std::to_string(rank) + ")";
   }
   if (*drop) return;
+  if (lazy_) {
+    int verdict = lazy_accept(rank, idx, why);
+    if (verdict < 0) {
+      *drop = true;
+      return;
+    }
+    std::string a2(kMagic, 8);
+    net::put_u32(a2, uint32_t(verdict));  // 0: accepted; 1: crossed, this rank dials you
+    net::put_u32(a2, 0);
+    a2 += proof(secret_, verdict ? "crossed" : "accept", h.nonce_a, nonce_c, rank, rank_, idx);
+    bool sent = ::send(h.fd, a2.data(), a2.size(), MSG_NOSIGNAL) == ssize_t(a2.size());
+    if (verdict == 1 || !sent) {
+      ::close(h.fd);  // crossed: the dialer stops and waits for this rank's connections
+      h.fd = -1;
+      if (!sent && verdict == 0) fail_peer(*peers_[rank], "hetccl tcp: " + who(*peers_[rank]) +
+                                                               ": handshake reply failed");
+      return;
+    }
+    Peer& pr = *peers_[rank];
+    std::lock_guard<std::mutex> g(pr.mu);
+    if (stop_.load()) {
+      ::close(h.fd);
+    } else {
+      add_conn(pr, h.fd, idx);
+    }
+    h.fd = -1;
+    return;
+  }
   {
     std::lock_guard<std::mutex> g(acc_mu_);
     if (connect_done_) {
@@ -534,6 +699,11 @@ int TcpTransport::dial(int peer, const std::string& addr, int idx, const Deadlin
       return -1;
     }
     std::string pa(reinterpret_cast<char*>(a2 + 16), 32);
+    if (lazy_ && std::memcmp(a2, kMagic, 8) == 0 && net::get_u32(a2 + 8) == 1 &&
+        pa == proof(secret_, "crossed", nonce_a, nonce_c, rank_, peer, idx)) {
+      ::close(fd);
+      return -2;  // crossed: the peer is dialing this rank; its connections will arrive
+    }
     if (std::memcmp(a2, kMagic, 8) != 0 || net::get_u32(a2 + 8) != 0 ||
         pa != proof(secret_, "accept", nonce_a, nonce_c, rank_, peer, idx)) {
       ::close(fd);
@@ -550,6 +720,22 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, int64_t ti
   if (int(addresses.size()) != size_)
     throw CommError("hetccl tcp: connect() got " + std::to_string(addresses.size()) +
                     " addresses for a world of " + std::to_string(size_));
+  if (lazy_) {
+    // Only the addresses: connections are made on first use (ensure_dialed, lazy_accept).
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_ || addresses[r].empty()) continue;
+      Peer& p = *peers_[r];
+      std::lock_guard<std::mutex> g(p.mu);
+      p.addr = addresses[r];
+      p.registered.store(true);
+    }
+    {
+      std::lock_guard<std::mutex> g(acc_mu_);
+      connect_done_ = true;
+    }
+    connected_ = true;
+    return;
+  }
   Deadline d(timeout_ms);
   std::vector<std::vector<int>> fds(size_);
   std::map<int, std::string> errors;
@@ -676,6 +862,7 @@ RequestPtr TcpTransport::isend(int peer, const void* buf, size_t nbytes, uint64_
     p.sendq.push_back(m);
     p.active.insert(m);
   }
+  if (lazy_) ensure_dialed(p);
   wake_workers();
   return m->req;
 }
@@ -828,6 +1015,14 @@ void TcpTransport::worker_loop(Worker* w) {
       if (evs[i].events & (EPOLLOUT | EPOLLHUP | EPOLLERR)) c->writable = true;
     }
     busy = false;
+    if (lazy_) {
+      std::lock_guard<std::mutex> g(w->add_mu);
+      if (!w->adds.empty()) {
+        w->conns.insert(w->conns.end(), w->adds.begin(), w->adds.end());
+        w->adds.clear();
+        busy = true;
+      }
+    }
     for (Conn* c : w->conns) {
       if (c->dead.load()) continue;
       if (c->readable && !c->eof && do_read(*c)) busy = true;
@@ -1072,10 +1267,8 @@ void TcpTransport::close() {
     if (w->th.joinable()) w->th.join();
   for (auto& pp : peers_) {
     if (!pp) continue;
-    {
-      std::lock_guard<std::mutex> g(pp->mu);
-      fail_locked(*pp, Request::ErrorKind::Generic, "hetccl tcp: transport closed");
-    }
+    std::lock_guard<std::mutex> g(pp->mu);
+    fail_locked(*pp, Request::ErrorKind::Generic, "hetccl tcp: transport closed");
     for (auto& c : pp->conns)
       if (c->fd >= 0) {
         ::close(c->fd);

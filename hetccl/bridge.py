@@ -132,6 +132,7 @@ class Bridge:
             "secret": secret,
             "seg_budget": str(self.seg_budget),
             "nconn": str(config.get("HETCCL_TCP_NCONN")),
+            "lazy": "1" if config.get("HETCCL_TCP_LAZY") else "0",
             "slot_bytes": str(self.slot_bytes),
             "nslots": str(config.get("HETCCL_SHM_NSLOTS")),
             "threads": str(config.get("HETCCL_REDUCE_THREADS")),

@@ -76,6 +76,11 @@ _SETTINGS = [
             "capability tables that reaches it: shm on this host; ucx before tcp where UCX has "
             "RDMA or device memory), or one name for every peer (shm, tcp, ucx)."),
     Setting("HETCCL_TCP_NCONN", int, 4, "TCP connections per peer; large messages are striped."),
+    Setting("HETCCL_TCP_LAZY", _bool, True,
+            "tcp bridge connections made on first use (the first send to a peer dials its "
+            "HETCCL_TCP_NCONN connections, used both ways) instead of to every cross-vendor "
+            "peer at start; a peer no collective uses costs no socket. 0: all at start (an "
+            "unreachable peer is then an error at init instead of at its first use)."),
     Setting("HETCCL_SOCKET_IFNAME", str, "",
             "Network interface the bridge listens on (like NCCL_SOCKET_IFNAME). Empty: the "
             "address torch's store uses to reach the master (loopback for local jobs)."),

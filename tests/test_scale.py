@@ -17,7 +17,7 @@ import pytest
 from hetccl._core import _C
 from hetccl.launch import spawn
 
-from test_transport import _connect, _data, _opts
+from test_transport import _barrier, _connect, _data, _opts
 
 MiB = 1 << 20
 
@@ -185,3 +185,84 @@ def test_budget_shares_are_per_host_and_symmetric():
     big = [{"shm_budget": 1 << 30}] * 4
     assert bridge.staging_depth(topo, big, ch, 4 * MiB, 8) == 8  # capped by the most
     assert bridge.staging_depth(topo, [{"shm_budget": 64 * MiB}] * 4, ch, 4 * MiB, 8) == 4
+
+
+def _settled(t, peers: int) -> dict:
+    """t.info() once `peers` peers have their connections (an accepted one is taken in by the
+    acceptor just after the dialer's handshake returns), or after 5 s."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while True:
+        info = dict(t.info())
+        if int(info["connections"]) >= peers * int(info["nconn"]) or time.monotonic() > deadline:
+            return info
+        time.sleep(0.01)
+
+
+def _lazy_ring(ctx) -> dict:
+    """4 ranks over lazy tcp: a ring (send to the next, receive from the previous), then ranks
+    0 and 1 exchanging both ways at once (crossed dials), then a receive posted long before its
+    sender's first send."""
+    import time
+
+    import torch.distributed as dist
+
+    st = ctx.store()
+    rank, world = ctx.rank, ctx.world_size
+    nconn = 3
+    t = _C.Transport("tcp", rank, world, _opts(lazy=1, nconn=nconn))
+    _connect(t, dist.PrefixStore("lazy/", st), "tcp", rank, world=world)
+    out = {"after_connect": dict(t.info())}
+    _barrier(st, "connected", rank, world)  # no rank sends before every rank looked
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    n = 3 * MiB + 1
+    src, dst = _data(rank, n), np.zeros(n, np.uint8)
+    rr = t.irecv(prv, dst.ctypes.data, n, 1)
+    rs = t.isend(nxt, src.ctypes.data, n, 1)
+    _C.wait_all([rr, rs], 30000)
+    out["ring_ok"] = bool(np.array_equal(dst, _data(prv, n)))
+    _barrier(st, "ring", rank, world)
+    out["after_ring"] = _settled(t, 2)
+    if rank in (1, 3):  # never linked (not ring neighbours): both dial each other at once
+        other = 4 - rank
+        got = np.zeros(1000, np.uint8)
+        reqs = [t.irecv(other, got.ctypes.data, 1000, 3), t.isend(other, src.ctypes.data, 1000, 3)]
+        _C.wait_all(reqs, 30000)
+        out["pair_ok"] = bool(np.array_equal(got, _data(other, n)[:1000]))
+    else:
+        out["pair_ok"] = True
+    _barrier(st, "pairs", rank, world)
+    if rank == 0:  # a receive from rank 2 (never linked to 0) posted well before it sends
+        got = np.zeros(5000, np.uint8)
+        r = t.irecv(2, got.ctypes.data, 5000, 4)
+        st.set("posted", "1")
+        r.wait(30000)
+        out["late_ok"] = bool(np.array_equal(got, _data(2, n)[:5000]))
+    elif rank == 2:
+        st.wait(["posted"])
+        time.sleep(0.3)
+        t.isend(0, src.ctypes.data, 5000, 4).wait(30000)
+    _barrier(st, "late", rank, world)
+    out["final"] = _settled(t, 3)
+    _barrier(st, "final", rank, world)
+    t.close()
+    return out
+
+
+def test_tcp_connections_made_on_first_use():
+    """tcp with lazy=1 (the bridge's mode): connect() makes no connection; the first send to a
+    peer makes nconn, used both ways; two ranks dialing each other at once end with one set
+    (the lower rank's); a receive from a peer that has not connected yet waits for it."""
+    res = spawn(_lazy_ring, 4, timeout=180)
+    for r, o in enumerate(res):
+        assert o["after_connect"]["connections"] == "0", (r, o["after_connect"])
+        assert o["ring_ok"] and o["pair_ok"], (r, o)
+        # the ring: a set to the next (dialed) and one from the previous (accepted)
+        assert o["after_ring"]["connected_peers"] == "2", (r, o["after_ring"])
+        assert o["after_ring"]["connections"] == str(2 * 3), (r, o["after_ring"])
+    # then 1 <-> 3 (crossed: one set, not two) and 2 -> 0: every rank linked to all 3 others,
+    # nconn connections each
+    assert res[0]["late_ok"]
+    for r, o in enumerate(res):
+        assert (o["final"]["connected_peers"], o["final"]["connections"]) == ("3", "9"), (r, o)

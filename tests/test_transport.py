@@ -28,6 +28,10 @@ from hetccl._core import _C
 from hetccl.launch import spawn
 
 NAMES = _C.transport_names()
+# the conformance scenarios also run on variants: "<transport>+<option>" (tcp+lazy: connections
+# made by the first send to a peer, as the bridge uses tcp)
+VARIANTS = {"tcp+lazy": ("tcp", {"lazy": 1})} if "tcp" in NAMES else {}
+SCENARIO_NAMES = list(NAMES) + list(VARIANTS)
 SECRET = "5f1d2c3b4a59687766554433221100ffeeddccbbaa9988776655443322110000"
 SIZES = [0, 1, 4099, 1 << 20, 64 << 20]
 HS_TIMEOUT_MS = 500
@@ -353,6 +357,7 @@ def run_scenarios(ctx, name, st):
     """Every scenario on one transport, then close() checks. Returns
     {scenario: "ok" | traceback}."""
     rank, peer = ctx.rank, 1 - ctx.rank
+    name, extra = VARIANTS.get(name, (name, {}))
     threads0 = _threads()
     log = tempfile.TemporaryFile()
     saved_err = os.dup(2)
@@ -361,7 +366,7 @@ def run_scenarios(ctx, name, st):
     try:
         # ucx: three lanes (workers), so every scenario also checks that FIFO per (peer, tag),
         # the stash and truncation hold while messages rotate over lanes
-        t = _C.Transport(name, rank, 2, _opts(**({"lanes": 3} if name == "ucx" else {})))
+        t = _C.Transport(name, rank, 2, _opts(**({"lanes": 3} if name == "ucx" else {}), **extra))
         assert t.name == name
         addrs = _connect(t, st, name, rank)
         shm_addrs = addrs if name == "shm" else None
@@ -411,7 +416,7 @@ def run_all_scenarios(ctx, names):
 
 @functools.lru_cache(maxsize=None)
 def _all_results():
-    return spawn(run_all_scenarios, 2, args=(tuple(NAMES),), timeout=240)
+    return spawn(run_all_scenarios, 2, args=(tuple(SCENARIO_NAMES),), timeout=300)
 
 
 def _results(name):
@@ -425,13 +430,13 @@ def _check(name, scenario):
 
 
 # ------------------------------------------------------------------ tests
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SCENARIO_NAMES)
 @pytest.mark.parametrize("scenario", [s.__name__ for s in SCENARIOS])
 def test_scenario(name, scenario):
     _check(name, scenario)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SCENARIO_NAMES)
 def test_close_frees_threads_and_shm(name):
     _check(name, "connect_unlinks_shm")
     _check(name, "close")

@@ -4,6 +4,10 @@ For each vendor split (e.g. 1+1, 2+2, 4+4) and host mode (one shared host: share
 bridge; emulated hosts: every vendor group a host of its own, tcp bridge), launches the ranks
 as local processes (torch face, emulated vendors, CPU tensors) and has every rank report, from
 inside itself:
+  bridge_peers ranks this rank's bridge may reach (every cross-vendor peer, plus same-vendor
+               peers linked by shared memory)
+  tcp_peers    of those, the ones the tcp bridge has connected to (connections are made on
+               first use: HETCCL_TCP_LAZY), and tcp_conns their connections
   sockets      open sockets of the process (/proc/self/fd): bridge connections and listener,
                the store client, and gloo's own inside a vendor group
   shm_MB       shared memory the rank created for its bridge rings (the shm transport's
@@ -70,11 +74,14 @@ def _rank(ctx, iters: int) -> dict:
     pg = dist.group.WORLD
     bridge = pg.engine.bridge
     shm = bridge.info.get("shm", {})
+    tcp = dict(bridge.transports["tcp"].info()) if "tcp" in bridge.transports else {}
     out = {"sockets": _sockets(), "threads": len(os.listdir("/proc/self/task")),
            "shm_bytes": int(shm.get("created_bytes", 0)), "init_s": init_s,
            "first_us": first_us, "later_us": statistics.median(times), "wrong": wrong,
            "transports": sorted(set(bridge.kind_of.values())),
-           "bridge_peers": len(bridge.linked)}
+           "bridge_peers": len(bridge.linked),
+           "tcp_peers": int(tcp.get("connected_peers", 0)),
+           "tcp_conns": int(tcp.get("connections", 0))}
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -90,6 +97,8 @@ def measure(split: str, hosts: str, iters: int = 20, timeout: float = 600) -> di
     return {"vendors": split, "n": world, "hosts": hosts,
             "transports": ",".join(per[0]["transports"]),
             "bridge_peers": max(p["bridge_peers"] for p in per),
+            "tcp_peers": max(p["tcp_peers"] for p in per),
+            "tcp_conns": max(p["tcp_conns"] for p in per),
             "sockets": max(p["sockets"] for p in per),
             "shm_MB": max(p["shm_bytes"] for p in per) / 1e6,
             "shm_total_MB": sum(p["shm_bytes"] for p in per) / 1e6,
@@ -102,7 +111,8 @@ def measure(split: str, hosts: str, iters: int = 20, timeout: float = 600) -> di
 
 
 COLUMNS = [("vendors", "{:>8}"), ("n", "{:>4}"), ("hosts", "{:>9}"), ("transports", "{:>10}"),
-           ("bridge_peers", "{:>6}"), ("sockets", "{:>8}"), ("shm_MB", "{:>8.1f}"),
+           ("bridge_peers", "{:>6}"), ("tcp_peers", "{:>6}"), ("tcp_conns", "{:>6}"),
+           ("sockets", "{:>8}"), ("shm_MB", "{:>8.1f}"),
            ("shm_total_MB", "{:>10.1f}"), ("threads", "{:>8}"), ("init_s", "{:>7.2f}"),
            ("first_us", "{:>9.0f}"), ("later_us", "{:>9.0f}"), ("wrong", "{:>6}")]
 
