@@ -1,7 +1,8 @@
 """The bridge: moves bytes between vendor groups over the C++ transports.
 
-A Bridge belongs to one multi-vendor process group. At creation it connects this rank to every
-rank of the *other* vendor groups; traffic inside a vendor group stays on the native library,
+A Bridge belongs to one multi-vendor process group. At creation it links this rank to every
+rank of the *other* vendor groups (shm rings at once, each within its share of the rank's
+budget: shm_segment_budget; tcp connections on first use: HETCCL_TCP_LAZY; ucx at once); traffic inside a vendor group stays on the native library,
 except host data of a job on one host whose groups are not two of equal size 2^m: then the
 rest of its own vendor group is linked through shared memory too (group_links), and host
 collectives run on the engine alone (algorithms/linked.py). The transport of a pair is chosen
