@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import torch
 
-from . import _core, config, device as devices, transports, vendor
+from . import _core, config, device as devices, rendezvous, transports, vendor
 from ._core import _C
 from .topology import Topology
 
@@ -96,14 +96,11 @@ class Bridge:
         # Capability tables of every rank; every rank computes the choice of every cross-vendor
         # pair (not only its own), so a pair no transport can serve raises the same error on
         # every rank instead of leaving the others waiting in connect().
-        store.set(f"hetccl/caps/{topo.rank}", json.dumps({
+        caps = [json.loads(v) for v in rendezvous.all_gather(store, "hetccl/caps", topo.rank, topo.size, json.dumps({
             "table": transports.publishable(transports.local_table()),
             "kind": vendor.build_kind(),
             "shm_budget": int(config.get("HETCCL_SHM_BUDGET_BYTES")) or (
-                devices.build_seam().shm_budget_bytes)}))
-        keys = [f"hetccl/caps/{r}" for r in range(topo.size)]
-        store.wait(keys, timeout)
-        caps = [json.loads(store.get(k)) for k in keys]
+                devices.build_seam().shm_budget_bytes)}), timeout)]
         self.choices = choose_all(topo, caps)
         self.kind_of: dict[int, str] = {p: self.choices[(topo.rank, p)].transport
                                         for p in self.peers}
@@ -156,16 +153,18 @@ class Bridge:
             kinds.append("shm")
         try:
             for k in kinds:
-                t = _C.Transport(k, topo.rank, topo.size, opts)
-                self.transports[k] = t
-                store.set(f"hetccl/bridge/{k}/{topo.rank}", t.address())
+                self.transports[k] = _C.Transport(k, topo.rank, topo.size, opts)
+            # one table of every rank's addresses, {transport: address} per rank
+            mine_addr = {k: _text(t.address()) for k, t in self.transports.items()}
+            table = [json.loads(v) for v in rendezvous.all_gather(
+                store, "hetccl/bridge/addresses", topo.rank, topo.size, json.dumps(mine_addr),
+                timeout)]
             timeout_ms = int(timeout.total_seconds() * 1000)
             for k, t in self.transports.items():
-                mine = [p for p in self.linked if self.kind_of[p] == k]
-                store.wait([f"hetccl/bridge/{k}/{p}" for p in mine], timeout)
                 addrs = [b""] * topo.size
-                for p in mine:
-                    addrs[p] = store.get(f"hetccl/bridge/{k}/{p}")
+                for p in self.linked:
+                    if self.kind_of[p] == k:
+                        addrs[p] = table[p][k].encode("latin-1")  # binary-safe (ucx)
                 t.connect(addrs, timeout_ms)
         except BaseException:
             self.close()
@@ -308,10 +307,9 @@ def _check_settings_agree(store, topo: Topology, timeout: timedelta, mine: dict)
     """Raise the same ValueError on every rank when ranks run with different values of a
     setting both ends of a transfer depend on (config.MUST_AGREE): otherwise the two ends of
     a transfer would cut or route it differently and fail later with a timeout."""
-    store.set(f"hetccl/settings/{topo.rank}", json.dumps(mine, sort_keys=True))
-    keys = [f"hetccl/settings/{r}" for r in range(topo.size)]
-    store.wait(keys, timeout)
-    table = [json.loads(store.get(k)) for k in keys]
+    table = [json.loads(v) for v in rendezvous.all_gather(
+        store, "hetccl/settings", topo.rank, topo.size, json.dumps(mine, sort_keys=True),
+        timeout)]
     problems = []
     for name in sorted(mine):
         by_value: dict[str, list[int]] = {}
@@ -324,6 +322,12 @@ def _check_settings_agree(store, topo: Topology, timeout: timedelta, mine: dict)
         raise ValueError("hetccl: ranks run with different values of settings that both ends of "
                          "a cross-vendor transfer must share; set them identically on every "
                          "rank: " + "; ".join(problems))
+
+
+def _text(addr) -> str:
+    """A transport address (opaque bytes; UCX's is binary) as str for JSON: latin-1 maps every
+    byte to one code point and back."""
+    return addr.decode("latin-1") if isinstance(addr, bytes) else addr
 
 
 def _left_ms(deadline: float) -> int:

@@ -77,8 +77,7 @@ class Topology:
         """label: this rank's vendor label (default: vendor.detect_vendor())."""
         me = RankInfo(label or vendor.detect_vendor(), vendor.host_identity(), os.getpid(),
                       vendor.host_name())
-        store.set(f"hetccl/topo/{rank}", json.dumps(me.__dict__))
-        keys = [f"hetccl/topo/{r}" for r in range(size)]
-        store.wait(keys, timeout)
-        infos = [RankInfo(**json.loads(store.get(k))) for k in keys]
-        return cls(rank, size, infos)
+        from .rendezvous import all_gather
+
+        rows = all_gather(store, "hetccl/topo", rank, size, json.dumps(me.__dict__), timeout)
+        return cls(rank, size, [RankInfo(**json.loads(v)) for v in rows])
