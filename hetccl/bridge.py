@@ -201,11 +201,6 @@ class Bridge:
         tr = self.transport_of(peer)
         return _Req(tr.irecv(peer, t.data_ptr(), _nbytes(t), tag), t, tr, self._parked)
 
-    def irecv_reduce(self, peer: int, t: torch.Tensor, tag: int, op: str):
-        tr = self.transport_of(peer)
-        req = tr.irecv_reduce(peer, t.data_ptr(), _nbytes(t), tag, op, torch_dtype_name(t.dtype))
-        return _Req(req, t, tr, self._parked)
-
     def zero_copy(self, peers) -> bool:
         """True when every peer is reached through a transport with a zero-copy ring."""
         return all(getattr(self.transport_of(p), "zc_supported", False) for p in peers)
