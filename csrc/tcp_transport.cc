@@ -306,6 +306,7 @@ class TcpTransport final : public Transport {
   // are made by the first isend to it, from the rank that sends first (see ensure_dialed).
   bool lazy_ = false;
   int64_t dial_timeout_ms_ = 30000;
+  void make_workers();
   void start_workers();
   void add_conn(Peer& p, int fd, int idx);  // p.mu held
   void ensure_dialed(Peer& p);
@@ -365,6 +366,12 @@ TcpTransport::TcpTransport(int rank, int size, const Options& opts) : rank_(rank
 }
 
 void TcpTransport::start_workers() {
+  make_workers();
+  for (auto& w : workers_) w->th = std::thread([this, wp = w.get()] { worker_loop(wp); });
+}
+
+// The progress threads' epoll sets and wake-up eventfds (threads not started yet).
+void TcpTransport::make_workers() {
   for (int i = 0; i < nthreads_; ++i) {
     auto w = std::make_unique<Worker>();
     w->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -375,7 +382,6 @@ void TcpTransport::start_workers() {
     epoll_ctl(w->epfd, EPOLL_CTL_ADD, w->evfd, &ev);
     workers_.push_back(std::move(w));
   }
-  for (auto& w : workers_) w->th = std::thread([this, wp = w.get()] { worker_loop(wp); });
 }
 
 // Lazy mode: a connection made after the workers started (dialed or accepted), p.mu held. The
@@ -801,16 +807,7 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, int64_t ti
   }
   // 3. Build peers and start the progress threads.
   peers_.resize(size_);
-  for (int i = 0; i < nthreads_; ++i) {
-    auto w = std::make_unique<Worker>();
-    w->epfd = epoll_create1(EPOLL_CLOEXEC);
-    w->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.ptr = nullptr;
-    epoll_ctl(w->epfd, EPOLL_CTL_ADD, w->evfd, &ev);
-    workers_.push_back(std::move(w));
-  }
+  make_workers();
   for (int r = 0; r < size_; ++r) {
     if (fds[r].empty()) continue;
     auto p = std::make_unique<Peer>();

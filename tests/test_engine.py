@@ -197,6 +197,17 @@ def _device_cases(e, rank, peer, tag0, dev=None):
     return out, (ops, S, Sd)
 
 
+def _broken_after_streams(e, ops, S, Sd, within_s: float = 10) -> str:
+    """Both streams return (the engine releases every wait when it breaks); then e.broken()
+    once it is set, or "" after within_s."""
+    ops.synchronize(S)
+    ops.synchronize(Sd)
+    deadline = time.monotonic() + within_s
+    while not e.broken() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return e.broken()
+
+
 def _device_async_mismatch(e, rank, peer, tag0, dev):
     """A mismatch found after issue: the engine breaks, the streams are released, the next post
     raises the same error."""
@@ -206,12 +217,7 @@ def _device_async_mismatch(e, rank, peer, tag0, dev):
     got = torch.zeros(n + rank, dtype=torch.uint8)
     _post(e, [(peer, True, x.data_ptr(), n + rank), (peer, False, got.data_ptr(), n + rank)], tag0,
           header=[1, n + rank, 6, 0, -1, 2], wait_check=False, streams=(S, Sd))
-    ops.synchronize(S)  # must return: the engine releases every wait when it breaks
-    ops.synchronize(Sd)
-    deadline = time.monotonic() + 10
-    while not e.broken() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    msg = e.broken()
+    msg = _broken_after_streams(e, ops, S, Sd)
     try:
         _post(e, [(peer, True, x.data_ptr(), 4)], tag0 + 1)
         later = "no error"
@@ -238,12 +244,7 @@ def _earlier_plan_mismatch(e, rank, peer, tag0, dev):
               tag0 + 1, header=[1, 4000, 6, 1, -1, 2], wait_check=False, streams=(S, Sd))
     except _C.CommError as err:  # the first plan's headers were compared already: refused
         return "ok" if "root differs" in str(err) else f"second post: {err}"
-    ops.synchronize(S)
-    ops.synchronize(Sd)
-    deadline = time.monotonic() + 10
-    while not e.broken() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    msg = e.broken()
+    msg = _broken_after_streams(e, ops, S, Sd)
     return "ok" if "root differs" in msg else f"broken={msg!r}"
 
 
@@ -261,12 +262,7 @@ def _mixed_wait_mismatch(e, rank, peer, tag0, dev):
               header=[1, n, 6, 0, -1, 2], wait_check=rank == 0, streams=(S, Sd))
     except _C.ArgMismatch as err:
         raised = str(err)
-    ops.synchronize(S)
-    ops.synchronize(Sd)
-    deadline = time.monotonic() + 10
-    while not e.broken() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    msg = e.broken()
+    msg = _broken_after_streams(e, ops, S, Sd)
     want = "number of elements differs across ranks (ranks [0]: 4096; ranks [1]: 4097)"
     if rank == 0 and want not in raised:
         return f"rank 0 did not raise at the call: {raised!r}"
