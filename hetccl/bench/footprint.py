@@ -134,7 +134,11 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for hosts in sorted({r["hosts"] for r in rows}):
         rs = sorted((r for r in rows if r["hosts"] == hosts), key=lambda r: r["n"])
-        axes[0].plot([r["n"] for r in rs], [r["sockets"] for r in rs], "o-", label=hosts)
+        axes[0].plot([r["n"] for r in rs], [r["sockets"] for r in rs], "o-",
+                     label=f"{hosts}: all sockets")
+        if any(r.get("tcp_conns") for r in rs):
+            axes[0].plot([r["n"] for r in rs], [r["tcp_conns"] for r in rs], "s--",
+                         label=f"{hosts}: hetccl tcp connections")
         axes[1].plot([r["n"] for r in rs], [r["shm_MB"] for r in rs], "o-", label=hosts)
     for ax, what in zip(axes, ("sockets per rank", "shared memory per rank (MB)")):
         ax.set_xlabel("ranks")
