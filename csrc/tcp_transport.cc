@@ -133,7 +133,8 @@ struct Peer {
   int eof_conns = 0;
   // lazy mode (connections made on first use): who makes this peer's connections. dialing:
   // this rank dials (or has dialed) them; accepting: the peer's dial was accepted, its
-  // connections arrive at the acceptor. At most one is ever set (both under mu).
+  // connections arrive at the acceptor. Both are set when two ranks dialed each other at once
+  // (the higher rank, turned away, then takes the lower rank's set). Under mu.
   bool dialing = false, accepting = false;
   std::atomic<bool> registered{false};  // lazy mode: connect() gave this rank an address
   std::set<int> accepted_idx;  // connection indices accepted from this peer (duplicates refused)
@@ -145,7 +146,8 @@ struct Worker {
   int epfd = -1, evfd = -1;
   std::vector<Conn*> conns;  // the worker thread's own list
   std::mutex add_mu;
-  std::vector<Conn*> adds;   // lazy mode: connections made after start, taken in by the worker
+  std::vector<Conn*> adds;   // connections handed over by add_conn, taken in by the worker
+  std::atomic<bool> has_adds{false};  // adds is non-empty (the loop tests it without the lock)
   std::thread th;
 };
 
@@ -303,13 +305,13 @@ class TcpTransport final : public Transport {
   std::vector<std::unique_ptr<Worker>> workers_;
   std::atomic<bool> stop_{false};
   // lazy mode (option lazy=1): connect() only records the addresses; a peer's nconn connections
-  // are made by the first isend to it, from the rank that sends first (see ensure_dialed).
+  // are made by the first isend to it, from the rank that sends first (isend, dial_peer).
   bool lazy_ = false;
   int64_t dial_timeout_ms_ = 30000;
   void make_workers();
   void start_workers();
   void add_conn(Peer& p, int fd, int idx);  // p.mu held
-  void ensure_dialed(Peer& p);
+  void dial_peer(Peer& p, const std::string& addr);
   // decides on a lazy dial from `rank`: 0 accept, 1 crossed (this rank dials it), -1 refuse
   int lazy_accept(int rank, int idx, std::string* why);
   std::mutex close_mu_;
@@ -384,8 +386,8 @@ void TcpTransport::make_workers() {
   }
 }
 
-// Lazy mode: a connection made after the workers started (dialed or accepted), p.mu held. The
-// worker takes it into its own list when woken (only the worker thread touches Worker::conns).
+// A new connection of peer p (p.mu held): registered with its worker's epoll set and handed to
+// that worker, which takes it into its own list (only the worker thread touches Worker::conns).
 void TcpTransport::add_conn(Peer& p, int fd, int idx) {
   auto c = std::make_unique<Conn>();
   c->fd = fd;
@@ -395,6 +397,7 @@ void TcpTransport::add_conn(Peer& p, int fd, int idx) {
   {
     std::lock_guard<std::mutex> g(w.add_mu);
     w.adds.push_back(c.get());
+    w.has_adds.store(true, std::memory_order_release);
   }
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
@@ -435,18 +438,11 @@ int TcpTransport::lazy_accept(int rank, int idx, std::string* why) {
   return 0;
 }
 
-// Lazy mode, the first send to a peer: dial its nconn connections here (blocking for the
-// handshakes: about a round trip each), unless they exist, are being dialed, or the peer is
-// dialing us. Trade-off: the first send to a peer pays the set-up; a rank that only ever
-// receives from a peer never dials it (the sender's connections carry both directions).
-void TcpTransport::ensure_dialed(Peer& p) {
-  std::string addr;
-  {
-    std::lock_guard<std::mutex> g(p.mu);
-    if (p.dialing || p.accepting || !p.conns.empty() || !p.failed.empty()) return;
-    p.dialing = true;
-    addr = p.addr;
-  }
+// Lazy mode, the first send to a peer (isend decided it and set p.dialing): dial its nconn
+// connections here (blocking for the handshakes: about a round trip each). Trade-off: the first
+// send to a peer pays the set-up; a rank that only ever receives from a peer never dials it (the
+// sender's connections carry both directions).
+void TcpTransport::dial_peer(Peer& p, const std::string& addr) {
   Deadline d(dial_timeout_ms_);
   for (int i = 0; i < nconn_; ++i) {
     std::string err;
@@ -727,7 +723,7 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, int64_t ti
     throw CommError("hetccl tcp: connect() got " + std::to_string(addresses.size()) +
                     " addresses for a world of " + std::to_string(size_));
   if (lazy_) {
-    // Only the addresses: connections are made on first use (ensure_dialed, lazy_accept).
+    // Only the addresses: connections are made on first use (isend, dial_peer, lazy_accept).
     for (int r = 0; r < size_; ++r) {
       if (r == rank_ || addresses[r].empty()) continue;
       Peer& p = *peers_[r];
@@ -813,19 +809,8 @@ void TcpTransport::connect(const std::vector<std::string>& addresses, int64_t ti
     auto p = std::make_unique<Peer>();
     p->rank = r;
     p->addr = addresses[r];
-    for (int i = 0; i < nconn_; ++i) {
-      auto c = std::make_unique<Conn>();
-      c->fd = fds[r][i];
-      c->idx = i;
-      c->peer = p.get();
-      Worker& w = *workers_[i % nthreads_];
-      w.conns.push_back(c.get());
-      epoll_event ev{};
-      ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
-      ev.data.ptr = c.get();
-      epoll_ctl(w.epfd, EPOLL_CTL_ADD, c->fd, &ev);
-      p->conns.push_back(std::move(c));
-    }
+    std::lock_guard<std::mutex> g(p->mu);
+    for (int i = 0; i < nconn_; ++i) add_conn(*p, fds[r][i], i);  // connection i: worker i % n
     peers_[r] = std::move(p);
   }
   connected_ = true;
@@ -849,6 +834,7 @@ RequestPtr TcpTransport::isend(int peer, const void* buf, size_t nbytes, uint64_
   m->buf = static_cast<const char*>(buf);
   m->total = nbytes;
   m->tag = tag;
+  std::string addr;  // set: this send dials the peer (lazy mode)
   {
     std::lock_guard<std::mutex> g(p.mu);
     if (!p.failed.empty()) {
@@ -858,8 +844,13 @@ RequestPtr TcpTransport::isend(int peer, const void* buf, size_t nbytes, uint64_
     m->seq = p.send_seq[tag]++;
     p.sendq.push_back(m);
     p.active.insert(m);
+    // lazy mode: the first send to a peer with no connections, none coming, dials it
+    if (lazy_ && !p.dialing && !p.accepting && p.conns.empty()) {
+      p.dialing = true;
+      addr = p.addr;
+    }
   }
-  if (lazy_) ensure_dialed(p);
+  if (!addr.empty()) dial_peer(p, addr);
   wake_workers();
   return m->req;
 }
@@ -1012,13 +1003,12 @@ void TcpTransport::worker_loop(Worker* w) {
       if (evs[i].events & (EPOLLOUT | EPOLLHUP | EPOLLERR)) c->writable = true;
     }
     busy = false;
-    if (lazy_) {
+    if (w->has_adds.load(std::memory_order_acquire)) {
       std::lock_guard<std::mutex> g(w->add_mu);
-      if (!w->adds.empty()) {
-        w->conns.insert(w->conns.end(), w->adds.begin(), w->adds.end());
-        w->adds.clear();
-        busy = true;
-      }
+      w->conns.insert(w->conns.end(), w->adds.begin(), w->adds.end());
+      w->adds.clear();
+      w->has_adds.store(false, std::memory_order_relaxed);
+      busy = true;
     }
     for (Conn* c : w->conns) {
       if (c->dead.load()) continue;

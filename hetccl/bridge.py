@@ -255,15 +255,24 @@ def shm_segment_budget(topo: Topology, caps: list[dict], choices: dict,
     rank creates more than its budget: memory per rank stays bounded as the job grows (the
     rings get fewer, then smaller slots instead)."""
     host = [r for r in range(topo.size) if topo.same_host(topo.rank, r)]
+    shm = _links_per_rank(choices, lambda t: t == "shm")
 
     def shm_peers(r: int) -> int:
-        n = sum(1 for p in range(topo.size)
-                if (r, p) in choices and choices[(r, p)].transport == "shm")
-        return n + (len(topo.groups[topo.group_of[r]]) - 1 if groups_linked else 0)
+        return shm.get(r, 0) + (len(topo.groups[topo.group_of[r]]) - 1 if groups_linked else 0)
 
     most = max(shm_peers(r) for r in host)
     budget = min(int(caps[r]["shm_budget"]) for r in host)
     return max(1, budget // max(1, most))
+
+
+def _links_per_rank(choices: dict, which) -> dict[int, int]:
+    """rank -> how many cross-vendor peers it reaches over a transport `which(name)` accepts
+    (one pass over the pairs of choose_all)."""
+    out: dict[int, int] = {}
+    for (a, _), c in choices.items():
+        if which(c.transport):
+            out[a] = out.get(a, 0) + 1
+    return out
 
 
 def staging_depth(topo: Topology, caps: list[dict], choices: dict, slot_bytes: int,
@@ -273,9 +282,7 @@ def staging_depth(topo: Topology, caps: list[dict], choices: dict, slot_bytes: i
     smallest published budget (HETCCL_SHM_BUDGET_BYTES) over the most message links any rank
     of the job has, between 2 (copies overlap the transfer) and `most` (HETCCL_SHM_NSLOTS). The
     same on every rank."""
-    links = max(sum(1 for p in range(topo.size)
-                    if (r, p) in choices and choices[(r, p)].transport != "shm")
-                for r in range(topo.size))
+    links = max(_links_per_rank(choices, lambda t: t != "shm").values(), default=0)
     if not links:
         return max(2, most)
     budget = min(int(c["shm_budget"]) for c in caps)
