@@ -20,6 +20,8 @@
 #   doctor.log             `hetccl doctor --copy-test`: the box's PCIe copy ceiling, same session
 # Steps not in the default list, one file each (ucx: three):
 #   profile.txt            tests/gpu_profile.py: where a small all-reduce spends its time
+#   p2p_gpu.jsonl          (p2p) tests/gpu_p2p_bench.py: 1+1 send/recv of device tensors, the
+#                          engine's messages beside the host-staged path (p2p_gpu.txt: tables)
 #   slots.jsonl            (slots) 1+1 bf16 collectives, the bounded ring geometry beside the
 #                          old one (8 MiB x 8 slots), interleaved; rows tagged {"geometry"}
 #   passthrough.jsonl      one vendor (hetccl:1v, native pass-through) beside nccl, interleaved
@@ -33,7 +35,7 @@
 #   ucx_probe.log          (ucxprobe) tests/gpu_ucx_probe.py: per configuration ok or the
 #                          stalled step, with ucx_probe_stacks_*.txt (every thread's frames)
 # Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [passthrough] [slots] [sweep] [train] [host]
-#                            [profile] [doctor] [ucx] [ucxprobe] [megatron]
+#                            [profile] [p2p] [doctor] [ucx] [ucxprobe] [megatron]
 # (default: build tests bench sweep train host doctor, in that order). Each step is bounded by
 # STEP_TIMEOUT seconds (default 240), the tests step by TESTS_TIMEOUT (default 540: the suite
 # is meant to take <= ~8 minutes on one H200; run `build` and `tests` as two device commands
@@ -158,6 +160,10 @@ for w in $what; do
         --jsonl "$OUT/host.jsonl" ;;
     profile)
       timeout $T python3 tests/gpu_profile.py "$OUT" 2>&1 | head -60 ;;
+    p2p)
+      # cross-vendor send/recv of device tensors: the engine's messages beside the host-staged
+      # path, interleaved (tests/gpu_p2p_bench.py; rows in $OUT/p2p_gpu.jsonl)
+      timeout $T python3 tests/gpu_p2p_bench.py "$OUT" 2>&1 | tee "$OUT/p2p_gpu.txt" | tail -8 ;;
     megatron)
       # recipes/megatron/gpu.sh (one GPU: pp=2 correctness with both stages' processes on the
       # GPU, even and uneven split, beside a pp=1 run, and the recipe trained on the GPU); only

@@ -490,7 +490,7 @@ PYBIND11_MODULE(_C, m) {
               bool reduce, bool roundtrip, size_t chunk_bytes, int64_t timeout_ms, const std::string& what,
               bool check, const std::vector<int64_t>& header, uint32_t compare_mask,
               const std::string& error, bool header_for_group, uint64_t header_tag, bool wait_check,
-              bool device, int device_index, uintptr_t stream, uintptr_t side_stream) {
+              bool device, int device_index, uintptr_t stream, uintptr_t side_stream, bool message) {
              PlanSpec s;
              s.items.reserve(items.size());
              for (auto& it : items)
@@ -515,6 +515,7 @@ PYBIND11_MODULE(_C, m) {
              s.device_index = device_index;
              s.stream = stream;
              s.side_stream = side_stream;
+             s.message = message;
              py::gil_scoped_release nogil;
              return e.post(s, wait_check);
            },
@@ -523,8 +524,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("timeout_ms"), py::arg("what"), py::arg("check"), py::arg("header"),
            py::arg("compare_mask"), py::arg("error"), py::arg("header_for_group"),
            py::arg("header_tag"), py::arg("wait_check"), py::arg("device"), py::arg("device_index"),
-           py::arg("stream"), py::arg("side_stream"),
-           "Posts one plan (items: (peer, is_send, ptr, nbytes)); returns its id.")
+           py::arg("stream"), py::arg("side_stream"), py::arg("message") = false,
+           "Posts one plan (items: (peer, is_send, ptr, nbytes)); returns its id. message: a "
+           "point-to-point message of device data (engine.h, PlanSpec::message).")
       .def("wait", &Engine::wait, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
       .def("test", &Engine::test, py::arg("plan"), py::call_guard<py::gil_scoped_release>())
       .def("set_device_ops", &Engine::set_device_ops, py::arg("ops"))

@@ -10,44 +10,12 @@
 #include <set>
 
 #include "common.h"
+#include "engine_internal.h"
 
 namespace hetccl {
+using namespace engine_detail;
 namespace {
 
-enum Kind { kGeneric = 0, kTimeout = 1, kPeer = 2, kArg = 3 };
-
-[[noreturn]] void throw_kind(int kind, const std::string& msg) {
-  switch (kind) {
-    case kTimeout: throw CommTimeout(msg);
-    case kPeer: throw PeerFailure(msg);
-    case kArg: throw ArgMismatch(msg);
-    default: throw CommError(msg);
-  }
-}
-
-// Wrap-aware "a >= b" for free-running 32-bit positions.
-inline bool geq(uint32_t a, uint32_t b) { return int32_t(a - b) >= 0; }
-
-// A flag word (csrc/device_ops.h: "Flag words and positions"): a 64-bit counter whose low 32
-// bits are the position. Positions are free-running 32-bit numbers; a position is extended to
-// the counter value nearest the word's counter, so the counter never wraps (HIP compares it
-// unsigned) while its low half is the position (CUDA compares that wrap-aware). Exact while the
-// word and the position are within 2^31 positions of each other. Each word has one writer at a
-// time (the proxy, or a stream, or the issuing thread playing the stream).
-struct Word {
-  std::atomic<uint64_t> v{0};
-  uint32_t pos() const { return uint32_t(v.load(std::memory_order_acquire)); }
-  uint64_t counter(uint32_t p) const {
-    uint64_t c = v.load(std::memory_order_acquire);
-    int64_t d = int32_t(p - uint32_t(c));
-    // a position before the counter's origin (the first ring slots of a link) is reached
-    if (d < 0 && uint64_t(-d) > c) return 0;
-    return c + uint64_t(d);
-  }
-  void set(uint32_t p) { v.store(counter(p), std::memory_order_release); }
-  void start(uint32_t p) { v.store(p, std::memory_order_release); }  // a link's first position
-};
-static_assert(sizeof(Word) == 8, "a flag word is the 8 bytes a stream operation addresses");
 // One cache line per word: the GPU writes three of them, the proxy the other two. The two words
 // streams wait on (freed, avail) live here unless the runtime requires its own memory for them
 // (DeviceOps::wait_word_alloc: HIP's signal memory); `freed` / `avail` point at them.
@@ -86,9 +54,6 @@ constexpr int64_t kMismatchHeaderWaitMs = 2000;
 const char* const kFieldWhat[CheckHeader::kFields] = {
     "collective", "number of elements", "dtype", "reduction op", "root", "device type"};
 
-int64_t to_ms_left(int64_t deadline_ms) {
-  return deadline_ms < 0 ? -1 : std::max<int64_t>(0, deadline_ms - now_ms());
-}
 
 }  // namespace
 
@@ -141,29 +106,6 @@ struct Engine::Link {
   std::vector<char*> stage_out, stage_in;  // message links: staging slots for device data
   uint32_t freed_seen = 0;
   int64_t checked_ms = 0;
-};
-
-struct Engine::Plan {
-  uint64_t id = 0;
-  PlanSpec spec;
-  enum State { Pending, Done, Failed } state = Pending;
-  std::string error;
-  int error_kind = kGeneric;
-  int64_t deadline_ms = -1;
-  int pending = 0;          // chunks still to finish
-  bool started = false;
-  bool gate = true;         // data may move (headers matched or not checked)
-  bool headers_done = true;
-  std::vector<char> my_hdr;
-  struct HdrIn {
-    int peer;
-    std::vector<char> buf;
-    RequestPtr req;
-  };
-  std::vector<HdrIn> hdr_in;
-  std::vector<RequestPtr> hdr_out;
-  std::vector<uint8_t> send_done;  // per send chunk
-  size_t nbytes_moved = 0;
 };
 
 // ----------------------------------------------------------------------------- construction
@@ -250,6 +192,8 @@ std::map<std::string, uint64_t> Engine::stats() {
   std::lock_guard<std::mutex> g(mu_);
   return stats_;
 }
+
+Transport& Engine::link_transport(int peer) { return *links_.at(peer)->t; }
 
 std::shared_ptr<Engine::Plan> Engine::find(uint64_t id) {
   auto it = plans_.find(id);
@@ -411,6 +355,7 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
                           "sends; device plans must receive into separate buffers");
     }
   }
+  if (spec.message) return post_message(p);
   {
     std::lock_guard<std::mutex> g(mu_);
     if (closed_) throw CommError("hetccl engine: closed");
@@ -1203,6 +1148,7 @@ bool Engine::progress_locked() {
     }
     for (auto& kv : links_)
       if (progress_link(*kv.second)) moved = true;
+    if (!messages_.empty() && progress_messages()) moved = true;
   } catch (const ArgMismatch& e) {
     break_engine(e.what(), kArg);
     return true;
@@ -1236,6 +1182,8 @@ void Engine::check_deadlines() {
       for (auto& c : l.back)
         if (c.plan.get() == &p) waiting.insert(l.peer);
     }
+    for (auto& m : messages_)
+      if (m->plan.get() == &p) waiting.insert(m->peer);
     if (!p.headers_done)
       for (auto& in : p.hdr_in)
         if (!in.req->test()) waiting.insert(in.peer);
@@ -1279,6 +1227,7 @@ void Engine::release_device_waits() {
     l.flags->freed->set(l.send_pos + (1u << 20));
     l.flags->avail->set(l.recv_pos + (1u << 20));
   }
+  release_message_waits();
 }
 
 void Engine::break_engine(const std::string& msg, int kind) {
@@ -1307,6 +1256,7 @@ void Engine::break_engine(const std::string& msg, int kind) {
     l.back.clear();
   }
   release_device_waits();
+  drop_messages();
 }
 
 // Host data on message links goes between the transport and the caller's memory directly (no
@@ -1508,6 +1458,7 @@ void Engine::close() {
     kv.second->held.clear();
     kv.second->back.clear();
   }
+  drop_messages();
   if (dev_) {
     for (void* e : events_) dev_->event_destroy(e);
     if (join_event_) dev_->event_destroy(join_event_);

@@ -109,6 +109,11 @@ struct PlanSpec {
   int device_index = 0;
   uintptr_t stream = 0;
   uintptr_t side_stream = 0;
+  // Point-to-point message (engine_messages.cc): exactly one item, device data, moved whole as
+  // ONE tagged message with tag tag_base (no chunks, no ring positions), so it is wire-identical
+  // to a Transport::isend/irecv of that tag: it matches the peer's message of the same tag FIFO,
+  // however the peer posted it, and it is independent of the order of collectives on the link.
+  bool message = false;
 };
 
 struct EngineOptions {
@@ -168,6 +173,8 @@ class Engine {
  private:
   struct Plan;
   struct Link;
+  struct Message;      // engine_messages.cc
+  struct MessageSlot;  // engine_messages.cc
   struct SendChunk;
   struct RecvChunk;
   void proxy_loop();
@@ -213,6 +220,18 @@ class Engine {
   void check_liveness();
   void ensure_device_state();
   std::shared_ptr<Plan> find(uint64_t id);
+  // point-to-point messages (engine_messages.cc)
+  struct MessageCopy;
+  uint64_t post_message(const std::shared_ptr<Plan>& p);
+  MessageCopy start_message_locked(const std::shared_ptr<Plan>& p);
+  void enqueue_message(const PlanSpec& s, const MessageCopy& c);
+  bool progress_messages();
+  void release_message_waits();
+  void drop_messages();
+  char* staging_take(size_t cap);
+  void staging_give(char* p, size_t cap);
+  uint32_t slot_take();
+  Transport& link_transport(int peer);  // the transport of peer's link
 
   EngineOptions opts_;
   std::map<int, std::unique_ptr<Link>> links_;
@@ -240,6 +259,13 @@ class Engine {
   std::mutex issue_mu_;        // device enqueueing (events_ and join_event_ are reused)
   int64_t last_liveness_ms_ = 0;
   std::map<std::string, uint64_t> stats_;
+  // point-to-point messages in post order, their flag-word slots and pinned staging buffers
+  // (engine_messages.cc; all under mu_)
+  std::deque<std::unique_ptr<Message>> messages_;
+  std::vector<std::unique_ptr<MessageSlot>> msg_slots_;
+  std::vector<uint32_t> msg_free_slots_;
+  std::map<size_t, std::vector<char*>> staging_free_;  // capacity -> free buffers
+  size_t staging_free_bytes_ = 0;
 };
 
 }  // namespace hetccl

@@ -710,6 +710,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         topo = self.topo
         if self._native_p2p(dst, t):
             return self._track(self.engine.local.send(_flat(t)[0], topo.local_rank_of[dst], tag))
+        if not devices.is_host(t) and self.engine.messages_apply(t.device):
+            return self._track(self.engine.device_message(True, dst, t, tags.p2p(tag)))
         return self._track(_P2PWork.send(self.engine, dst, t, tags.p2p(tag)))
 
     def recv(self, tensors, src, tag=0):
@@ -727,6 +729,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
             # the native library receives into contiguous memory only: a non-contiguous
             # tensor receives into a contiguous copy, copied back by wait() (as across vendors)
             return self._track(_CopyBackWork(work, t, f) if copied else work)
+        if not devices.is_host(t) and self.engine.messages_apply(t.device):
+            return self._track(self.engine.device_message(False, src, t, tags.p2p(tag)))
         return self._track(_P2PWork.recv(self.engine, src, t, tags.p2p(tag)))
 
     def recv_anysource(self, tensors, tag=0):

@@ -101,6 +101,12 @@ _SETTINGS = [
             "Engine chunk size in bytes for every cross-vendor transfer; 0 (default): the "
             "measured tables of hetccl/tuning.py (one chunk for small messages, pipelined "
             "chunks for large ones). Must be equal on every rank."),
+    Setting("HETCCL_DEVICE_MESSAGES", _bool, True,
+            "send/recv/isend/irecv of device tensors with another vendor's rank: stream-ordered "
+            "messages through the C++ engine (csrc/engine_messages.cc; the host does not wait, as "
+            "with NCCL). 0: the earlier path (a synchronous copy to host memory, the transport's "
+            "host message, the copy back at wait()), for comparison. Ranks may differ: both paths "
+            "send the same message."),
     Setting("HETCCL_HOST_KERNEL", _bool, True,
             "Two vendor groups of equal size, host tensors, peers on shared memory: the "
             "cross-vendor step of all-reduce is a round trip through the shared slots (the peer "

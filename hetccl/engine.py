@@ -40,7 +40,7 @@ from ._core import HOST_REDUCE_DTYPES, CommError, _C
 from .bridge import Bridge, torch_dtype_name
 from .native import NativeGroup
 from .topology import Topology
-from .work import DeviceWork, HetcclWork
+from .work import DeviceWork, HetcclWork, StreamWork
 
 log = logging.getLogger("hetccl")
 
@@ -101,6 +101,8 @@ class Engine:
         self._headers: dict[tuple, tuple] = {}  # call -> (header, mask, signature key, tag bits)
         self._device_ops: dict[str, Any] = {}
         self._launches: dict[int, Any] = {}  # this group's own comm/side streams per device
+        self._p2p_launches: dict[tuple, Any] = {}  # its message streams per (device, send)
+        self._messages_ok: dict[tuple, bool] = {}  # (device type, index) -> stream memory ops
         try:
             if topo.local_size > 1:
                 self.local = NativeGroup(store, topo.labels[topo.my_group], topo.local_rank,
@@ -259,6 +261,46 @@ class Engine:
                 work._issued = threading.Event()
             self._q.put(item)
         return work
+
+    # ------------------------------------------------------------------ point to point
+    def messages_apply(self, device: torch.device) -> bool:
+        """Whether device tensors on `device` take the engine's message path (its runtime has
+        stream memory operations); else the face stages them through host memory."""
+        key = (device.type, device.index)
+        ok = self._messages_ok.get(key)
+        if ok is None:
+            ops = self.device_ops(device.type)
+            idx = device.index if device.index is not None else 0
+            ok = self._messages_ok[key] = bool(config.get("HETCCL_DEVICE_MESSAGES")) and bool(
+                ops.stream_mem_ops(idx))
+        return ok
+
+    def device_message(self, send: bool, peer: int, t: torch.Tensor, tag: int) -> StreamWork:
+        """Point-to-point of a device tensor with cross-vendor `peer`, stream-ordered
+        (csrc/engine_messages.cc): one tagged message with tag `tag` (wire-identical to the
+        host path's), moved through engine-owned pinned staging by copies enqueued on this
+        group's message stream of the device, which first waits for the caller's current
+        stream. Returns at once; the Work's wait() orders the caller's stream after it."""
+        self.raise_if_broken()
+        if self._closed:
+            raise RuntimeError("hetccl: operation on a process group that was shut down")
+        seam = devices.seam(t.device.type)
+        self.device_ops(t.device.type)
+        # a non-contiguous tensor goes through a contiguous copy: made on the caller's stream
+        # before the message stream joins it (send), copied back on the message stream (recv)
+        buf = t if t.is_contiguous() else (t.contiguous() if send else
+                                           torch.empty(t.shape, dtype=t.dtype, device=t.device))
+        launch = seam.p2p_launch(t.device, send, [t, buf], self._p2p_launches,
+                                 self.core.stream_join)
+        nbytes = buf.numel() * buf.element_size()
+        what = f"{'send to' if send else 'recv from'} rank {peer}"
+        self.core.post([(peer, send, buf.data_ptr(), nbytes)], tag, 0, "sum", "uint8", False,
+                       False, 0, self.timeout_ms, what, False, [], 0, "", False, 0, False, True,
+                       launch.index, launch.comm_handle, 0, message=True)
+        if buf is not t and not send:
+            with launch:
+                t.copy_(buf)
+        return StreamWork(self, launch, launch.record(), [t])
 
     def join_current(self, launch) -> None:
         """The caller's current stream waits for everything queued on the launch's comm stream."""

@@ -168,6 +168,42 @@ class DeviceWork(dist.Work):
         return self.outputs
 
 
+class StreamWork(dist.Work):
+    """Work of a point-to-point message of device tensors (Engine.device_message): the message
+    is enqueued on its stream and an event recorded right after it. wait() makes the caller's
+    current stream wait for that event (the host does not wait, as with NCCL); is_completed()
+    asks the event; get_future() is completed on a stream that waits for it. A failure found
+    after issue (a dead peer, a size mismatch) breaks the group: the next call raises it."""
+
+    def __init__(self, engine, launch, event, outputs: Any):
+        super().__init__()
+        self._engine, self._launch, self._event, self.outputs = engine, launch, event, outputs
+        self._fut = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:  # noqa: ARG002
+        self._launch.wait_event(self._event)
+        self._engine.raise_if_broken()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._launch.query(self._event)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and not self._engine.core.broken()
+
+    def exception(self):
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            self._fut = self._launch.future()
+            self._launch.complete_after(self._event, self._fut, self.outputs)
+        return self._fut
+
+    def result(self):
+        return self.outputs
+
+
 def done_work(outputs: Any = None) -> HetcclWork:
     fut = torch.futures.Future()
     fut.set_result(outputs)

@@ -592,6 +592,21 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
     c.run("p2p/send_non_contiguous", f)
 
     def f(case):
+        # stream order (device tensors): the sender's tensor is still being computed on its
+        # stream when it sends, the receiver computes on the result right after recv returns,
+        # with no host synchronisation on either side
+        x = put(data(rank, case, 1 << 18, torch.float32))
+        y = empty(1 << 18)
+        for _ in range(8):
+            x = x * 1.0 + 0.0
+        x = x + 1.0
+        ring(x, y)
+        z = y * 2.0
+        return None if eq(z, (data(prv, case, 1 << 18, torch.float32) + 1.0) * 2.0) else \
+            "received data raced the stream"
+    c.run("p2p/stream_order", f)
+
+    def f(case):
         # isend/irecv to both ring neighbours, waited out of order
         y_prev, y_next = empty(1000), empty(1000)
         reqs = [dist.irecv(y_prev, prv, tag=1), dist.isend(put(data(rank, case, 1000,

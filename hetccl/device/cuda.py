@@ -72,6 +72,31 @@ class Launch:
     def future(self) -> torch.futures.Future:
         return torch.futures.Future(devices=self._devices)
 
+    # point-to-point works (work.StreamWork): one event per message, recorded right after it, so
+    # a wait orders the caller after that message only, not after later ones on the stream
+    def record(self):
+        ev = torch.cuda.Event()
+        ev.record(self.comm)
+        return ev
+
+    def wait_event(self, ev) -> None:
+        torch.cuda.current_stream(self.index).wait_event(ev)
+
+    @staticmethod
+    def query(ev) -> bool:
+        return ev.query()
+
+    def complete_after(self, ev, fut, value) -> None:
+        """Completes fut with value on a stream that waits for ev (the side stream, which
+        point-to-point launches do not use otherwise)."""
+        self.side.wait_event(ev)
+        prev = torch.cuda.current_stream(self.index)
+        torch.cuda.set_stream(self.side)
+        try:
+            fut.set_result(value)
+        finally:
+            torch.cuda.set_stream(prev)
+
 
 def _native_library_path(stems: tuple[str, ...], torch_lib_names: tuple[str, ...]) -> str | None:
     """The native library's file: the copy already loaded, else one shipped beside torch."""
@@ -163,8 +188,23 @@ class CudaSeam:
                 t.record_stream(launch.comm)
         return launch
 
-    def synchronize(self, device: torch.device) -> None:
-        torch.cuda.synchronize(device)
+    def p2p_launch(self, device: torch.device, send: bool, tensors, cache: dict, join) -> Launch:
+        """The streams of point-to-point messages (engine_messages.cc): one for sends and one
+        for receives per device, apart from the collectives' streams, so that a send never
+        waits behind a receive (isend and irecv with one peer, posted alike on both ranks) and
+        no message waits behind a collective. The stream first waits for the caller's current
+        stream; the tensors are recorded on it for the caching allocator."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        key = (idx, send)
+        launch = cache.get(key)
+        if launch is None:
+            launch = cache[key] = Launch(torch.cuda.Stream(device=idx),
+                                         torch.cuda.Stream(device=idx), idx)
+        join(idx, launch.comm_handle, torch.cuda.current_stream(idx).cuda_stream)
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(launch.comm)
+        return launch
 
     # ------------------------------------------------------------------------- placement
     # CUDA_VISIBLE_DEVICES is honoured by CUDA and by ROCm's HIP runtime alike.

@@ -1,0 +1,102 @@
+// Internals shared by the engine's files (engine.cc: plans, links, device enqueueing, the proxy;
+// engine_messages.cc: point-to-point messages). Not part of the engine's interface (engine.h).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "engine.h"
+
+namespace hetccl {
+namespace engine_detail {
+
+enum Kind { kGeneric = 0, kTimeout = 1, kPeer = 2, kArg = 3 };
+
+[[noreturn]] inline void throw_kind(int kind, const std::string& msg) {
+  switch (kind) {
+    case kTimeout: throw CommTimeout(msg);
+    case kPeer: throw PeerFailure(msg);
+    case kArg: throw ArgMismatch(msg);
+    default: throw CommError(msg);
+  }
+}
+
+// Wrap-aware "a >= b" for free-running 32-bit positions.
+inline bool geq(uint32_t a, uint32_t b) { return int32_t(a - b) >= 0; }
+
+// A flag word (csrc/device_ops.h: "Flag words and positions"): a 64-bit counter whose low 32
+// bits are the position. Positions are free-running 32-bit numbers; a position is extended to
+// the counter value nearest the word's counter, so the counter never wraps (HIP compares it
+// unsigned) while its low half is the position (CUDA compares that wrap-aware). Exact while the
+// word and the position are within 2^31 positions of each other. Each word has one writer at a
+// time (the proxy, or a stream, or the issuing thread playing the stream).
+struct Word {
+  std::atomic<uint64_t> v{0};
+  uint32_t pos() const { return uint32_t(v.load(std::memory_order_acquire)); }
+  uint64_t counter(uint32_t p) const {
+    uint64_t c = v.load(std::memory_order_acquire);
+    int64_t d = int32_t(p - uint32_t(c));
+    // a position before the counter's origin (the first ring slots of a link) is reached
+    if (d < 0 && uint64_t(-d) > c) return 0;
+    return c + uint64_t(d);
+  }
+  void set(uint32_t p) { v.store(counter(p), std::memory_order_release); }
+  void start(uint32_t p) { v.store(p, std::memory_order_release); }  // a link's first position
+};
+static_assert(sizeof(Word) == 8, "a flag word is the 8 bytes a stream operation addresses");
+
+inline int64_t to_ms_left(int64_t deadline_ms) {
+  return deadline_ms < 0 ? -1 : std::max<int64_t>(0, deadline_ms - now_ms());
+}
+
+}  // namespace engine_detail
+
+struct Engine::Plan {
+  uint64_t id = 0;
+  PlanSpec spec;
+  enum State { Pending, Done, Failed } state = Pending;
+  std::string error;
+  int error_kind = engine_detail::kGeneric;
+  int64_t deadline_ms = -1;
+  int pending = 0;          // chunks still to finish
+  bool started = false;
+  bool gate = true;         // data may move (headers matched or not checked)
+  bool headers_done = true;
+  std::vector<char> my_hdr;
+  struct HdrIn {
+    int peer;
+    std::vector<char> buf;
+    RequestPtr req;
+  };
+  std::vector<HdrIn> hdr_in;
+  std::vector<RequestPtr> hdr_out;
+  std::vector<uint8_t> send_done;  // per send chunk
+  size_t nbytes_moved = 0;
+};
+
+// A point-to-point message's flag words and the message itself (engine_messages.cc).
+struct Engine::MessageSlot {
+  engine_detail::Word* wait = nullptr;  // proxy -> stream: the data of generation `gen` is in staging (recv)
+  engine_detail::Word* sig = nullptr;   // stream -> proxy: the stream's copy of generation `gen` is done
+  uint64_t wait_dev = 0, sig_dev = 0;
+  uint32_t gen = 0;
+};
+
+struct Engine::Message {
+  std::shared_ptr<Plan> plan;
+  int peer = -1;
+  bool send = false;
+  char* device = nullptr;  // the caller's device memory
+  char* staging = nullptr;
+  size_t len = 0, cap = 0;
+  uint64_t tag = 0;
+  uint32_t slot = 0, gen = 0;
+  int state = 0;  // send: 0 stream copying, 1 isend posted; recv: 0 irecv posted, 1 stream copying
+  RequestPtr req;
+};
+
+}  // namespace hetccl
