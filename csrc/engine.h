@@ -223,14 +223,15 @@ class Engine {
   // point-to-point messages (engine_messages.cc)
   struct MessageCopy;
   uint64_t post_message(const std::shared_ptr<Plan>& p);
-  MessageCopy start_message_locked(const std::shared_ptr<Plan>& p);
+  MessageCopy start_message_locked(const std::shared_ptr<Plan>& p, char* staging, size_t cap);
   void enqueue_message(const PlanSpec& s, const MessageCopy& c);
   bool progress_messages();
   void release_message_waits();
   void drop_messages();
-  char* staging_take(size_t cap);
+  char* staging_take(size_t cap);  // nullptr: none free
   void staging_give(char* p, size_t cap);
   uint32_t slot_take();
+  void grow_slots();
   Transport& link_transport(int peer);  // the transport of peer's link
 
   EngineOptions opts_;

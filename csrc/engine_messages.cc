@@ -22,8 +22,10 @@
 // in flight, reused once its message is finished; each use of a slot takes the slot's next
 // generation, so a word only grows (Word's position rules, device_ops.h). Slots come in pages
 // of kSlotsPerPage and are never freed before the destructor (streams may reference them).
-// Staging buffers: page-multiple capacities rounded up to a power of two, registered with the
-// device runtime once and reused; at most kStagingCacheBytes of free buffers are kept.
+// Staging buffers: capacities rounded up to a power of two (at least a page), registered with the
+// device runtime once by the issuing thread and reused; the pool holds the most this engine had
+// in flight per capacity until it closes (stats: message_staging_bytes). The proxy makes no
+// runtime call for messages: it reads and writes words and posts transport requests only.
 #include <stdlib.h>
 
 #include <cstring>
@@ -35,7 +37,6 @@ using namespace engine_detail;
 
 namespace {
 constexpr uint32_t kSlotsPerPage = 512;                    // 8-byte words: one page each
-constexpr size_t kStagingCacheBytes = size_t(64) << 20;    // free staging kept for reuse
 }  // namespace
 
 // What the issuing thread enqueues, copied under mu_ (the proxy may drop the Message meanwhile).
@@ -47,80 +48,78 @@ struct Engine::MessageCopy {
   uint64_t wait_dev = 0, sig_dev = 0, wait_counter = 0, sig_counter = 0;
 };
 
-uint32_t Engine::slot_take() {
-  if (msg_free_slots_.empty()) {
-    void* wait_page = nullptr;
-    void* sig_page = nullptr;
-    if (posix_memalign(&wait_page, 4096, 4096) != 0 || posix_memalign(&sig_page, 4096, 4096) != 0)
-      throw CommError("hetccl engine: out of memory for message flag words");
-    std::memset(wait_page, 0, 4096);
-    std::memset(sig_page, 0, 4096);
-    flag_pages_.push_back(wait_page);
-    flag_pages_.push_back(sig_page);
-    for (void* pg : {wait_page, sig_page}) {
-      if (!dev_->host_register(pg, 4096))
-        throw CommError("hetccl engine: could not page-lock the message flag words");
-      registered_.push_back(pg);
-    }
-    const uint32_t base = uint32_t(msg_slots_.size());
+// Without mu_ (runtime calls must not hold up the proxy): one more page of slots, added under mu_.
+void Engine::grow_slots() {
+  void* wait_page = nullptr;
+  void* sig_page = nullptr;
+  if (posix_memalign(&wait_page, 4096, 4096) != 0 || posix_memalign(&sig_page, 4096, 4096) != 0)
+    throw CommError("hetccl engine: out of memory for message flag words");
+  std::memset(wait_page, 0, 4096);
+  std::memset(sig_page, 0, 4096);
+  bool ok = dev_->host_register(wait_page, 4096) && dev_->host_register(sig_page, 4096);
+  std::vector<std::unique_ptr<MessageSlot>> made;
+  std::vector<void*> words;
+  if (ok) {
     for (uint32_t i = 0; i < kSlotsPerPage; ++i) {
-      auto s = std::make_unique<MessageSlot>();
-      s->sig = new (static_cast<Word*>(sig_page) + i) Word();
-      s->sig_dev = dev_->device_address(sig_page) + i * sizeof(Word);
+      auto sl = std::make_unique<MessageSlot>();
+      sl->sig = new (static_cast<Word*>(sig_page) + i) Word();
+      sl->sig_dev = dev_->device_address(sig_page) + i * sizeof(Word);
       if (void* w = dev_->wait_word_alloc()) {  // the runtime's own memory for waited words
-        wait_words_.push_back(w);
-        s->wait = new (w) Word();
-        s->wait_dev = dev_->wait_word_address(w);
+        words.push_back(w);
+        sl->wait = new (w) Word();
+        sl->wait_dev = dev_->wait_word_address(w);
       } else {
-        s->wait = new (static_cast<Word*>(wait_page) + i) Word();
-        s->wait_dev = dev_->device_address(wait_page) + i * sizeof(Word);
+        sl->wait = new (static_cast<Word*>(wait_page) + i) Word();
+        sl->wait_dev = dev_->device_address(wait_page) + i * sizeof(Word);
       }
-      msg_slots_.push_back(std::move(s));
-      msg_free_slots_.push_back(base + kSlotsPerPage - 1 - i);  // lowest first
+      made.push_back(std::move(sl));
     }
   }
+  std::lock_guard<std::mutex> g(mu_);
+  flag_pages_.push_back(wait_page);
+  flag_pages_.push_back(sig_page);
+  if (ok) {
+    registered_.push_back(wait_page);
+    registered_.push_back(sig_page);
+  }
+  for (void* w : words) wait_words_.push_back(w);
+  if (!ok) throw CommError("hetccl engine: could not page-lock the message flag words");
+  const uint32_t base = uint32_t(msg_slots_.size());
+  for (uint32_t i = 0; i < kSlotsPerPage; ++i) {
+    msg_slots_.push_back(std::move(made[i]));
+    msg_free_slots_.push_back(base + kSlotsPerPage - 1 - i);  // lowest first
+  }
+}
+
+// Under mu_; post_message made sure one is free.
+uint32_t Engine::slot_take() {
   uint32_t i = msg_free_slots_.back();
   msg_free_slots_.pop_back();
   return i;
 }
 
+// Under mu_: a free buffer of capacity cap, or nullptr (post_message then makes one).
 char* Engine::staging_take(size_t cap) {
   auto it = staging_free_.find(cap);
-  if (it != staging_free_.end() && !it->second.empty()) {
-    char* p = it->second.back();
-    it->second.pop_back();
-    staging_free_bytes_ -= cap;
-    return p;
-  }
-  void* m = nullptr;
-  if (posix_memalign(&m, 4096, cap) != 0)
-    throw CommError("hetccl engine: out of memory for a " + std::to_string(cap) +
-                    "-byte message staging buffer");
-  flag_pages_.push_back(m);  // freed in the destructor (a transport may still write it)
-  if (dev_->host_register(m, cap)) registered_.push_back(m);
-  stats_["message_staging_bytes"] += cap;
-  return static_cast<char*>(m);
+  if (it == staging_free_.end() || it->second.empty()) return nullptr;
+  char* p = it->second.back();
+  it->second.pop_back();
+  staging_free_bytes_ -= cap;
+  return p;
 }
 
+// Under mu_, on the proxy thread too: the buffer goes back to the pool. It is never unregistered
+// or freed here: a device runtime call on the proxy can wait for a stream that waits for the
+// proxy (cuMemHostUnregister on the proxy while a receive's stream waited on its word was a
+// deadlock on the GPU box). The pool keeps the most this engine had in flight per capacity;
+// everything is released when the engine closes (registered_ / flag_pages_).
 void Engine::staging_give(char* p, size_t cap) {
-  if (staging_free_bytes_ + cap > kStagingCacheBytes) {
-    // over the cache bound: unregister and free it now (nothing references it any more)
-    auto r = std::find(registered_.begin(), registered_.end(), static_cast<void*>(p));
-    if (r != registered_.end()) {
-      dev_->host_unregister(p);
-      registered_.erase(r);
-    }
-    auto f = std::find(flag_pages_.begin(), flag_pages_.end(), static_cast<void*>(p));
-    if (f != flag_pages_.end()) flag_pages_.erase(f);
-    free(p);
-    stats_["message_staging_bytes"] -= cap;
-    return;
-  }
   staging_free_[cap].push_back(p);
   staging_free_bytes_ += cap;
 }
 
-Engine::MessageCopy Engine::start_message_locked(const std::shared_ptr<Plan>& pp) {
+Engine::MessageCopy Engine::start_message_locked(const std::shared_ptr<Plan>& pp, char* staging,
+                                                   size_t cap) {
   Plan& p = *pp;
   const PlanSpec& s = p.spec;
   const PlanItem& it = s.items[0];
@@ -131,13 +130,11 @@ Engine::MessageCopy Engine::start_message_locked(const std::shared_ptr<Plan>& pp
   m->device = reinterpret_cast<char*>(it.ptr);
   m->len = it.nbytes;
   m->tag = s.tag_base;
-  size_t cap = 4096;
-  while (cap < m->len) cap <<= 1;
   m->cap = cap;
   m->slot = slot_take();
   MessageSlot& sl = *msg_slots_[m->slot];
   m->gen = ++sl.gen;
-  m->staging = staging_take(cap);
+  m->staging = staging;
   if (!m->send) m->req = link_transport(m->peer).irecv(m->peer, m->staging, m->len, m->tag);
   MessageCopy c;
   c.send = m->send;
@@ -166,15 +163,49 @@ uint64_t Engine::post_message(const std::shared_ptr<Plan>& p) {
   if (!dev_->stream_mem_ops(s.device_index))
     throw CommError("hetccl engine: " + s.what + ": messages need stream memory operations, "
                     "which device " + std::to_string(s.device_index) + " does not offer");
+  size_t cap = 4096;
+  while (cap < s.items[0].nbytes) cap <<= 1;
+  char* staging;
+  bool need_slots;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    staging = staging_take(cap);
+    need_slots = msg_free_slots_.empty();
+  }
+  if (need_slots) {
+    dev_->set_device(s.device_index);
+    grow_slots();
+  }
+  if (!staging) {
+    // a new pinned buffer, made without holding mu_ (registering is a runtime call that must
+    // not hold up the proxy)
+    void* m = nullptr;
+    if (posix_memalign(&m, 4096, cap) != 0)
+      throw CommError("hetccl engine: out of memory for a " + std::to_string(cap) +
+                      "-byte message staging buffer");
+    dev_->set_device(s.device_index);
+    bool pinned = dev_->host_register(m, cap);
+    std::lock_guard<std::mutex> g(mu_);
+    flag_pages_.push_back(m);  // freed in the destructor (a transport may still use it)
+    if (pinned) registered_.push_back(m);
+    stats_["message_staging_bytes"] += cap;
+    staging = static_cast<char*>(m);
+  }
   MessageCopy c;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (closed_) throw CommError("hetccl engine: closed");
-    if (!broken_.empty()) throw_kind(broken_kind_, broken_);
+    if (closed_ || !broken_.empty()) {
+      staging_give(staging, cap);
+      if (closed_) throw CommError("hetccl engine: closed");
+      throw_kind(broken_kind_, broken_);
+    }
+    if (msg_free_slots_.empty()) {  // another thread took the slots grown for this one
+      staging_give(staging, cap);
+      throw CommError("hetccl engine: " + s.what + ": no message slot free; post again");
+    }
     p->id = next_id_++;
-    dev_->set_device(s.device_index);
     plans_[p->id] = p;
-    c = start_message_locked(p);
+    c = start_message_locked(p, staging, cap);
   }
   try {
     enqueue_message(s, c);
