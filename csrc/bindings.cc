@@ -534,6 +534,8 @@ PYBIND11_MODULE(_C, m) {
            "Tests: message links start at this position (wrap-around of positions).")
       .def("stream_join", &Engine::stream_join, py::arg("device_index"), py::arg("waiter"),
            py::arg("waitee"))
+      .def("drain", &Engine::drain, py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>(),
+           "Waits (bounded) until no device plan or message is pending; see engine.h.")
       .def("broken", &Engine::broken)
       .def("stats", &Engine::stats)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());

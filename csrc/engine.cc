@@ -183,6 +183,23 @@ void Engine::stream_join(int device_index, uintptr_t waiter, uintptr_t waitee) {
   dev_->stream_wait_event(reinterpret_cast<void*>(waiter), join_event_);
 }
 
+bool Engine::drain(int64_t timeout_ms) {
+  const int64_t until = now_ms() + std::max<int64_t>(0, timeout_ms);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!broken_.empty() || closed_) return false;
+      bool pending = false;
+      for (auto& kv : plans_)
+        pending = pending || (kv.second->spec.device && kv.second->state == Plan::Pending);
+      if (!pending) return true;
+    }
+    if (now_ms() >= until) return false;
+    cv_.notify_all();  // the proxy drives device plans; make sure it is awake
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
 std::string Engine::broken() {
   std::lock_guard<std::mutex> g(mu_);
   return broken_;

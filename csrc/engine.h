@@ -166,6 +166,11 @@ class Engine {
   // Orders `waiter` after the work queued on `waitee` so far (one reused event: a stream wait
   // keeps the event's state at the time it is enqueued).
   void stream_join(int device_index, uintptr_t waiter, uintptr_t waitee);
+  // Before a normal close: waits up to timeout_ms until no device plan or message is pending
+  // (their streams ran and their data left or arrived), so an isend or async collective issued
+  // just before the group is destroyed still reaches its peer. true when nothing was left; false
+  // after the timeout or once the engine broke (close() then fails what is left).
+  bool drain(int64_t timeout_ms);
   std::string broken();  // "" while healthy, else the first failure
   std::map<std::string, uint64_t> stats();
   void close();

@@ -44,6 +44,9 @@ from .work import DeviceWork, HetcclWork, StreamWork
 
 log = logging.getLogger("hetccl")
 
+# How long a closing group waits for its device plans and messages still in flight.
+DRAIN_MS = 5000
+
 # Stats of the C++ engine under the names tests and `hetccl doctor` read.
 STAT_NAMES = {"zero_copy_bytes": "zc_device_bytes", "pair_kernel_bytes": "roundtrip_bytes"}
 
@@ -240,6 +243,7 @@ class Engine:
         launch = None
         if dev is not None:
             seam = devices.seam(dev.type)
+            refuse_capture(seam, "collective")
             self.device_ops(dev.type)
             launch = seam.launch(dev, tensors, self._launches, self.core.stream_join)
             work = fut = DeviceWork(self, launch, outputs)
@@ -285,6 +289,7 @@ class Engine:
         if self._closed:
             raise RuntimeError("hetccl: operation on a process group that was shut down")
         seam = devices.seam(t.device.type)
+        refuse_capture(seam, "send" if send else "recv")
         self.device_ops(t.device.type)
         # a non-contiguous tensor goes through a contiguous copy: made on the caller's stream
         # before the message stream joins it (send), copied back on the message stream (recv)
@@ -324,6 +329,10 @@ class Engine:
             self._q.put(None)  # after the queued items: they finish first (bounded below)
             worker.join(timeout=5)
         if self.core is not None:
+            if self._broken is None and self._device_ops:
+                # device collectives and messages issued just before the group is destroyed
+                # (an isend never waited for, say) still reach their peers: bounded
+                self.core.drain(DRAIN_MS)
             self.core.close()
         if self.bridge is not None:
             self.bridge.close()
@@ -333,6 +342,19 @@ class Engine:
             # it was still inside a collective: closing the core, the bridge and the native
             # group failed it, so it ends now
             worker.join(timeout=5)
+
+
+def refuse_capture(seam, what: str) -> None:
+    """A cross-vendor operation cannot be part of a CUDA/HIP graph: the engine's proxy plays the
+    host side of every device plan when it is issued, and a replay would run against flag
+    positions that no longer hold. Refused before anything is enqueued or exchanged, so every
+    rank that captures raises alike and the group stays usable (each rank decides from its own
+    capture state: a program that captures on some ranks only is not supported)."""
+    if seam.capturing():
+        raise RuntimeError(
+            f"hetccl: a cross-vendor {what} cannot be captured in a CUDA graph (the current "
+            f"stream is capturing); run it outside the graph, or capture only the vendor-local "
+            f"part (a one-vendor group is the native library and captures as it does)")
 
 
 class EngineCtx:

@@ -91,6 +91,9 @@ class AllWork(HetcclWork):
             w.wait()
         return True
 
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
     def get_future(self):
         outputs = self.outputs
 
@@ -118,6 +121,7 @@ class DeviceWork(dist.Work):
         self._exc: BaseException | None = None
         self._issued = None  # threading.Event while queued behind host work
         self._fut = None
+        self._event = None  # is_completed(): recorded on the comm stream at its first call
 
     # engine side (called once the body has run, with the comm stream current)
     def set_result(self, outputs) -> None:
@@ -143,10 +147,22 @@ class DeviceWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._issued is None or self._issued.is_set()
+        """True once the device has run the collective (as NCCL's work asks its end event), so
+        a caller that polls this and then reads the tensors without wait() reads the result.
+        The event is recorded on the comm stream at the first call, so it also covers work
+        queued there after this collective: late, never early."""
+        if self._issued is not None and not self._issued.is_set():
+            return False
+        if self._exc is not None:
+            return True
+        if self._event is None:
+            self._event = self._launch.record()
+        if not self._launch.query(self._event):
+            return False
+        return True
 
     def is_success(self) -> bool:
-        return self.is_completed() and self._exc is None
+        return self.is_completed() and self._exc is None and not self._engine.core.broken()
 
     def exception(self):
         return self._exc

@@ -21,6 +21,7 @@ to a file per rank).
 """
 from __future__ import annotations
 
+import time
 import traceback
 from datetime import timedelta
 
@@ -719,6 +720,8 @@ def _async_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
 
     if dev.type != "cuda":
         c.skip("stream/wait_on_stream", "CUDA only: wait() orders a CUDA stream")
+        c.skip("stream/is_completed_polled", "CUDA only: a CUDA collective's completion")
+        c.skip("stream/graph_capture_refused", "CUDA only: CUDA graphs")
         return
 
     def f(case):
@@ -738,6 +741,55 @@ def _async_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
                         torch.float32)
         return close(y, ref * 2, torch.float32, W)
     c.run("stream/wait_on_stream", f)
+
+    def f(case):
+        # is_completed() polled without wait(): True only once the device has run the
+        # collective (NCCL's work asks its end event), so the tensor read right after holds the
+        # result even though the current stream never waited for the collective
+        x = torch.zeros(1 << 18, device=dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda._sleep(50_000_000)
+        x.copy_(put(data(rank, case, 1 << 18, torch.float32)))
+        w = dist.all_reduce(x, async_op=True)
+        deadline = time.monotonic() + 60
+        while not w.is_completed():
+            if time.monotonic() > deadline:
+                return "is_completed() never became true"
+            time.sleep(0.0005)
+        got = x.cpu()
+        ref = reference([data(r, case, 1 << 18, torch.float32) for r in range(W)], "sum",
+                        torch.float32)
+        return close(got, ref, torch.float32, W)
+    c.run("stream/is_completed_polled", f)
+
+    def f(case):
+        # a cross-vendor collective or send inside CUDA graph capture: refused with a clear
+        # error before anything is exchanged (never a hang), on every rank; the group stays
+        # usable. A one-vendor group is the native library, which captures.
+        import hetccl
+        if dist.get_backend() != "hetccl" or len(set(hetccl.vendor_of_ranks())) < 2:
+            return None  # nothing crosses vendors: the native library's own capture rules
+        multi = True
+        x = put(data(rank, case, 1000, torch.float32))
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        err = None
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(s):
+                with torch.cuda.graph(g, stream=s):
+                    dist.all_reduce(x)
+        except RuntimeError as e:
+            err = str(e)
+        torch.cuda.synchronize(dev)
+        if multi and (err is None or "captured in a CUDA graph" not in err):
+            return f"capture not refused clearly: {err!r}"
+        y = put(data(rank, case + 1, 1000, torch.float32))
+        dist.all_reduce(y)
+        ref = reference([data(r, case + 1, 1000, torch.float32) for r in range(W)], "sum",
+                        torch.float32)
+        return close(y, ref, torch.float32, W)
+    c.run("stream/graph_capture_refused", f)
 
 
 def _requires_grad_cases(c: Cases, rank: int, W: int, dev, put) -> None:

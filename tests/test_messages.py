@@ -17,7 +17,8 @@ What is checked, on random data:
     pattern isend/irecv to one neighbour, posted alike on both ranks);
   * more messages in flight than one page of flag words (the slots grow);
   * a size mismatch breaks the receiving engine with a message naming both sizes, and its
-    stream is released (never a hang).
+    stream is released (never a hang);
+  * a message sent just before its engine closes still arrives (close drains: Engine.drain).
 """
 from __future__ import annotations
 
@@ -200,6 +201,31 @@ def _size_mismatch(e, ops, rank, peer):
     return "ok" if ok else f"broken={msg!r} later={later!r}"
 
 
+def _send_then_close(name, st, rank, peer):
+    """A message sent and the sender's engine closed at once (an isend never waited for, then
+    destroy_process_group): close() drains it, so the receiver still gets it."""
+    t = _C.Transport(name, rank, 2, _opts())
+    _connect(t, st, "drain", rank)
+    e = _engine(t, rank)
+    ops = _C.device_ops("emulated")
+    e.set_device_ops(ops)
+    S = ops.emulated_stream()
+    x = _data(70, 3 << 20)
+    try:
+        if rank == 0:
+            _msg(e, peer, True, x, 70, S)
+            drained = e.drain(10_000)
+            e.close()
+            return "ok" if drained else f"drain gave up: {e.broken()!r}"
+        got = torch.zeros(3 << 20, dtype=torch.uint8)
+        _msg(e, peer, False, got, 70, S)
+        bad = _settle(e, ops, [S], 0, 1)
+        e.close()
+        return bad or ("ok" if torch.equal(got, x) else "message wrong")
+    finally:
+        t.close()
+
+
 def rank_main(ctx, name):
     torch.set_num_threads(1)
     st = ctx.store()
@@ -230,6 +256,7 @@ def rank_main(ctx, name):
     attempt("size_mismatch", lambda: _size_mismatch(e, ops, rank, peer))
     e.close()
     t.close()
+    attempt("send_then_close", lambda: _send_then_close(name, st, rank, peer))
     return res
 
 

@@ -173,6 +173,11 @@ class CudaSeam:
         stem, default = self.runtime_library
         return _C.device_ops(self.runtime_name, _loaded_library((stem,)) or default)
 
+    @staticmethod
+    def capturing() -> bool:
+        """Whether the current stream is capturing a CUDA graph (HIP graphs on ROCm builds)."""
+        return torch.cuda.is_current_stream_capturing()
+
     def launch(self, device: torch.device, tensors, cache: dict, join) -> Launch:
         """cache: the process group's own streams (per device): two groups never share a
         stream, or their collectives could wait on each other across ranks in different orders.

@@ -15,6 +15,11 @@ class HostSeam:
     native_backend = "gloo"
     native_library = None       # gloo is inside torch
     asynchronous = False
+
+    @staticmethod
+    def capturing() -> bool:
+        return False  # host memory has no graphs
+
     device_code = 1             # argument-check header code of the device type (checks.py)
     memory_type = "host"        # what a transport's capability table calls this memory
     ucx_device_paths: tuple[str, ...] = ()
