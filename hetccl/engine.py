@@ -103,8 +103,8 @@ class Engine:
         self._check_rows: dict[tuple, tuple] = {}  # signature -> (table row, compared columns)
         self._headers: dict[tuple, tuple] = {}  # call -> (header, mask, signature key, tag bits)
         self._device_ops: dict[str, Any] = {}
-        self._launches: dict[int, Any] = {}  # this group's own comm/side streams per device
-        self._p2p_launches: dict[tuple, Any] = {}  # its message streams per (device, send)
+        # this group's own streams: comm/side per device, message streams per (device, kind)
+        self._launches: dict[Any, Any] = {}
         self._messages_ok: dict[tuple, bool] = {}  # (device type, index) -> stream memory ops
         try:
             if topo.local_size > 1:
@@ -295,8 +295,8 @@ class Engine:
         # before the message stream joins it (send), copied back on the message stream (recv)
         buf = t if t.is_contiguous() else (t.contiguous() if send else
                                            torch.empty(t.shape, dtype=t.dtype, device=t.device))
-        launch = seam.p2p_launch(t.device, send, [t, buf], self._p2p_launches,
-                                 self.core.stream_join)
+        launch = seam.launch(t.device, [t, buf], self._launches, self.core.stream_join,
+                             kind="send" if send else "recv")
         nbytes = buf.numel() * buf.element_size()
         what = f"{'send to' if send else 'recv from'} rank {peer}"
         self.core.post([(peer, send, buf.data_ptr(), nbytes)], tag, 0, "sum", "uint8", False,

@@ -178,36 +178,24 @@ class CudaSeam:
         """Whether the current stream is capturing a CUDA graph (HIP graphs on ROCm builds)."""
         return torch.cuda.is_current_stream_capturing()
 
-    def launch(self, device: torch.device, tensors, cache: dict, join) -> Launch:
+    def launch(self, device: torch.device, tensors, cache: dict, join, kind=None) -> Launch:
         """cache: the process group's own streams (per device): two groups never share a
         stream, or their collectives could wait on each other across ranks in different orders.
-        join(index, waiter_handle, waitee_handle): orders waiter after waitee's queued work."""
+        join(index, waiter_handle, waitee_handle): orders waiter after waitee's queued work.
+        kind: None for collectives; "send" / "recv" for point-to-point messages
+        (engine_messages.cc), which get streams of their own, apart from the collectives', so
+        that a send never waits behind a receive (isend and irecv with one peer, posted alike on
+        both ranks) and no message waits behind a collective. The launch's stream first waits
+        for the caller's current stream; the tensors are recorded on it for the allocator."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        launch = cache.get(idx)
-        if launch is None:
-            launch = cache[idx] = Launch(torch.cuda.Stream(device=idx),
-                                         torch.cuda.Stream(device=idx), idx)
-        join(idx, launch.comm_handle, torch.cuda.current_stream(idx).cuda_stream)
-        for t in tensors:
-            if t.is_cuda:  # torch.cuda's allocator (ROCm builds: HIP's, under the same name)
-                t.record_stream(launch.comm)
-        return launch
-
-    def p2p_launch(self, device: torch.device, send: bool, tensors, cache: dict, join) -> Launch:
-        """The streams of point-to-point messages (engine_messages.cc): one for sends and one
-        for receives per device, apart from the collectives' streams, so that a send never
-        waits behind a receive (isend and irecv with one peer, posted alike on both ranks) and
-        no message waits behind a collective. The stream first waits for the caller's current
-        stream; the tensors are recorded on it for the caching allocator."""
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        key = (idx, send)
+        key = idx if kind is None else (idx, kind)
         launch = cache.get(key)
         if launch is None:
             launch = cache[key] = Launch(torch.cuda.Stream(device=idx),
                                          torch.cuda.Stream(device=idx), idx)
         join(idx, launch.comm_handle, torch.cuda.current_stream(idx).cuda_stream)
         for t in tensors:
-            if t.is_cuda:
+            if t.is_cuda:  # torch.cuda's allocator (ROCm builds: HIP's, under the same name)
                 t.record_stream(launch.comm)
         return launch
 
