@@ -295,7 +295,8 @@ class Engine:
         # before the message stream joins it (send), copied back on the message stream (recv)
         buf = t if t.is_contiguous() else (t.contiguous() if send else
                                            torch.empty(t.shape, dtype=t.dtype, device=t.device))
-        launch = seam.launch(t.device, [t, buf], self._launches, self.core.stream_join,
+        launch = seam.launch(t.device, [t] if buf is t else [t, buf], self._launches,
+                             self.core.stream_join,
                              kind="send" if send else "recv")
         nbytes = buf.numel() * buf.element_size()
         what = f"{'send to' if send else 'recv from'} rank {peer}"
@@ -345,16 +346,18 @@ class Engine:
 
 
 def refuse_capture(seam, what: str) -> None:
-    """A cross-vendor operation cannot be part of a CUDA/HIP graph: the engine's proxy plays the
-    host side of every device plan when it is issued, and a replay would run against flag
-    positions that no longer hold. Refused before anything is enqueued or exchanged, so every
-    rank that captures raises alike and the group stays usable (each rank decides from its own
-    capture state: a program that captures on some ranks only is not supported)."""
+    """A cross-vendor operation cannot be part of a device graph (seam.graph_name): the engine's
+    proxy plays the host side of every device plan when it is issued, and a replay would run
+    against flag positions that no longer hold. Refused before anything is enqueued or
+    exchanged, so every rank that captures raises alike and the group stays usable (each rank
+    decides from its own capture state: a program that captures on some ranks only is not
+    supported)."""
     if seam.capturing():
         raise RuntimeError(
-            f"hetccl: a cross-vendor {what} cannot be captured in a CUDA graph (the current "
-            f"stream is capturing); run it outside the graph, or capture only the vendor-local "
-            f"part (a one-vendor group is the native library and captures as it does)")
+            f"hetccl: a cross-vendor {what} cannot be captured in a {seam.graph_name} (the "
+            f"current stream is capturing); run it outside the graph, or capture only the "
+            f"vendor-local part (a one-vendor group is the native library and captures as it "
+            f"does)")
 
 
 class EngineCtx:

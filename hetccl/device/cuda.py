@@ -173,6 +173,8 @@ class CudaSeam:
         stem, default = self.runtime_library
         return _C.device_ops(self.runtime_name, _loaded_library((stem,)) or default)
 
+    graph_name = "CUDA graph"  # what the vendor calls a captured stream's graph (messages)
+
     @staticmethod
     def capturing() -> bool:
         """Whether the current stream is capturing a CUDA graph (HIP graphs on ROCm builds)."""

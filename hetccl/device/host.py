@@ -16,6 +16,8 @@ class HostSeam:
     native_library = None       # gloo is inside torch
     asynchronous = False
 
+    graph_name = "graph"
+
     @staticmethod
     def capturing() -> bool:
         return False  # host memory has no graphs
