@@ -182,6 +182,9 @@ class Engine:
                     self._execute(*item)
                 finally:
                     self._queued -= 1
+            # the item's closure holds the collective's tensors: let go before blocking on the
+            # queue, or they stay alive until the next operation is queued
+            item = None
 
     def _execute(self, fn, fut, outputs, launch) -> None:
         try:

@@ -136,11 +136,20 @@ def fault(args: dict) -> dict:
     import weakref
     ref = weakref.ref(x)
     del x
+    # A native library's worker thread may still hold its failed work (and so the buffer) for
+    # a moment after the error reached this thread (gloo's runLoop resets its work in progress
+    # after marking the future): bounded wait, and who holds it if it stays.
+    t_free = time.time()
     gc.collect()
+    while ref() is not None and time.time() - t_free < 5:
+        time.sleep(0.05)
+        gc.collect()
     buffer_freed = ref() is None
+    buffer_free_s = round(time.time() - t_free, 3)
     holders = []
     if not buffer_freed:  # who keeps it: the chain of referrers from the frame outwards
         for o in gc.get_referrers(ref()):
+            holders.append(f"{type(o).__name__} {str(o)[:100]}")
             if type(o).__name__ == "frame":
                 holders.append(f"frame {o.f_code.co_name} {o.f_code.co_filename}:{o.f_lineno}")
                 for tb in gc.get_referrers(o):
@@ -156,7 +165,7 @@ def fault(args: dict) -> dict:
         err = (err or "") + f" | destroy: {e}"
     faulthandler.cancel_dump_traceback_later()
     return {"again_s": t_destroy - t_again, "destroy_s": time.time() - t_destroy,"ok_before": ok, "error": err, "t_err": t_err, "ops": ops, "again": again,
-            "buffer_freed": buffer_freed, "holders": holders, **view, **_leaks(base_fds, base_threads)}
+            "buffer_freed": buffer_freed, "buffer_free_s": buffer_free_s, "holders": holders, **view, **_leaks(base_fds, base_threads)}
 
 
 def train(args: dict) -> dict:

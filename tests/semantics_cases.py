@@ -55,6 +55,34 @@ class Cases:
         except Exception:  # noqa: BLE001
             self.out[name] = traceback.format_exc(limit=6)
 
+    # ---------------------------------------------------------------- lifetimes
+    def released_after_wait(self, async_op: bool):
+        """Once wait() returned and the caller dropped its tensor and Work, nothing of hetccl
+        keeps the tensor (the engine's worker thread let go of the queued item), also while
+        no later operation is issued. Bounded wait: the worker lets go right after it
+        completed the future."""
+        import gc
+        import weakref
+
+        x = torch.full((1 << 16,), float(self.rank + 1))
+        work = dist.all_reduce(x, async_op=async_op)
+        if work is not None:
+            work.wait()
+        want = float(sum(range(1, self.world + 1)))
+        if not torch.all(x == want):
+            return f"all_reduce gave {x[:4].tolist()}, expected {want}"
+        ref = weakref.ref(x)
+        del x, work
+        end = time.monotonic() + 2
+        gc.collect()
+        while ref() is not None and time.monotonic() < end:
+            time.sleep(0.02)
+            gc.collect()
+        held = ref() is not None
+        dist.barrier()  # the next operation: only after the check
+        if held:
+            return "the all_reduce's tensor is still referenced 2 s after wait() returned"
+
     # ---------------------------------------------------------------- all_gather_coalesced
     def all_gather_coalesced(self, k: int, case: int):
         """k tensors of different shapes per rank; output_lists[rank][i] must be rank's i-th."""
@@ -357,5 +385,7 @@ def run_all(ctx, start_lines: list | None = None) -> dict[str, str]:
     c.run("timeout/wording", c.timeout_wording)
     c.run("monitored_barrier", c.monitored_barrier)
     c.run("passthrough/identity", c.passthrough_identity)
+    c.run("lifetime/async_released", c.released_after_wait, True)
+    c.run("lifetime/sync_released", c.released_after_wait, False)
     dist.destroy_process_group()
     return c.out

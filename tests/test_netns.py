@@ -180,7 +180,8 @@ def _check_survivors(res, ranks, t_fault, hosts, victims_host=None):
         assert d["again"] and "second op succeeded" not in d["again"], d["again"]
         assert d["shm"] == [] and d["fds"] == [], (r, d["shm"], d["fds"])
         assert not [t for t in d["threads"] if t.startswith("hetccl")], (r, d["threads"])
-        assert d["buffer_freed"], f"rank {r}: the failed collective's buffer is still referenced"
+        assert d["buffer_freed"], (f"rank {r}: the failed collective's buffer is still referenced "
+                                   f"by {d['holders']}: {d['error']}")
     # whoever saw the loss first named the lost host (the others may name it one hop away)
     assert victims_host is None or any(named_victim), {r: res[r]["error"] for r in ranks}
     return times
