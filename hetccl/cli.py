@@ -13,7 +13,7 @@ COMMANDS = {
     "run": ("hetccl.run", "torchrun wrapper: run an unchanged script over hetccl "
             "[--vendors SPLIT]"),
     "bench": (None, "benchmarks: transport | collectives | straggler | soak | ddp | train | "
-              "footprint"),
+              "footprint | scale"),
     "deepspeed": ("hetccl.integrations.deepspeed", "deepspeed launcher wrapper: workers over "
                   "hetccl [--vendors SPLIT]"),
     "megatron": ("hetccl.integrations.megatron", "train a megatron-core GPT from a recipe YAML "
@@ -27,6 +27,7 @@ BENCHES = {
     "ddp": "hetccl.bench.ddp",
     "train": "hetccl.bench.train",
     "footprint": "hetccl.bench.footprint",
+    "scale": "hetccl.bench.scale",
 }
 
 

@@ -97,6 +97,13 @@ _SETTINGS = [
             "grow); 0: 8 MiB on CPU-only builds, 64 MiB where a GPU is driven (pinned). The "
             "smallest value of the ranks on a host applies to the host."),
     Setting("HETCCL_REDUCE_THREADS", int, 0, "Host reduction threads (0: all cores)."),
+    Setting("HETCCL_TIMEOUT_S", int, 300,
+            "C API (csrc/hetccl.h) only: seconds that bootstrap, init and every operation may "
+            "take before they fail naming the peer waited for (the torch face takes the "
+            "process group's timeout instead)."),
+    Setting("HETCCL_CAPI_SHM", _bool, True,
+            "C API only: ring neighbours on one host reach each other through shared memory; "
+            "0: tcp for every peer."),
     Setting("HETCCL_CHUNK_BYTES", int, 0,
             "Engine chunk size in bytes for every cross-vendor transfer; 0 (default): the "
             "measured tables of hetccl/tuning.py (one chunk for small messages, pipelined "

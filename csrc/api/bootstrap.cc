@@ -1,0 +1,368 @@
+// hetccl C API bootstrap (contract in bootstrap.h).
+//
+// Wire: a joiner sends  magic "hetcBOOT" | secret (16) | u32 rank | u32 nranks | u32 len | entry
+// and reads          u32 status | u64 len | body
+// where status 0 means body is the table (u32 n, then per rank u32 len | entry) and status 1
+// means body is an error text.
+#include "bootstrap.h"
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <thread>
+
+#include "../common.h"
+#include "../net.h"
+
+namespace hetccl {
+namespace api {
+namespace {
+
+constexpr char kIdMagic[8] = {'h', 'e', 't', 'c', 'c', 'l', 'I', 'D'};
+constexpr char kJoinMagic[8] = {'h', 'e', 't', 'c', 'B', 'O', 'O', 'T'};
+constexpr size_t kSecretBytes = 16;
+constexpr uint32_t kMaxEntry = 1 << 20;
+// unique id: magic (8) | secret (16) | u32 root timeout in s | root "host:port", NUL-padded
+constexpr size_t kRootAt = 8 + kSecretBytes + 4;
+
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f = -1) : fd(f) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  Fd(Fd&& o) noexcept : fd(o.fd) { o.fd = -1; }
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Waits until fd is readable/writable or the deadline passes (false).
+bool wait_fd(int fd, short events, const Deadline& d) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int64_t left = d.left_ms();
+    int r = ::poll(&p, 1, int(std::min<int64_t>(left, 1000)));
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) return false;
+    if (d.expired()) return false;
+  }
+}
+
+void write_all(int fd, const void* buf, size_t n, const Deadline& d, const char* who) {
+  const char* p = static_cast<const char*>(buf);
+  while (n) {
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      p += w;
+      n -= size_t(w);
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!wait_fd(fd, POLLOUT, d))
+        throw CommTimeout(std::string("hetccl bootstrap: timed out sending to ") + who);
+      continue;
+    }
+    throw CommError(std::string("hetccl bootstrap: send to ") + who + " failed: " + strerror(errno));
+  }
+}
+
+void read_all(int fd, void* buf, size_t n, const Deadline& d, const char* who) {
+  char* p = static_cast<char*>(buf);
+  while (n) {
+    ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      n -= size_t(r);
+      continue;
+    }
+    if (r == 0)
+      throw CommError(std::string("hetccl bootstrap: ") + who + " closed the connection");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (!wait_fd(fd, POLLIN, d))
+        throw CommTimeout(std::string("hetccl bootstrap: timed out waiting for ") + who);
+      continue;
+    }
+    throw CommError(std::string("hetccl bootstrap: receive from ") + who + " failed: " +
+                    strerror(errno));
+  }
+}
+
+std::string reply(uint32_t status, const std::string& body) {
+  std::string s;
+  net::put_u32(s, status);
+  net::put_u64(s, body.size());
+  return s + body;
+}
+
+// The root's thread: one communicator's table (see bootstrap.h).
+void serve(int listen_fd, std::string secret, int64_t timeout_ms) {
+  Fd lfd(listen_fd);
+  Deadline d(timeout_ms);
+  int nranks = -1;
+  std::map<int, std::pair<std::shared_ptr<Fd>, std::string>> joined;  // rank -> (conn, entry)
+  auto refuse = [&](int fd, const std::string& why) {
+    try {
+      std::string r = reply(1, why);
+      write_all(fd, r.data(), r.size(), Deadline(2000), "a joining rank");
+    } catch (const std::exception&) {
+    }
+  };
+  while (nranks < 0 || int(joined.size()) < nranks) {
+    if (!wait_fd(lfd.fd, POLLIN, d)) break;
+    int c = ::accept4(lfd.fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) continue;
+    auto conn = std::make_shared<Fd>(c);
+    try {
+      // A joiner that connects and then says nothing holds the root for at most this long.
+      Deadline hd(std::min<int64_t>(d.left_ms(), 10000));
+      char head[8 + kSecretBytes + 12];
+      read_all(c, head, sizeof head, hd, "a joining rank");
+      if (std::memcmp(head, kJoinMagic, 8) != 0) continue;  // not ours: drop it
+      if (std::string(head + 8, kSecretBytes) != secret) {
+        refuse(c, "hetccl bootstrap: the unique id's secret does not match this root's");
+        continue;
+      }
+      auto* u = reinterpret_cast<const unsigned char*>(head + 8 + kSecretBytes);
+      int rank = int(net::get_u32(u)), n = int(net::get_u32(u + 4));
+      uint32_t len = net::get_u32(u + 8);
+      if (len > kMaxEntry) {
+        refuse(c, "hetccl bootstrap: entry of " + std::to_string(len) + " bytes is too large");
+        continue;
+      }
+      std::string entry(len, '\0');
+      read_all(c, entry.data(), len, hd, "a joining rank");
+      if (n <= 0 || (nranks > 0 && n != nranks)) {
+        refuse(c, "hetccl bootstrap: rank " + std::to_string(rank) + " says nranks=" +
+                      std::to_string(n) + ", the ranks before it said " + std::to_string(nranks));
+        continue;
+      }
+      if (rank < 0 || rank >= n) {
+        refuse(c, "hetccl bootstrap: rank " + std::to_string(rank) + " is out of range for nranks=" +
+                      std::to_string(n));
+        continue;
+      }
+      if (joined.count(rank)) {
+        refuse(c, "hetccl bootstrap: rank " + std::to_string(rank) +
+                      " joined twice (two processes were given the same rank)");
+        continue;
+      }
+      nranks = n;
+      joined[rank] = {conn, std::move(entry)};
+    } catch (const std::exception&) {
+      continue;  // a joiner that vanished mid-hello: it will retry or time out on its own
+    }
+  }
+  if (nranks < 0) return;  // nobody came
+  if (int(joined.size()) < nranks) {
+    std::string missing;
+    int shown = 0;
+    for (int r = 0; r < nranks && shown < 16; ++r)
+      if (!joined.count(r)) {
+        missing += (shown++ ? ", " : "") + std::to_string(r);
+      }
+    std::string why = "hetccl bootstrap: " + std::to_string(nranks - int(joined.size())) + " of " +
+                      std::to_string(nranks) + " ranks did not join within " +
+                      std::to_string(timeout_ms / 1000) + " s (missing: " + missing +
+                      (nranks - int(joined.size()) > shown ? ", ..." : "") + ")";
+    for (auto& kv : joined) refuse(kv.second.first->fd, why);
+    return;
+  }
+  std::string table;
+  net::put_u32(table, uint32_t(nranks));
+  for (auto& kv : joined) {
+    net::put_u32(table, uint32_t(kv.second.second.size()));
+    table += kv.second.second;
+  }
+  std::string msg = reply(0, table);
+  Deadline sd(std::max<int64_t>(d.left_ms(), 30000));
+  for (auto& kv : joined) {
+    try {
+      write_all(kv.second.first->fd, msg.data(), msg.size(), sd, "a joined rank");
+    } catch (const std::exception&) {
+      // that rank died after joining: its peers find out through their transports
+    }
+  }
+}
+
+}  // namespace
+
+std::string encode_kv(const std::vector<std::pair<std::string, std::string>>& kv) {
+  std::string s;
+  net::put_u32(s, uint32_t(kv.size()));
+  for (auto& p : kv) {
+    net::put_u32(s, uint32_t(p.first.size()));
+    s += p.first;
+    net::put_u32(s, uint32_t(p.second.size()));
+    s += p.second;
+  }
+  return s;
+}
+
+std::vector<std::pair<std::string, std::string>> decode_kv(const std::string& s) {
+  std::vector<std::pair<std::string, std::string>> out;
+  size_t at = 0;
+  auto take = [&](size_t n) {
+    if (at + n > s.size()) throw CommError("hetccl bootstrap: malformed table entry");
+    std::string v = s.substr(at, n);
+    at += n;
+    return v;
+  };
+  auto u32 = [&] {
+    std::string b = take(4);
+    return net::get_u32(reinterpret_cast<const unsigned char*>(b.data()));
+  };
+  uint32_t n = u32();
+  for (uint32_t i = 0; i < n; ++i) {
+    std::string k = take(u32());
+    std::string v = take(u32());
+    out.emplace_back(std::move(k), std::move(v));
+  }
+  return out;
+}
+
+std::string default_root_host() {
+  ifaddrs* ifs = nullptr;
+  std::string found = "127.0.0.1";
+  if (getifaddrs(&ifs) != 0) return found;
+  for (ifaddrs* i = ifs; i; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+    if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+    char buf[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+    found = buf;
+    break;
+  }
+  freeifaddrs(ifs);
+  return found;
+}
+
+std::string local_addr_towards(const std::string& hostport) {
+  sockaddr_storage ss;
+  socklen_t len;
+  if (!net::parse_hostport(hostport, &ss, &len)) return "127.0.0.1";
+  Fd s(::socket(ss.ss_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (s.fd < 0 || ::connect(s.fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) return "127.0.0.1";
+  sockaddr_storage me;
+  socklen_t mlen = sizeof me;
+  if (getsockname(s.fd, reinterpret_cast<sockaddr*>(&me), &mlen) != 0) return "127.0.0.1";
+  std::string hp = net::sockaddr_str(me);
+  if (hp.empty() || hp == "?") return "127.0.0.1";
+  if (hp[0] == '[') return hp.substr(1, hp.find(']') - 1);
+  return hp.substr(0, hp.rfind(':'));
+}
+
+UniqueIdData decode_id(const hetcclUniqueId& id) {
+  if (std::memcmp(id.internal, kIdMagic, 8) != 0)
+    throw CommError("hetccl: the unique id was not made by hetcclGetUniqueId (wrong magic)");
+  UniqueIdData d;
+  d.secret.assign(id.internal + 8, kSecretBytes);
+  d.root_timeout_ms = int64_t(net::get_u32(reinterpret_cast<const unsigned char*>(id.internal) + 8 + kSecretBytes)) * 1000;
+  const char* hp = id.internal + kRootAt;
+  size_t n = strnlen(hp, HETCCL_UNIQUE_ID_BYTES - kRootAt);
+  d.root.assign(hp, n);
+  return d;
+}
+
+hetcclUniqueId make_root(const std::string& bind_host, int64_t timeout_ms) {
+  std::string hp = (bind_host.find(':') != std::string::npos ? "[" + bind_host + "]" : bind_host) + ":1";
+  sockaddr_storage ss;
+  socklen_t len;
+  if (!net::parse_hostport(hp, &ss, &len))
+    throw CommError("hetccl bootstrap: '" + bind_host + "' is not a numeric IPv4/IPv6 address");
+  if (ss.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&ss)->sin_port = 0;
+  else reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = 0;
+  Fd l(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (l.fd < 0 || ::bind(l.fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(l.fd, 1024) != 0)
+    throw CommError("hetccl bootstrap: cannot listen on " + bind_host + ": " + strerror(errno));
+  sockaddr_storage bound;
+  socklen_t blen = sizeof bound;
+  getsockname(l.fd, reinterpret_cast<sockaddr*>(&bound), &blen);
+  std::string root = net::sockaddr_str(bound);
+  std::string secret = random_bytes(kSecretBytes);
+  hetcclUniqueId id;
+  std::memset(&id, 0, sizeof id);
+  std::memcpy(id.internal, kIdMagic, 8);
+  std::memcpy(id.internal + 8, secret.data(), kSecretBytes);
+  if (root.size() >= HETCCL_UNIQUE_ID_BYTES - kRootAt)
+    throw CommError("hetccl bootstrap: root address too long for the unique id: " + root);
+  std::string t;
+  net::put_u32(t, uint32_t((timeout_ms + 999) / 1000));
+  std::memcpy(id.internal + 8 + kSecretBytes, t.data(), 4);
+  std::memcpy(id.internal + kRootAt, root.data(), root.size());
+  int fd = l.fd;
+  l.fd = -1;
+  std::thread([fd, secret, timeout_ms] { serve(fd, secret, timeout_ms); }).detach();
+  return id;
+}
+
+std::vector<std::string> join(const UniqueIdData& id, int rank, int nranks,
+                              const std::string& entry, int64_t timeout_ms) {
+  Deadline d(timeout_ms);
+  sockaddr_storage ss;
+  socklen_t len;
+  if (!net::parse_hostport(id.root, &ss, &len))
+    throw CommError("hetccl: the unique id names no root address ('" + id.root + "')");
+  std::string who = "the bootstrap root " + id.root;
+  for (int attempt = 0;; ++attempt) {
+    Fd s(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (s.fd < 0) throw CommError(std::string("hetccl bootstrap: socket: ") + strerror(errno));
+    if (::connect(s.fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) {
+      int e = errno;
+      if (d.expired())
+        throw CommTimeout("hetccl bootstrap: rank " + std::to_string(rank) + " could not reach " +
+                          who + " within " + std::to_string(timeout_ms / 1000) + " s (" +
+                          strerror(e) + ")");
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(100, 5 + attempt * 5)));
+      continue;
+    }
+    net::set_nodelay(s.fd);
+    std::string hello(kJoinMagic, 8);
+    hello += id.secret;
+    net::put_u32(hello, uint32_t(rank));
+    net::put_u32(hello, uint32_t(nranks));
+    net::put_u32(hello, uint32_t(entry.size()));
+    hello += entry;
+    write_all(s.fd, hello.data(), hello.size(), d, who.c_str());
+    // the table comes once every rank has joined: wait as long as the root waits for them
+    Deadline td(std::max<int64_t>(d.left_ms(), id.root_timeout_ms + 10000));
+    unsigned char head[12];
+    read_all(s.fd, head, sizeof head, td, who.c_str());
+    uint32_t status = net::get_u32(head);
+    uint64_t blen = net::get_u64(head + 4);
+    if (blen > (uint64_t(1) << 34)) throw CommError("hetccl bootstrap: malformed reply from " + who);
+    std::string body(blen, '\0');
+    read_all(s.fd, body.data(), blen, td, who.c_str());
+    if (status != 0) throw CommError(body);
+    std::vector<std::string> table;
+    size_t at = 0;
+    auto u32 = [&] {
+      if (at + 4 > body.size()) throw CommError("hetccl bootstrap: malformed table from " + who);
+      uint32_t v = net::get_u32(reinterpret_cast<const unsigned char*>(body.data()) + at);
+      at += 4;
+      return v;
+    };
+    uint32_t n = u32();
+    if (int(n) != nranks) throw CommError("hetccl bootstrap: table of " + std::to_string(n) + " ranks, expected " + std::to_string(nranks));
+    for (uint32_t i = 0; i < n; ++i) {
+      uint32_t l = u32();
+      if (at + l > body.size()) throw CommError("hetccl bootstrap: malformed table from " + who);
+      table.emplace_back(body.substr(at, l));
+      at += l;
+    }
+    return table;
+  }
+}
+
+}  // namespace api
+}  // namespace hetccl

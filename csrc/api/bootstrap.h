@@ -1,0 +1,54 @@
+// hetccl C API bootstrap: the unique id, the root that gathers every rank's entry, and the one
+// exchange of the whole table.
+//
+// Contract:
+//  * make_root() opens a listener (settings: bootstrap address) and starts a detached thread that
+//    serves exactly one communicator: it accepts connections until `nranks` distinct ranks have
+//    joined (nranks comes from the first joiner; every joiner must agree), checks each joiner's
+//    secret, then sends every rank the table of all entries (rank order) and exits. A wrong
+//    secret, a rank out of range, a duplicate rank or a different nranks is answered with an
+//    error text to that joiner alone; ranks that do not all join within the init timeout get the
+//    list of missing ranks as their error. O(n) connections and messages in total.
+//  * join() connects to the root named by the id (retrying until the deadline: the root process
+//    may still be starting its listener), sends this rank's entry and returns the table, or
+//    throws CommError with the root's error text or CommTimeout.
+//  * An entry is opaque bytes to the bootstrap (comm.cc encodes key/value pairs).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../hetccl.h"
+
+namespace hetccl {
+namespace api {
+
+struct UniqueIdData {
+  std::string root;    // "host:port" of the root listener
+  std::string secret;  // 16 raw bytes: proves membership to the root and to the transports
+  int64_t root_timeout_ms = 0;  // how long the root waits for every rank: a joiner waits for
+                                // the table at least that long (plus a margin), so that the
+                                // root's verdict (which ranks are missing) reaches it
+};
+
+UniqueIdData decode_id(const hetcclUniqueId& id);  // throws CommError if it is not one of ours
+
+// Starts the root (see the contract) and returns the id that names it.
+hetcclUniqueId make_root(const std::string& bind_host, int64_t timeout_ms);
+
+std::vector<std::string> join(const UniqueIdData& id, int rank, int nranks,
+                              const std::string& entry, int64_t timeout_ms);
+
+// The local address that routes to `host` ("127.0.0.1" for a loopback host): what this rank's
+// transports listen on and advertise.
+std::string local_addr_towards(const std::string& host);
+// The bootstrap root's default address: the first up, non-loopback IPv4 interface, else 127.0.0.1.
+std::string default_root_host();
+
+// Key/value entries (length-prefixed), for the table's entries.
+std::string encode_kv(const std::vector<std::pair<std::string, std::string>>& kv);
+std::vector<std::pair<std::string, std::string>> decode_kv(const std::string& s);
+
+}  // namespace api
+}  // namespace hetccl

@@ -1,0 +1,78 @@
+// The C API's argument check: before any data of a collective moves, every rank's header goes
+// to every rank (a ring all-gather of fixed-size headers: n-1 steps, O(n) bytes per rank, peers
+// per rank constant), and every rank compares the same table, so the verdict and its text are
+// the same everywhere. A header carries the call's collective, count, dtype, op and root and,
+// when this rank already refused the call (bad root, a stream, an unsupported dtype), the text
+// of its refusal: the other ranks then fail with that text too instead of waiting for it.
+// The communicator stays usable after a mismatch: nothing of the collective was sent.
+// Trade-off: n-1 small steps per collective (HETCCL_CHECK_ARGS=0 removes them; a rank's own
+// refusal then returns at once on that rank only, and its peers wait until the timeout, as with
+// NCCL).
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "comm.h"
+#include "ring.h"
+
+namespace hetccl {
+namespace api {
+namespace {
+
+struct Header {
+  int64_t f[6];      // collective, count, dtype, op, root, refusal (0 none, 1 argument, 2 usage)
+  char error[208];   // this rank's refusal (NUL-terminated, truncated)
+};
+static_assert(sizeof(Header) == 256, "fixed-size header");
+
+const char* kFields[] = {"collective", "count", "dtype", "op", "root"};
+const char* kColl[] = {"?", "all_reduce", "broadcast", "all_gather", "reduce_scatter"};
+
+std::string value(int field, int64_t v) {
+  if (field == 0 && v >= 0 && v < 5) return kColl[v];
+  return std::to_string(v);
+}
+
+}  // namespace
+
+void check_args(Comm& c, const char* what, int64_t coll, int64_t count, int64_t dtype, int64_t op,
+                int64_t root, const std::string& refusal, bool usage) {
+  const int n = c.size, r = c.rank;
+  std::vector<Header> all(static_cast<size_t>(n));
+  Header& mine = all[size_t(r)];
+  std::memset(&mine, 0, sizeof mine);
+  int64_t f[6] = {coll, count, dtype, op, root, refusal.empty() ? 0 : usage ? 2 : 1};
+  std::memcpy(mine.f, f, sizeof f);
+  std::strncpy(mine.error, refusal.c_str(), sizeof mine.error - 1);
+  uint64_t seq = c.begin();
+  char* out = reinterpret_cast<char*>(all.data());
+  const size_t blk = sizeof(Header);
+  for (int k = 0; k < n - 1; ++k)
+    c.step(Comm::tag(seq, uint32_t(k), true),
+           {{c.next(), true, out + size_t(mod(r - k, n)) * blk, blk},
+            {c.prev(), false, out + size_t(mod(r - k - 1, n)) * blk, blk}});
+  for (int p = 0; p < n; ++p)
+    if (all[size_t(p)].f[5]) {
+      all[size_t(p)].error[sizeof all[0].error - 1] = 0;
+      std::string text = all[size_t(p)].error;
+      text += " (refused by rank " + std::to_string(p) + ")";  // the same text on every rank
+      if (all[size_t(p)].f[5] == 2) throw UsageRefusal(text);
+      throw ArgMismatch(text);
+    }
+  for (int field = 0; field < 5; ++field) {
+    if (field == 4 && all[0].f[0] != 2) continue;  // root: broadcast only
+    std::string diff;
+    int shown = 0;
+    for (int p = 1; p < n; ++p)
+      if (all[size_t(p)].f[field] != all[0].f[field] && shown < 3) {
+        diff += "; rank " + std::to_string(p) + " has " + value(field, all[size_t(p)].f[field]);
+        ++shown;
+      }
+    if (!diff.empty())
+      throw ArgMismatch(std::string("hetccl: ") + what + ": ranks disagree on " + kFields[field] +
+                        ": rank 0 has " + value(field, all[0].f[field]) + diff);
+  }
+}
+
+}  // namespace api
+}  // namespace hetccl

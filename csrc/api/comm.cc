@@ -1,0 +1,180 @@
+// hetccl C API communicator (contracts in comm.h).
+#include "comm.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "../common.h"
+#include "bootstrap.h"
+
+namespace hetccl {
+namespace api {
+namespace {
+
+// Tags (below kMaxTag = 2^48): bit 47 marks point-to-point; collectives put their sequence
+// number (18 bits, wrapping) above 16 bits of step (the check's steps have the top one set)
+// above the engine's 13 bits of chunk index.
+constexpr uint64_t kP2PTag = uint64_t(1) << 47;
+constexpr int kIndexBits = 13;
+
+std::string get(const std::vector<std::pair<std::string, std::string>>& kv, const std::string& k) {
+  for (auto& p : kv)
+    if (p.first == k) return p.second;
+  return "";
+}
+
+}  // namespace
+
+uint64_t Comm::tag(uint64_t seq, uint32_t s, bool check) {
+  uint64_t step = (check ? kMaxSteps : 0) | (s & (kMaxSteps - 1));
+  return ((seq & 0x3FFFF) << 29) | (step << kIndexBits);
+}
+
+Comm::Comm(int nranks, const hetcclUniqueId& id, int r) : rank(r), size(nranks) {
+  settings = read_settings();
+  UniqueIdData d = decode_id(id);
+  std::string bind = settings.ifname.empty() ? local_addr_towards(d.root) : iface_addr(settings.ifname);
+  Options topt{{"secret", to_hex(d.secret)},
+               {"lazy", "1"},
+               {"nconn", std::to_string(settings.tcp_nconn)},
+               {"bind_addr", bind},
+               {"threads", std::to_string(settings.reduce_threads)}};
+  // shm slots: the largest chunk the host table asks for (as the torch face), unless set
+  size_t slot = settings.shm_slot_bytes;
+  for (auto& row : settings.host_chunks) slot = settings.shm_slot_bytes ? slot : std::max<size_t>(slot, row.second);
+  topt["slot_bytes"] = std::to_string(slot);
+  topt["nslots"] = std::to_string(settings.shm_nslots);
+  tcp_ = std::shared_ptr<Transport>(make_transport("tcp", rank, size, topt));
+  if (settings.shm && size > 1) shm_ = std::shared_ptr<Transport>(make_transport("shm", rank, size, topt));
+  char hn[256] = {0};
+  gethostname(hn, sizeof hn - 1);
+  std::vector<std::pair<std::string, std::string>> mine{
+      {"host_id", host_id()}, {"hostname", hn}, {"pid", std::to_string(getpid())},
+      {"vendor", settings.vendor}, {"tcp", tcp_->address()}};
+  if (shm_) mine.emplace_back("shm", shm_->address());
+  std::vector<std::string> table = join(d, rank, size, encode_kv(mine), settings.timeout_ms);
+  std::vector<std::vector<std::pair<std::string, std::string>>> rows;
+  for (auto& e : table) rows.push_back(decode_kv(e));
+  peers.resize(size);
+  for (int p = 0; p < size; ++p) {
+    peers[p].host_id = get(rows[p], "host_id");
+    peers[p].hostname = get(rows[p], "hostname");
+    peers[p].vendor = get(rows[p], "vendor");
+    peers[p].pid = std::atoll(get(rows[p], "pid").c_str());
+  }
+  // Which transport reaches each peer: the same verdict on both ends of a pair (neighbourhood
+  // and host identity are symmetric, and every rank has both tables).
+  std::vector<std::string> tcp_addr(size), shm_addr(size);
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    bool neighbour = p == next() || p == prev();
+    std::string sa = get(rows[p], "shm");
+    if (shm_ && neighbour && peers[p].host_id == peers[rank].host_id && !sa.empty()) {
+      shm_addr[p] = sa;
+      links_[p] = shm_;
+    } else {
+      tcp_addr[p] = get(rows[p], "tcp");
+      links_[p] = tcp_;
+    }
+  }
+  if (shm_) shm_->connect(shm_addr, settings.timeout_ms);
+  tcp_->connect(tcp_addr, settings.timeout_ms);  // lazy: records the addresses only
+  bool any_shm = false;
+  for (auto& kv : links_) any_shm |= kv.second == shm_;
+  if (shm_ && !any_shm) {
+    shm_->close();
+    shm_.reset();
+  }
+  EngineOptions eo;
+  eo.rank = rank;
+  eo.threads = settings.reduce_threads;
+  eo.groups = {{}};
+  for (int p = 0; p < size; ++p) eo.groups[0].push_back(p);
+  eo.group_of.assign(size, 0);
+  eo.host_chunks = settings.host_chunks;
+  eo.msg_chunks = settings.msg_chunks;
+  eo.device_chunks = settings.msg_chunks;  // no device plans in this revision
+  eo.abort_on_device_failure = false;
+  engine_ = std::make_unique<Engine>(links_, eo);
+}
+
+Comm::~Comm() { abort(); }
+
+void Comm::abort() {
+  if (closed_) return;
+  closed_ = true;
+  if (engine_) engine_->close();
+  if (shm_) shm_->close();
+  if (tcp_) tcp_->close();
+  engine_.reset();
+  links_.clear();
+}
+
+Transport& Comm::link(int peer) {
+  auto it = links_.find(peer);
+  if (it == links_.end())
+    throw CommError("hetccl: rank " + std::to_string(peer) + " is not a peer of rank " +
+                    std::to_string(rank) + " in a communicator of " + std::to_string(size));
+  return *it->second;
+}
+
+uint64_t Comm::post(uint64_t tag_base, const std::vector<Item>& items, bool reduce, ReduceOp op,
+                    DType dtype) {
+  PlanSpec s;
+  for (auto& it : items)
+    if (it.nbytes) s.items.push_back(PlanItem{it.peer, it.send, reinterpret_cast<uintptr_t>(it.ptr), it.nbytes});
+  if (s.items.empty()) return 0;
+  s.tag_base = tag_base;
+  s.index_bits = kIndexBits;
+  s.reduce = reduce;
+  s.op = op == ReduceOp::AVG ? ReduceOp::SUM : op;
+  s.dtype = dtype;
+  s.timeout_ms = settings.timeout_ms;
+  s.what = "collective #" + std::to_string(seq_);
+  return engine_->post(s, false);
+}
+
+void Comm::wait(uint64_t plan) {
+  if (plan) engine_->wait(plan);
+}
+
+void Comm::step(uint64_t tag_base, const std::vector<Item>& items, bool reduce, ReduceOp op,
+                DType dtype) {
+  wait(post(tag_base, items, reduce, op, dtype));
+}
+
+RequestPtr Comm::post_send(int peer, const void* buf, size_t nbytes) {
+  return link(peer).isend(peer, buf, nbytes, kP2PTag);
+}
+
+RequestPtr Comm::post_recv(int peer, void* buf, size_t nbytes) {
+  return link(peer).irecv(peer, buf, nbytes, kP2PTag);
+}
+
+void Comm::mark_broken(hetcclResult_t code, const std::string& text) {
+  if (broken_code_ != hetcclSuccess) return;
+  broken_code_ = code;
+  broken_text_ = text;
+  // Fail what the transports still hold so that peers waiting on this rank learn it now.
+  if (engine_) engine_->close();
+}
+
+std::string Comm::info() {
+  std::ostringstream o;
+  int n_shm = 0, n_tcp = 0;
+  for (auto& kv : links_) (kv.second == shm_ ? n_shm : n_tcp)++;
+  o << "rank=" << rank << " size=" << size << " links_shm=" << n_shm << " links_tcp=" << n_tcp
+    << " vendor=" << (settings.vendor.empty() ? "-" : settings.vendor);
+  if (tcp_)
+    for (auto& kv : tcp_->info()) o << " tcp_" << kv.first << "=" << kv.second;
+  if (shm_)
+    for (auto& kv : shm_->info()) o << " shm_" << kv.first << "=" << kv.second;
+  if (engine_)
+    for (auto& kv : engine_->stats()) o << " engine_" << kv.first << "=" << kv.second;
+  return o.str();
+}
+
+}  // namespace api
+}  // namespace hetccl

@@ -1,0 +1,129 @@
+// hetccl C API: the communicator behind hetcclComm_t, its settings, and the collectives'
+// entry points (one file per (collective, algorithm): coll_*.cc).
+//
+// Data goes straight down: c_api.cc (validates arguments, maps exceptions to result codes) ->
+// the collective's file (which bytes go to which peer, step by step) -> Comm::step (one engine
+// plan: engine.h) -> the transports (transport.h). No file here includes a transport's file.
+//
+// Links (comm.cc): a rank's ring neighbours on its own host are reached through shared memory,
+// every other peer through tcp in lazy mode (connections dialled on the first message), so
+// connections and shared memory per rank stay constant however many ranks the job has; a peer
+// that is never addressed costs nothing but its row of the table.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../engine.h"
+#include "../hetccl.h"
+#include "../transport.h"
+
+namespace hetccl {
+namespace api {
+
+// Settings of the C faces: the one place they read the environment (settings.cc). The names
+// are those of hetccl/config.py, which documents them all (tests/test_capi.py checks it).
+struct Settings {
+  int64_t timeout_ms = 300000;  // HETCCL_TIMEOUT_S: init and every operation
+  int tcp_nconn = 4;            // HETCCL_TCP_NCONN
+  std::string ifname;           // HETCCL_SOCKET_IFNAME: interface to listen on (root and tcp)
+  size_t shm_slot_bytes = 0;    // HETCCL_SHM_SLOT_BYTES (0: the transport's default)
+  int shm_nslots = 8;           // HETCCL_SHM_NSLOTS
+  int reduce_threads = 0;       // HETCCL_REDUCE_THREADS
+  bool check_args = true;       // HETCCL_CHECK_ARGS (off / on; async counts as on here)
+  bool shm = true;              // HETCCL_CAPI_SHM: ring neighbours on one host through shm
+  std::string vendor;           // HETCCL_VENDOR (the label of this rank's vendor group)
+  // engine chunk tables: hetccl/tuning.py's HOST and MESSAGE rows (tests/test_capi.py checks
+  // they are equal)
+  EngineOptions::Table host_chunks, msg_chunks;
+};
+Settings read_settings();
+// The IPv4 address of interface `ifname`; throws CommError naming it if it has none.
+std::string iface_addr(const std::string& ifname);
+
+struct PeerInfo {
+  std::string host_id, hostname, vendor;
+  int64_t pid = 0;
+};
+
+class Comm {
+ public:
+  Comm(int nranks, const hetcclUniqueId& id, int rank);
+  ~Comm();
+
+  const int rank, size;
+  Settings settings;
+  std::vector<PeerInfo> peers;  // every rank's row of the table (this one included)
+
+  int next() const { return (rank + 1) % size; }
+  int prev() const { return (rank + size - 1) % size; }
+
+  // One step of an algorithm: sends and receives with the peers listed (each item's bytes move
+  // whole; the engine cuts them into chunks). reduce: receives reduce into their buffers with
+  // op/dtype instead of copying. Blocks until done; throws the engine's error.
+  struct Item {
+    int peer;
+    bool send;
+    void* ptr;
+    size_t nbytes;
+  };
+  void step(uint64_t tag_base, const std::vector<Item>& items, bool reduce = false,
+            ReduceOp op = ReduceOp::SUM, DType dtype = DType::UINT8);
+  // The two halves of step, for algorithms whose sends and receives of one step carry
+  // different tags (broadcast_chain): post returns 0 when no item has bytes.
+  uint64_t post(uint64_t tag_base, const std::vector<Item>& items, bool reduce = false,
+                ReduceOp op = ReduceOp::SUM, DType dtype = DType::UINT8);
+  void wait(uint64_t plan);
+  // A new collective: its sequence number (the high bits of every tag it uses).
+  uint64_t begin() { return ++seq_; }
+  // tag of step `s` of collective `seq`; the check's steps have their own range.
+  static uint64_t tag(uint64_t seq, uint32_t s, bool check = false);
+  static constexpr uint32_t kMaxSteps = 1u << 15;
+
+  // Point to point (the transport's tagged path, tag space of its own: FIFO per pair).
+  RequestPtr post_send(int peer, const void* buf, size_t nbytes);
+  RequestPtr post_recv(int peer, void* buf, size_t nbytes);
+
+  // Failure state: after a non-argument error every call fails at once with it.
+  void mark_broken(hetcclResult_t code, const std::string& text);
+  hetcclResult_t broken_code() const { return broken_code_; }
+  const std::string& broken_text() const { return broken_text_; }
+  std::string last_error;
+
+  std::string info();
+  void abort();
+
+ private:
+  Transport& link(int peer);
+  std::shared_ptr<Transport> tcp_, shm_;
+  std::map<int, std::shared_ptr<Transport>> links_;
+  std::unique_ptr<Engine> engine_;
+  uint64_t seq_ = 0;
+  hetcclResult_t broken_code_ = hetcclSuccess;
+  std::string broken_text_;
+  bool closed_ = false;
+};
+
+// The collectives (coll_*.cc). Arguments are validated by c_api.cc; counts in elements.
+void all_reduce_ring(Comm& c, const void* send, void* recv, size_t count, DType dt, size_t esize,
+                     ReduceOp op);
+void reduce_scatter_ring(Comm& c, const void* send, void* recv, size_t recvcount, DType dt,
+                         size_t esize, ReduceOp op);
+void all_gather_ring(Comm& c, const void* send, void* recv, size_t sendcount, size_t esize);
+void broadcast_chain(Comm& c, const void* send, void* recv, size_t nbytes, int root);
+// The argument check (check.cc): every rank's header (collective, count, dtype, op, root) to
+// every rank through a ring all-gather; throws ArgMismatch with the same text on every rank.
+// A refusal of the call's usage (hetcclInvalidUsage) rather than of an argument's value.
+struct UsageRefusal : ArgMismatch {
+  using ArgMismatch::ArgMismatch;
+};
+// refusal: this rank's own verdict on its arguments ("" when fine), shared with every rank;
+// usage: it is a usage refusal (UsageRefusal on every rank).
+void check_args(Comm& c, const char* what, int64_t coll, int64_t count, int64_t dtype,
+                int64_t op, int64_t root, const std::string& refusal, bool usage);
+
+}  // namespace api
+}  // namespace hetccl

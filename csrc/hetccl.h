@@ -1,0 +1,135 @@
+/* hetccl C API: the product's core, for faces without torch (the harnesses, and next the
+ * drop-in NCCL/RCCL library of issue 25). Shaped after NCCL's API so that mapping NCCL's ABI onto
+ * it is one to one: the same enum values (hetcclResult_t, hetcclDataType_t, hetcclRedOp_t), the
+ * same argument order, a 128-byte unique id that one rank creates and every rank receives out of
+ * band.
+ *
+ * What this revision does (docs/capi.md says the same, with the trade-offs):
+ *  - Bootstrap of its own (csrc/api/bootstrap.cc): hetcclGetUniqueId opens a root listener in the
+ *    calling process; every rank's hetcclCommInitRank sends its entry (host identity, vendor label,
+ *    transport addresses) to the root, which returns the whole table to every rank once: O(n)
+ *    connections and messages in total, no all-pairs handshake. Works between hosts.
+ *  - Connections only for the peers the algorithms use (rings): the ring neighbours on the same
+ *    host over shared memory, every other peer over tcp dialled on first use (lazy). Sockets and
+ *    shared memory per rank do not grow with the number of ranks for the collectives.
+ *  - Collectives on HOST memory (stream must be NULL): all_reduce, reduce_scatter, all_gather,
+ *    broadcast (rings on the engine's plans, csrc/api/coll_*.cc), send/recv, group start/end for
+ *    send/recv. Device memory is refused with hetcclInvalidUsage (the torch face carries device
+ *    data today; the C API's device path comes with the schedule's move to C++).
+ *  - Argument check (on by default, HETCCL_CHECK_ARGS=0 turns it off): the ranks all-gather a
+ *    header (collective, count, dtype, op, root) before any data moves; a difference returns
+ *    hetcclInvalidArgument on every rank with the same text (hetcclGetLastError), and the
+ *    communicator stays usable.
+ *  - Failure: a dead peer or a timeout returns hetcclRemoteError / hetcclSystemError with the
+ *    text in hetcclGetLastError; the communicator is then broken (later calls fail at once,
+ *    hetcclCommGetAsyncError reports it). hetcclCommAbort frees it without waiting.
+ * All calls are blocking on the calling thread in this revision (host memory, no stream). One
+ * communicator must not be used by two threads at once (as NCCL).
+ */
+#ifndef HETCCL_H_
+#define HETCCL_H_
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+#pragma GCC visibility push(default)
+
+#define HETCCL_MAJOR 0
+#define HETCCL_MINOR 1
+#define HETCCL_PATCH 0
+#define HETCCL_VERSION_CODE (HETCCL_MAJOR * 10000 + HETCCL_MINOR * 100 + HETCCL_PATCH)
+
+#define HETCCL_UNIQUE_ID_BYTES 128
+typedef struct {
+  char internal[HETCCL_UNIQUE_ID_BYTES];
+} hetcclUniqueId;
+
+typedef struct hetcclComm* hetcclComm_t;
+
+/* NCCL's values (nccl.h), so that the drop-in passes them through unchanged. */
+typedef enum {
+  hetcclSuccess = 0,
+  hetcclUnhandledCudaError = 1,
+  hetcclSystemError = 2,
+  hetcclInternalError = 3,
+  hetcclInvalidArgument = 4,
+  hetcclInvalidUsage = 5,
+  hetcclRemoteError = 6,
+  hetcclInProgress = 7
+} hetcclResult_t;
+
+typedef enum {
+  hetcclInt8 = 0, hetcclChar = 0,
+  hetcclUint8 = 1,
+  hetcclInt32 = 2, hetcclInt = 2,
+  hetcclUint32 = 3,
+  hetcclInt64 = 4,
+  hetcclUint64 = 5,
+  hetcclFloat16 = 6, hetcclHalf = 6,
+  hetcclFloat32 = 7, hetcclFloat = 7,
+  hetcclFloat64 = 8, hetcclDouble = 8,
+  hetcclBfloat16 = 9
+} hetcclDataType_t;
+
+typedef enum {
+  hetcclSum = 0,
+  hetcclProd = 1,
+  hetcclMax = 2,
+  hetcclMin = 3,
+  hetcclAvg = 4
+} hetcclRedOp_t;
+
+/* Version and errors. */
+hetcclResult_t hetcclGetVersion(int* version);
+const char* hetcclGetErrorString(hetcclResult_t result);
+/* The text of the last error on this thread or, with a communicator, of that communicator's
+ * last error ("" when none). The pointer stays valid until the next call on the same thread. */
+const char* hetcclGetLastError(hetcclComm_t comm);
+
+/* Communicators. */
+hetcclResult_t hetcclGetUniqueId(hetcclUniqueId* uniqueId);
+hetcclResult_t hetcclCommInitRank(hetcclComm_t* comm, int nranks, hetcclUniqueId commId, int rank);
+hetcclResult_t hetcclCommDestroy(hetcclComm_t comm);
+hetcclResult_t hetcclCommAbort(hetcclComm_t comm);
+hetcclResult_t hetcclCommCount(const hetcclComm_t comm, int* count);
+hetcclResult_t hetcclCommUserRank(const hetcclComm_t comm, int* rank);
+/* hetcclSuccess while healthy; else the error that broke the communicator. */
+hetcclResult_t hetcclCommGetAsyncError(hetcclComm_t comm, hetcclResult_t* asyncError);
+/* One line "key=value key=value ..." about the communicator (transports per peer, sockets held,
+ * shared-memory bytes, engine counters), for harnesses and `hetccl doctor`. Writes at most len
+ * bytes including the terminating NUL; returns hetcclInvalidArgument if it did not fit. */
+hetcclResult_t hetcclCommInfo(hetcclComm_t comm, char* buf, size_t len);
+
+/* Collectives. stream must be NULL (host memory) in this revision. In place: sendbuff ==
+ * recvbuff (all_reduce, broadcast), sendbuff == recvbuff + rank * count (all_gather),
+ * recvbuff == sendbuff + rank * recvcount (reduce_scatter), as NCCL. */
+hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                               hetcclDataType_t datatype, hetcclRedOp_t op, hetcclComm_t comm,
+                               void* stream);
+hetcclResult_t hetcclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
+                               hetcclDataType_t datatype, int root, hetcclComm_t comm, void* stream);
+hetcclResult_t hetcclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                               hetcclDataType_t datatype, hetcclComm_t comm, void* stream);
+hetcclResult_t hetcclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
+                                   hetcclDataType_t datatype, hetcclRedOp_t op, hetcclComm_t comm,
+                                   void* stream);
+
+/* Point to point: messages between a pair match in the order they were posted (as NCCL). Outside
+ * a group, each call returns once its data has left (send) or arrived (recv); inside
+ * hetcclGroupStart/End the calls only post, and hetcclGroupEnd waits for all of them, so a pair
+ * can exchange in both directions. */
+hetcclResult_t hetcclSend(const void* sendbuff, size_t count, hetcclDataType_t datatype, int peer,
+                          hetcclComm_t comm, void* stream);
+hetcclResult_t hetcclRecv(void* recvbuff, size_t count, hetcclDataType_t datatype, int peer,
+                          hetcclComm_t comm, void* stream);
+hetcclResult_t hetcclGroupStart(void);
+hetcclResult_t hetcclGroupEnd(void);
+
+#pragma GCC visibility pop
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif  /* HETCCL_H_ */

@@ -1,0 +1,338 @@
+"""One rank of a C API job (tests/test_capi.py, `hetccl bench scale`): no torch, no hetccl
+package import -- hetccl/capi.py is loaded by path. argv: a JSON file of
+{"uid": hex, "rank", "n", "mode": "cases" | "death" | "scale", "out": result path, ...};
+writes {case: "ok" | what went wrong} (cases), or the mode's figures, as JSON to "out".
+
+References: every rank regenerates every rank's input from (case, rank) seeds and computes the
+expected result in float64 (floats) or in the dtype's own wrapping arithmetic (integers).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def load_capi():
+    spec = importlib.util.find_spec("hetccl")  # a top-level find: hetccl/__init__ does not run
+    # an editable install lists the build's directory beside the source's
+    path = next(p for p in (os.path.join(d, "capi.py") for d in spec.submodule_search_locations)
+                if os.path.exists(p))
+    s = importlib.util.spec_from_file_location("hetccl_capi", path)
+    m = importlib.util.module_from_spec(s)
+    s.loader.exec_module(m)
+    return m
+
+
+capi = load_capi()
+
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+INTS = ["int8", "uint8", "int32", "uint32", "int64", "uint64"]
+NP = {"int8": np.int8, "uint8": np.uint8, "int32": np.int32, "uint32": np.uint32,
+      "int64": np.int64, "uint64": np.uint64, "float16": np.float16, "float32": np.float32,
+      "float64": np.float64, "bfloat16": np.uint16}  # bf16 travels as its 16 bits
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    b = x.astype(np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+
+
+def from_bf16(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def as_f64(a: np.ndarray, dt: str) -> np.ndarray:
+    return from_bf16(a).astype(np.float64) if dt == "bfloat16" else a.astype(np.float64)
+
+
+def data(case: int, rank: int, count: int, dt: str, op: str) -> np.ndarray:
+    g = np.random.default_rng(case * 1009 + rank)
+    if dt in FLOATS:
+        x = g.uniform(0.5, 1.5, count) if op == "prod" else g.uniform(-2, 2, count)
+        return to_bf16(x) if dt == "bfloat16" else x.astype(NP[dt])
+    lo = 0 if dt.startswith("u") else -100
+    return g.integers(lo, 100, count).astype(NP[dt])
+
+
+def reduce_ref(ins: list[np.ndarray], dt: str, op: str):
+    """float64 reference (floats) or the exact wrapped result (integers)."""
+    n = len(ins)
+    if dt in FLOATS:
+        xs = [as_f64(a, dt) for a in ins]
+        f = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum,
+             "min": np.minimum}[op]
+        acc = xs[0].copy()
+        for x in xs[1:]:
+            acc = f(acc, x)
+        return acc / n if op == "avg" else acc
+    with np.errstate(over="ignore"):
+        f = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum,
+             "min": np.minimum}[op]
+        acc = ins[0].copy()
+        for x in ins[1:]:
+            acc = f(acc, x).astype(ins[0].dtype)
+        if op == "avg":
+            acc = np.trunc(acc.astype(np.float64) / n).astype(ins[0].dtype)
+        return acc
+
+
+def close(got: np.ndarray, ref, dt: str, n: int) -> str | None:
+    if got.size == 0 and np.size(ref) == 0:
+        return None
+    if dt in INTS:
+        bad = np.flatnonzero(got != ref)
+        return None if bad.size == 0 else f"{bad.size} wrong, first at {bad[0]}: {got[bad[0]]} != {ref[bad[0]]}"
+    g = as_f64(got, dt)
+    tol = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}[dt] * max(2, n)
+    err = np.abs(g - ref) / np.maximum(1.0, np.abs(ref))
+    bad = np.flatnonzero(~(err <= tol))
+    return None if bad.size == 0 else f"{bad.size} wrong, first at {bad[0]}: {g[bad[0]]} vs {ref[bad[0]]}"
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha256(a.tobytes()).hexdigest()[:16]
+
+
+class Cases:
+    def __init__(self, comm, rank: int, n: int):
+        self.c, self.rank, self.n = comm, rank, n
+        self.out: dict[str, str] = {}
+        self.digests: dict[str, str] = {}
+        self.case = 0
+
+    def run(self, name, fn, *a):
+        self.case += 1
+        try:
+            r = fn(self.case, *a)
+            self.out[name] = "ok" if r is None else r
+        except Exception as e:  # noqa: BLE001
+            self.out[name] = f"{type(e).__name__}: {e}"
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, case, dt, op, count, inplace):
+        ins = [data(case, r, count, dt, op) for r in range(self.n)]
+        send = ins[self.rank].copy()
+        recv = send if inplace else np.full(count, 7, dtype=NP[dt])
+        self.c.all_reduce(send, recv, count, dt, op)
+        if not inplace and not np.array_equal(send, ins[self.rank]):
+            return "sendbuff was modified"
+        self.digests[f"ar/{case}"] = digest(recv)
+        return close(recv, reduce_ref(ins, dt, op), dt, self.n)
+
+    def reduce_scatter(self, case, dt, op, count, inplace):
+        n = self.n
+        ins = [data(case, r, count * n, dt, op) for r in range(n)]
+        send = ins[self.rank].copy()
+        if inplace:
+            recv = send[self.rank * count:(self.rank + 1) * count]
+        else:
+            recv = np.full(count, 7, dtype=NP[dt])
+        self.c.reduce_scatter(send, recv, count, dt, op)
+        if not inplace and not np.array_equal(send, ins[self.rank]):
+            return "sendbuff was modified"
+        ref = reduce_ref(ins, dt, op)[self.rank * count:(self.rank + 1) * count]
+        return close(np.array(recv), ref, dt, n)
+
+    def all_gather(self, case, dt, count, inplace):
+        n = self.n
+        ins = [data(case, r, count, dt, "sum") for r in range(n)]
+        recv = np.full(count * n, 7, dtype=NP[dt])
+        if inplace:
+            recv[self.rank * count:(self.rank + 1) * count] = ins[self.rank]
+            send = recv[self.rank * count:(self.rank + 1) * count]
+        else:
+            send = ins[self.rank].copy()
+        self.c.all_gather(send, recv, count, dt)
+        want = np.concatenate(ins) if count else recv
+        return None if np.array_equal(recv, want) else "all_gather output differs from the inputs"
+
+    def broadcast(self, case, dt, count, root, inplace):
+        x = data(case, root, count, dt, "sum")
+        recv = x.copy() if (inplace and self.rank == root) else np.full(count, 7, dtype=NP[dt])
+        send = recv if inplace else (x.copy() if self.rank == root else None)
+        self.c.broadcast(send, recv, count, dt, root)
+        return None if np.array_equal(recv, x) else f"broadcast from {root}: output differs"
+
+    # ------------------------------------------------------------------ point to point
+    def p2p_ring(self, case, count):
+        n, r = self.n, self.rank
+        if n == 1:
+            return None
+        mine = data(case, r, count, "float32", "sum")
+        got = np.zeros(count, np.float32)
+        capi.group_start()
+        self.c.send(mine, count, "float32", (r + 1) % n)
+        self.c.recv(got, count, "float32", (r - 1) % n)
+        capi.group_end()
+        want = data(case, (r - 1) % n, count, "float32", "sum")
+        return None if np.array_equal(got, want) else "ring exchange: wrong data"
+
+    def p2p_far(self, case, count):
+        """rank 0 and rank n//2 (not ring neighbours for n >= 4: over tcp, dialled on first
+        use), several messages in order."""
+        n, r = self.n, self.rank
+        far = n // 2
+        if n < 2 or r not in (0, far):
+            return None
+        peer = far if r == 0 else 0
+        for k in range(3):
+            x = data(case * 10 + k, 0, count, "int32", "sum")
+            if r == 0:
+                self.c.send(x, count, "int32", peer)
+            else:
+                got = np.zeros(count, np.int32)
+                self.c.recv(got, count, "int32", peer)
+                if not np.array_equal(got, x):
+                    return f"message {k} differs (order or data)"
+        return None
+
+    def p2p_size_mismatch(self, case):
+        n, r = self.n, self.rank
+        if n == 1 or r > 1:
+            return None
+        if r == 0:
+            self.c.send(np.ones(4, np.float32), 4, "float32", 1)
+            return None
+        try:
+            self.c.recv(np.zeros(8, np.float32), 8, "float32", 0)
+        except capi.HetcclError as e:
+            if e.code == capi.INVALID_ARGUMENT and "16 bytes" in e.text:
+                return None
+            return f"wrong error: {e}"
+        return "no error for a receive larger than the message"
+
+    # ------------------------------------------------------------------ bad input
+    def expect_all(self, case, fn, code, *words):
+        try:
+            fn()
+        except capi.HetcclError as e:
+            missing = [w for w in words if w not in e.text]
+            if e.code != code or missing:
+                return f"code {e.code} (expected {code}), text lacks {missing}: {e.text}"
+            self.digests[f"err/{case}"] = hashlib.sha256(e.text.encode()).hexdigest()[:16]
+            return None
+        return "no error raised"
+
+    def usable_after(self, case):
+        x = np.full(5, float(self.rank + 1), np.float32)
+        self.c.all_reduce(x, x, 5, "float32", "sum")
+        want = self.n * (self.n + 1) / 2
+        return None if np.all(x == want) else f"after errors: {x.tolist()} != {want}"
+
+
+def run_cases(comm, rank, n):
+    c = Cases(comm, rank, n)
+    for dt in FLOATS + INTS:
+        ops = ["sum", "prod", "max", "min", "avg"]
+        if dt in ("uint32", "uint64"):
+            ops = ["sum", "prod"]
+        for op in ops:
+            for count in (0, 1, 1031):
+                c.run(f"all_reduce/{dt}/{op}/{count}", c.all_reduce, dt, op, count, False)
+        c.run(f"all_reduce/{dt}/sum/inplace", c.all_reduce, dt, "sum", 333, True)
+        for op in ("sum", "max", "avg") if dt not in ("uint32", "uint64") else ("sum",):
+            for count in (0, 3, 517):
+                c.run(f"reduce_scatter/{dt}/{op}/{count}", c.reduce_scatter, dt, op, count, False)
+        c.run(f"reduce_scatter/{dt}/sum/inplace", c.reduce_scatter, dt, "sum", 129, True)
+        for count in (0, 1, 1031):
+            c.run(f"all_gather/{dt}/{count}", c.all_gather, dt, count, False)
+        c.run(f"all_gather/{dt}/inplace", c.all_gather, dt, 77, True)
+        for root in range(n):
+            c.run(f"broadcast/{dt}/root{root}", c.broadcast, dt, 1031, root, False)
+    # large: several engine chunks per step and several broadcast segments
+    for dt in ("float32", "bfloat16"):
+        c.run(f"all_reduce/{dt}/sum/large", c.all_reduce, dt, "sum", 300_000, False)
+    c.run("reduce_scatter/float32/sum/large", c.reduce_scatter, "float32", "sum", 150_000, False)
+    c.run("all_gather/float32/large", c.all_gather, "float32", 150_000, False)
+    c.run("broadcast/float32/large", c.broadcast, "float32", 400_000, n - 1, True)
+    c.run("p2p/ring", c.p2p_ring, 1000)
+    c.run("p2p/ring_large", c.p2p_ring, 300_000)
+    c.run("p2p/far", c.p2p_far, 2000)
+    c.run("p2p/size_mismatch", c.p2p_size_mismatch)
+    # bad input: every rank returns the error, the communicator stays usable
+    x = np.ones(16, np.float32)
+    if n > 1:
+        c.run("error/count", c.expect_all,
+              lambda: comm.all_reduce(x, x, 11 if rank == 0 else 10, "float32", "sum"),
+              capi.INVALID_ARGUMENT, "count", "rank 0 has 11")
+        c.run("error/dtype", c.expect_all,
+              lambda: comm.all_reduce(x, x, 4, "float32" if rank else "int32", "sum"),
+              capi.INVALID_ARGUMENT, "dtype")
+        c.run("error/op", c.expect_all,
+              lambda: comm.all_reduce(x, x, 4, "float32", "max" if rank else "sum"),
+              capi.INVALID_ARGUMENT, "op")
+        c.run("error/root_one_rank", c.expect_all,
+              lambda: comm.broadcast(x, x, 4, "float32", n + 3 if rank == n - 1 else 0),
+              capi.INVALID_ARGUMENT, "root", str(n + 3))
+        c.run("error/stream_one_rank", c.expect_all,
+              lambda: comm.all_gather(x, np.zeros(16 * n, np.float32), 4, "float32",
+                                      stream=1 if rank == 1 else None),
+              capi.INVALID_USAGE, "stream")
+    c.run("error/unsigned_max", c.expect_all,
+          lambda: comm.all_reduce(x, x, 2, "uint32", "max"), capi.INVALID_ARGUMENT, "uint32")
+    c.run("error/unknown_dtype", c.expect_all,
+          lambda: comm.all_reduce(x, x, 2, 42, "sum"), capi.INVALID_ARGUMENT, "datatype 42")
+    c.run("error/usable_after", c.usable_after)
+    if comm.async_error() != 0:
+        c.out["async_error"] = f"async error {comm.async_error()} after argument errors"
+    return {"cases": c.out, "digests": c.digests, "info": comm.info()}
+
+
+def run_death(comm, rank, n, args):
+    """all_reduces until the victim (the last rank) exits mid-way; survivors report the error."""
+    victim = n - 1
+    x = np.ones(1 << 20, np.float32)
+    t0 = time.time()
+    err = None
+    i = 0
+    while time.time() - t0 < 60:
+        if rank == victim and i == args.get("kill_at", 3):
+            os._exit(17)
+        try:
+            comm.all_reduce(x, x, x.size, "float32", "max")
+        except capi.HetcclError as e:
+            err = e
+            break
+        i += 1
+    t_err = time.time()
+    out = {"ops": i, "code": err.code if err else None, "text": err.text if err else None,
+           "async": comm.async_error(), "t_err": t_err}
+    try:
+        t1 = time.time()
+        comm.all_reduce(x, x, 4, "float32", "sum")
+        out["again"] = "second op succeeded"
+    except capi.HetcclError as e:
+        out["again"] = e.text
+        out["again_code"] = e.code
+        out["again_s"] = time.time() - t1
+    comm.abort()
+    return out
+
+
+def main():
+    args = json.load(open(sys.argv[1]))
+    rank, n = args["rank"], args["n"]
+    t0 = time.time()
+    comm = capi.Comm(n, bytes.fromhex(args["uid"]), rank)
+    init_s = time.time() - t0
+    if args["mode"] == "cases":
+        res = run_cases(comm, rank, n)
+        comm.destroy()
+    elif args["mode"] == "death":
+        res = run_death(comm, rank, n, args)
+    else:
+        raise SystemExit(f"unknown mode {args['mode']}")
+    res["init_s"] = init_s
+    with open(args["out"] + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.replace(args["out"] + ".tmp", args["out"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The C API (csrc/hetccl.h, libhetccl.so) through ctypes, ranks as processes without torch
+(tests/capi_worker.py): every collective and dtype against float64 / exact references, in
+place and out of place, zero-size, point to point, argument errors on every rank, a killed peer;
+its settings and tables against hetccl/config.py and hetccl/tuning.py."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetccl import capi
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SPLITS = {"1": ["a"], "1+1": ["a", "b"], "2+1": ["a", "a", "b"], "1+1+1": ["a", "b", "c"],
+          "2+2": ["a", "a", "b", "b"]}
+
+
+def launch(tmp_path, split: str, mode: str, env=None, timeout=240, **extra):
+    labels = SPLITS[split]
+    n = len(labels)
+    uid = capi.unique_id().hex()
+    procs, outs = [], []
+    for r, lab in enumerate(labels):
+        out = str(tmp_path / f"{mode}-r{r}.json")
+        cfg = str(tmp_path / f"{mode}-r{r}.cfg")
+        with open(cfg, "w") as f:
+            json.dump({"uid": uid, "rank": r, "n": n, "mode": mode, "out": out, **extra}, f)
+        e = {**os.environ, "HETCCL_VENDOR": lab, **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "capi_worker.py"), cfg],
+                                      env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outs.append(out)
+    end = time.monotonic() + timeout
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=max(1, end - time.monotonic()))[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{split} {mode}: ranks did not finish within {timeout} s")
+    res = {}
+    for r, o in enumerate(outs):
+        if os.path.exists(o):
+            res[r] = json.load(open(o))
+    return res, procs, logs
+
+
+@pytest.mark.parametrize("split", ["1", "1+1", "2+1", "1+1+1", "2+2"])
+def test_collectives_against_references(tmp_path, split):
+    res, procs, logs = launch(tmp_path, split, "cases")
+    n = len(SPLITS[split])
+    assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    cases = res[0]["cases"]
+    assert len(cases) > 200, len(cases)
+    bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
+    # every rank has the same bits of every all_reduce, and the same text of every error
+    for key in res[0]["digests"]:
+        vals = {r: res[r]["digests"].get(key) for r in res}
+        assert len(set(vals.values())) == 1, (key, vals)
+
+
+def test_links_stay_constant_per_rank(tmp_path):
+    """Four ranks on one host: each holds shared memory only to its two ring neighbours, and
+    tcp only to the peers it exchanged messages with (p2p/far: rank 0 and rank 2)."""
+    res, _, logs = launch(tmp_path, "2+2", "cases")
+    for r, d in res.items():
+        info = d["info"]
+        assert info["links_shm"] == "2" and info["links_tcp"] == "1", (r, info)
+
+
+def test_killed_peer_is_a_clear_error(tmp_path):
+    res, procs, logs = launch(tmp_path, "2+1", "death", env={"HETCCL_TIMEOUT_S": "20"},
+                              timeout=120, kill_at=3)
+    assert procs[2].returncode == 17
+    for r in (0, 1):
+        d = res.get(r)
+        assert d is not None, "\n".join(logs)[-3000:]
+        assert d["code"] == capi.REMOTE_ERROR, d
+        assert re.search(r"rank \d", d["text"]), d["text"]
+        assert d["async"] == capi.REMOTE_ERROR, d
+        assert d["again_code"] == capi.REMOTE_ERROR and "unusable after an earlier failure" in d["again"], d
+        assert d["again_s"] < 1, d
+
+
+def test_bootstrap_refuses_a_duplicate_rank(tmp_path, monkeypatch):
+    """Two processes given rank 0: the second gets a clear error from the root; the other
+    waits for the root's verdict, which names the ranks that never joined."""
+    monkeypatch.setenv("HETCCL_TIMEOUT_S", "4")  # the root's (this process's) wait
+    uid = capi.unique_id()
+    code = ("import sys, importlib.util as u; s=u.spec_from_file_location('c', sys.argv[1]); "
+            "m=u.module_from_spec(s); s.loader.exec_module(m)\n"
+            "try:\n    m.Comm(3, bytes.fromhex(sys.argv[2]), 0)\nexcept m.HetcclError as e:\n"
+            "    print('ERR', e.code, e.text)\n")
+    path = os.path.join(ROOT, "hetccl", "capi.py")
+    env = {**os.environ, "HETCCL_TIMEOUT_S": "4"}
+    ps = [subprocess.Popen([sys.executable, "-c", code, path, uid.hex()], env=env,
+                           stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=60)[0] for p in ps]
+    assert any("joined twice" in o for o in outs), outs
+    assert any("did not join within" in o and "missing: 1, 2" in o for o in outs), outs
+
+
+def test_settings_documented_and_tables_equal_tuning():
+    """Every environment name the C faces read (csrc/api/settings.cc) is a setting of
+    hetccl/config.py, and the C API's chunk tables are tuning.py's."""
+    from hetccl import config, tuning
+
+    src = open(os.path.join(ROOT, "csrc", "api", "settings.cc")).read()
+    names = set(re.findall(r'"(HETCCL_[A-Z0-9_]+)"', src))
+    assert names, "no settings found"
+    declared = set(config.SETTINGS)
+    assert names <= declared, names - declared
+    rows = {k: re.search(k + r" = \{(.*?)\};", src, re.S).group(1) for k in ("host_chunks", "msg_chunks")}
+
+    def parse(text):
+        val = {"KiB": 1 << 10, "MiB": 1 << 20, "INF": tuning.INF}
+        out = []
+        for a, b in re.findall(r"\{([^{}]+?),\s*([^{}]+?)\}", text):
+            ev = [eval(x, {}, val) for x in (a.strip(), b.strip())]  # noqa: S307 - our own source
+            out.append(tuple(ev))
+        return out
+
+    assert parse(rows["host_chunks"]) == [tuple(r) for r in tuning.HOST]
+    assert parse(rows["msg_chunks"]) == [tuple(r) for r in tuning.MESSAGE]
+
+
+def test_torch_free():
+    """The workers never import torch or the hetccl package (the C API's promise)."""
+    code = ("import sys; sys.argv=['x']; import runpy\n"
+            f"m = runpy.run_path({os.path.join(HERE, 'capi_worker.py')!r}, run_name='not_main')\n"
+            "print(sorted(k for k in sys.modules if k.startswith(('torch', 'hetccl'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
