@@ -71,6 +71,7 @@ def test_links_stay_constant_per_rank(tmp_path):
     """Four ranks on one host: each holds shared memory only to its two ring neighbours, and
     tcp only to the peers it exchanged messages with (p2p/far: rank 0 and rank 2)."""
     res, _, logs = launch(tmp_path, "2+2", "cases")
+    assert sorted(res) == [0, 1, 2, 3], "\n".join(logs)[-4000:]
     for r, d in res.items():
         info = d["info"]
         assert info["links_shm"] == "2" and info["links_tcp"] == "1", (r, info)
