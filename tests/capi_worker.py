@@ -318,8 +318,21 @@ def run_death(comm, rank, n, args):
 def main():
     args = json.load(open(sys.argv[1]))
     rank, n = args["rank"], args["n"]
+    uid = args["uid"]
+    if uid.startswith("file:"):  # rank 0 makes the id (its root runs here), the others read it
+        path = uid[5:]
+        if rank == 0:
+            with open(path + ".tmp", "w") as f:
+                f.write(capi.unique_id().hex())
+            os.replace(path + ".tmp", path)
+        end = time.time() + 60
+        while not os.path.exists(path):
+            if time.time() > end:
+                raise SystemExit(f"rank {rank}: no unique id in {path} after 60 s")
+            time.sleep(0.05)
+        uid = open(path).read()
     t0 = time.time()
-    comm = capi.Comm(n, bytes.fromhex(args["uid"]), rank)
+    comm = capi.Comm(n, bytes.fromhex(uid), rank)
     init_s = time.time() - t0
     if args["mode"] == "cases":
         res = run_cases(comm, rank, n)

@@ -374,3 +374,35 @@ def test_soak_across_hosts(capsys):
     assert "on each of 2 hosts" in out and rc == 0, out
     ops = int(re.search(r"operations +: (\d+)", out).group(1))
     assert ops > 10, out
+
+
+def test_capi_between_hosts(hosts2, tmp_path):
+    """The C API (csrc/hetccl.h) between two real hosts, two ranks each, torch-free ranks: its
+    own bootstrap (the root runs in rank 0 on host 0; the id names host 0's address), shm
+    between the ring neighbours of a host, tcp between hosts; every case of
+    tests/capi_worker.py against its references, the same bits on every rank."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    uidf = str(tmp_path / "uid")
+    outs = [str(tmp_path / f"capi-r{r}.json") for r in range(4)]
+    for r in range(4):
+        with open(str(tmp_path / f"capi-r{r}.cfg"), "w") as f:
+            json.dump({"uid": "file:" + uidf, "rank": r, "n": 4, "mode": "cases",
+                       "out": outs[r]}, f)
+    procs = []
+    for host in range(2):  # one launch per host: its ranks share the host's /dev/shm
+        ranks = (2 * host, 2 * host + 1)
+        a, b = (f'"$0" {os.path.join(here, "capi_worker.py")} {tmp_path / f"capi-r{r}.cfg"} '
+                f'> {tmp_path / f"capi-r{r}.log"} 2>&1' for r in ranks)
+        script = f"{a} & pa=$!; {b} & pb=$!; wait $pa; ra=$?; wait $pb; rb=$?; exit $((ra | rb))"
+        procs.append(hosts2.popen(host, ["sh", "-c", script, sys.executable],
+                                  env=dict(os.environ, HETCCL_TIMEOUT_S="60")))
+    codes = netns.wait_all(procs, 240)
+    logs = "\n".join(open(str(tmp_path / f"capi-r{r}.log")).read()[-2000:] for r in range(4))
+    assert codes == [0, 0], (codes, logs)
+    res = {r: json.load(open(o)) for r, o in enumerate(outs)}
+    bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:20])
+    for key in res[0]["digests"]:
+        assert len({res[r]["digests"].get(key) for r in res}) == 1, key
+    for r, d in res.items():  # neighbours 0-1 and 2-3 share a host; 1-2 and 3-0 cross hosts
+        assert d["info"]["links_shm"] == "1", (r, d["info"])
