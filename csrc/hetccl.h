@@ -9,12 +9,13 @@
  *    calling process; every rank's hetcclCommInitRank sends its entry (host identity, vendor label,
  *    transport addresses) to the root, which returns the whole table to every rank once: O(n)
  *    connections and messages in total, no all-pairs handshake. Works between hosts.
- *  - Connections only for the peers the algorithms use (rings): the ring neighbours on the same
- *    host over shared memory, every other peer over tcp dialled on first use (lazy). Sockets and
- *    shared memory per rank do not grow with the number of ranks for the collectives.
+ *  - Connections only for the peers the algorithms use: the ring neighbours on the same host
+ *    over shared memory, every other peer over tcp dialled on first use (lazy). Per rank, shared
+ *    memory is constant and tcp connections are constant (rings) or log2 n (recursive doubling).
  *  - Collectives on HOST memory (stream must be NULL): all_reduce, reduce_scatter, all_gather,
- *    broadcast (rings on the engine's plans, csrc/api/coll_*.cc), send/recv, group start/end for
- *    send/recv. Device memory is refused with hetcclInvalidUsage (the torch face carries device
+ *    broadcast (rings, or recursive doubling for small all_reduces when the rank count is a
+ *    power of two, on the engine's plans: csrc/api/select.cc, coll_*.cc), send/recv, group
+ *    start/end for send/recv. Device memory is refused with hetcclInvalidUsage (the torch face carries device
  *    data today; the C API's device path comes with the schedule's move to C++).
  *  - Argument check (on by default, HETCCL_CHECK_ARGS=0 turns it off): the ranks all-gather a
  *    header (collective, count, dtype, op, root) before any data moves; a difference returns

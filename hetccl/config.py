@@ -101,6 +101,10 @@ _SETTINGS = [
             "C API (csrc/hetccl.h) only: seconds that bootstrap, init and every operation may "
             "take before they fail naming the peer waited for (the torch face takes the "
             "process group's timeout instead)."),
+    Setting("HETCCL_CAPI_ALGO", str, "auto",
+            "C API only: auto (csrc/api/select.cc's table: recursive doubling for small "
+            "all_reduces and for the argument check when the rank count is a power of two, "
+            "rings otherwise), ring, or rd (recursive doubling wherever the rank count allows)."),
     Setting("HETCCL_CAPI_SHM", _bool, True,
             "C API only: ring neighbours on one host reach each other through shared memory; "
             "0: tcp for every peer."),

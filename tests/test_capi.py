@@ -51,9 +51,13 @@ def launch(tmp_path, split: str, mode: str, env=None, timeout=240, **extra):
     return res, procs, logs
 
 
-@pytest.mark.parametrize("split", ["1", "1+1", "2+1", "1+1+1", "2+2"])
-def test_collectives_against_references(tmp_path, split):
-    res, procs, logs = launch(tmp_path, split, "cases")
+@pytest.mark.parametrize("split,algo", [("1", "auto"), ("1+1", "auto"), ("2+1", "auto"),
+                                        ("1+1+1", "auto"), ("2+2", "auto"), ("2+2", "ring"),
+                                        ("1+1", "rd")])
+def test_collectives_against_references(tmp_path, split, algo):
+    """auto: recursive doubling for small all_reduces and the check where n is a power of two
+    (csrc/api/select.cc), rings otherwise; ring / rd force one (HETCCL_CAPI_ALGO)."""
+    res, procs, logs = launch(tmp_path, split, "cases", env={"HETCCL_CAPI_ALGO": algo})
     n = len(SPLITS[split])
     assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
@@ -61,6 +65,17 @@ def test_collectives_against_references(tmp_path, split):
     assert len(cases) > 200, len(cases)
     bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
     assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
+    # the algorithms the table chose ran (counted by the communicator)
+    info = res[0]["info"]
+    rd, ring = int(info.get("algo_all_reduce_rd", 0)), int(info.get("algo_all_reduce_ring", 0))
+    if n == 1:
+        pass
+    elif algo == "ring" or n & (n - 1):
+        assert rd == 0 and ring > 0, info
+    elif algo == "rd":
+        assert ring == 0 and rd > 0, info
+    else:
+        assert rd > 0 and ring > 0, info  # small ones recursive doubling, the large ones rings
     # every rank has the same bits of every all_reduce, and the same text of every error
     for key in res[0]["digests"]:
         vals = {r: res[r]["digests"].get(key) for r in res}

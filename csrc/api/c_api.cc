@@ -265,7 +265,13 @@ hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t coun
     if (why.empty()) why = reduce_refusal("all_reduce", dt, op, &rop);
     if (why.empty() && count && (!sendbuff || !recvbuff)) why = {"hetccl: all_reduce: a NULL buffer"};
     checked(c, "all_reduce", 1, count, datatype, op, -1, why);
-    hetccl::api::all_reduce_ring(c, sendbuff, recvbuff, count, dt.engine, dt.size, rop);
+    if (hetccl::api::select_all_reduce(c, count * dt.size) == hetccl::api::Algo::RecursiveDoubling) {
+      ++c.algo_runs["all_reduce_rd"];
+      hetccl::api::all_reduce_recursive_doubling(c, sendbuff, recvbuff, count, dt.engine, dt.size, rop);
+    } else {
+      ++c.algo_runs["all_reduce_ring"];
+      hetccl::api::all_reduce_ring(c, sendbuff, recvbuff, count, dt.engine, dt.size, rop);
+    }
   });
 }
 

@@ -5,7 +5,8 @@
 // when this rank already refused the call (bad root, a stream, an unsupported dtype), the text
 // of its refusal: the other ranks then fail with that text too instead of waiting for it.
 // The communicator stays usable after a mismatch: nothing of the collective was sent.
-// Trade-off: n-1 small steps per collective (HETCCL_CHECK_ARGS=0 removes them; a rank's own
+// For n a power of two the all-gather is recursive doubling instead (log2(n) steps, select.cc).
+// Trade-off: n-1 small steps per collective on a ring (HETCCL_CHECK_ARGS=0 removes them; a rank's own
 // refusal then returns at once on that rank only, and its peers wait until the timeout, as with
 // NCCL).
 #include <cstring>
@@ -47,10 +48,21 @@ void check_args(Comm& c, const char* what, int64_t coll, int64_t count, int64_t 
   uint64_t seq = c.begin();
   char* out = reinterpret_cast<char*>(all.data());
   const size_t blk = sizeof(Header);
-  for (int k = 0; k < n - 1; ++k)
-    c.step(Comm::tag(seq, uint32_t(k), true),
-           {{c.next(), true, out + size_t(mod(r - k, n)) * blk, blk},
-            {c.prev(), false, out + size_t(mod(r - k - 1, n)) * blk, blk}});
+  if (select_check(c) == Algo::RecursiveDoubling) {
+    // n a power of two: at step k this rank holds the 2^k headers of its aligned group and
+    // swaps them with the partner group's (rank ^ 2^k): log2(n) steps
+    uint32_t k = 0;
+    for (int d = 1; d < n; d <<= 1, ++k) {
+      int base = r & ~(d - 1), other = base ^ d;
+      c.step(Comm::tag(seq, k, true), {{r ^ d, true, out + size_t(base) * blk, size_t(d) * blk},
+                                       {r ^ d, false, out + size_t(other) * blk, size_t(d) * blk}});
+    }
+  } else {
+    for (int k = 0; k < n - 1; ++k)
+      c.step(Comm::tag(seq, uint32_t(k), true),
+             {{c.next(), true, out + size_t(mod(r - k, n)) * blk, blk},
+              {c.prev(), false, out + size_t(mod(r - k - 1, n)) * blk, blk}});
+  }
   for (int p = 0; p < n; ++p)
     if (all[size_t(p)].f[5]) {
       all[size_t(p)].error[sizeof all[0].error - 1] = 0;

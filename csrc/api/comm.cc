@@ -173,6 +173,7 @@ std::string Comm::info() {
     for (auto& kv : shm_->info()) o << " shm_" << kv.first << "=" << kv.second;
   if (engine_)
     for (auto& kv : engine_->stats()) o << " engine_" << kv.first << "=" << kv.second;
+  for (auto& kv : algo_runs) o << " algo_" << kv.first << "=" << kv.second;
   return o.str();
 }
 

@@ -36,6 +36,8 @@ struct Settings {
   bool check_args = true;       // HETCCL_CHECK_ARGS (off / on; async counts as on here)
   bool shm = true;              // HETCCL_CAPI_SHM: ring neighbours on one host through shm
   std::string vendor;           // HETCCL_VENDOR (the label of this rank's vendor group)
+  std::string algo = "auto";    // HETCCL_CAPI_ALGO: auto (select.cc's table), ring, rd
+  size_t rd_max_bytes = 64 << 10;  // select.cc: recursive doubling up to this size
   // engine chunk tables: hetccl/tuning.py's HOST and MESSAGE rows (tests/test_capi.py checks
   // they are equal)
   EngineOptions::Table host_chunks, msg_chunks;
@@ -92,6 +94,7 @@ class Comm {
   hetcclResult_t broken_code() const { return broken_code_; }
   const std::string& broken_text() const { return broken_text_; }
   std::string last_error;
+  std::map<std::string, uint64_t> algo_runs;  // "all_reduce_ring", ... (info(): which ran)
 
   std::string info();
   void abort();
@@ -107,9 +110,16 @@ class Comm {
   bool closed_ = false;
 };
 
+// Algorithm selection (select.cc: the one table of switch points).
+enum class Algo { Ring, RecursiveDoubling };
+Algo select_all_reduce(const Comm& c, size_t bytes);
+Algo select_check(const Comm& c);
+
 // The collectives (coll_*.cc). Arguments are validated by c_api.cc; counts in elements.
 void all_reduce_ring(Comm& c, const void* send, void* recv, size_t count, DType dt, size_t esize,
                      ReduceOp op);
+void all_reduce_recursive_doubling(Comm& c, const void* send, void* recv, size_t count, DType dt,
+                                   size_t esize, ReduceOp op);
 void reduce_scatter_ring(Comm& c, const void* send, void* recv, size_t recvcount, DType dt,
                          size_t esize, ReduceOp op);
 void all_gather_ring(Comm& c, const void* send, void* recv, size_t sendcount, size_t esize);
