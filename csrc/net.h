@@ -4,6 +4,8 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -93,6 +95,25 @@ inline bool parse_hostport(const std::string& s, sockaddr_storage* ss, socklen_t
     return true;
   }
   return false;
+}
+
+// First non-loopback IPv4 address of an up interface, else 127.0.0.1 (what tcp advertises for
+// "0.0.0.0", and the C API bootstrap root's default address).
+inline std::string default_host() {
+  struct ifaddrs* ifa = nullptr;
+  std::string best = "127.0.0.1";
+  if (getifaddrs(&ifa) == 0) {
+    for (auto* i = ifa; i; i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+      if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+      char h[INET_ADDRSTRLEN];
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, h, sizeof h);
+      best = h;
+      break;
+    }
+    freeifaddrs(ifa);
+  }
+  return best;
 }
 
 }  // namespace net

@@ -166,24 +166,6 @@ std::string proof(const std::string& secret, const char* role, const std::string
                 std::to_string(acceptor) + "|" + std::to_string(idx));
 }
 
-// First non-loopback IPv4 address of an up interface, else 127.0.0.1.
-std::string default_host() {
-  struct ifaddrs* ifa = nullptr;
-  std::string best = "127.0.0.1";
-  if (getifaddrs(&ifa) == 0) {
-    for (auto* i = ifa; i; i = i->ifa_next) {
-      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
-      if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
-      char h[INET_ADDRSTRLEN];
-      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, h, sizeof h);
-      best = h;
-      break;
-    }
-    freeifaddrs(ifa);
-  }
-  return best;
-}
-
 // Blocking helpers on a non-blocking fd with a deadline (connect() and the dialer's handshake).
 bool wait_fd(int fd, short ev, const Deadline& d) {
   for (;;) {
@@ -350,7 +332,7 @@ TcpTransport::TcpTransport(int rank, int size, const Options& opts) : rank_(rank
   int port = bound.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port)
                                         : ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
   std::string host = bind_addr_;
-  if (host == "0.0.0.0") host = default_host();
+  if (host == "0.0.0.0") host = net::default_host();
   else if (host == "::") host = "::1";
   address_ = (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
   accept_wake_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);

@@ -231,21 +231,7 @@ std::vector<std::pair<std::string, std::string>> decode_kv(const std::string& s)
   return out;
 }
 
-std::string default_root_host() {
-  ifaddrs* ifs = nullptr;
-  std::string found = "127.0.0.1";
-  if (getifaddrs(&ifs) != 0) return found;
-  for (ifaddrs* i = ifs; i; i = i->ifa_next) {
-    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
-    if (!(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
-    char buf[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
-    found = buf;
-    break;
-  }
-  freeifaddrs(ifs);
-  return found;
-}
+std::string default_root_host() { return net::default_host(); }
 
 std::string local_addr_towards(const std::string& hostport) {
   sockaddr_storage ss;
