@@ -1027,7 +1027,11 @@ bool TcpTransport::do_read(Conn& c) {
       c.eof = true;
       c.readable = false;
       std::lock_guard<std::mutex> g(p.mu);
-      if (++p.eof_conns == int(p.conns.size()) && p.failed.empty())
+      // Closed once every one of the peer's nconn connections has ended (the handshake makes
+      // nconn agree): a lazily dialled connection the acceptor has not handed over yet may
+      // still carry the end of a message the peer sent just before it closed. (A peer that
+      // dies mid-dial leaves fewer: its receives then end by their timeouts.)
+      if (++p.eof_conns >= std::max(int(p.conns.size()), nconn_) && p.failed.empty())
         fail_locked(p, Request::ErrorKind::Peer, "hetccl tcp: " + who(p) + " closed the connection",
                     /*keep_delivered=*/true);
       return false;
