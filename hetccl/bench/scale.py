@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.ranks.split(",") if x.strip()]
-    print(f"# hetccl bench scale: C API, ranks {ns}, 1 KiB float32 all_reduce (ring), {a.iters} "
+    print(f"# hetccl bench scale: C API, ranks {ns}, 1 KiB float32 all_reduce, HETCCL_CAPI_ALGO={os.environ.get("HETCCL_CAPI_ALGO", "auto")}, {a.iters} "
           f"later iters, {today()}, {hardware()}")
     print("# " + " ".join(f"{k:>{len(f.format(0))}}" for k, f in COLUMNS))
     bar = None
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     print(f"#   sockets per rank: {fit(rows, 'sockets')}; hetccl tcp connections: {fit(rows, 'tcp_conns')}")
     print(f"#   shm per rank (MB): {fit(rows, 'shm_MB')}; init (s): " +
           ", ".join(f"n={r['n']}: {r['init_s']:.2f}" for r in rows))
-    print("#   1 KiB all_reduce (us, ring: 2(n-1) steps): " +
+    print("#   1 KiB all_reduce (us; algorithm: csrc/api/select.cc, HETCCL_CAPI_ALGO): " +
           ", ".join(f"n={r['n']}: {r['later_us']:.0f}" for r in rows))
     bad = sum(r["wrong"] for r in rows)
     print(f"# rows: {len(rows)}, wrong elements: {bad}")
