@@ -156,3 +156,16 @@ def test_torch_free():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_scale_harness_runs(tmp_path):
+    """`hetccl bench scale` (torch-free ranks on the C API): rows for each n, 0 wrong, jsonl."""
+    rows = tmp_path / "rows.jsonl"
+    out = subprocess.run([sys.executable, "-m", "hetccl.cli", "bench", "scale", "--ranks", "2,4",
+                          "--iters", "3", "--no-progress", "--jsonl", str(rows)],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [r["n"] for r in got] == [2, 4] and all(r["wrong"] == 0 for r in got), got
+    assert all(r["links_shm"] >= 1 and r["sockets"] >= 1 for r in got), got
+    assert "wrong elements: 0" in out.stdout

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.ranks.split(",") if x.strip()]
-    print(f"# hetccl bench scale: C API, ranks {ns}, 1 KiB float32 all_reduce, HETCCL_CAPI_ALGO={os.environ.get("HETCCL_CAPI_ALGO", "auto")}, {a.iters} "
+    print(f"# hetccl bench scale: C API, ranks {ns}, 1 KiB float32 all_reduce, HETCCL_CAPI_ALGO={os.environ.get('HETCCL_CAPI_ALGO', 'auto')}, {a.iters} "
           f"later iters, {today()}, {hardware()}")
     print("# " + " ".join(f"{k:>{len(f.format(0))}}" for k, f in COLUMNS))
     bar = None
