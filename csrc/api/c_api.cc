@@ -121,10 +121,10 @@ struct Refusal {
 };
 
 // The check (when on) with this rank's own refusal; without it, the refusal returns here.
-void checked(Comm& c, const char* what, int64_t coll, size_t count, int dtype, int op, int root,
+void checked(Comm& c, hetccl::api::Coll coll, size_t count, int dtype, int op, int root,
              const Refusal& refusal) {
   if (c.settings.check_args)
-    hetccl::api::check_args(c, what, coll, int64_t(count), dtype, op, root, refusal.text, refusal.usage);
+    hetccl::api::check_args(c, coll, int64_t(count), dtype, op, root, refusal.text, refusal.usage);
   if (!refusal.empty()) {
     if (refusal.usage) throw UsageError(refusal.text);
     throw hetccl::ArgMismatch(refusal.text);
@@ -264,7 +264,7 @@ hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t coun
     Refusal why = common_refusal("all_reduce", stream, dt, datatype);
     if (why.empty()) why = reduce_refusal("all_reduce", dt, op, &rop);
     if (why.empty() && count && (!sendbuff || !recvbuff)) why = {"hetccl: all_reduce: a NULL buffer"};
-    checked(c, "all_reduce", 1, count, datatype, op, -1, why);
+    checked(c, hetccl::api::Coll::AllReduce, count, datatype, op, -1, why);
     if (hetccl::api::select_all_reduce(c, count * dt.size) == hetccl::api::Algo::RecursiveDoubling) {
       ++c.algo_runs["all_reduce_rd"];
       hetccl::api::all_reduce_recursive_doubling(c, sendbuff, recvbuff, count, dt.engine, dt.size, rop);
@@ -284,7 +284,7 @@ hetcclResult_t hetcclBroadcast(const void* sendbuff, void* recvbuff, size_t coun
       why = {"hetccl: broadcast: root " + std::to_string(root) + " is out of range for " +
              std::to_string(c.size) + " ranks"};
     if (why.empty() && count && (!recvbuff || (c.rank == root && !sendbuff))) why = {"hetccl: broadcast: a NULL buffer"};
-    checked(c, "broadcast", 2, count, datatype, -1, root, why);
+    checked(c, hetccl::api::Coll::Broadcast, count, datatype, -1, root, why);
     hetccl::api::broadcast_chain(c, sendbuff, recvbuff, count * dt.size, root);
   });
 }
@@ -295,7 +295,7 @@ hetcclResult_t hetcclAllGather(const void* sendbuff, void* recvbuff, size_t send
     DT dt = dtype_of(datatype);
     Refusal why = common_refusal("all_gather", stream, dt, datatype);
     if (why.empty() && sendcount && (!sendbuff || !recvbuff)) why = {"hetccl: all_gather: a NULL buffer"};
-    checked(c, "all_gather", 3, sendcount, datatype, -1, -1, why);
+    checked(c, hetccl::api::Coll::AllGather, sendcount, datatype, -1, -1, why);
     hetccl::api::all_gather_ring(c, sendbuff, recvbuff, sendcount, dt.size);
   });
 }
@@ -308,7 +308,7 @@ hetcclResult_t hetcclReduceScatter(const void* sendbuff, void* recvbuff, size_t 
     Refusal why = common_refusal("reduce_scatter", stream, dt, datatype);
     if (why.empty()) why = reduce_refusal("reduce_scatter", dt, op, &rop);
     if (why.empty() && recvcount && (!sendbuff || !recvbuff)) why = {"hetccl: reduce_scatter: a NULL buffer"};
-    checked(c, "reduce_scatter", 4, recvcount, datatype, op, -1, why);
+    checked(c, hetccl::api::Coll::ReduceScatter, recvcount, datatype, op, -1, why);
     hetccl::api::reduce_scatter_ring(c, sendbuff, recvbuff, recvcount, dt.engine, dt.size, rop);
   });
 }

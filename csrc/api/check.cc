@@ -27,22 +27,31 @@ struct Header {
 static_assert(sizeof(Header) == 256, "fixed-size header");
 
 const char* kFields[] = {"collective", "count", "dtype", "op", "root"};
-const char* kColl[] = {"?", "all_reduce", "broadcast", "all_gather", "reduce_scatter"};
 
 std::string value(int field, int64_t v) {
-  if (field == 0 && v >= 0 && v < 5) return kColl[v];
-  return std::to_string(v);
+  return field == 0 ? coll_name(Coll(v)) : std::to_string(v);
 }
 
 }  // namespace
 
-void check_args(Comm& c, const char* what, int64_t coll, int64_t count, int64_t dtype, int64_t op,
-                int64_t root, const std::string& refusal, bool usage) {
+const char* coll_name(Coll c) {
+  switch (c) {
+    case Coll::AllReduce: return "all_reduce";
+    case Coll::Broadcast: return "broadcast";
+    case Coll::AllGather: return "all_gather";
+    case Coll::ReduceScatter: return "reduce_scatter";
+  }
+  return "?";
+}
+
+void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, int64_t root,
+                const std::string& refusal, bool usage) {
+  const char* what = coll_name(coll);
   const int n = c.size, r = c.rank;
   std::vector<Header> all(static_cast<size_t>(n));
   Header& mine = all[size_t(r)];
   std::memset(&mine, 0, sizeof mine);
-  int64_t f[6] = {coll, count, dtype, op, root, refusal.empty() ? 0 : usage ? 2 : 1};
+  int64_t f[6] = {int64_t(coll), count, dtype, op, root, refusal.empty() ? 0 : usage ? 2 : 1};
   std::memcpy(mine.f, f, sizeof f);
   std::strncpy(mine.error, refusal.c_str(), sizeof mine.error - 1);
   uint64_t seq = c.begin();
@@ -72,7 +81,7 @@ void check_args(Comm& c, const char* what, int64_t coll, int64_t count, int64_t 
       throw ArgMismatch(text);
     }
   for (int field = 0; field < 5; ++field) {
-    if (field == 4 && all[0].f[0] != 2) continue;  // root: broadcast only
+    if (field == 4 && Coll(all[0].f[0]) != Coll::Broadcast) continue;  // root: broadcast only
     std::string diff;
     int shown = 0;
     for (int p = 1; p < n; ++p)

@@ -43,7 +43,8 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r) : rank(r), size(nranks) 
                {"threads", std::to_string(settings.reduce_threads)}};
   // shm slots: the largest chunk the host table asks for (as the torch face), unless set
   size_t slot = settings.shm_slot_bytes;
-  for (auto& row : settings.host_chunks) slot = settings.shm_slot_bytes ? slot : std::max<size_t>(slot, row.second);
+  if (!slot)
+    for (auto& row : settings.host_chunks) slot = std::max<size_t>(slot, row.second);
   topt["slot_bytes"] = std::to_string(slot);
   topt["nslots"] = std::to_string(settings.shm_nslots);
   tcp_ = std::shared_ptr<Transport>(make_transport("tcp", rank, size, topt));
@@ -79,14 +80,13 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r) : rank(r), size(nranks) 
       links_[p] = tcp_;
     }
   }
-  if (shm_) shm_->connect(shm_addr, settings.timeout_ms);
-  tcp_->connect(tcp_addr, settings.timeout_ms);  // lazy: records the addresses only
-  bool any_shm = false;
-  for (auto& kv : links_) any_shm |= kv.second == shm_;
-  if (shm_ && !any_shm) {
+  bool any_shm = std::any_of(shm_addr.begin(), shm_addr.end(), [](const std::string& a) { return !a.empty(); });
+  if (shm_ && !any_shm) {  // no neighbour on this host: the shm transport serves nobody
     shm_->close();
     shm_.reset();
   }
+  if (shm_) shm_->connect(shm_addr, settings.timeout_ms);
+  tcp_->connect(tcp_addr, settings.timeout_ms);  // lazy: records the addresses only
   EngineOptions eo;
   eo.rank = rank;
   eo.threads = settings.reduce_threads;

@@ -126,14 +126,18 @@ void all_gather_ring(Comm& c, const void* send, void* recv, size_t sendcount, si
 void broadcast_chain(Comm& c, const void* send, void* recv, size_t nbytes, int root);
 // The argument check (check.cc): every rank's header (collective, count, dtype, op, root) to
 // every rank through a ring all-gather; throws ArgMismatch with the same text on every rank.
+// The collectives as the argument check's header names them (values travel between ranks).
+enum class Coll : int64_t { AllReduce = 1, Broadcast = 2, AllGather = 3, ReduceScatter = 4 };
+const char* coll_name(Coll c);  // "all_reduce", ...
+
 // A refusal of the call's usage (hetcclInvalidUsage) rather than of an argument's value.
 struct UsageRefusal : ArgMismatch {
   using ArgMismatch::ArgMismatch;
 };
 // refusal: this rank's own verdict on its arguments ("" when fine), shared with every rank;
 // usage: it is a usage refusal (UsageRefusal on every rank).
-void check_args(Comm& c, const char* what, int64_t coll, int64_t count, int64_t dtype,
-                int64_t op, int64_t root, const std::string& refusal, bool usage);
+void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, int64_t root,
+                const std::string& refusal, bool usage);
 
 }  // namespace api
 }  // namespace hetccl

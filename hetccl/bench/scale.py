@@ -29,17 +29,9 @@ from .report import hardware, today
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_worker.py")
 
 
-def _capi():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "hetccl_capi", os.path.join(os.path.dirname(WORKER), "..", "capi.py"))
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
-
-
 def measure(n: int, iters: int, timeout: float, progress=None) -> dict:
-    capi = _capi()
+    from .. import capi  # this process may import hetccl; only the ranks stay torch-free
+
     uid = capi.unique_id().hex()
     env = {**os.environ, "HETCCL_TIMEOUT_S": str(int(timeout)), "OMP_NUM_THREADS": "1",
            "HETCCL_REDUCE_THREADS": "1"}
