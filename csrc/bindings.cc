@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "common.h"
+#include "crash.h"
 #include "device_ops.h"
 #include "engine.h"
 #include "reduce.h"
@@ -53,25 +54,6 @@ class PyTransport {
  private:
   std::shared_ptr<Transport> t_;  // shared with an Engine that drives it
 };
-
-// Opt-in (HETCCL_CRASH_BACKTRACE=1, read in hetccl/_core.py): on SIGSEGV/SIGBUS/SIGFPE print the
-// native frames as "hetccl-frame <object> +<offset>" lines (addr2line -e <object> <offset> names
-// them), then let the default action run. Only async-signal-safe calls.
-void crash_handler(int sig) {
-  void* frames[64];
-  int n = backtrace(frames, 64);
-  char line[512];
-  for (int i = 0; i < n; ++i) {
-    Dl_info info;
-    if (dladdr(frames[i], &info) && info.dli_fname) {
-      int len = snprintf(line, sizeof line, "hetccl-frame %s +0x%lx\n", info.dli_fname,
-                         (unsigned long)((char*)frames[i] - (char*)info.dli_fbase));
-      if (len > 0) (void)!write(2, line, size_t(len));
-    }
-  }
-  signal(sig, SIG_DFL);
-  raise(sig);
-}
 
 // dump_thread_stacks(): every thread of this process prints its native frames (diagnostics of a
 // stall, tests/gpu_ucx_probe.py). Each thread in turn gets SIGURG (whose default action is to
@@ -336,9 +318,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("dump_thread_stacks", &dump_thread_stacks, py::call_guard<py::gil_scoped_release>(),
         "Every thread prints its native frames to stderr (hetccl-stack / hetccl-frame lines; "
         "addr2line -f -e <object> <offset> names a frame); returns the number that answered.");
-  m.def("enable_crash_backtrace", [] {
-    for (int sig : {SIGSEGV, SIGBUS, SIGFPE}) signal(sig, crash_handler);
-  });
+  m.def("enable_crash_backtrace", [] { install_crash_backtrace(); });
 
   m.def("wait_all",
         [](std::vector<std::shared_ptr<Request>> reqs, int64_t timeout_ms) {

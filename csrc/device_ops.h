@@ -87,6 +87,11 @@ class DeviceOps {
   virtual void* wait_word_alloc() { return nullptr; }
   virtual uint64_t wait_word_address(void* w) { return device_address(w); }
   virtual void wait_word_free(void* w) {}
+  // The handle of the device's default stream for the calling thread's device (what a NULL
+  // stream means to the vendor's runtime API): CUDA's driver API names it CU_STREAM_LEGACY
+  // ((CUstream)0x1), HIP takes the null handle itself, the emulated device has one stream of
+  // its own.
+  virtual void* default_stream() { return nullptr; }
 };
 
 // Opens a runtime by name: "cuda" (library: a libcuda path), "hip" (a libamdhip64 path), or

@@ -12,11 +12,15 @@
  *  - Connections only for the peers the algorithms use: the ring neighbours on the same host
  *    over shared memory, every other peer over tcp dialled on first use (lazy). Per rank, shared
  *    memory is constant and tcp connections are constant (rings) or log2 n (recursive doubling).
- *  - Collectives on HOST memory (stream must be NULL): all_reduce, reduce_scatter, all_gather,
- *    broadcast (rings, or recursive doubling for small all_reduces when the rank count is a
+ *  - Collectives: all_reduce, reduce, reduce_scatter, all_gather, broadcast, all_to_all (rings,
+ *    pairwise exchange, or recursive doubling for small all_reduces when the rank count is a
  *    power of two, on the engine's plans: csrc/api/select.cc, coll_*.cc), send/recv, group
- *    start/end for send/recv. Device memory is refused with hetcclInvalidUsage (the torch face carries device
- *    data today; the C API's device path comes with the schedule's move to C++).
+ *    start/end for send/recv.
+ *  - stream NULL: host memory, the call returns when it is done. A stream (or
+ *    HETCCL_STREAM_DEFAULT): memory the stream's copies reach (device memory), stream-ordered:
+ *    the call enqueues copies and waits on the stream and returns; the collective runs on the
+ *    communicator's executor thread on pinned staging memory (csrc/api/stream_path.h). The
+ *    device runtime is HETCCL_CAPI_DEVICE (cuda by default, hip; emulated for tests).
  *  - Argument check (on by default, HETCCL_CHECK_ARGS=0 turns it off): the ranks all-gather a
  *    header (collective, count, dtype, op, root) before any data moves; a difference returns
  *    hetcclInvalidArgument on every rank with the same text (hetcclGetLastError), and the
@@ -24,7 +28,7 @@
  *  - Failure: a dead peer or a timeout returns hetcclRemoteError / hetcclSystemError with the
  *    text in hetcclGetLastError; the communicator is then broken (later calls fail at once,
  *    hetcclCommGetAsyncError reports it). hetcclCommAbort frees it without waiting.
- * All calls are blocking on the calling thread in this revision (host memory, no stream). One
+ * Host calls (stream NULL) block the calling thread; stream calls do not. One
  * communicator must not be used by two threads at once (as NCCL).
  */
 #ifndef HETCCL_H_
@@ -79,8 +83,13 @@ typedef enum {
   hetcclProd = 1,
   hetcclMax = 2,
   hetcclMin = 3,
-  hetcclAvg = 4
+  hetcclAvg = 4,
+  hetcclNumOps = 5 /* operators of hetcclRedOpCreatePreMulSum start here (as NCCL's) */
 } hetcclRedOp_t;
+
+typedef enum { hetcclScalarDevice = 0, hetcclScalarHostImmediate = 1 } hetcclScalarResidence_t;
+
+#define HETCCL_SPLIT_NOCOLOR (-1)
 
 /* Version and errors. */
 hetcclResult_t hetcclGetVersion(int* version);
@@ -98,17 +107,40 @@ hetcclResult_t hetcclCommCount(const hetcclComm_t comm, int* count);
 hetcclResult_t hetcclCommUserRank(const hetcclComm_t comm, int* rank);
 /* hetcclSuccess while healthy; else the error that broke the communicator. */
 hetcclResult_t hetcclCommGetAsyncError(hetcclComm_t comm, hetcclResult_t* asyncError);
+/* Ranks with the same color form a new communicator, ordered by key then by rank; color
+ * HETCCL_SPLIT_NOCOLOR gives *newcomm = NULL. Collective over comm (host calls on it). */
+hetcclResult_t hetcclCommSplit(hetcclComm_t comm, int color, int key, hetcclComm_t* newcomm);
+/* The number of vendor groups (distinct HETCCL_VENDOR labels) among the ranks, and this rank's
+ * group's size (either pointer may be NULL). */
+hetcclResult_t hetcclCommVendorGroups(hetcclComm_t comm, int* ngroups, int* mygroupsize);
+/* NCCL's PreMulSum: each rank's input is multiplied by its scalar (of datatype; host
+ * immediate: read now; device: read when each call runs, through the stream) before the sum. */
+hetcclResult_t hetcclRedOpCreatePreMulSum(hetcclRedOp_t* op, void* scalar, hetcclDataType_t datatype,
+                                          hetcclScalarResidence_t residence, hetcclComm_t comm);
+hetcclResult_t hetcclRedOpDestroy(hetcclRedOp_t op, hetcclComm_t comm);
 /* One line "key=value key=value ..." about the communicator (transports per peer, sockets held,
  * shared-memory bytes, engine counters), for harnesses and `hetccl doctor`. Writes at most len
  * bytes including the terminating NUL; returns hetcclInvalidArgument if it did not fit. */
 hetcclResult_t hetcclCommInfo(hetcclComm_t comm, char* buf, size_t len);
 
-/* Collectives. stream must be NULL (host memory) in this revision. In place: sendbuff ==
+/* The device's default stream (what NULL means to the vendor runtime): NULL itself is taken by
+ * host calls. The drop-in NCCL passes a caller's NULL stream as this. */
+#define HETCCL_STREAM_DEFAULT ((void*)1)
+
+/* Collectives. stream: NULL (host memory, blocking) or a stream (stream-ordered). In place: sendbuff ==
  * recvbuff (all_reduce, broadcast), sendbuff == recvbuff + rank * count (all_gather),
  * recvbuff == sendbuff + rank * recvcount (reduce_scatter), as NCCL. */
 hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                                hetcclDataType_t datatype, hetcclRedOp_t op, hetcclComm_t comm,
                                void* stream);
+/* recvbuff is written on the root only. */
+hetcclResult_t hetcclReduce(const void* sendbuff, void* recvbuff, size_t count,
+                            hetcclDataType_t datatype, hetcclRedOp_t op, int root, hetcclComm_t comm,
+                            void* stream);
+/* count elements to and from every rank (block p of sendbuff goes to rank p, block p of recvbuff
+ * comes from rank p); sendbuff == recvbuff works in place. */
+hetcclResult_t hetcclAllToAll(const void* sendbuff, void* recvbuff, size_t count,
+                              hetcclDataType_t datatype, hetcclComm_t comm, void* stream);
 hetcclResult_t hetcclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                                hetcclDataType_t datatype, int root, hetcclComm_t comm, void* stream);
 hetcclResult_t hetcclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
@@ -127,6 +159,12 @@ hetcclResult_t hetcclRecv(void* recvbuff, size_t count, hetcclDataType_t datatyp
                           hetcclComm_t comm, void* stream);
 hetcclResult_t hetcclGroupStart(void);
 hetcclResult_t hetcclGroupEnd(void);
+
+/* Tests: a stream of the emulated device runtime (HETCCL_CAPI_DEVICE=emulated: host threads
+ * as streams, its "device memory" is host memory), and waiting until a stream has run
+ * everything enqueued on it. hetcclInvalidUsage with any other runtime. */
+hetcclResult_t hetcclTestStreamCreate(hetcclComm_t comm, void** stream);
+hetcclResult_t hetcclTestStreamSynchronize(hetcclComm_t comm, void* stream);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -281,6 +281,19 @@ auto dispatch(DType t, A... a) {
 }
 template <typename T> struct GetReduce { static ReduceFn get(ReduceOp op) { return pick_reduce<T>(op); } };
 template <typename T> struct GetAlias { static AliasFn get(ReduceOp op) { return pick_alias<T>(op); } };
+// p[i] = p[i] * scalar in T's compute type (PreMulSum's local step); integers wrap.
+using MulFn = void (*)(void*, size_t, const void*);
+template <typename T>
+void mul_base(void* pv, size_t n, const void* sv) {
+  T* p = static_cast<T*>(pv);
+  T sc;
+  std::memcpy(&sc, sv, sizeof(T));
+  const auto c = Traits<T>::load(sc);
+  for (size_t i = 0; i < n; ++i) p[i] = Traits<T>::store(apply<ReduceOp::PROD>(Traits<T>::load(p[i]), c));
+}
+template <typename T> struct GetMul {
+  static MulFn get() { return mul_base<T>; }
+};
 template <typename T> struct GetDiv {
   static DivFn get() { return use_avx2() ? div_avx2<T> : div_base<T>; }
 };
@@ -478,6 +491,13 @@ void scale_div(DType dtype, void* p, size_t count, int64_t n, int threads) {
   DivFn fn = dispatch<GetDiv>(dtype);
   if (count == 0 || n == 1) return;
   parallel(count, es, threads, [&](size_t b, size_t e) { fn(static_cast<char*>(p) + b * es, e - b, n); });
+}
+
+void scale_mul(DType dtype, void* p, size_t count, const void* scalar, int threads) {
+  const size_t es = dtype_size(dtype);
+  MulFn fn = dispatch<GetMul>(dtype);
+  if (count == 0) return;
+  parallel(count, es, threads, [&](size_t b, size_t e) { fn(static_cast<char*>(p) + b * es, e - b, scalar); });
 }
 
 }  // namespace hetccl

@@ -36,5 +36,7 @@ std::vector<std::string> dtype_names();      // every name parse_dtype accepts
 
 void reduce_into(ReduceOp op, DType dtype, void* dst, const void* src, size_t count, int threads = 0);
 void scale_div(DType dtype, void* p, size_t count, int64_t n, int threads = 0);
+// p[i] *= *scalar (scalar: one element of dtype), the local step of NCCL's PreMulSum.
+void scale_mul(DType dtype, void* p, size_t count, const void* scalar, int threads = 0);
 
 }  // namespace hetccl

@@ -68,6 +68,13 @@ def lib() -> ctypes.CDLL:
             "hetcclCommGetAsyncError": [vp, ctypes.POINTER(i)],
             "hetcclCommInfo": [vp, ctypes.c_char_p, sz],
             "hetcclAllReduce": [vp, vp, sz, i, i, vp, vp],
+            "hetcclReduce": [vp, vp, sz, i, i, i, vp, vp],
+            "hetcclAllToAll": [vp, vp, sz, i, vp, vp],
+            "hetcclCommSplit": [vp, i, i, ctypes.POINTER(vp)],
+            "hetcclCommVendorGroups": [vp, ctypes.POINTER(i), ctypes.POINTER(i)],
+            "hetcclRedOpCreatePreMulSum": [ctypes.POINTER(i), vp, i, i, vp],
+            "hetcclRedOpDestroy": [i, vp],
+            "hetcclTestStreamCreate": [vp, ctypes.POINTER(vp)], "hetcclTestStreamSynchronize": [vp, vp],
             "hetcclBroadcast": [vp, vp, sz, i, i, vp, vp],
             "hetcclAllGather": [vp, vp, sz, i, vp, vp],
             "hetcclReduceScatter": [vp, vp, sz, i, i, vp, vp],
@@ -84,6 +91,10 @@ def lib() -> ctypes.CDLL:
         L.hetcclGetErrorString.restype = ctypes.c_char_p
         _LIB = L
     return _LIB
+
+
+STREAM_DEFAULT = 1  # HETCCL_STREAM_DEFAULT: the device's default stream
+SPLIT_NOCOLOR = -1  # HETCCL_SPLIT_NOCOLOR
 
 
 def _check(code: int, comm=None) -> None:
@@ -134,6 +145,12 @@ class Comm:
     def all_reduce(self, send, recv, count, dtype="float32", op="sum", stream=None):
         self._call("hetcclAllReduce", _ptr(send), _ptr(recv), count, _dt(dtype), _op(op), self._c, stream)
 
+    def reduce(self, send, recv, count, dtype="float32", op="sum", root=0, stream=None):
+        self._call("hetcclReduce", _ptr(send), _ptr(recv), count, _dt(dtype), _op(op), root, self._c, stream)
+
+    def all_to_all(self, send, recv, count, dtype="float32", stream=None):
+        self._call("hetcclAllToAll", _ptr(send), _ptr(recv), count, _dt(dtype), self._c, stream)
+
     def broadcast(self, send, recv, count, dtype="float32", root=0, stream=None):
         self._call("hetcclBroadcast", _ptr(send), _ptr(recv), count, _dt(dtype), root, self._c, stream)
 
@@ -144,11 +161,49 @@ class Comm:
         self._call("hetcclReduceScatter", _ptr(send), _ptr(recv), recvcount, _dt(dtype), _op(op),
                    self._c, stream)
 
-    def send(self, buf, count, dtype, peer):
-        self._call("hetcclSend", _ptr(buf), count, _dt(dtype), peer, self._c, None)
+    def send(self, buf, count, dtype, peer, stream=None):
+        self._call("hetcclSend", _ptr(buf), count, _dt(dtype), peer, self._c, stream)
 
-    def recv(self, buf, count, dtype, peer):
-        self._call("hetcclRecv", _ptr(buf), count, _dt(dtype), peer, self._c, None)
+    def recv(self, buf, count, dtype, peer, stream=None):
+        self._call("hetcclRecv", _ptr(buf), count, _dt(dtype), peer, self._c, stream)
+
+    def split(self, color: int, key: int):
+        """A new Comm of the ranks with this color (None for SPLIT_NOCOLOR)."""
+        h = ctypes.c_void_p()
+        self._call("hetcclCommSplit", self._c, color, key, ctypes.byref(h))
+        if not h.value:
+            return None
+        c = Comm.__new__(Comm)
+        c._c = h
+        n, r = ctypes.c_int(), ctypes.c_int()
+        _check(lib().hetcclCommCount(h, ctypes.byref(n)), h)
+        _check(lib().hetcclCommUserRank(h, ctypes.byref(r)), h)
+        c.rank, c.size = r.value, n.value
+        return c
+
+    def vendor_groups(self) -> tuple[int, int]:
+        g, m = ctypes.c_int(), ctypes.c_int()
+        self._call("hetcclCommVendorGroups", self._c, ctypes.byref(g), ctypes.byref(m))
+        return g.value, m.value
+
+    def premul_sum(self, scalar, dtype, device: bool = False) -> int:
+        """A PreMulSum operator; scalar: a one-element array (device: read at each call)."""
+        op = ctypes.c_int()
+        self._call("hetcclRedOpCreatePreMulSum", ctypes.byref(op), _ptr(scalar), _dt(dtype),
+                   0 if device else 1, self._c)
+        return op.value
+
+    def op_destroy(self, op: int) -> None:
+        self._call("hetcclRedOpDestroy", op, self._c)
+
+    def stream_create(self) -> int:
+        """A stream of the emulated device runtime (HETCCL_CAPI_DEVICE=emulated; tests)."""
+        s = ctypes.c_void_p()
+        self._call("hetcclTestStreamCreate", self._c, ctypes.byref(s))
+        return s.value
+
+    def stream_sync(self, stream) -> None:
+        self._call("hetcclTestStreamSynchronize", self._c, stream)
 
     def async_error(self) -> int:
         e = ctypes.c_int()

@@ -105,6 +105,17 @@ _SETTINGS = [
             "C API only: auto (csrc/api/select.cc's table: recursive doubling for small "
             "all_reduces and for the argument check when the rank count is a power of two, "
             "rings otherwise), ring, or rd (recursive doubling wherever the rank count allows)."),
+    Setting("HETCCL_CRASH_BACKTRACE", _bool, False,
+            "Debugging aid: on SIGSEGV/SIGBUS/SIGFPE print the native frames as "
+            "'hetccl-frame <object> +<offset>' lines (addr2line names them; csrc/crash.h). "
+            "Read by hetccl/_core.py before anything else loads and by the C API's "
+            "communicator."),
+    Setting("HETCCL_CAPI_DEVICE", str, "cuda",
+            "C API only: the device runtime of calls with a stream (csrc/api/stream_path.h): "
+            "cuda, hip, or emulated / emulated-hip (tests: host threads as streams)."),
+    Setting("HETCCL_CAPI_DEVICE_LIBRARY", str, "",
+            "C API only: the device runtime's library (default libcuda.so.1 / libamdhip64.so, "
+            "the one the process has loaded under that name)."),
     Setting("HETCCL_CAPI_SHM", _bool, True,
             "C API only: ring neighbours on one host reach each other through shared memory; "
             "0: tcp for every peer."),

@@ -99,9 +99,48 @@ def digest(a: np.ndarray) -> str:
     return hashlib.sha256(a.tobytes()).hexdigest()[:16]
 
 
+class StreamComm:
+    """A communicator whose calls go on one stream and wait for it (except inside a group:
+    group_end() then waits)."""
+
+    def __init__(self, comm, stream):
+        self.comm, self.stream = comm, stream
+
+    def __getattr__(self, name):
+        f = getattr(self.comm, name)
+        if name not in ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
+                        "all_to_all", "send", "recv"):
+            return f
+
+        def call(*a, **k):
+            f(*a, stream=self.stream, **k)
+            if not GROUP[0]:
+                self.comm.stream_sync(self.stream)
+        return call
+
+
+GROUP = [0]
+_STREAMS: list = []
+
+
+def group_start():
+    GROUP[0] += 1
+    capi.group_start()
+
+
+def group_end():
+    GROUP[0] -= 1
+    capi.group_end()
+    for c in _STREAMS:
+        c.comm.stream_sync(c.stream)
+
+
 class Cases:
-    def __init__(self, comm, rank: int, n: int):
-        self.c, self.rank, self.n = comm, rank, n
+    def __init__(self, comm, rank: int, n: int, stream=None):
+        """stream: every call goes on it (the stream path, emulated runtime) and is waited for
+        before its result is read."""
+        self.c, self.rank, self.n = (StreamComm(comm, stream) if stream else comm), rank, n
+        self.stream = stream
         self.out: dict[str, str] = {}
         self.digests: dict[str, str] = {}
         self.case = 0
@@ -152,6 +191,78 @@ class Cases:
         want = np.concatenate(ins) if count else recv
         return None if np.array_equal(recv, want) else "all_gather output differs from the inputs"
 
+    def reduce(self, case, dt, op, count, root):
+        ins = [data(case, r, count, dt, op) for r in range(self.n)]
+        send = ins[self.rank].copy()
+        recv = np.full(count, 7, dtype=NP[dt])
+        self.c.reduce(send, recv, count, dt, op, root)
+        if not np.array_equal(send, ins[self.rank]):
+            return "sendbuff was modified"
+        if self.rank != root:
+            return None if np.all(recv == 7) else "reduce wrote recvbuff on a rank other than the root"
+        return close(recv, reduce_ref(ins, dt, op), dt, self.n)
+
+    def all_to_all(self, case, dt, count, inplace):
+        n, r = self.n, self.rank
+        ins = [data(case, p, count * n, dt, "sum") for p in range(n)]
+        send = ins[r].copy()
+        recv = send if inplace else np.full(count * n, 7, dtype=NP[dt])
+        self.c.all_to_all(send, recv, count, dt)
+        want = np.concatenate([ins[p][r * count:(r + 1) * count] for p in range(n)]) if count else recv
+        if not inplace and not np.array_equal(send, ins[r]):
+            return "sendbuff was modified"
+        return None if np.array_equal(recv, want) else "all_to_all output differs from the inputs"
+
+    def premul(self, case, dt, coll, device):
+        """PreMulSum: sum over ranks of scalar_r * x_r; scalar per rank, host immediate or read
+        at the call (device)."""
+        n, r, count = self.n, self.rank, 257
+        ins = [data(case, p, count * n, dt, "sum") for p in range(n)]
+        sc = [np.array([p + 2], dtype=NP[dt]) if dt != "bfloat16" else to_bf16(np.array([p + 2.0]))
+              for p in range(n)]
+        mine = sc[r].copy()
+        op = self.c.premul_sum(mine, dt, device=device)
+        if device:
+            mine[:] = sc[r]  # read when the call runs
+        send = ins[r].copy()
+        if coll == "all_reduce":
+            recv = np.zeros(count * n, NP[dt])
+            self.c.all_reduce(send, recv, count * n, dt, op)
+            lo, hi = 0, count * n
+        else:
+            recv = np.zeros(count, NP[dt])
+            self.c.reduce_scatter(send, recv, count, dt, op)
+            lo, hi = r * count, (r + 1) * count
+        self.c.op_destroy(op)
+        if not np.array_equal(send, ins[r]):
+            return "sendbuff was modified"
+        if dt in FLOATS:
+            ref = sum(as_f64(sc[p], dt)[0] * as_f64(ins[p], dt) for p in range(n))[lo:hi]
+        else:
+            with np.errstate(over="ignore"):
+                ref = ins[0] * sc[0][0]
+                for p in range(1, n):
+                    ref = (ref + ins[p] * sc[p][0]).astype(NP[dt])
+                ref = ref[lo:hi]
+        return close(recv, ref, dt, n + 4)
+
+    def split(self, case):
+        """colors rank % 2 (rank 0: NOCOLOR when n > 2), keys descending: the new ranks are
+        ordered by key; an all_reduce on each new communicator."""
+        n, r = self.n, self.rank
+        color = capi.SPLIT_NOCOLOR if (r == 0 and n > 2) else r % 2
+        sub = self.c.split(color, -r)
+        if color == capi.SPLIT_NOCOLOR:
+            return None if sub is None else "NOCOLOR gave a communicator"
+        members = [p for p in range(n) if (capi.SPLIT_NOCOLOR if (p == 0 and n > 2) else p % 2) == color]
+        want_rank = sorted(members, key=lambda p: -p).index(r)
+        if sub.size != len(members) or sub.rank != want_rank:
+            return f"split: size {sub.size} rank {sub.rank}, expected {len(members)} / {want_rank}"
+        x = np.full(10, float(r), np.float64)
+        sub.all_reduce(x, x, 10, "float64", "sum")
+        sub.destroy()
+        return None if np.all(x == sum(members)) else f"split all_reduce: {x[0]} != {sum(members)}"
+
     def broadcast(self, case, dt, count, root, inplace):
         x = data(case, root, count, dt, "sum")
         recv = x.copy() if (inplace and self.rank == root) else np.full(count, 7, dtype=NP[dt])
@@ -166,10 +277,10 @@ class Cases:
             return None
         mine = data(case, r, count, "float32", "sum")
         got = np.zeros(count, np.float32)
-        capi.group_start()
+        group_start()
         self.c.send(mine, count, "float32", (r + 1) % n)
         self.c.recv(got, count, "float32", (r - 1) % n)
-        capi.group_end()
+        group_end()
         want = data(case, (r - 1) % n, count, "float32", "sum")
         return None if np.array_equal(got, want) else "ring exchange: wrong data"
 
@@ -226,8 +337,13 @@ class Cases:
         return None if np.all(x == want) else f"after errors: {x.tolist()} != {want}"
 
 
-def run_cases(comm, rank, n):
-    c = Cases(comm, rank, n)
+LABELS: list = []  # every rank's vendor label (from the job file)
+
+
+def run_cases(comm, rank, n, stream=None):
+    c = Cases(comm, rank, n, stream)
+    if stream:
+        _STREAMS.append(c.c)
     for dt in FLOATS + INTS:
         ops = ["sum", "prod", "max", "min", "avg"]
         if dt in ("uint32", "uint64"):
@@ -245,16 +361,35 @@ def run_cases(comm, rank, n):
         c.run(f"all_gather/{dt}/inplace", c.all_gather, dt, 77, True)
         for root in range(n):
             c.run(f"broadcast/{dt}/root{root}", c.broadcast, dt, 1031, root, False)
+        for op in ("sum", "max") if dt not in ("uint32", "uint64") else ("sum",):
+            c.run(f"reduce/{dt}/{op}/root{n - 1}", c.reduce, dt, op, 1031, n - 1)
+        for count in (0, 5):
+            c.run(f"all_to_all/{dt}/{count}", c.all_to_all, dt, count, False)
+        c.run(f"all_to_all/{dt}/inplace", c.all_to_all, dt, 33, True)
     # large: several engine chunks per step and several broadcast segments
     for dt in ("float32", "bfloat16"):
         c.run(f"all_reduce/{dt}/sum/large", c.all_reduce, dt, "sum", 300_000, False)
     c.run("reduce_scatter/float32/sum/large", c.reduce_scatter, "float32", "sum", 150_000, False)
     c.run("all_gather/float32/large", c.all_gather, "float32", 150_000, False)
     c.run("broadcast/float32/large", c.broadcast, "float32", 400_000, n - 1, True)
+    c.run("reduce/float32/sum/large", c.reduce, "float32", "sum", 300_000, 0)
+    for dt in ("float32", "bfloat16", "float64", "int32"):
+        for coll in ("all_reduce", "reduce_scatter"):
+            for device in (False, True):
+                c.run(f"premul/{dt}/{coll}/{'device' if device else 'host'}", c.premul, dt, coll, device)
+    if not stream:
+        c.run("split", c.split)
+        groups, mine = comm.vendor_groups()
+        if (groups, mine) != (len(set(LABELS)), LABELS.count(os.environ.get("HETCCL_VENDOR", ""))):
+            c.out["vendor_groups"] = f"{groups}, {mine} for labels {LABELS}"
+    c.run("all_to_all/float32/large", c.all_to_all, "float32", 100_000, False)
     c.run("p2p/ring", c.p2p_ring, 1000)
     c.run("p2p/ring_large", c.p2p_ring, 300_000)
     c.run("p2p/far", c.p2p_far, 2000)
-    c.run("p2p/size_mismatch", c.p2p_size_mismatch)
+    if not stream:  # on a stream, a size mismatch breaks the communicator (an async error)
+        c.run("p2p/size_mismatch", c.p2p_size_mismatch)
+    if stream:
+        return {"cases": c.out, "digests": c.digests, "info": comm.info()}
     # bad input: every rank returns the error, the communicator stays usable
     x = np.ones(16, np.float32)
     if n > 1:
@@ -273,7 +408,7 @@ def run_cases(comm, rank, n):
         c.run("error/stream_one_rank", c.expect_all,
               lambda: comm.all_gather(x, np.zeros(16 * n, np.float32), 4, "float32",
                                       stream=1 if rank == 1 else None),
-              capi.INVALID_USAGE, "stream")
+              capi.INVALID_USAGE, "stream", "cannot open")
     c.run("error/unsigned_max", c.expect_all,
           lambda: comm.all_reduce(x, x, 2, "uint32", "max"), capi.INVALID_ARGUMENT, "uint32")
     c.run("error/unknown_dtype", c.expect_all,
@@ -282,6 +417,102 @@ def run_cases(comm, rank, n):
     if comm.async_error() != 0:
         c.out["async_error"] = f"async error {comm.async_error()} after argument errors"
     return {"cases": c.out, "digests": c.digests, "info": comm.info()}
+
+
+def run_stream(comm, rank, n):
+    """The stream path (HETCCL_CAPI_DEVICE=emulated): every case of run_cases on a stream, then
+    what only streams have: many calls in flight before one wait, the default stream, ranks that
+    mix host and stream calls, a group over two streams, and a refusal (last: it breaks the
+    communicator on every rank)."""
+    s = comm.stream_create()
+    res = run_cases(comm, rank, n, stream=s)
+    out = res["cases"]
+
+    def case(name, fn):
+        try:
+            r = fn()
+            out[name] = "ok" if r is None else r
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+
+    def burst():
+        xs = [np.full(4099, float(rank + k), np.float32) for k in range(40)]
+        for x in xs:
+            comm.all_reduce(x, x, x.size, "float32", "sum", stream=s)
+        comm.stream_sync(s)
+        for k, x in enumerate(xs):
+            want = sum(r + k for r in range(n))
+            if not np.all(x == want):
+                return f"call {k} of 40 in flight: {x[:3].tolist()} != {want}"
+        return None
+
+    def default_stream():
+        x = np.full(100, float(rank + 1), np.float64)
+        comm.all_reduce(x, x, 100, "float64", "sum", stream=capi.STREAM_DEFAULT)
+        comm.stream_sync(capi.STREAM_DEFAULT)
+        return None if np.all(x == n * (n + 1) / 2) else f"default stream: {x[:3].tolist()}"
+
+    def mixed():
+        x = np.full(1000, float(rank + 1), np.float32)
+        y = np.zeros(1000 * n, np.float32)
+        if rank % 2:
+            comm.all_reduce(x, x, 1000, "float32", "sum", stream=s)
+            comm.all_gather(x, y, 1000, "float32", stream=s)
+            comm.stream_sync(s)
+        else:
+            comm.all_reduce(x, x, 1000, "float32", "sum")
+            comm.all_gather(x, y, 1000, "float32")
+        want = n * (n + 1) / 2
+        return None if np.all(x == want) and np.all(y == want) else "host and stream ranks disagree"
+
+    def two_streams():
+        if n == 1:
+            return None
+        s2 = comm.stream_create()
+        mine = np.arange(5000, dtype=np.float32) + rank
+        got = np.zeros(5000, np.float32)
+        capi.group_start()
+        comm.send(mine, 5000, "float32", (rank + 1) % n, stream=s)
+        comm.recv(got, 5000, "float32", (rank - 1) % n, stream=s2)
+        capi.group_end()
+        comm.stream_sync(s2)
+        comm.stream_sync(s)
+        want = np.arange(5000, dtype=np.float32) + (rank - 1) % n
+        return None if np.array_equal(got, want) else "group over two streams: wrong data"
+
+    case("stream/burst40", burst)
+    case("stream/default_stream", default_stream)
+    case("stream/mixed_host_and_stream", mixed)
+    case("stream/group_two_streams", two_streams)
+
+    def refusal():
+        """rank n-1 names a root out of range: it returns the refusal at once; every rank's
+        communicator then reports hetcclInvalidArgument as its async error, with the text."""
+        x = np.ones(8, np.float32)
+        root = n + 3 if rank == n - 1 else 0
+        try:
+            comm.broadcast(x, x, 8, "float32", root, stream=s)
+            if rank == n - 1:
+                return "no immediate error on the refusing rank"
+        except capi.HetcclError as e:
+            if rank != n - 1 or e.code != capi.INVALID_ARGUMENT:
+                return f"unexpected {e}"
+        comm.stream_sync(s)
+        end = time.time() + 30
+        while comm.async_error() == 0 and time.time() < end:
+            time.sleep(0.01)
+        if comm.async_error() != capi.INVALID_ARGUMENT:
+            return f"async error {comm.async_error()}"
+        try:
+            comm.all_reduce(x, x, 8, "float32", "sum", stream=s)
+        except capi.HetcclError as e:
+            return None if "root" in e.text and str(n + 3) in e.text else f"text: {e.text}"
+        return "a later call succeeded"
+
+    if n > 1:
+        case("stream/refusal_breaks_every_rank", refusal)
+    res["info"] = comm.info()
+    return res
 
 
 def run_death(comm, rank, n, args):
@@ -331,11 +562,15 @@ def main():
                 raise SystemExit(f"rank {rank}: no unique id in {path} after 60 s")
             time.sleep(0.05)
         uid = open(path).read()
+    LABELS[:] = args.get("labels", [])
     t0 = time.time()
     comm = capi.Comm(n, bytes.fromhex(uid), rank)
     init_s = time.time() - t0
     if args["mode"] == "cases":
         res = run_cases(comm, rank, n)
+        comm.destroy()
+    elif args["mode"] == "stream":
+        res = run_stream(comm, rank, n)
         comm.destroy()
     elif args["mode"] == "death":
         res = run_death(comm, rank, n, args)

@@ -30,7 +30,8 @@ def launch(tmp_path, split: str, mode: str, env=None, timeout=240, **extra):
         out = str(tmp_path / f"{mode}-r{r}.json")
         cfg = str(tmp_path / f"{mode}-r{r}.cfg")
         with open(cfg, "w") as f:
-            json.dump({"uid": uid, "rank": r, "n": n, "mode": mode, "out": out, **extra}, f)
+            json.dump({"uid": uid, "rank": r, "n": n, "mode": mode, "out": out, "labels": labels,
+                       **extra}, f)
         e = {**os.environ, "HETCCL_VENDOR": lab, **(env or {})}
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "capi_worker.py"), cfg],
                                       env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -57,7 +58,10 @@ def launch(tmp_path, split: str, mode: str, env=None, timeout=240, **extra):
 def test_collectives_against_references(tmp_path, split, algo):
     """auto: recursive doubling for small all_reduces and the check where n is a power of two
     (csrc/api/select.cc), rings otherwise; ring / rd force one (HETCCL_CAPI_ALGO)."""
-    res, procs, logs = launch(tmp_path, split, "cases", env={"HETCCL_CAPI_ALGO": algo})
+    res, procs, logs = launch(tmp_path, split, "cases",
+                              env={"HETCCL_CAPI_ALGO": algo,
+                                   # a stream's runtime that cannot be opened (error/stream_one_rank)
+                                   "HETCCL_CAPI_DEVICE_LIBRARY": "/nonexistent/libcuda.so.1"})
     n = len(SPLITS[split])
     assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
@@ -80,6 +84,29 @@ def test_collectives_against_references(tmp_path, split, algo):
     for key in res[0]["digests"]:
         vals = {r: res[r]["digests"].get(key) for r in res}
         assert len(set(vals.values())) == 1, (key, vals)
+
+
+@pytest.mark.parametrize("split,runtime", [("1", "emulated"), ("1+1", "emulated"),
+                                           ("2+1", "emulated"), ("1+1+1", "emulated-hip"),
+                                           ("2+2", "emulated")])
+def test_stream_path(tmp_path, split, runtime):
+    """Calls with a stream (csrc/api/stream_path.h) on the emulated device runtime, CUDA's and
+    HIP's comparison rules: every collective case of the host test, on a stream, against the
+    same references and with the same bits as the host path; 40 calls in flight; the default
+    stream; host and stream ranks mixed; a group over two streams; a refusal reaching every
+    rank as its async error."""
+    res, procs, logs = launch(tmp_path, split, "stream", env={"HETCCL_CAPI_DEVICE": runtime})
+    n = len(SPLITS[split])
+    assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    cases = res[0]["cases"]
+    assert len(cases) > 200 and "stream/burst40" in cases, len(cases)
+    bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
+    info = res[0]["info"]
+    assert int(info["stream_jobs"]) > 200, info  # the calls took the stream path
+    for r in res:
+        assert res[r]["digests"] == res[0]["digests"] or n == 1, f"rank {r} has other bits"
 
 
 def test_links_stay_constant_per_rank(tmp_path):

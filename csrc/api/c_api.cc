@@ -10,6 +10,7 @@
 //  * a dead peer or a timeout returns hetcclRemoteError, anything else hetcclInternalError or
 //    hetcclSystemError; the communicator is then broken: every later call returns that code at
 //    once, and hetcclCommGetAsyncError reports it.
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <new>
@@ -91,25 +92,12 @@ hetcclResult_t run(hetcclComm* comm, const char* what, const std::function<void(
   try {
     fn(c);
     return hetcclSuccess;
-  } catch (const UsageError& e) {
-    return fail(comm, hetcclInvalidUsage, e.what());
-  } catch (const hetccl::ArgMismatch& e) {
-    return fail(comm, hetcclInvalidArgument, e.what());
-  } catch (const hetccl::PeerFailure& e) {
-    c.mark_broken(hetcclRemoteError, e.what());
-    return fail(comm, hetcclRemoteError, e.what());
-  } catch (const hetccl::CommTimeout& e) {
-    c.mark_broken(hetcclRemoteError, e.what());
-    return fail(comm, hetcclRemoteError, e.what());
-  } catch (const hetccl::CommError& e) {
-    c.mark_broken(hetcclSystemError, e.what());
-    return fail(comm, hetcclSystemError, e.what());
-  } catch (const std::bad_alloc&) {
-    c.mark_broken(hetcclSystemError, "hetccl: out of memory");
-    return fail(comm, hetcclSystemError, std::string("hetccl: ") + what + ": out of memory");
-  } catch (const std::exception& e) {
-    c.mark_broken(hetcclInternalError, e.what());
-    return fail(comm, hetcclInternalError, e.what());
+  } catch (...) {
+    std::string text;
+    bool argument = false;
+    hetcclResult_t code = hetccl::api::classify(std::current_exception(), &text, &argument);
+    if (!argument) c.mark_broken(code, text);
+    return fail(comm, code, text);
   }
 }
 
@@ -131,15 +119,128 @@ void checked(Comm& c, hetccl::api::Coll coll, size_t count, int dtype, int op, i
   }
 }
 
-Refusal common_refusal(const char* what, const void* stream, const DT& dt, int dtype) {
-  if (stream)
-    return {std::string("hetccl: ") + what + ": a stream was given, but this C API revision "
-            "takes host memory only (stream must be NULL)", true};
+Refusal common_refusal(const char* what, const DT& dt, int dtype) {
   if (!dt.ok) return {std::string("hetccl: ") + what + ": unknown datatype " + std::to_string(dtype)};
   return {};
 }
 
-Refusal reduce_refusal(const char* what, const DT& dt, int op, hetccl::ReduceOp* rop) {
+[[noreturn]] void refuse(const Refusal& why) {
+  if (why.usage) throw UsageError(why.text);
+  throw hetccl::ArgMismatch(why.text);
+}
+
+// A host call: inline, or on the stream path's executor once the communicator has one (the
+// order every rank issues in is then kept: stream_path.h).
+void host_call(Comm& c, const std::function<void(Comm&)>& fn) {
+  if (c.has_streams())
+    c.streams().run_host(fn);
+  else
+    fn(c);
+}
+
+void* resolve_stream(Comm& c, void* stream) {
+  return stream == HETCCL_STREAM_DEFAULT ? c.streams().default_stream() : stream;
+}
+
+// One collective as both paths need it: its header for the check, this rank's refusal, the
+// algorithm on host pointers, and where its data sits in a staging buffer (stream path:
+// send = staging + in_off, recv = staging + out_off; in place wherever the layout allows).
+struct Call {
+  hetccl::api::Coll coll;
+  size_t count;
+  int dtype, op, root;
+  Refusal why;
+  std::function<void(Comm&, const void*, void*)> algo;
+  const void* send;
+  void* recv;
+  size_t bytes = 0, in_off = 0, in_bytes = 0, out_off = 0, out_bytes = 0;
+  // PreMulSum: the input (in_bytes at in_off, elements of esize) is multiplied by the scalar
+  // first (on a copy: the caller's sendbuff stays as it was).
+  const Comm::PreMul* premul = nullptr;
+  size_t esize = 0;
+};
+
+void premul_scale(const Comm& c, const DT& dt, void* data, size_t bytes, const void* scalar) {
+  hetccl::scale_mul(dt.engine, data, bytes / dt.size, scalar, c.settings.reduce_threads);
+}
+
+// Opens the stream path; a runtime that cannot be opened is this rank's usage refusal (the
+// call then goes the host way, so the refusal reaches every rank through the check).
+bool stream_usable(Comm& c, const char* what, Refusal* why) {
+  try {
+    c.streams();
+    return true;
+  } catch (const std::exception& e) {
+    if (why->empty()) *why = {std::string("hetccl: ") + what + ": a stream was given, but " + e.what(), true};
+    return false;
+  }
+}
+
+void dispatch(Comm& c, void* stream, Call k) {
+  if (stream && !stream_usable(c, hetccl::api::coll_name(k.coll), &k.why)) stream = nullptr;
+  DT dt = dtype_of(k.dtype);
+  if (!stream) {
+    host_call(c, [&](Comm& cc) {
+      checked(cc, k.coll, k.count, k.dtype, k.op, k.root, k.why);
+      if (k.premul && k.in_bytes) {
+        std::vector<char> scaled(static_cast<const char*>(k.send), static_cast<const char*>(k.send) + k.in_bytes);
+        premul_scale(cc, dt, scaled.data(), k.in_bytes, k.premul->device ? k.premul->ptr : k.premul->value);
+        k.algo(cc, scaled.data(), k.recv);
+        return;
+      }
+      k.algo(cc, k.send, k.recv);
+    });
+    return;
+  }
+  hetccl::api::StreamJob j;
+  j.stream = resolve_stream(c, stream);
+  if (!k.why.empty()) {
+    // The refusal still travels to every rank (their stream calls break with its text);
+    // this rank returns it now.
+    if (c.settings.check_args) {
+      j.host = [k](Comm& cc, char*) { checked(cc, k.coll, k.count, k.dtype, k.op, k.root, k.why); };
+      c.streams().issue(std::move(j));
+    }
+    refuse(k.why);
+  }
+  j.bytes = k.bytes;
+  if (k.in_bytes) j.in.push_back({const_cast<void*>(k.send), k.in_off, k.in_bytes});
+  if (k.out_bytes) j.out.push_back({k.recv, k.out_off, k.out_bytes});
+  // PreMulSum with a device scalar: one more copy in, after the data
+  size_t scalar_off = (k.bytes + 63) / 64 * 64;
+  Comm::PreMul pm;
+  if (k.premul) {
+    pm = *k.premul;
+    if (pm.device) {
+      j.in.push_back({const_cast<void*>(pm.ptr), scalar_off, dt.size});
+      j.bytes = scalar_off + dt.size;
+    }
+  }
+  bool has_premul = k.premul != nullptr;
+  k.premul = nullptr;
+  j.host = [k, dt, pm, has_premul, scalar_off](Comm& cc, char* st) {
+    checked(cc, k.coll, k.count, k.dtype, k.op, k.root, Refusal{});
+    if (has_premul) premul_scale(cc, dt, st + k.in_off, k.in_bytes, pm.device ? st + scalar_off : pm.value);
+    k.algo(cc, st + k.in_off, st + k.out_off);
+  };
+  c.streams().issue(std::move(j));
+}
+
+// A PreMulSum operator of this communicator (nullptr for the built-in ones).
+const Comm::PreMul* premul_of(const Comm& c, int op) {
+  int i = op - hetcclNumOps;
+  if (i < 0 || i >= int(c.premul.size()) || !c.premul[size_t(i)].live) return nullptr;
+  return &c.premul[size_t(i)];
+}
+
+Refusal reduce_refusal(const Comm& c, const char* what, const DT& dt, int op, hetccl::ReduceOp* rop) {
+  if (const Comm::PreMul* pm = premul_of(c, op)) {
+    if (std::strcmp(dtype_of(pm->dtype).name, dt.name) != 0)
+      return {std::string("hetccl: ") + what + ": the PreMulSum operator " + std::to_string(op) + " was made for " +
+              dtype_of(pm->dtype).name + ", the call's datatype is " + dt.name};
+    *rop = hetccl::ReduceOp::SUM;
+    return {};
+  }
   if (!op_of(op, rop)) return {std::string("hetccl: ") + what + ": unknown reduction op " + std::to_string(op)};
   if (dt.unsigned_wide && *rop != hetccl::ReduceOp::SUM && *rop != hetccl::ReduceOp::PROD)
     return {std::string("hetccl: ") + what + ": reductions other than sum and prod of " + dt.name +
@@ -256,22 +357,64 @@ hetcclResult_t hetcclCommInfo(hetcclComm_t comm, char* buf, size_t len) {
   return hetcclSuccess;
 }
 
+namespace {
+void all_reduce_any(Comm& c, const void* send, void* recv, size_t count, const DT& dt, hetccl::ReduceOp rop) {
+  if (hetccl::api::select_all_reduce(c, count * dt.size) == hetccl::api::Algo::RecursiveDoubling) {
+    ++c.algo_runs["all_reduce_rd"];
+    hetccl::api::all_reduce_recursive_doubling(c, send, recv, count, dt.engine, dt.size, rop);
+  } else {
+    ++c.algo_runs["all_reduce_ring"];
+    hetccl::api::all_reduce_ring(c, send, recv, count, dt.engine, dt.size, rop);
+  }
+}
+}  // namespace
+
 hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t count, hetcclDataType_t datatype,
                                hetcclRedOp_t op, hetcclComm_t comm, void* stream) {
   return run(comm, "all_reduce", [&](Comm& c) {
     DT dt = dtype_of(datatype);
     hetccl::ReduceOp rop = hetccl::ReduceOp::SUM;
-    Refusal why = common_refusal("all_reduce", stream, dt, datatype);
-    if (why.empty()) why = reduce_refusal("all_reduce", dt, op, &rop);
+    Refusal why = common_refusal("all_reduce", dt, datatype);
+    if (why.empty()) why = reduce_refusal(c, "all_reduce", dt, op, &rop);
     if (why.empty() && count && (!sendbuff || !recvbuff)) why = {"hetccl: all_reduce: a NULL buffer"};
-    checked(c, hetccl::api::Coll::AllReduce, count, datatype, op, -1, why);
-    if (hetccl::api::select_all_reduce(c, count * dt.size) == hetccl::api::Algo::RecursiveDoubling) {
-      ++c.algo_runs["all_reduce_rd"];
-      hetccl::api::all_reduce_recursive_doubling(c, sendbuff, recvbuff, count, dt.engine, dt.size, rop);
-    } else {
-      ++c.algo_runs["all_reduce_ring"];
-      hetccl::api::all_reduce_ring(c, sendbuff, recvbuff, count, dt.engine, dt.size, rop);
-    }
+    size_t n = count * dt.size;
+    Call k{hetccl::api::Coll::AllReduce, count, datatype, op, -1, why,
+           [count, dt, rop](Comm& cc, const void* s, void* r) { all_reduce_any(cc, s, r, count, dt, rop); },
+           sendbuff, recvbuff};
+    k.bytes = k.in_bytes = k.out_bytes = n;
+    k.premul = premul_of(c, op);
+    dispatch(c, stream, k);
+  });
+}
+
+hetcclResult_t hetcclReduce(const void* sendbuff, void* recvbuff, size_t count, hetcclDataType_t datatype,
+                            hetcclRedOp_t op, int root, hetcclComm_t comm, void* stream) {
+  return run(comm, "reduce", [&](Comm& c) {
+    DT dt = dtype_of(datatype);
+    hetccl::ReduceOp rop = hetccl::ReduceOp::SUM;
+    Refusal why = common_refusal("reduce", dt, datatype);
+    if (why.empty()) why = reduce_refusal(c, "reduce", dt, op, &rop);
+    if (why.empty() && (root < 0 || root >= c.size))
+      why = {"hetccl: reduce: root " + std::to_string(root) + " is out of range for " + std::to_string(c.size) + " ranks"};
+    if (why.empty() && count && (!sendbuff || (c.rank == root && !recvbuff))) why = {"hetccl: reduce: a NULL buffer"};
+    size_t n = count * dt.size;
+    bool is_root = c.rank == root;
+    // An all_reduce whose result only the root keeps (the other ranks' recvbuff is untouched,
+    // as NCCL documents it as unused there): the flat algorithms have no cheaper rooted form.
+    Call k{hetccl::api::Coll::Reduce, count, datatype, op, root, why,
+           [count, dt, rop, is_root, n](Comm& cc, const void* s, void* r) {
+             if (is_root) {
+               all_reduce_any(cc, s, r, count, dt, rop);
+             } else {
+               std::vector<char> scratch(n);
+               all_reduce_any(cc, s, scratch.data(), count, dt, rop);
+             }
+           },
+           sendbuff, recvbuff};
+    k.bytes = k.in_bytes = n;
+    k.out_bytes = is_root ? n : 0;
+    k.premul = premul_of(c, op);
+    dispatch(c, stream, k);
   });
 }
 
@@ -279,13 +422,18 @@ hetcclResult_t hetcclBroadcast(const void* sendbuff, void* recvbuff, size_t coun
                                int root, hetcclComm_t comm, void* stream) {
   return run(comm, "broadcast", [&](Comm& c) {
     DT dt = dtype_of(datatype);
-    Refusal why = common_refusal("broadcast", stream, dt, datatype);
+    Refusal why = common_refusal("broadcast", dt, datatype);
     if (why.empty() && (root < 0 || root >= c.size))
       why = {"hetccl: broadcast: root " + std::to_string(root) + " is out of range for " +
              std::to_string(c.size) + " ranks"};
     if (why.empty() && count && (!recvbuff || (c.rank == root && !sendbuff))) why = {"hetccl: broadcast: a NULL buffer"};
-    checked(c, hetccl::api::Coll::Broadcast, count, datatype, -1, root, why);
-    hetccl::api::broadcast_chain(c, sendbuff, recvbuff, count * dt.size, root);
+    size_t n = count * dt.size;
+    Call k{hetccl::api::Coll::Broadcast, count, datatype, -1, root, why,
+           [n, root](Comm& cc, const void* s, void* r) { hetccl::api::broadcast_chain(cc, s, r, n, root); },
+           sendbuff, recvbuff};
+    k.bytes = k.out_bytes = n;
+    k.in_bytes = c.rank == root ? n : 0;
+    dispatch(c, stream, k);
   });
 }
 
@@ -293,10 +441,16 @@ hetcclResult_t hetcclAllGather(const void* sendbuff, void* recvbuff, size_t send
                                hetcclComm_t comm, void* stream) {
   return run(comm, "all_gather", [&](Comm& c) {
     DT dt = dtype_of(datatype);
-    Refusal why = common_refusal("all_gather", stream, dt, datatype);
+    Refusal why = common_refusal("all_gather", dt, datatype);
     if (why.empty() && sendcount && (!sendbuff || !recvbuff)) why = {"hetccl: all_gather: a NULL buffer"};
-    checked(c, hetccl::api::Coll::AllGather, sendcount, datatype, -1, -1, why);
-    hetccl::api::all_gather_ring(c, sendbuff, recvbuff, sendcount, dt.size);
+    size_t n = sendcount * dt.size;
+    Call k{hetccl::api::Coll::AllGather, sendcount, datatype, -1, -1, why,
+           [sendcount, dt](Comm& cc, const void* s, void* r) { hetccl::api::all_gather_ring(cc, s, r, sendcount, dt.size); },
+           sendbuff, recvbuff};
+    k.bytes = k.out_bytes = n * size_t(c.size);
+    k.in_off = n * size_t(c.rank);  // in place in the staging buffer
+    k.in_bytes = n;
+    dispatch(c, stream, k);
   });
 }
 
@@ -305,22 +459,143 @@ hetcclResult_t hetcclReduceScatter(const void* sendbuff, void* recvbuff, size_t 
   return run(comm, "reduce_scatter", [&](Comm& c) {
     DT dt = dtype_of(datatype);
     hetccl::ReduceOp rop = hetccl::ReduceOp::SUM;
-    Refusal why = common_refusal("reduce_scatter", stream, dt, datatype);
-    if (why.empty()) why = reduce_refusal("reduce_scatter", dt, op, &rop);
+    Refusal why = common_refusal("reduce_scatter", dt, datatype);
+    if (why.empty()) why = reduce_refusal(c, "reduce_scatter", dt, op, &rop);
     if (why.empty() && recvcount && (!sendbuff || !recvbuff)) why = {"hetccl: reduce_scatter: a NULL buffer"};
-    checked(c, hetccl::api::Coll::ReduceScatter, recvcount, datatype, op, -1, why);
-    hetccl::api::reduce_scatter_ring(c, sendbuff, recvbuff, recvcount, dt.engine, dt.size, rop);
+    size_t n = recvcount * dt.size;
+    Call k{hetccl::api::Coll::ReduceScatter, recvcount, datatype, op, -1, why,
+           [recvcount, dt, rop](Comm& cc, const void* s, void* r) {
+             hetccl::api::reduce_scatter_ring(cc, s, r, recvcount, dt.engine, dt.size, rop);
+           },
+           sendbuff, recvbuff};
+    k.bytes = k.in_bytes = n * size_t(c.size);
+    k.out_off = n * size_t(c.rank);  // in place in the staging buffer
+    k.out_bytes = n;
+    k.premul = premul_of(c, op);
+    dispatch(c, stream, k);
+  });
+}
+
+hetcclResult_t hetcclAllToAll(const void* sendbuff, void* recvbuff, size_t count, hetcclDataType_t datatype,
+                              hetcclComm_t comm, void* stream) {
+  return run(comm, "all_to_all", [&](Comm& c) {
+    DT dt = dtype_of(datatype);
+    Refusal why = common_refusal("all_to_all", dt, datatype);
+    if (why.empty() && count && (!sendbuff || !recvbuff)) why = {"hetccl: all_to_all: a NULL buffer"};
+    size_t n = count * dt.size, total = n * size_t(c.size);
+    if (why.empty() && count && sendbuff != recvbuff) {
+      const char* s = static_cast<const char*>(sendbuff);
+      const char* r = static_cast<const char*>(recvbuff);
+      if (s < r + total && r < s + total) why = {"hetccl: all_to_all: sendbuff and recvbuff overlap without being equal"};
+    }
+    Call k{hetccl::api::Coll::AllToAll, count, datatype, -1, -1, why,
+           [n](Comm& cc, const void* s, void* r) { hetccl::api::all_to_all_pairwise(cc, s, r, n); },
+           sendbuff, recvbuff};
+    k.bytes = 2 * total;  // staging: sends, then receives
+    k.in_bytes = total;
+    k.out_off = total;
+    k.out_bytes = total;
+    dispatch(c, stream, k);
+  });
+}
+
+// ---------------------------------------------------------------------------- communicators
+hetcclResult_t hetcclCommVendorGroups(hetcclComm_t comm, int* ngroups, int* mygroupsize) {
+  return run(comm, "hetcclCommVendorGroups", [&](Comm& c) {
+    std::vector<std::string> labels;
+    int mine = 0;
+    for (auto& p : c.peers) {
+      if (std::find(labels.begin(), labels.end(), p.vendor) == labels.end()) labels.push_back(p.vendor);
+      if (p.vendor == c.peers[size_t(c.rank)].vendor) ++mine;
+    }
+    if (ngroups) *ngroups = int(labels.size());
+    if (mygroupsize) *mygroupsize = mine;
+  });
+}
+
+hetcclResult_t hetcclCommSplit(hetcclComm_t comm, int color, int key, hetcclComm_t* newcomm) {
+  if (!newcomm) return fail(comm, hetcclInvalidArgument, "hetccl: hetcclCommSplit: newcomm is NULL");
+  *newcomm = nullptr;
+  Comm* made = nullptr;
+  hetcclResult_t r = run(comm, "comm_split", [&](Comm& c) {
+    if (color < HETCCL_SPLIT_NOCOLOR)
+      throw hetccl::ArgMismatch("hetccl: comm_split: color " + std::to_string(color) +
+                                " is negative (only HETCCL_SPLIT_NOCOLOR = -1 is allowed)");
+    // 1: every rank's (color, key); 2: each color's first rank makes a unique id, every rank
+    // gathers the ids; 3: the members of a color join with their place in (key, rank) order.
+    const int n = c.size;
+    std::vector<int64_t> ck(2 * size_t(n));
+    int64_t mine[2] = {color, key};
+    host_call(c, [&](Comm& cc) { hetccl::api::all_gather_ring(cc, mine, ck.data(), 2, sizeof(int64_t)); });
+    int leader = -1, place = 0, members = 0;
+    std::vector<std::pair<int64_t, int>> order;
+    for (int p = 0; p < n; ++p)
+      if (ck[2 * size_t(p)] == color) {
+        if (leader < 0) leader = p;
+        order.push_back({ck[2 * size_t(p) + 1], p});
+      }
+    std::sort(order.begin(), order.end());
+    for (size_t i = 0; i < order.size(); ++i)
+      if (order[i].second == c.rank) place = int(i);
+    members = int(order.size());
+    hetcclUniqueId id;
+    std::memset(&id, 0, sizeof id);
+    if (color != HETCCL_SPLIT_NOCOLOR && leader == c.rank) {
+      hetccl::api::Settings st = c.settings;
+      std::string host = st.ifname.empty() ? hetccl::api::default_root_host() : hetccl::api::iface_addr(st.ifname);
+      id = hetccl::api::make_root(host, st.timeout_ms);
+    }
+    std::vector<hetcclUniqueId> ids(static_cast<size_t>(n));
+    host_call(c, [&](Comm& cc) { hetccl::api::all_gather_ring(cc, &id, ids.data(), 1, sizeof(hetcclUniqueId)); });
+    if (color == HETCCL_SPLIT_NOCOLOR) return;
+    made = new Comm(members, ids[size_t(leader)], place);
+  });
+  if (r != hetcclSuccess) return r;
+  if (made) *newcomm = new hetcclComm{made};
+  return hetcclSuccess;
+}
+
+hetcclResult_t hetcclRedOpCreatePreMulSum(hetcclRedOp_t* op, void* scalar, hetcclDataType_t datatype,
+                                          hetcclScalarResidence_t residence, hetcclComm_t comm) {
+  return run(comm, "hetcclRedOpCreatePreMulSum", [&](Comm& c) {
+    DT dt = dtype_of(datatype);
+    if (!op || !scalar) throw hetccl::ArgMismatch("hetccl: hetcclRedOpCreatePreMulSum: NULL argument");
+    if (!dt.ok) throw hetccl::ArgMismatch("hetccl: hetcclRedOpCreatePreMulSum: unknown datatype " + std::to_string(datatype));
+    if (residence != hetcclScalarDevice && residence != hetcclScalarHostImmediate)
+      throw hetccl::ArgMismatch("hetccl: hetcclRedOpCreatePreMulSum: unknown residence " + std::to_string(residence));
+    Comm::PreMul pm;
+    pm.live = true;
+    pm.dtype = datatype;
+    pm.device = residence == hetcclScalarDevice;
+    pm.ptr = scalar;
+    if (!pm.device) std::memcpy(pm.value, scalar, dt.size);
+    size_t i = 0;
+    while (i < c.premul.size() && c.premul[i].live) ++i;
+    if (i == c.premul.size()) c.premul.push_back(pm);
+    else c.premul[i] = pm;
+    *op = hetcclRedOp_t(hetcclNumOps + int(i));
+  });
+}
+
+hetcclResult_t hetcclRedOpDestroy(hetcclRedOp_t op, hetcclComm_t comm) {
+  return run(comm, "hetcclRedOpDestroy", [&](Comm& c) {
+    int i = int(op) - hetcclNumOps;
+    if (i < 0 || i >= int(c.premul.size()) || !c.premul[size_t(i)].live)
+      throw hetccl::ArgMismatch("hetccl: hetcclRedOpDestroy: " + std::to_string(int(op)) +
+                                " is not a PreMulSum operator of this communicator");
+    c.premul[size_t(i)].live = false;  // calls already issued hold their own copy
   });
 }
 
 // ---------------------------------------------------------------------------- point to point
 namespace {
-struct Pending {
+struct P2P {
   hetcclComm* comm;
-  hetccl::RequestPtr req;
   bool send;
   int peer;
+  void* buf;     // the caller's buffer (host, or device with a stream)
   size_t nbytes;
+  void* stream;  // resolved; nullptr: host
 };
 
 // A receive that completed with fewer bytes than it expected (NCCL: sizes must match).
@@ -329,29 +604,71 @@ void check_size(bool send, int peer, size_t got, size_t n) {
     throw hetccl::ArgMismatch("hetccl: recv from rank " + std::to_string(peer) + ": the message has " +
                               std::to_string(got) + " bytes, the receive expects " + std::to_string(n));
 }
+
+// Posts every operation (at bufs[i]), then waits for all: a pair can exchange both ways.
+void run_p2p(Comm& c, const std::vector<P2P>& ops, const std::vector<char*>& bufs) {
+  std::vector<hetccl::RequestPtr> reqs;
+  reqs.reserve(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i)
+    reqs.push_back(ops[i].send ? c.post_send(ops[i].peer, bufs[i], ops[i].nbytes)
+                               : c.post_recv(ops[i].peer, bufs[i], ops[i].nbytes));
+  for (size_t i = 0; i < ops.size(); ++i)
+    check_size(ops[i].send, ops[i].peer, reqs[i]->wait(c.settings.timeout_ms), ops[i].nbytes);
+}
+
+// One communicator's share of a group (or one call outside a group): host operations run on
+// the calling thread (or the executor, in order), stream operations become one stream job whose
+// staging buffer holds every operation's bytes.
+void issue_p2p(Comm& c, const std::vector<P2P>& ops) {
+  std::vector<P2P> host, dev;
+  for (auto& o : ops) (o.stream ? dev : host).push_back(o);
+  if (!host.empty())
+    host_call(c, [&](Comm& cc) {
+      std::vector<char*> bufs;
+      for (auto& o : host) bufs.push_back(static_cast<char*>(o.buf));
+      run_p2p(cc, host, bufs);
+    });
+  if (dev.empty()) return;
+  hetccl::api::StreamJob j;
+  j.stream = dev[0].stream;
+  std::vector<size_t> offs;
+  for (auto& o : dev) {
+    offs.push_back(j.bytes);
+    if (o.nbytes) (o.send ? j.in : j.out).push_back({o.buf, j.bytes, o.nbytes});
+    j.bytes += (o.nbytes + 63) / 64 * 64;
+    if (o.stream != j.stream && std::find(j.others.begin(), j.others.end(), o.stream) == j.others.end())
+      j.others.push_back(o.stream);
+  }
+  j.host = [dev, offs](Comm& cc, char* st) {
+    std::vector<char*> bufs;
+    for (size_t off : offs) bufs.push_back(st + off);
+    run_p2p(cc, dev, bufs);
+  };
+  c.streams().issue(std::move(j));
+}
+
 thread_local int t_group_depth = 0;
-thread_local std::vector<Pending> t_group;
+thread_local std::vector<P2P> t_group;
 
 hetcclResult_t p2p(bool send, void* buf, size_t count, hetcclDataType_t datatype, int peer,
                    hetcclComm_t comm, void* stream) {
   const char* what = send ? "send" : "recv";
   return run(comm, what, [&](Comm& c) {
     DT dt = dtype_of(datatype);
-    Refusal why = common_refusal(what, stream, dt, datatype);
-    if (!why.empty()) {
-      if (why.usage) throw UsageError(why.text);
-      throw hetccl::ArgMismatch(why.text);
-    }
+    Refusal why = common_refusal(what, dt, datatype);
+    if (!why.empty()) refuse(why);
     if (peer < 0 || peer >= c.size || peer == c.rank)
       throw hetccl::ArgMismatch(std::string("hetccl: ") + what + ": peer " + std::to_string(peer) +
                                 " is not another rank of this communicator of " + std::to_string(c.size));
     size_t n = count * dt.size;
-    auto req = send ? c.post_send(peer, buf, n) : c.post_recv(peer, buf, n);
+    if (n && !buf) throw hetccl::ArgMismatch(std::string("hetccl: ") + what + ": a NULL buffer");
+    if (stream && !stream_usable(c, what, &why)) refuse(why);
+    P2P op{comm, send, peer, buf, n, stream ? resolve_stream(c, stream) : nullptr};
     if (t_group_depth > 0) {
-      t_group.push_back({comm, req, send, peer, n});
+      t_group.push_back(op);
       return;
     }
-    check_size(send, peer, req->wait(c.settings.timeout_ms), n);
+    issue_p2p(c, {op});
   });
 }
 }  // namespace
@@ -374,16 +691,43 @@ hetcclResult_t hetcclGroupStart(void) {
 hetcclResult_t hetcclGroupEnd(void) {
   if (t_group_depth == 0) return fail(nullptr, hetcclInvalidUsage, "hetccl: hetcclGroupEnd without hetcclGroupStart");
   if (--t_group_depth > 0) return hetcclSuccess;
-  std::vector<Pending> ops;
+  std::vector<P2P> ops;
   ops.swap(t_group);
+  // one share per communicator, in the order of its first operation
+  std::vector<hetcclComm*> comms;
+  for (auto& o : ops)
+    if (std::find(comms.begin(), comms.end(), o.comm) == comms.end()) comms.push_back(o.comm);
   hetcclResult_t first = hetcclSuccess;
-  for (auto& p : ops) {
-    hetcclResult_t r = run(p.comm, "group", [&](Comm& c) {
-      check_size(p.send, p.peer, p.req->wait(c.settings.timeout_ms), p.nbytes);
-    });
+  for (hetcclComm* h : comms) {
+    std::vector<P2P> mine;
+    for (auto& o : ops)
+      if (o.comm == h) mine.push_back(o);
+    hetcclResult_t r = run(h, "group", [&](Comm& c) { issue_p2p(c, mine); });
     if (r != hetcclSuccess && first == hetcclSuccess) first = r;
   }
   return first;
+}
+
+// ---------------------------------------------------------------------------- tests
+// Not through run(): a test waits for its streams also after the communicator broke.
+hetcclResult_t hetcclTestStreamCreate(hetcclComm_t comm, void** stream) {
+  if (!comm || !comm->c || !stream) return fail(comm, hetcclInvalidArgument, "hetccl: hetcclTestStreamCreate: NULL argument");
+  try {
+    *stream = comm->c->streams().test_stream();
+    return hetcclSuccess;
+  } catch (const std::exception& e) {
+    return fail(comm, hetcclInvalidUsage, e.what());
+  }
+}
+
+hetcclResult_t hetcclTestStreamSynchronize(hetcclComm_t comm, void* stream) {
+  if (!comm || !comm->c) return fail(comm, hetcclInvalidArgument, "hetccl: hetcclTestStreamSynchronize: NULL argument");
+  try {
+    comm->c->streams().test_sync(resolve_stream(*comm->c, stream));
+    return hetcclSuccess;
+  } catch (const std::exception& e) {
+    return fail(comm, hetcclInvalidUsage, e.what());
+  }
 }
 
 }  // extern "C"

@@ -40,6 +40,8 @@ const char* coll_name(Coll c) {
     case Coll::Broadcast: return "broadcast";
     case Coll::AllGather: return "all_gather";
     case Coll::ReduceScatter: return "reduce_scatter";
+    case Coll::Reduce: return "reduce";
+    case Coll::AllToAll: return "all_to_all";
   }
   return "?";
 }
@@ -81,7 +83,8 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
       throw ArgMismatch(text);
     }
   for (int field = 0; field < 5; ++field) {
-    if (field == 4 && Coll(all[0].f[0]) != Coll::Broadcast) continue;  // root: broadcast only
+    if (field == 4 && Coll(all[0].f[0]) != Coll::Broadcast && Coll(all[0].f[0]) != Coll::Reduce)
+      continue;  // root: rooted collectives only
     std::string diff;
     int shown = 0;
     for (int p = 1; p < n; ++p)

@@ -4,9 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <sstream>
 
 #include "../common.h"
+#include "../crash.h"
 #include "bootstrap.h"
 
 namespace hetccl {
@@ -34,6 +34,7 @@ uint64_t Comm::tag(uint64_t seq, uint32_t s, bool check) {
 
 Comm::Comm(int nranks, const hetcclUniqueId& id, int r) : rank(r), size(nranks) {
   settings = read_settings();
+  if (settings.crash_backtrace) install_crash_backtrace();
   UniqueIdData d = decode_id(id);
   std::string bind = settings.ifname.empty() ? local_addr_towards(d.root) : iface_addr(settings.ifname);
   Options topt{{"secret", to_hex(d.secret)},
@@ -100,12 +101,19 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r) : rank(r), size(nranks) 
   engine_ = std::make_unique<Engine>(links_, eo);
 }
 
-Comm::~Comm() { abort(); }
+Comm::~Comm() {
+  // Destroy: the calls already issued on streams run first (NCCL's ncclCommDestroy completes
+  // them too), bounded by the timeout per call.
+  if (stream_path_) stream_path_->finish(false);
+  abort();
+}
 
 void Comm::abort() {
   if (closed_) return;
   closed_ = true;
-  if (engine_) engine_->close();
+  if (stream_path_) stream_path_->request_abort();
+  if (engine_) engine_->close();  // fails what the executor is waiting for
+  stream_path_.reset();           // joins it, releasing every stream
   if (shm_) shm_->close();
   if (tcp_) tcp_->close();
   engine_.reset();
@@ -154,27 +162,103 @@ RequestPtr Comm::post_recv(int peer, void* buf, size_t nbytes) {
 }
 
 void Comm::mark_broken(hetcclResult_t code, const std::string& text) {
-  if (broken_code_ != hetcclSuccess) return;
-  broken_code_ = code;
-  broken_text_ = text;
+  {
+    std::lock_guard<std::mutex> g(broken_mu_);
+    if (broken_code_.load() != hetcclSuccess) return;
+    broken_text_ = text;
+    broken_code_.store(code, std::memory_order_release);
+  }
   // Fail what the transports still hold so that peers waiting on this rank learn it now.
   if (engine_) engine_->close();
 }
 
+std::string Comm::broken_text() {
+  std::lock_guard<std::mutex> g(broken_mu_);
+  return broken_text_;
+}
+
+hetcclResult_t classify(std::exception_ptr e, std::string* text, bool* argument) {
+  *argument = false;
+  try {
+    std::rethrow_exception(e);
+  } catch (const UsageRefusal& x) {
+    *text = x.what();
+    *argument = true;
+    return hetcclInvalidUsage;
+  } catch (const ArgMismatch& x) {
+    *text = x.what();
+    *argument = true;
+    return hetcclInvalidArgument;
+  } catch (const PeerFailure& x) {
+    *text = x.what();
+    return hetcclRemoteError;
+  } catch (const CommTimeout& x) {
+    *text = x.what();
+    return hetcclRemoteError;
+  } catch (const CommError& x) {
+    *text = x.what();
+    return hetcclSystemError;
+  } catch (const std::bad_alloc&) {
+    *text = "hetccl: out of memory";
+    return hetcclSystemError;
+  } catch (const std::exception& x) {
+    *text = x.what();
+    return hetcclInternalError;
+  } catch (...) {
+    *text = "hetccl: unknown exception";
+    return hetcclInternalError;
+  }
+}
+
+void Comm::note_failure(std::exception_ptr e, bool arguments_too) {
+  std::string text;
+  bool argument = false;
+  hetcclResult_t code = classify(e, &text, &argument);
+  if (argument && !arguments_too) return;
+  mark_broken(code, text);
+}
+
+StreamPath& Comm::streams() {
+  if (!stream_path_) {
+    std::string lib = settings.device_library;
+    std::string rt = settings.device_runtime;
+    if (rt == "emulated-hip") {
+      rt = "emulated";
+      lib = "hip";
+    } else if (rt == "emulated") {
+      lib = "cuda";
+    } else if (lib.empty()) {
+      lib = rt == "hip" ? "libamdhip64.so" : "libcuda.so.1";
+    }
+    stream_path_ = std::make_unique<StreamPath>(*this, rt, lib);
+  }
+  return *stream_path_;
+}
+
 std::string Comm::info() {
-  std::ostringstream o;
+  // Built with std::string, not an ostringstream: the line is the same, and this library then
+  // needs no iostream/locale state of the process that loads it (a C ABI library is loaded into
+  // programs whose libstdc++ set-up it does not control).
   int n_shm = 0, n_tcp = 0;
   for (auto& kv : links_) (kv.second == shm_ ? n_shm : n_tcp)++;
-  o << "rank=" << rank << " size=" << size << " links_shm=" << n_shm << " links_tcp=" << n_tcp
-    << " vendor=" << (settings.vendor.empty() ? "-" : settings.vendor);
+  std::string o = "rank=" + std::to_string(rank) + " size=" + std::to_string(size) +
+                  " links_shm=" + std::to_string(n_shm) + " links_tcp=" + std::to_string(n_tcp) +
+                  " vendor=" + (settings.vendor.empty() ? std::string("-") : settings.vendor);
+  auto add = [&o](const char* prefix, const std::string& key, const std::string& value) {
+    o += " ";
+    o += prefix;
+    o += key + "=" + value;
+  };
   if (tcp_)
-    for (auto& kv : tcp_->info()) o << " tcp_" << kv.first << "=" << kv.second;
+    for (auto& kv : tcp_->info()) add("tcp_", kv.first, kv.second);
   if (shm_)
-    for (auto& kv : shm_->info()) o << " shm_" << kv.first << "=" << kv.second;
+    for (auto& kv : shm_->info()) add("shm_", kv.first, kv.second);
   if (engine_)
-    for (auto& kv : engine_->stats()) o << " engine_" << kv.first << "=" << kv.second;
-  for (auto& kv : algo_runs) o << " algo_" << kv.first << "=" << kv.second;
-  return o.str();
+    for (auto& kv : engine_->stats()) add("engine_", kv.first, std::to_string(kv.second));
+  for (auto& kv : algo_runs) add("algo_", kv.first, std::to_string(kv.second));
+  if (stream_path_)
+    for (auto& kv : stream_path_->stats()) add("stream_", kv.first, std::to_string(kv.second));
+  return o;
 }
 
 }  // namespace api

@@ -11,7 +11,9 @@
 // that is never addressed costs nothing but its row of the table.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <string>
@@ -20,6 +22,7 @@
 #include "../engine.h"
 #include "../hetccl.h"
 #include "../transport.h"
+#include "stream_path.h"
 
 namespace hetccl {
 namespace api {
@@ -36,8 +39,14 @@ struct Settings {
   bool check_args = true;       // HETCCL_CHECK_ARGS (off / on; async counts as on here)
   bool shm = true;              // HETCCL_CAPI_SHM: ring neighbours on one host through shm
   std::string vendor;           // HETCCL_VENDOR (the label of this rank's vendor group)
+  bool crash_backtrace = false; // HETCCL_CRASH_BACKTRACE: crash.h
   std::string algo = "auto";    // HETCCL_CAPI_ALGO: auto (select.cc's table), ring, rd
   size_t rd_max_bytes = 64 << 10;  // select.cc: recursive doubling up to this size
+  // The stream path's device runtime (stream_path.h): HETCCL_CAPI_DEVICE (cuda, hip, emulated,
+  // emulated-hip) and HETCCL_CAPI_DEVICE_LIBRARY (the runtime's library; default: the one the
+  // process has loaded under its usual name)
+  std::string device_runtime = "cuda";
+  std::string device_library;
   // engine chunk tables: hetccl/tuning.py's HOST and MESSAGE rows (tests/test_capi.py checks
   // they are equal)
   EngineOptions::Table host_chunks, msg_chunks;
@@ -89,12 +98,29 @@ class Comm {
   RequestPtr post_send(int peer, const void* buf, size_t nbytes);
   RequestPtr post_recv(int peer, void* buf, size_t nbytes);
 
-  // Failure state: after a non-argument error every call fails at once with it.
+  // Failure state: after a non-argument error every call fails at once with it. Thread-safe
+  // (the stream path's executor breaks the communicator while the caller issues).
   void mark_broken(hetcclResult_t code, const std::string& text);
-  hetcclResult_t broken_code() const { return broken_code_; }
-  const std::string& broken_text() const { return broken_text_; }
+  hetcclResult_t broken_code() const { return broken_code_.load(std::memory_order_acquire); }
+  std::string broken_text();
+  // Breaks the communicator with the code of an exception (classify), unless it is an argument
+  // refusal and arguments_too is false (host calls: the communicator stays usable).
+  void note_failure(std::exception_ptr e, bool arguments_too);
+  // The stream path, created on the first call with a stream (stream_path.h). has_streams():
+  // whether it exists (host calls then run on its executor, in order).
+  StreamPath& streams();
+  bool has_streams() const { return stream_path_ != nullptr; }
   std::string last_error;
   std::map<std::string, uint64_t> algo_runs;  // "all_reduce_ring", ... (info(): which ran)
+  // PreMulSum operators (hetcclRedOpCreatePreMulSum): op value hetcclNumOps + index.
+  struct PreMul {
+    bool live = false;
+    int dtype = 0;
+    bool device = false;       // the scalar is read when the call runs (a device pointer)
+    const void* ptr = nullptr; // device: where it lives
+    char value[8] = {0};       // host immediate: its value
+  };
+  std::vector<PreMul> premul;
 
   std::string info();
   void abort();
@@ -105,10 +131,18 @@ class Comm {
   std::map<int, std::shared_ptr<Transport>> links_;
   std::unique_ptr<Engine> engine_;
   uint64_t seq_ = 0;
-  hetcclResult_t broken_code_ = hetcclSuccess;
+  std::atomic<hetcclResult_t> broken_code_{hetcclSuccess};
+  std::mutex broken_mu_;
   std::string broken_text_;
+  std::unique_ptr<StreamPath> stream_path_;
   bool closed_ = false;
 };
+
+// An exception's result code and text (c_api.cc and the stream path map errors alike):
+// argument refusals (ArgMismatch: hetcclInvalidArgument, UsageRefusal: hetcclInvalidUsage) set
+// *argument; a dead peer or a timeout is hetcclRemoteError, other CommErrors hetcclSystemError,
+// anything else hetcclInternalError.
+hetcclResult_t classify(std::exception_ptr e, std::string* text, bool* argument);
 
 // Algorithm selection (select.cc: the one table of switch points).
 enum class Algo { Ring, RecursiveDoubling };
@@ -124,10 +158,12 @@ void reduce_scatter_ring(Comm& c, const void* send, void* recv, size_t recvcount
                          size_t esize, ReduceOp op);
 void all_gather_ring(Comm& c, const void* send, void* recv, size_t sendcount, size_t esize);
 void broadcast_chain(Comm& c, const void* send, void* recv, size_t nbytes, int root);
+// blk bytes from block p of send to rank p, block p of recv from rank p (send == recv allowed)
+void all_to_all_pairwise(Comm& c, const void* send, void* recv, size_t blk);
 // The argument check (check.cc): every rank's header (collective, count, dtype, op, root) to
 // every rank through a ring all-gather; throws ArgMismatch with the same text on every rank.
 // The collectives as the argument check's header names them (values travel between ranks).
-enum class Coll : int64_t { AllReduce = 1, Broadcast = 2, AllGather = 3, ReduceScatter = 4 };
+enum class Coll : int64_t { AllReduce = 1, Broadcast = 2, AllGather = 3, ReduceScatter = 4, Reduce = 5, AllToAll = 6 };
 const char* coll_name(Coll c);  // "all_reduce", ...
 
 // A refusal of the call's usage (hetcclInvalidUsage) rather than of an argument's value.

@@ -54,10 +54,18 @@ Settings read_settings() {
   s.check_args = env_bool("HETCCL_CHECK_ARGS", true);
   s.shm = env_bool("HETCCL_CAPI_SHM", true);
   s.vendor = env("HETCCL_VENDOR");
+  s.crash_backtrace = env_bool("HETCCL_CRASH_BACKTRACE", false);
   s.algo = env("HETCCL_CAPI_ALGO");
   if (s.algo.empty()) s.algo = "auto";
   if (s.algo != "auto" && s.algo != "ring" && s.algo != "rd")
     throw CommError("hetccl: HETCCL_CAPI_ALGO=" + s.algo + " is not one of auto, ring, rd");
+  s.device_runtime = env("HETCCL_CAPI_DEVICE");
+  if (s.device_runtime.empty()) s.device_runtime = "cuda";
+  if (s.device_runtime != "cuda" && s.device_runtime != "hip" && s.device_runtime != "emulated" &&
+      s.device_runtime != "emulated-hip")
+    throw CommError("hetccl: HETCCL_CAPI_DEVICE=" + s.device_runtime +
+                    " is not one of cuda, hip, emulated, emulated-hip");
+  s.device_library = env("HETCCL_CAPI_DEVICE_LIBRARY");
   // hetccl/tuning.py HOST and MESSAGE (see its docstring for how the rows were chosen)
   s.host_chunks = {{256 * KiB, 256 * KiB}, {INF, 128 * KiB}};
   s.msg_chunks = {{1 * MiB, 1 * MiB}, {INF, 4 * MiB}};

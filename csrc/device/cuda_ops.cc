@@ -81,6 +81,7 @@ class CudaOps final : public DeviceOps {
       check("cuMemcpyAsync", memcpy_(Ptr(reinterpret_cast<uintptr_t>(dst)),
                                      Ptr(reinterpret_cast<uintptr_t>(src)), nbytes, stream));
   }
+  void* default_stream() override { return reinterpret_cast<void*>(uintptr_t(0x1)); }  // CU_STREAM_LEGACY
   void sync(void* stream) override { check("cuStreamSynchronize", sync_(stream)); }
   void* event_create() override {
     void* ev = nullptr;

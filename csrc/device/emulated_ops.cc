@@ -79,6 +79,10 @@ class EmulatedOps final : public DeviceOps {
     streams_.push_back(s);
     return s;
   }
+  void* default_stream() override {
+    std::call_once(default_once_, [this] { default_ = create_stream(); });
+    return default_;
+  }
   void wait_geq(void* stream, uint64_t word, uint64_t counter) override {
     auto* w = reinterpret_cast<uint64_t*>(uintptr_t(word));
     if (hip_) {
@@ -154,6 +158,8 @@ class EmulatedOps final : public DeviceOps {
     s->cv.notify_one();
   }
   const bool hip_;
+  std::once_flag default_once_;
+  void* default_ = nullptr;
   std::mutex mu_;
   std::vector<Stream*> streams_;
 };

@@ -1,0 +1,299 @@
+// hetccl C API: stream-ordered collectives (contracts in stream_path.h).
+#include "stream_path.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include "../common.h"
+#include "comm.h"
+
+namespace hetccl {
+namespace api {
+namespace {
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+size_t round_cap(size_t n) {
+  size_t c = 4096;
+  while (c < n) c <<= 1;
+  return c;
+}
+
+// Backs off from spinning to short sleeps while a word has not moved.
+void pause(int& spins) {
+  if (++spins < 200) return;
+  if (spins < 2000) {
+    sched_yield();
+    return;
+  }
+  usleep(20);
+}
+
+}  // namespace
+
+StreamPath::StreamPath(Comm& c, const std::string& runtime, const std::string& library) : c_(c) {
+  ops_ = make_device_ops(runtime, library);
+  void* p = nullptr;
+  if (posix_memalign(&p, 4096, 2 * kSlots * sizeof(uint64_t)) != 0) throw std::bad_alloc();
+  page_ = static_cast<uint64_t*>(p);
+  std::memset(page_, 0, 2 * kSlots * sizeof(uint64_t));
+  if (!ops_->host_register(page_, 2 * kSlots * sizeof(uint64_t)))
+    throw CommError("hetccl: the device runtime refused to page-lock the stream path's flag words");
+  done_words_.resize(kSlots, nullptr);
+  done_addr_.resize(kSlots);
+  done_host_.resize(kSlots);
+  // done words: where the runtime wants the words streams wait on (HIP: signal memory), else one
+  // more registered page
+  void* w0 = ops_->wait_word_alloc();
+  if (w0) {
+    done_words_[0] = w0;
+    for (uint32_t i = 1; i < kSlots; ++i) done_words_[i] = ops_->wait_word_alloc();
+    for (uint32_t i = 0; i < kSlots; ++i) {
+      done_host_[i] = static_cast<uint64_t*>(done_words_[i]);
+      *done_host_[i] = 0;
+      done_addr_[i] = ops_->wait_word_address(done_words_[i]);
+    }
+  } else {
+    void* d = nullptr;
+    if (posix_memalign(&d, 4096, kSlots * sizeof(uint64_t)) != 0) throw std::bad_alloc();
+    std::memset(d, 0, kSlots * sizeof(uint64_t));
+    if (!ops_->host_register(d, kSlots * sizeof(uint64_t)))
+      throw CommError("hetccl: the device runtime refused to page-lock the stream path's flag words");
+    uint64_t base = ops_->device_address(d);
+    for (uint32_t i = 0; i < kSlots; ++i) {
+      done_host_[i] = static_cast<uint64_t*>(d) + i;
+      done_addr_[i] = base + i * sizeof(uint64_t);
+    }
+    all_.emplace_back(static_cast<char*>(d), 0);  // freed with the buffers (cap 0: flag page)
+  }
+  th_ = std::thread([this] { loop(); });
+}
+
+StreamPath::~StreamPath() {
+  finish(true);
+  for (auto& b : all_) {
+    ops_->host_unregister(b.first);
+    std::free(b.first);
+  }
+  if (event_) ops_->event_destroy(event_);
+  for (void* w : done_words_)
+    if (w) ops_->wait_word_free(w);
+  if (page_) {
+    ops_->host_unregister(page_);
+    std::free(page_);
+  }
+}
+
+bool StreamPath::reached(const uint64_t* word, uint64_t seq) const {
+  // The stream writes 32 bits (CUDA) or the whole counter (HIP): compare the low halves,
+  // wrap-aware (device_ops.h).
+  uint32_t low = __atomic_load_n(reinterpret_cast<const uint32_t*>(word), __ATOMIC_ACQUIRE);
+  return int32_t(low - uint32_t(seq)) >= 0;
+}
+
+void StreamPath::wait_slot_free(uint64_t seq) {
+  if (seq <= kSlots) return;
+  uint64_t prev = seq - kSlots;  // the last job that used this slot
+  const uint64_t* freed = page_ + kSlots + prev % kSlots;
+  int64_t deadline = now_ms() + c_.settings.timeout_ms;
+  int spins = 0;
+  while (!reached(freed, prev)) {
+    if (abort_.load()) return;
+    if (now_ms() > deadline)
+      throw CommTimeout("hetccl: Timed out: " + std::to_string(kSlots) +
+                        " stream-ordered calls are in flight and the oldest one's stream has not "
+                        "finished in " + std::to_string(c_.settings.timeout_ms / 1000) + " s");
+    ++waits_;
+    pause(spins);
+  }
+}
+
+void StreamPath::reclaim_locked() {
+  for (size_t i = 0; i < in_use_.size();) {
+    if (reached(page_ + kSlots + in_use_[i].seq % kSlots, in_use_[i].seq) &&
+        executed_.load() >= in_use_[i].seq) {
+      free_[in_use_[i].cap].push_back(in_use_[i].p);
+      in_use_[i] = in_use_.back();
+      in_use_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+char* StreamPath::take(size_t cap) {
+  auto it = free_.find(cap);
+  if (it != free_.end() && !it->second.empty()) {
+    char* p = it->second.back();
+    it->second.pop_back();
+    return p;
+  }
+  void* p = nullptr;
+  if (posix_memalign(&p, 4096, cap) != 0) throw std::bad_alloc();
+  if (!ops_->host_register(p, cap)) {
+    std::free(p);
+    throw CommError("hetccl: the device runtime refused to page-lock " + std::to_string(cap) +
+                    " bytes of staging memory");
+  }
+  all_.emplace_back(static_cast<char*>(p), cap);
+  return static_cast<char*>(p);
+}
+
+void StreamPath::issue(StreamJob j) {
+  std::unique_lock<std::mutex> g(mu_);
+  uint64_t seq = issued_ + 1;
+  g.unlock();
+  wait_slot_free(seq);  // only this (issuing) thread advances issued_: NCCL's one-thread rule
+  g.lock();
+  reclaim_locked();
+  Job job;
+  job.seq = seq;
+  job.cap = round_cap(j.bytes);
+  job.staging = take(job.cap);
+  in_use_.push_back({seq, job.staging, job.cap});
+  uint32_t slot = uint32_t(seq % kSlots);
+  uint64_t ready = ops_->device_address(page_ + slot);
+  uint64_t freed = ops_->device_address(page_ + kSlots + slot);
+  void* s = j.stream;
+  // The group's other streams: their earlier work first. One event, re-recorded: a stream wait
+  // takes the event's state when it is enqueued (device_ops.h).
+  if (!j.others.empty() && !event_) event_ = ops_->event_create();
+  for (void* o : j.others) {
+    ops_->event_record(event_, o);
+    ops_->stream_wait_event(s, event_);
+  }
+  for (auto& cp : j.in) ops_->memcpy_async(job.staging + cp.off, cp.dev, cp.bytes, s);
+  ops_->write(s, ready, seq);
+  ops_->wait_geq(s, done_addr_[slot], seq);
+  for (auto& cp : j.out) ops_->memcpy_async(cp.dev, job.staging + cp.off, cp.bytes, s);
+  ops_->write(s, freed, seq);
+  if (!j.others.empty()) ops_->event_record(event_, s);
+  for (void* o : j.others) ops_->stream_wait_event(o, event_);
+  for (auto& cp : j.in) staged_bytes_ += cp.bytes;
+  ++jobs_;
+  job.j = std::move(j);
+  issued_ = seq;
+  q_.push_back(std::move(job));
+  g.unlock();
+  cv_.notify_one();
+}
+
+void StreamPath::run_host(const std::function<void(Comm&)>& fn) {
+  std::exception_ptr err;
+  bool done = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    Job job;
+    job.host_only = true;
+    job.host_fn = fn;
+    job.error = &err;
+    job.done = &done;
+    q_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+  std::unique_lock<std::mutex> g(mu_);
+  host_cv_.wait(g, [&] { return done; });
+  if (err) std::rethrow_exception(err);
+}
+
+void StreamPath::release_done(uint64_t seq) {
+  __atomic_store_n(done_host_[seq % kSlots], seq, __ATOMIC_RELEASE);
+  executed_.store(seq);
+}
+
+void StreamPath::run_job(Job& job) {
+  if (job.host_only) {
+    std::exception_ptr err;
+    if (abort_.load()) {
+      err = std::make_exception_ptr(CommError("hetccl: the communicator was aborted"));
+    } else {
+      try {
+        job.host_fn(c_);
+      } catch (...) {
+        err = std::current_exception();
+        c_.note_failure(err, false);  // an argument refusal leaves a host call's comm usable
+      }
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    *job.error = err;
+    *job.done = true;
+    host_cv_.notify_all();
+    return;
+  }
+  // the stream's copies in are done when the ready word reaches the job
+  const uint64_t* ready = page_ + job.seq % kSlots;
+  int64_t deadline = now_ms() + c_.settings.timeout_ms;
+  int spins = 0;
+  bool ok = true;
+  while (!reached(ready, job.seq)) {
+    if (abort_.load()) {
+      ok = false;
+      break;
+    }
+    if (now_ms() > deadline) {
+      c_.note_failure(std::make_exception_ptr(CommTimeout(
+          "hetccl: Timed out: the stream of a stream-ordered call did not reach it in " +
+          std::to_string(c_.settings.timeout_ms / 1000) + " s")), true);
+      ok = false;
+      break;
+    }
+    pause(spins);
+  }
+  if (ok && c_.broken_code() == hetcclSuccess && job.j.host) {
+    try {
+      job.j.host(c_, job.staging);
+    } catch (...) {
+      c_.note_failure(std::current_exception(), true);
+    }
+  }
+  release_done(job.seq);
+}
+
+void StreamPath::loop() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      cv_.wait(g, [&] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;
+      job = std::move(q_.front());
+      q_.pop_front();
+    }
+    run_job(job);
+  }
+}
+
+void StreamPath::finish(bool abort) {
+  if (abort) abort_.store(true);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (th_.joinable()) th_.join();
+  // Jobs never run (abort): release their streams.
+  std::lock_guard<std::mutex> g(mu_);
+  for (uint64_t s = executed_.load() + 1; s <= issued_; ++s) release_done(s);
+}
+
+void* StreamPath::test_stream() { return emulated_stream(*ops_); }
+void StreamPath::test_sync(void* stream) { ops_->sync(stream); }
+
+std::map<std::string, uint64_t> StreamPath::stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  size_t pooled = 0;
+  for (auto& b : all_) pooled += b.second;
+  return {{"jobs", jobs_}, {"staged_bytes", staged_bytes_}, {"pool_bytes", pooled},
+          {"backpressure_polls", waits_}};
+}
+
+}  // namespace api
+}  // namespace hetccl

@@ -1,0 +1,134 @@
+// hetccl C API: stream-ordered collectives (a call with a stream). The host collective of
+// comm.h runs on this communicator's executor thread on pinned staging memory, and the caller's
+// stream is ordered around it with the device runtime's stream memory operations
+// (device_ops.h), so the issuing thread returns after enqueueing and never waits:
+//
+//   caller's stream:  copies device -> staging | write ready=seq | wait done>=seq | copies staging -> device | write freed=seq
+//   executor thread:                  wait ready>=seq -> the host collective on staging -> write done=seq
+//
+// Contracts:
+//  * Jobs run on the executor in issue order, and every host call of the communicator (stream
+//    NULL) also runs there once the path exists, so tags and ring positions keep the order
+//    every rank issues in.
+//  * Each job has one staging buffer; its copies in are (device pointer, offset, bytes) into it
+//    and its copies out the reverse, so a collective is one buffer and a group of sends and
+//    receives is one job with one buffer.
+//  * Staging buffers come from a pool of page-locked buffers (capacity: a power of two), reused
+//    once the stream has written the job's freed word (its copies out are done).
+//  * A job that fails (a peer's refusal, a dead peer, a timeout) breaks the communicator with
+//    its code (hetcclCommGetAsyncError) and still writes its done word, as does every later job,
+//    so no stream stays blocked; the data of failed jobs is left as it was.
+//  * At most kSlots jobs are in flight; the issuing thread waits for the oldest one's stream
+//    beyond that (back-pressure, bounded by the communicator's timeout).
+// Trade-off: the data makes one extra pass (device -> host -> device) beside the host collective,
+// and a job's copies in finish before its host collective starts (no pipelining within a job);
+// the issue cost is a few runtime calls (no host wait).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../device_ops.h"
+
+namespace hetccl {
+namespace api {
+
+class Comm;
+
+struct StreamCopy {
+  void* dev;     // the caller's memory (device, or any memory its stream's copies reach)
+  size_t off;    // offset in the staging buffer
+  size_t bytes;
+};
+
+struct StreamJob {
+  void* stream = nullptr;
+  std::vector<void*> others;  // further streams of a group: joined before, released after
+  size_t bytes = 0;           // staging bytes
+  std::vector<StreamCopy> in, out;
+  std::function<void(Comm&, char*)> host;  // the host collective on the staging buffer
+};
+
+class StreamPath {
+ public:
+  StreamPath(Comm& c, const std::string& runtime, const std::string& library);
+  ~StreamPath();
+  StreamPath(const StreamPath&) = delete;
+  StreamPath& operator=(const StreamPath&) = delete;
+
+  // Issuing thread: enqueues the job's stream operations and hands it to the executor.
+  void issue(StreamJob job);
+  // A host call (stream NULL): runs fn on the executor after every job issued before it and
+  // waits for it; rethrows its exception.
+  void run_host(const std::function<void(Comm&)>& fn);
+  // Waits until every issued job has run (bounded by the communicator's timeout); abort: runs
+  // none of them (their streams are released). Joins the executor.
+  void finish(bool abort);
+  // Abort from another thread: jobs not yet run are skipped (their streams released at finish).
+  void request_abort() { abort_.store(true); }
+  // The runtime's default stream (HETCCL_STREAM_DEFAULT).
+  void* default_stream() { return ops_->default_stream(); }
+  // Tests (emulated runtime only): a stream, and waiting for it.
+  void* test_stream();
+  void test_sync(void* stream);
+  std::map<std::string, uint64_t> stats();
+
+  static constexpr uint32_t kSlots = 256;
+
+ private:
+  struct Job {
+    uint64_t seq = 0;
+    bool host_only = false;
+    StreamJob j;
+    char* staging = nullptr;
+    size_t cap = 0;
+    std::function<void(Comm&)> host_fn;
+    std::exception_ptr* error = nullptr;  // host_only: where the caller waits for it
+    bool* done = nullptr;
+  };
+  void loop();
+  void run_job(Job& job);
+  bool reached(const uint64_t* word, uint64_t seq) const;
+  void wait_slot_free(uint64_t seq);
+  void reclaim_locked();
+  char* take(size_t cap);
+  void release_done(uint64_t seq);
+
+  Comm& c_;
+  std::shared_ptr<DeviceOps> ops_;
+  uint64_t* page_ = nullptr;  // kSlots ready words, then kSlots freed words (registered)
+  void* event_ = nullptr;             // joins a group's streams
+  std::vector<void*> done_words_;     // per slot, where the runtime allocates wait words
+  std::vector<uint64_t> done_addr_;   // device addresses of the done words
+  std::vector<uint64_t*> done_host_;  // host addresses of the done words
+  std::mutex mu_;
+  std::condition_variable cv_, host_cv_;
+  std::deque<Job> q_;
+  uint64_t issued_ = 0;
+  std::atomic<uint64_t> executed_{0};
+  std::atomic<bool> abort_{false};
+  bool stop_ = false;
+  std::thread th_;
+  struct InUse {
+    uint64_t seq;
+    char* p;
+    size_t cap;
+  };
+  std::vector<InUse> in_use_;                       // under mu_
+  std::map<size_t, std::vector<char*>> free_;       // capacity -> buffers (under mu_)
+  std::vector<std::pair<char*, size_t>> all_;       // every buffer (freed at the end)
+  uint64_t jobs_ = 0, staged_bytes_ = 0, waits_ = 0;
+};
+
+}  // namespace api
+}  // namespace hetccl
