@@ -149,7 +149,8 @@ hetcclResult_t hetcclReduceScatter(const void* sendbuff, void* recvbuff, size_t 
                                    hetcclDataType_t datatype, hetcclRedOp_t op, hetcclComm_t comm,
                                    void* stream);
 
-/* Point to point: messages between a pair match in the order they were posted (as NCCL). Outside
+/* Point to point: messages between a pair match in the order they were posted (as NCCL); a
+ * send to this rank itself matches its receive from itself in the same group. Outside
  * a group, each call returns once its data has left (send) or arrived (recv); inside
  * hetcclGroupStart/End the calls only post, and hetcclGroupEnd waits for all of them, so a pair
  * can exchange in both directions. */

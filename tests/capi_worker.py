@@ -515,6 +515,27 @@ def run_stream(comm, rank, n):
     return res
 
 
+def run_forward(comm, rank, n):
+    """The drop-in over a stand-in real NCCL (tests/cpp/fake_nccl.cc): whether this
+    communicator is the real library's, what an all_reduce on it wrote (the stand-in's mark:
+    send + 1000 + rank), and a split by vendor label whose children are one vendor each."""
+    x = np.full(8, 1.0, np.float32)
+    y = np.zeros(8, np.float32)
+    comm.all_reduce(x, y, 8, "float32", "sum")
+    out = {"real": comm.het is None or not comm.het, "y": y.tolist(), "cases": {}}
+    if comm.het:  # across vendors: split into one-vendor children
+        label = os.environ.get("HETCCL_VENDOR", "")
+        color = sorted(set(LABELS)).index(label)
+        sub = comm.split(color, rank)
+        z = np.zeros(8, np.float32)
+        sub.all_reduce(x, z, 8, "float32", "sum")
+        out["child_real"] = not sub.het
+        out["child_y"] = z.tolist()
+        out["child_size"] = sub.size
+        sub.destroy()
+    return out
+
+
 def run_death(comm, rank, n, args):
     """all_reduces until the victim (the last rank) exits mid-way; survivors report the error."""
     victim = n - 1
@@ -547,7 +568,11 @@ def run_death(comm, rank, n, args):
 
 
 def main():
+    global capi
     args = json.load(open(sys.argv[1]))
+    if args.get("api") == "nccl":  # the same cases through the drop-in NCCL's ABI
+        import nccl_shim
+        capi = nccl_shim.NcclApi(capi, os.environ["HETCCL_CAPI_LIB"])
     rank, n = args["rank"], args["n"]
     uid = args["uid"]
     if uid.startswith("file:"):  # rank 0 makes the id (its root runs here), the others read it
@@ -571,6 +596,9 @@ def main():
         comm.destroy()
     elif args["mode"] == "stream":
         res = run_stream(comm, rank, n)
+        comm.destroy()
+    elif args["mode"] == "forward":
+        res = run_forward(comm, rank, n)
         comm.destroy()
     elif args["mode"] == "death":
         res = run_death(comm, rank, n, args)

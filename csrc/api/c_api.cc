@@ -616,33 +616,77 @@ void run_p2p(Comm& c, const std::vector<P2P>& ops, const std::vector<char*>& buf
     check_size(ops[i].send, ops[i].peer, reqs[i]->wait(c.settings.timeout_ms), ops[i].nbytes);
 }
 
+// Sends to and receives from this rank itself (NCCL allows them, in one group): matched in
+// order, sizes equal. Returns, for every operation, the index of its partner (-1: not a self one).
+std::vector<int> pair_self(const Comm& c, const std::vector<P2P>& ops) {
+  std::vector<int> partner(ops.size(), -1);
+  std::vector<size_t> sends, recvs;
+  for (size_t i = 0; i < ops.size(); ++i)
+    if (ops[i].peer == c.rank) (ops[i].send ? sends : recvs).push_back(i);
+  if (sends.size() != recvs.size())
+    throw hetccl::ArgMismatch("hetccl: " + std::to_string(sends.size()) + " sends to this rank itself and " +
+                              std::to_string(recvs.size()) + " receives from it: each needs its partner in the same group");
+  for (size_t k = 0; k < sends.size(); ++k) {
+    const P2P &s = ops[sends[k]], &r = ops[recvs[k]];
+    if (s.nbytes != r.nbytes)
+      throw hetccl::ArgMismatch("hetccl: recv from rank " + std::to_string(c.rank) + " (itself): the message has " +
+                                std::to_string(s.nbytes) + " bytes, the receive expects " + std::to_string(r.nbytes));
+    partner[sends[k]] = int(recvs[k]);
+    partner[recvs[k]] = int(sends[k]);
+  }
+  return partner;
+}
+
 // One communicator's share of a group (or one call outside a group): host operations run on
 // the calling thread (or the executor, in order), stream operations become one stream job whose
-// staging buffer holds every operation's bytes.
+// staging buffer holds every operation's bytes (a receive from itself reads its send's bytes
+// there: no host work).
 void issue_p2p(Comm& c, const std::vector<P2P>& ops) {
   std::vector<P2P> host, dev;
   for (auto& o : ops) (o.stream ? dev : host).push_back(o);
-  if (!host.empty())
+  if (!host.empty()) {
+    std::vector<int> partner = pair_self(c, host);
     host_call(c, [&](Comm& cc) {
+      std::vector<P2P> net;
       std::vector<char*> bufs;
-      for (auto& o : host) bufs.push_back(static_cast<char*>(o.buf));
-      run_p2p(cc, host, bufs);
+      for (size_t i = 0; i < host.size(); ++i) {
+        if (partner[i] < 0) {
+          net.push_back(host[i]);
+          bufs.push_back(static_cast<char*>(host[i].buf));
+        } else if (host[i].send && host[i].nbytes) {
+          std::memmove(host[size_t(partner[i])].buf, host[i].buf, host[i].nbytes);
+        }
+      }
+      run_p2p(cc, net, bufs);
     });
+  }
   if (dev.empty()) return;
+  std::vector<int> partner = pair_self(c, dev);
   hetccl::api::StreamJob j;
   j.stream = dev[0].stream;
-  std::vector<size_t> offs;
-  for (auto& o : dev) {
-    offs.push_back(j.bytes);
-    if (o.nbytes) (o.send ? j.in : j.out).push_back({o.buf, j.bytes, o.nbytes});
-    j.bytes += (o.nbytes + 63) / 64 * 64;
+  std::vector<size_t> offs(dev.size(), 0);
+  for (size_t i = 0; i < dev.size(); ++i) {  // sends (and every non-self op) get room first
+    if (partner[i] >= 0 && !dev[i].send) continue;
+    offs[i] = j.bytes;
+    j.bytes += (dev[i].nbytes + 63) / 64 * 64;
+  }
+  std::vector<P2P> net;
+  std::vector<size_t> net_offs;
+  for (size_t i = 0; i < dev.size(); ++i) {
+    const P2P& o = dev[i];
+    if (partner[i] >= 0 && !o.send) offs[i] = offs[size_t(partner[i])];
+    if (o.nbytes) (o.send ? j.in : j.out).push_back({o.buf, offs[i], o.nbytes});
+    if (partner[i] < 0) {
+      net.push_back(o);
+      net_offs.push_back(offs[i]);
+    }
     if (o.stream != j.stream && std::find(j.others.begin(), j.others.end(), o.stream) == j.others.end())
       j.others.push_back(o.stream);
   }
-  j.host = [dev, offs](Comm& cc, char* st) {
+  j.host = [net, net_offs](Comm& cc, char* st) {
     std::vector<char*> bufs;
-    for (size_t off : offs) bufs.push_back(st + off);
-    run_p2p(cc, dev, bufs);
+    for (size_t off : net_offs) bufs.push_back(st + off);
+    run_p2p(cc, net, bufs);
   };
   c.streams().issue(std::move(j));
 }
@@ -657,9 +701,9 @@ hetcclResult_t p2p(bool send, void* buf, size_t count, hetcclDataType_t datatype
     DT dt = dtype_of(datatype);
     Refusal why = common_refusal(what, dt, datatype);
     if (!why.empty()) refuse(why);
-    if (peer < 0 || peer >= c.size || peer == c.rank)
+    if (peer < 0 || peer >= c.size)
       throw hetccl::ArgMismatch(std::string("hetccl: ") + what + ": peer " + std::to_string(peer) +
-                                " is not another rank of this communicator of " + std::to_string(c.size));
+                                " is not a rank of this communicator of " + std::to_string(c.size));
     size_t n = count * dt.size;
     if (n && !buf) throw hetccl::ArgMismatch(std::string("hetccl: ") + what + ": a NULL buffer");
     if (stream && !stream_usable(c, what, &why)) refuse(why);

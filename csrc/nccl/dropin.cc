@@ -1,0 +1,738 @@
+// hetccl's drop-in NCCL (libnccl.so.2) and RCCL (librccl.so.1, HETCCL_DROPIN_RCCL): NCCL's C
+// ABI (nccl_abi.h) over hetccl's C API (csrc/hetccl.h), from this one source.
+//
+// Contract:
+//  * A communicator is created through hetccl's bootstrap (the unique id is a hetcclUniqueId:
+//    it works between hosts). Its ranks' vendor labels (HETCCL_VENDOR; default "nvidia" in
+//    libnccl, "amd" in librccl, which is what a process that loaded this library is) decide its
+//    kind once, the same on every rank:
+//      - one vendor group: the REAL library (found by path, below) makes the communicator, with
+//        a real unique id that rank 0 creates and hetccl broadcasts; every later call on it is
+//        forwarded unchanged, so a one-vendor job runs at the real library's speed;
+//      - several vendor groups: hetccl's communicator serves every call (stream-ordered on the
+//        caller's stream: csrc/api/stream_path.h).
+//  * ncclCommSplit of a hetccl communicator makes its children through hetccl and gives each
+//    child the same choice (a child inside one vendor becomes a real communicator).
+//  * Groups: ncclGroupStart/End go to both the real library and hetccl, so a group may hold
+//    calls of both kinds of communicator.
+//  * What has no cross-vendor meaning is refused on a hetccl communicator with
+//    ncclInvalidUsage and a message in ncclGetLastError: windows (symmetric memory), device
+//    communicators, ncclCommRevoke and ncclCommShrink; ncclCommRegister is accepted as the hint it
+//    is (hetccl stages through its own pinned memory) and returns a handle that deregisters.
+//  * FP8 types are moved as bytes where nothing is reduced; reductions of them across vendors
+//    are refused (ncclInvalidArgument).
+// The real library: HETCCL_NCCL_LIBRARY (HETCCL_RCCL_LIBRARY) names it ("none": none); else the
+// first libnccl.so.2 (librccl.so.1) in LD_LIBRARY_PATH and the system's library directories that
+// is not this file. It is opened with RTLD_DEEPBIND so that its own calls of its public names
+// stay inside it. `hetccl run` sets the variable to the library the program would have loaded.
+#include <dlfcn.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cstdio>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "../hetccl.h"
+#include "nccl_abi.h"
+
+#ifdef HETCCL_DROPIN_RCCL
+#define DROPIN_SONAME "librccl.so.1"
+#define DROPIN_REAL_ENV "HETCCL_RCCL_LIBRARY"
+#define DROPIN_VENDOR "amd"
+#define DROPIN_RUNTIME "hip"
+#define DROPIN_NAME "RCCL"
+#define DROPIN_ABI_VERSION 22203  // the RCCL generation whose ABI nccl_abi.h matches
+#else
+#define DROPIN_SONAME "libnccl.so.2"
+#define DROPIN_REAL_ENV "HETCCL_NCCL_LIBRARY"
+#define DROPIN_VENDOR "nvidia"
+#define DROPIN_RUNTIME "cuda"
+#define DROPIN_NAME "NCCL"
+#define DROPIN_ABI_VERSION 22809  // NCCL 2.28.9
+#endif
+
+struct ncclComm {
+  ncclComm_t real = nullptr;    // the real library's communicator (one vendor)
+  hetcclComm_t het = nullptr;   // hetccl's (across vendors)
+  int rank = 0, nranks = 0, device = 0;
+};
+
+extern "C" HETCCL_NCCL_API const char* hetcclDropinInfo(void);
+extern "C" HETCCL_NCCL_API hetcclComm_t hetcclDropinComm(ncclComm_t comm);
+
+namespace {
+
+thread_local std::string t_error;
+
+ncclResult_t fail(ncclResult_t r, const std::string& text) {
+  t_error = text;
+  return r;
+}
+
+// ------------------------------------------------------------------ the real library
+std::once_flag g_real_once;
+void* g_real = nullptr;
+std::string g_real_path, g_real_why;
+
+std::string self_path() {
+  Dl_info info;
+  if (!dladdr(reinterpret_cast<void*>(&hetcclDropinInfo), &info) || !info.dli_fname) return "";
+  char buf[PATH_MAX];
+  return realpath(info.dli_fname, buf) ? std::string(buf) : std::string(info.dli_fname);
+}
+
+void open_real() {
+  const char* env = getenv(DROPIN_REAL_ENV);
+  std::vector<std::string> cands;
+  if (env && *env) {
+    if (std::string(env) == "none") {
+      g_real_why = std::string(DROPIN_REAL_ENV) + "=none";
+      return;
+    }
+    cands.push_back(env);
+  } else {
+    if (const char* ld = getenv("LD_LIBRARY_PATH")) {
+      std::string s = ld;
+      size_t a = 0;
+      while (a <= s.size()) {
+        size_t b = s.find(':', a);
+        if (b == std::string::npos) b = s.size();
+        if (b > a) cands.push_back(s.substr(a, b - a) + "/" DROPIN_SONAME);
+        a = b + 1;
+      }
+    }
+    for (const char* d : {"/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/cuda/lib64", "/opt/rocm/lib", "/usr/lib"})
+      cands.push_back(std::string(d) + "/" DROPIN_SONAME);
+  }
+  std::string self = self_path();
+  for (auto& c : cands) {
+    char buf[PATH_MAX];
+    if (!realpath(c.c_str(), buf)) continue;
+    if (self == buf) continue;
+    void* h = dlopen(buf, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+    if (!h) {
+      g_real_why = dlerror();
+      continue;
+    }
+    if (dlsym(h, "hetcclDropinInfo") || !dlsym(h, "ncclAllReduce")) {  // another drop-in, or no NCCL
+      dlclose(h);
+      continue;
+    }
+    g_real = h;
+    g_real_path = buf;
+    return;
+  }
+  if (g_real_why.empty())
+    g_real_why = env ? std::string("cannot open ") + env : std::string("no ") + DROPIN_SONAME + " found beside this one";
+}
+
+void* real() {
+  std::call_once(g_real_once, open_real);
+  return g_real;
+}
+
+template <typename F>
+F real_fn(const char* name) {
+  void* lib = real();
+  return lib ? reinterpret_cast<F>(dlsym(lib, name)) : nullptr;
+}
+// resolved once per name (a function-local static at each use)
+#define REAL(fn) ([] {                                            \
+  static const auto p = real_fn<decltype(&fn)>(#fn);            \
+  return p;                                                     \
+}())
+
+ncclResult_t no_real(const char* what) {
+  return fail(ncclInvalidUsage, std::string("hetccl: ") + what + " needs the real " DROPIN_NAME " library: " +
+                                    (g_real_why.empty() ? "none was found" : g_real_why) + " (set " DROPIN_REAL_ENV ")");
+}
+
+// ------------------------------------------------------------------ settings, device
+void defaults() {
+  setenv("HETCCL_VENDOR", DROPIN_VENDOR, 0);
+  setenv("HETCCL_CAPI_DEVICE", DROPIN_RUNTIME, 0);
+}
+
+bool native_allowed() {
+  const char* v = getenv("HETCCL_DROPIN_NATIVE");
+  return !(v && (std::string(v) == "0" || std::string(v) == "off"));
+}
+
+int current_device() {
+#ifdef HETCCL_DROPIN_RCCL
+  void* h = dlopen("libamdhip64.so", RTLD_NOW | RTLD_NOLOAD);
+  auto get = h ? reinterpret_cast<int (*)(int*)>(dlsym(h, "hipGetDevice")) : nullptr;
+  int d = 0;
+  if (get && get(&d) == 0) return d;
+  return 0;
+#else
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  auto get = h ? reinterpret_cast<int (*)(int*)>(dlsym(h, "cuCtxGetDevice")) : nullptr;
+  int d = 0;
+  if (get && get(&d) == 0) return d;
+  return 0;
+#endif
+}
+
+bool quiet() {
+  const char* v = getenv("HETCCL_LOG_LEVEL");
+  if (!v) return false;
+  std::string s = v;
+  return s == "WARN" || s == "WARNING" || s == "ERROR" || s == "warn" || s == "warning" || s == "error";
+}
+bool info_log() {
+  const char* v = getenv("HETCCL_LOG_LEVEL");
+  const char* n = getenv("NCCL_DEBUG");
+  return (v && (std::string(v) == "INFO" || std::string(v) == "DEBUG")) || (n && std::string(n) == "INFO");
+}
+
+std::once_flag g_banner;
+void banner() {
+  std::call_once(g_banner, [] {
+    real();
+    if (!quiet())
+      fprintf(stderr, "hetccl: serving %s calls (drop-in %s); real library: %s\n", DROPIN_NAME, DROPIN_SONAME,
+              g_real ? g_real_path.c_str() : ("none (" + g_real_why + ")").c_str());
+  });
+}
+
+ncclResult_t from_het(hetcclResult_t r, hetcclComm_t comm) {
+  if (r != hetcclSuccess) t_error = hetcclGetLastError(comm);
+  return ncclResult_t(r);
+}
+
+// datatype for hetccl: FP8 moves as bytes when nothing is reduced
+bool het_dtype(ncclDataType_t d, bool reduces, hetcclDataType_t* out, std::string* why) {
+  if (d == ncclFloat8e4m3 || d == ncclFloat8e5m2) {
+    if (reduces) {
+      *why = "hetccl: reductions of FP8 data across vendors are not supported";
+      return false;
+    }
+    *out = hetcclUint8;
+    return true;
+  }
+  *out = hetcclDataType_t(d);
+  return true;
+}
+
+void* het_stream(cudaStream_t s) { return s ? s : HETCCL_STREAM_DEFAULT; }
+
+// A new hetccl communicator becomes a real one when its ranks are one vendor: rank 0 makes the
+// real unique id (or reports that it could not) and hetccl broadcasts it.
+ncclResult_t settle(ncclComm* c, ncclConfig_t* config) {
+  int groups = 0;
+  hetcclResult_t r = hetcclCommVendorGroups(c->het, &groups, nullptr);
+  if (r != hetcclSuccess) return from_het(r, c->het);
+  bool native = groups == 1 && native_allowed();
+  struct {
+    int rc;
+    int have_real;
+    ncclUniqueId id;
+  } msg;
+  memset(&msg, 0, sizeof msg);
+  if (c->rank == 0) {
+    msg.have_real = native && real() && REAL(ncclGetUniqueId) ? 1 : 0;
+    if (msg.have_real) msg.rc = REAL(ncclGetUniqueId)(&msg.id);
+  }
+  r = hetcclBroadcast(&msg, &msg, sizeof msg, hetcclUint8, 0, c->het, nullptr);
+  if (r != hetcclSuccess) return from_het(r, c->het);
+  if (!native || !msg.have_real) {
+    if (info_log())
+      fprintf(stderr, "hetccl: rank %d/%d: %d vendor group(s): hetccl serves this communicator%s\n", c->rank,
+              c->nranks, groups, native ? " (no real library on rank 0)" : "");
+    return ncclSuccess;
+  }
+  if (msg.rc != ncclSuccess) return fail(ncclResult_t(msg.rc), "hetccl: rank 0's real ncclGetUniqueId failed");
+  ncclResult_t rr = config ? REAL(ncclCommInitRankConfig)(&c->real, c->nranks, msg.id, c->rank, config)
+                           : REAL(ncclCommInitRank)(&c->real, c->nranks, msg.id, c->rank);
+  hetcclCommDestroy(c->het);
+  c->het = nullptr;
+  if (info_log())
+    fprintf(stderr, "hetccl: rank %d/%d: one vendor: the real %s serves this communicator\n", c->rank, c->nranks,
+            DROPIN_NAME);
+  return rr;
+}
+
+ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank, ncclConfig_t* config) {
+  if (!out) return fail(ncclInvalidArgument, "hetccl: ncclCommInitRank: comm is NULL");
+  *out = nullptr;
+  defaults();
+  banner();
+  auto* c = new (std::nothrow) ncclComm();
+  if (!c) return fail(ncclSystemError, "hetccl: out of memory");
+  c->rank = rank;
+  c->nranks = nranks;
+  c->device = current_device();
+  hetcclUniqueId hid;
+  static_assert(sizeof hid == sizeof id, "unique ids of one size");
+  memcpy(&hid, &id, sizeof hid);
+  hetcclResult_t r = hetcclCommInitRank(&c->het, nranks, hid, rank);
+  if (r != hetcclSuccess) {
+    t_error = hetcclGetLastError(nullptr);
+    delete c;
+    return ncclResult_t(r);
+  }
+  ncclResult_t s = settle(c, config);
+  if (s != ncclSuccess && s != ncclInProgress) {
+    if (c->het) hetcclCommAbort(c->het);
+    if (c->real && REAL(ncclCommAbort)) REAL(ncclCommAbort)(c->real);
+    delete c;
+    return s;
+  }
+  *out = c;
+  return s;
+}
+
+#define CHECK_COMM(c, what) \
+  if (!(c) || (!(c)->real && !(c)->het)) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL")
+#define FORWARD(c, fn, ...)                                            \
+  do {                                                                 \
+    auto f = REAL(fn);                                                 \
+    if (!f) return no_real(#fn);                                       \
+    return f(__VA_ARGS__);                                             \
+  } while (0)
+
+ncclResult_t refuse_cross(const char* what, const char* why) {
+  return fail(ncclInvalidUsage, std::string("hetccl: ") + what + " on a communicator that spans vendors: " + why);
+}
+
+}  // namespace
+
+extern "C" {
+
+HETCCL_NCCL_API const char* hetcclDropinInfo(void) {
+  static std::string s;
+  real();
+  s = std::string("library=" DROPIN_SONAME " abi=") + std::to_string(DROPIN_ABI_VERSION) +
+      " real=" + (g_real ? g_real_path : std::string("none")) + (g_real ? "" : " why=" + g_real_why);
+  return s.c_str();
+}
+
+// The hetccl communicator behind an NCCL one (NULL when the real library serves it): for tests
+// and `hetccl doctor` (hetcclCommInfo, the emulated runtime's streams).
+HETCCL_NCCL_API hetcclComm_t hetcclDropinComm(ncclComm_t comm) { return comm ? comm->het : nullptr; }
+
+ncclResult_t ncclGetVersion(int* version) {
+  if (!version) return fail(ncclInvalidArgument, "hetccl: ncclGetVersion: version is NULL");
+  if (auto f = REAL(ncclGetVersion)) return f(version);
+  *version = DROPIN_ABI_VERSION;
+  return ncclSuccess;
+}
+
+const char* ncclGetErrorString(ncclResult_t result) {
+  if (auto f = REAL(ncclGetErrorString)) return f(result);
+  return hetcclGetErrorString(hetcclResult_t(result));
+}
+
+const char* ncclGetLastError(ncclComm_t comm) {
+  static thread_local std::string out;
+  if (comm && comm->real) {
+    if (auto f = REAL(ncclGetLastError)) return f(comm->real);
+  }
+  if (comm && comm->het) {
+    out = hetcclGetLastError(comm->het);
+    if (!out.empty()) return out.c_str();
+  }
+  if (!t_error.empty()) return t_error.c_str();
+  if (auto f = REAL(ncclGetLastError)) return f(nullptr);
+  return "";
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
+  if (!uniqueId) return fail(ncclInvalidArgument, "hetccl: ncclGetUniqueId: uniqueId is NULL");
+  defaults();
+  banner();
+  hetcclUniqueId id;
+  hetcclResult_t r = hetcclGetUniqueId(&id);
+  if (r != hetcclSuccess) return from_het(r, nullptr);
+  memcpy(uniqueId, &id, sizeof id);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
+  return init(comm, nranks, commId, rank, nullptr);
+}
+
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank, ncclConfig_t* config) {
+  return init(comm, nranks, commId, rank, config);
+}
+
+ncclResult_t ncclCommInitRankScalable(ncclComm_t* newcomm, int nranks, int myrank, int nId, ncclUniqueId* commIds,
+                                      ncclConfig_t* config) {
+  if (nId < 1 || !commIds) return fail(ncclInvalidArgument, "hetccl: ncclCommInitRankScalable: no unique id");
+  return init(newcomm, nranks, commIds[0], myrank, config);  // one hetccl root serves every rank
+}
+
+ncclResult_t ncclCommInitAll(ncclComm_t* comm, int ndev, const int* devlist) {
+  // One process, several devices: always one vendor, so the real library serves it.
+  banner();
+  if (!comm || ndev < 1) return fail(ncclInvalidArgument, "hetccl: ncclCommInitAll: no communicators asked for");
+  auto f = REAL(ncclCommInitAll);
+  if (!f) return no_real("ncclCommInitAll");
+  std::vector<ncclComm_t> reals(static_cast<size_t>(ndev));
+  ncclResult_t r = f(reals.data(), ndev, devlist);
+  if (r != ncclSuccess) return r;
+  for (int i = 0; i < ndev; ++i) {
+    comm[i] = new ncclComm();
+    comm[i]->real = reals[size_t(i)];
+    comm[i]->rank = i;
+    comm[i]->nranks = ndev;
+    comm[i]->device = devlist ? devlist[i] : i;
+  }
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  CHECK_COMM(comm, "ncclCommFinalize");
+  if (comm->real) FORWARD(comm, ncclCommFinalize, comm->real);
+  return ncclSuccess;  // hetcclCommDestroy completes what was issued
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  CHECK_COMM(comm, "ncclCommDestroy");
+  ncclResult_t r = ncclSuccess;
+  if (comm->real) {
+    auto f = REAL(ncclCommDestroy);
+    r = f ? f(comm->real) : no_real("ncclCommDestroy");
+  } else {
+    r = from_het(hetcclCommDestroy(comm->het), nullptr);
+  }
+  delete comm;
+  return r;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  CHECK_COMM(comm, "ncclCommAbort");
+  ncclResult_t r = ncclSuccess;
+  if (comm->real) {
+    auto f = REAL(ncclCommAbort);
+    r = f ? f(comm->real) : no_real("ncclCommAbort");
+  } else {
+    r = from_het(hetcclCommAbort(comm->het), nullptr);
+  }
+  delete comm;
+  return r;
+}
+
+ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
+  CHECK_COMM(comm, "ncclCommRevoke");
+  if (comm->real) FORWARD(comm, ncclCommRevoke, comm->real, revokeFlags);
+  return refuse_cross("ncclCommRevoke", "not supported (use ncclCommAbort)");
+}
+
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
+  CHECK_COMM(comm, "ncclCommSplit");
+  if (!newcomm) return fail(ncclInvalidArgument, "hetccl: ncclCommSplit: newcomm is NULL");
+  *newcomm = nullptr;
+  if (comm->real) {
+    auto f = REAL(ncclCommSplit);
+    if (!f) return no_real("ncclCommSplit");
+    ncclComm_t child = nullptr;
+    ncclResult_t r = f(comm->real, color, key, &child, config);
+    if (r != ncclSuccess && r != ncclInProgress) return r;
+    if (child) {
+      auto* c = new ncclComm();
+      c->real = child;
+      c->device = comm->device;
+      int v = 0;
+      if (auto cnt = REAL(ncclCommCount)) cnt(child, &v), c->nranks = v;
+      if (auto ur = REAL(ncclCommUserRank)) ur(child, &v), c->rank = v;
+      *newcomm = c;
+    }
+    return r;
+  }
+  hetcclComm_t child = nullptr;
+  hetcclResult_t hr = hetcclCommSplit(comm->het, color, key, &child);
+  if (hr != hetcclSuccess) return from_het(hr, comm->het);
+  if (!child) return ncclSuccess;  // NCCL_SPLIT_NOCOLOR
+  auto* c = new ncclComm();
+  c->het = child;
+  c->device = comm->device;
+  hetcclCommCount(child, &c->nranks);
+  hetcclCommUserRank(child, &c->rank);
+  ncclResult_t s = settle(c, config);
+  if (s != ncclSuccess && s != ncclInProgress) {
+    if (c->het) hetcclCommAbort(c->het);
+    delete c;
+    return s;
+  }
+  *newcomm = c;
+  return s;
+}
+
+ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount, ncclComm_t* newcomm,
+                            ncclConfig_t* config, int shrinkFlags) {
+  CHECK_COMM(comm, "ncclCommShrink");
+  if (comm->real) {
+    auto f = REAL(ncclCommShrink);
+    if (!f) return no_real("ncclCommShrink");
+    ncclComm_t child = nullptr;
+    ncclResult_t r = f(comm->real, excludeRanksList, excludeRanksCount, &child, config, shrinkFlags);
+    if (newcomm) *newcomm = nullptr;
+    if ((r == ncclSuccess || r == ncclInProgress) && child && newcomm) {
+      auto* c = new ncclComm();
+      c->real = child;
+      c->device = comm->device;
+      int v = 0;
+      if (auto cnt = REAL(ncclCommCount)) cnt(child, &v), c->nranks = v;
+      if (auto ur = REAL(ncclCommUserRank)) ur(child, &v), c->rank = v;
+      *newcomm = c;
+    }
+    return r;
+  }
+  return refuse_cross("ncclCommShrink", "not supported yet (make a new communicator from the survivors)");
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
+  CHECK_COMM(comm, "ncclCommGetAsyncError");
+  if (comm->real) FORWARD(comm, ncclCommGetAsyncError, comm->real, asyncError);
+  if (!asyncError) return fail(ncclInvalidArgument, "hetccl: ncclCommGetAsyncError: asyncError is NULL");
+  hetcclResult_t e = hetcclSuccess;
+  hetcclResult_t r = hetcclCommGetAsyncError(comm->het, &e);
+  *asyncError = ncclResult_t(e);
+  return from_het(r, comm->het);
+}
+
+ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
+  CHECK_COMM(comm, "ncclCommCount");
+  if (!count) return fail(ncclInvalidArgument, "hetccl: ncclCommCount: count is NULL");
+  if (comm->real) FORWARD(comm, ncclCommCount, comm->real, count);
+  *count = comm->nranks;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int* device) {
+  CHECK_COMM(comm, "ncclCommCuDevice");
+  if (!device) return fail(ncclInvalidArgument, "hetccl: ncclCommCuDevice: device is NULL");
+  if (comm->real) FORWARD(comm, ncclCommCuDevice, comm->real, device);
+  *device = comm->device;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
+  CHECK_COMM(comm, "ncclCommUserRank");
+  if (!rank) return fail(ncclInvalidArgument, "hetccl: ncclCommUserRank: rank is NULL");
+  if (comm->real) FORWARD(comm, ncclCommUserRank, comm->real, rank);
+  *rank = comm->rank;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, void** handle) {
+  CHECK_COMM(comm, "ncclCommRegister");
+  if (comm->real) FORWARD(comm, ncclCommRegister, comm->real, buff, size, handle);
+  if (!handle) return fail(ncclInvalidArgument, "hetccl: ncclCommRegister: handle is NULL");
+  *handle = comm;  // a hint only: hetccl stages through its own pinned memory
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommDeregister(const ncclComm_t comm, void* handle) {
+  CHECK_COMM(comm, "ncclCommDeregister");
+  if (comm->real) FORWARD(comm, ncclCommDeregister, comm->real, handle);
+  if (handle != comm) return fail(ncclInvalidArgument, "hetccl: ncclCommDeregister: not a handle of this communicator");
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, ncclWindow_t* win, int winFlags) {
+  CHECK_COMM(comm, "ncclCommWindowRegister");
+  if (comm->real) FORWARD(comm, ncclCommWindowRegister, comm->real, buff, size, win, winFlags);
+  return refuse_cross("ncclCommWindowRegister", "symmetric memory windows need one vendor's peer memory");
+}
+
+ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win) {
+  CHECK_COMM(comm, "ncclCommWindowDeregister");
+  if (comm->real) FORWARD(comm, ncclCommWindowDeregister, comm->real, win);
+  return refuse_cross("ncclCommWindowDeregister", "symmetric memory windows need one vendor's peer memory");
+}
+
+ncclResult_t ncclDevCommCreate(ncclComm_t comm, ncclDevCommRequirements_t const* reqs, ncclDevComm_t* outDevComm) {
+  CHECK_COMM(comm, "ncclDevCommCreate");
+  if (comm->real) FORWARD(comm, ncclDevCommCreate, comm->real, reqs, outDevComm);
+  return refuse_cross("ncclDevCommCreate", "device-initiated communication needs one vendor's device API");
+}
+
+ncclResult_t ncclDevCommDestroy(ncclComm_t comm, ncclDevComm_t const* devComm) {
+  CHECK_COMM(comm, "ncclDevCommDestroy");
+  if (comm->real) FORWARD(comm, ncclDevCommDestroy, comm->real, devComm);
+  return refuse_cross("ncclDevCommDestroy", "device-initiated communication needs one vendor's device API");
+}
+
+ncclResult_t ncclMemAlloc(void** ptr, size_t size) {
+  auto f = REAL(ncclMemAlloc);
+  if (!f) return no_real("ncclMemAlloc");
+  return f(ptr, size);
+}
+
+ncclResult_t ncclMemFree(void* ptr) {
+  auto f = REAL(ncclMemFree);
+  if (!f) return no_real("ncclMemFree");
+  return f(ptr);
+}
+
+ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataType_t datatype,
+                                      ncclScalarResidence_t residence, ncclComm_t comm) {
+  CHECK_COMM(comm, "ncclRedOpCreatePreMulSum");
+  if (comm->real) FORWARD(comm, ncclRedOpCreatePreMulSum, op, scalar, datatype, residence, comm->real);
+  hetcclDataType_t dt;
+  std::string why;
+  if (!het_dtype(datatype, true, &dt, &why)) return fail(ncclInvalidArgument, why);
+  hetcclRedOp_t hop = hetcclSum;
+  hetcclResult_t r = hetcclRedOpCreatePreMulSum(&hop, scalar, dt, hetcclScalarResidence_t(residence), comm->het);
+  if (op) *op = ncclRedOp_t(hop);
+  return from_het(r, comm->het);
+}
+
+ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
+  CHECK_COMM(comm, "ncclRedOpDestroy");
+  if (comm->real) FORWARD(comm, ncclRedOpDestroy, op, comm->real);
+  return from_het(hetcclRedOpDestroy(hetcclRedOp_t(op), comm->het), comm->het);
+}
+
+// ------------------------------------------------------------------ collectives
+#define HET_DTYPE(dt, reduces)                                        \
+  hetcclDataType_t hdt;                                               \
+  {                                                                   \
+    std::string why;                                                  \
+    if (!het_dtype(dt, reduces, &hdt, &why)) return fail(ncclInvalidArgument, why); \
+  }
+
+ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
+                           ncclComm_t comm, cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclAllReduce");
+  if (comm->real) FORWARD(comm, ncclAllReduce, sendbuff, recvbuff, count, datatype, op, comm->real, stream);
+  HET_DTYPE(datatype, true);
+  return from_het(hetcclAllReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), comm->het, het_stream(stream)),
+                  comm->het);
+}
+
+ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
+                        int root, ncclComm_t comm, cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclReduce");
+  if (comm->real) FORWARD(comm, ncclReduce, sendbuff, recvbuff, count, datatype, op, root, comm->real, stream);
+  HET_DTYPE(datatype, true);
+  return from_het(hetcclReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), root, comm->het, het_stream(stream)),
+                  comm->het);
+}
+
+ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
+                           ncclComm_t comm, cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclBroadcast");
+  if (comm->real) FORWARD(comm, ncclBroadcast, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
+  HET_DTYPE(datatype, false);
+  return from_het(hetcclBroadcast(sendbuff, recvbuff, count, hdt, root, comm->het, het_stream(stream)), comm->het);
+}
+
+ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
+                       cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclBcast");
+  if (comm->real) FORWARD(comm, ncclBcast, buff, count, datatype, root, comm->real, stream);
+  return ncclBroadcast(buff, buff, count, datatype, root, comm, stream);
+}
+
+ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount, ncclDataType_t datatype,
+                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclReduceScatter");
+  if (comm->real) FORWARD(comm, ncclReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm->real, stream);
+  HET_DTYPE(datatype, true);
+  return from_het(hetcclReduceScatter(sendbuff, recvbuff, recvcount, hdt, hetcclRedOp_t(op), comm->het,
+                                      het_stream(stream)),
+                  comm->het);
+}
+
+ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
+                           ncclComm_t comm, cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclAllGather");
+  if (comm->real) FORWARD(comm, ncclAllGather, sendbuff, recvbuff, sendcount, datatype, comm->real, stream);
+  HET_DTYPE(datatype, false);
+  return from_het(hetcclAllGather(sendbuff, recvbuff, sendcount, hdt, comm->het, het_stream(stream)), comm->het);
+}
+
+ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
+                          cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclAlltoAll");
+  if (comm->real) FORWARD(comm, ncclAlltoAll, sendbuff, recvbuff, count, datatype, comm->real, stream);
+  HET_DTYPE(datatype, false);
+  return from_het(hetcclAllToAll(sendbuff, recvbuff, count, hdt, comm->het, het_stream(stream)), comm->het);
+}
+
+ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclSend");
+  if (comm->real) FORWARD(comm, ncclSend, sendbuff, count, datatype, peer, comm->real, stream);
+  HET_DTYPE(datatype, false);
+  return from_het(hetcclSend(sendbuff, count, hdt, peer, comm->het, het_stream(stream)), comm->het);
+}
+
+ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclRecv");
+  if (comm->real) FORWARD(comm, ncclRecv, recvbuff, count, datatype, peer, comm->real, stream);
+  HET_DTYPE(datatype, false);
+  return from_het(hetcclRecv(recvbuff, count, hdt, peer, comm->het, het_stream(stream)), comm->het);
+}
+
+// Gather / scatter: as NCCL defines them, a group of sends and receives.
+ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
+                        ncclComm_t comm, cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclGather");
+  if (comm->real) FORWARD(comm, ncclGather, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
+  HET_DTYPE(datatype, false);
+  if (root < 0 || root >= comm->nranks) return fail(ncclInvalidArgument, "hetccl: ncclGather: root out of range");
+  size_t es = hdt == hetcclUint8 || hdt == hetcclInt8 ? 1 : hdt == hetcclFloat16 || hdt == hetcclBfloat16 ? 2
+              : hdt == hetcclInt64 || hdt == hetcclUint64 || hdt == hetcclFloat64 ? 8 : 4;
+  hetcclGroupStart();
+  hetcclResult_t r = hetcclSend(sendbuff, count, hdt, root, comm->het, het_stream(stream));
+  if (comm->rank == root)
+    for (int p = 0; p < comm->nranks && r == hetcclSuccess; ++p)
+      r = hetcclRecv(static_cast<char*>(recvbuff) + size_t(p) * count * es, count, hdt, p, comm->het, het_stream(stream));
+  hetcclResult_t e = hetcclGroupEnd();
+  return from_het(r != hetcclSuccess ? r : e, comm->het);
+}
+
+ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
+                         ncclComm_t comm, cudaStream_t stream) {
+  CHECK_COMM(comm, "ncclScatter");
+  if (comm->real) FORWARD(comm, ncclScatter, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
+  HET_DTYPE(datatype, false);
+  if (root < 0 || root >= comm->nranks) return fail(ncclInvalidArgument, "hetccl: ncclScatter: root out of range");
+  size_t es = hdt == hetcclUint8 || hdt == hetcclInt8 ? 1 : hdt == hetcclFloat16 || hdt == hetcclBfloat16 ? 2
+              : hdt == hetcclInt64 || hdt == hetcclUint64 || hdt == hetcclFloat64 ? 8 : 4;
+  hetcclGroupStart();
+  hetcclResult_t r = hetcclSuccess;
+  if (comm->rank == root)
+    for (int p = 0; p < comm->nranks && r == hetcclSuccess; ++p)
+      r = hetcclSend(static_cast<const char*>(sendbuff) + size_t(p) * count * es, count, hdt, p, comm->het,
+                     het_stream(stream));
+  if (r == hetcclSuccess) r = hetcclRecv(recvbuff, count, hdt, root, comm->het, het_stream(stream));
+  hetcclResult_t e = hetcclGroupEnd();
+  return from_het(r != hetcclSuccess ? r : e, comm->het);
+}
+
+ncclResult_t ncclGroupStart(void) {
+  if (auto f = REAL(ncclGroupStart)) {
+    ncclResult_t r = f();
+    if (r != ncclSuccess) return r;
+  }
+  return from_het(hetcclGroupStart(), nullptr);
+}
+
+ncclResult_t ncclGroupEnd(void) {
+  ncclResult_t r = ncclSuccess;
+  if (auto f = REAL(ncclGroupEnd)) r = f();
+  ncclResult_t h = from_het(hetcclGroupEnd(), nullptr);
+  return r != ncclSuccess ? r : h;
+}
+
+ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
+  // The real library simulates its own calls; hetccl's part of the group runs (it has no
+  // simulation), which keeps the group depth of both in step.
+  ncclResult_t r = ncclSuccess;
+  if (auto f = REAL(ncclGroupSimulateEnd)) r = f(simInfo);
+  ncclResult_t h = from_het(hetcclGroupEnd(), nullptr);
+  return r != ncclSuccess ? r : h;
+}
+
+}  // extern "C"

@@ -1,0 +1,143 @@
+"""The drop-in NCCL/RCCL (csrc/nccl/dropin.cc) on the CPU machine: its exports and ABI, every
+collective case of the C API test through NCCL's names across emulated vendors (host memory on
+the emulated device's streams), the one-vendor path forwarding to a stand-in real library
+(tests/cpp/fake_nccl.cc), a cross-vendor split whose children are one vendor each, a killed
+peer, and what is refused across vendors. Ranks are torch-free processes (tests/capi_worker.py
+with tests/nccl_shim.py)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from hetccl import nccl_dropin
+from test_capi import HERE, SPLITS, launch
+
+DROPIN = nccl_dropin.library_path("nccl")
+
+
+def nccl_env(**kw):
+    return {"HETCCL_CAPI_LIB": DROPIN, "HETCCL_CAPI_DEVICE": "emulated", "HETCCL_NCCL_LIBRARY": "none", **kw}
+
+
+@pytest.mark.parametrize("flavour", ["nccl", "rccl"])
+def test_exports_and_soname(flavour):
+    path = nccl_dropin.library_path(flavour)
+    L = ctypes.CDLL(path)
+    missing = [s for s in nccl_dropin.TORCH_IMPORTS + nccl_dropin.OTHER_USERS if not hasattr(L, s)]
+    assert not missing, missing
+    assert len(nccl_dropin.TORCH_IMPORTS) == 38
+    out = subprocess.run(["readelf", "-d", "-W", path], capture_output=True, text=True, check=True).stdout
+    assert f"[{nccl_dropin.SONAMES[flavour]}]" in out, out
+    # only the C ABI is exported: no C++ symbol of the core to bind another hetccl library's
+    syms = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True, check=True).stdout
+    names = [ln.split()[-1] for ln in syms.splitlines() if ln.strip()]
+    assert names and all(n.startswith(("nccl", "hetccl")) for n in names), [n for n in names if not n.startswith(("nccl", "hetccl"))][:5]
+
+
+def _protos(text: str) -> dict[str, str]:
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    out = {}
+    for m in re.finditer(r"(?:ncclResult_t|const char\*)\s+(nccl\w+)\s*\(([^)]*)\)\s*;", text):
+        params = []
+        for p in m.group(2).split(","):
+            toks = re.findall(r"\w+|\*", p)
+            if len(toks) > 1 and re.fullmatch(r"[A-Za-z_]\w*", toks[-1]):
+                toks = toks[:-1]  # the parameter's name: only the types must agree
+            params.append(" ".join(toks))
+        out[m.group(1)] = "" if params == ["void"] else ", ".join(params)
+    return out
+
+
+def test_abi_matches_the_real_nccl_h():
+    """Every prototype of nccl_abi.h against nccl.h of the real library (the nvidia-nccl wheel
+    beside torch on the GPU box; HETCCL_NCCL_H elsewhere)."""
+    h = nccl_dropin.nccl_header()
+    if not h:
+        pytest.skip("no nccl.h here (the nvidia-nccl wheel is on the GPU box; or set HETCCL_NCCL_H)")
+    ours = _protos(open(os.path.join(HERE, "..", "csrc", "nccl", "nccl_abi.h")).read().replace("HETCCL_NCCL_API", ""))
+    real_text = open(h).read()
+    dev = os.path.join(os.path.dirname(h), "nccl_device", "core.h")
+    if os.path.exists(dev):
+        real_text += open(dev).read().replace("NCCL_EXTERN_C __host__", "")
+    real = _protos(real_text)
+    assert len(ours) == 42 and set(nccl_dropin.TORCH_IMPORTS) <= set(ours), sorted(ours)
+    bad = {k: (v, real.get(k)) for k, v in ours.items() if real.get(k) != v}
+    assert not bad, bad
+    for const in ("ncclFloat8e5m2 = 11", "ncclNumOps = 5", "ncclScalarHostImmediate = 1"):
+        assert re.search(const.replace(" = ", r"\s*=\s*"), real_text), const
+
+
+@pytest.mark.parametrize("split", ["1+1", "2+1", "1+1+1", "2+2"])
+def test_every_collective_across_vendors(tmp_path, split):
+    """The C API test's stream cases through NCCL's names: every dtype and op against float64 /
+    exact references, in place, zero-size, reduce, all_to_all, PreMulSum, point to point, 40
+    calls in flight, NCCL's NULL stream, a group over two streams, a refusal on every rank."""
+    res, procs, logs = launch(tmp_path, split, "stream", env=nccl_env(), api="nccl")
+    n = len(SPLITS[split])
+    assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    cases = res[0]["cases"]
+    assert len(cases) > 200, len(cases)
+    bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
+    assert int(res[0]["info"]["stream_jobs"]) > 200
+    assert "hetccl: serving NCCL calls (drop-in libnccl.so.2)" in logs[0], logs[0][-2000:]
+
+
+@pytest.fixture(scope="module")
+def fake_nccl(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        pytest.fail("no C++ compiler to build the stand-in NCCL (the build of hetccl needs one too)")
+    d = tmp_path_factory.mktemp("fake")
+    out = d / "libnccl.so.2"
+    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-o", str(out), os.path.join(HERE, "cpp", "fake_nccl.cc")],
+                   check=True)
+    return str(out)
+
+
+def test_one_vendor_forwards_to_the_real_library(tmp_path, fake_nccl):
+    """Two ranks of one vendor: rank 0's real unique id reaches both, the real library makes
+    the communicator, and the all_reduce is the real library's (its mark)."""
+    logf = tmp_path / "fake.log"
+    SPLITS["1v2"] = ["a", "a"]
+    res, procs, logs = launch(tmp_path, "1v2", "forward",
+                              env=nccl_env(HETCCL_NCCL_LIBRARY=fake_nccl, FAKE_NCCL_LOG=str(logf)), api="nccl")
+    assert sorted(res) == [0, 1], "\n".join(logs)[-4000:]
+    for r in (0, 1):
+        assert res[r]["real"], res[r]
+        assert res[r]["y"] == [1001.0 + r] * 8, res[r]
+    calls = open(logf).read().split()
+    assert calls.count("ncclGetUniqueId") == 1 and calls.count("ncclCommInitRank") == 2, calls
+    assert calls.count("ncclAllReduce") == 2 and calls.count("ncclCommDestroy") == 2, calls
+    assert f"real library: {os.path.realpath(fake_nccl)}" in logs[0], logs[0][-2000:]
+
+
+def test_split_across_vendors_makes_native_children(tmp_path, fake_nccl):
+    """2+2 (labels a a b b): the parent spans vendors (hetccl's all_reduce: 4.0); splitting by
+    vendor makes two one-vendor children that the real library serves (its mark)."""
+    logf = tmp_path / "fake.log"
+    res, procs, logs = launch(tmp_path, "2+2", "forward",
+                              env=nccl_env(HETCCL_NCCL_LIBRARY=fake_nccl, FAKE_NCCL_LOG=str(logf)), api="nccl")
+    assert sorted(res) == [0, 1, 2, 3], "\n".join(logs)[-4000:]
+    for r in range(4):
+        d = res[r]
+        assert not d["real"] and d["y"] == [4.0] * 8, d
+        assert d["child_real"] and d["child_size"] == 2, d
+        assert d["child_y"] == [1001.0 + r % 2] * 8, d
+
+
+def test_killed_peer_reaches_the_async_error(tmp_path):
+    res, procs, logs = launch(tmp_path, "2+1", "death", timeout=120, kill_at=3, api="nccl",
+                              env=nccl_env(HETCCL_TIMEOUT_S="20"))
+    assert sorted(res) == [0, 1], "\n".join(logs)[-4000:]
+    for r in (0, 1):
+        d = res[r]
+        assert d["code"] in (2, 6) and d["async"] in (2, 6), d  # ncclSystemError / ncclRemoteError
+        assert "rank 2" in d["text"] or "peer" in d["text"], d
+        assert d["again_s"] < 2, d
