@@ -24,6 +24,9 @@
 #                          engine's messages beside the host-staged path (p2p_gpu.txt: tables)
 #   slots.jsonl            (slots) 1+1 bf16 collectives, the bounded ring geometry beside the
 #                          old one (8 MiB x 8 slots), interleaved; rows tagged {"geometry"}
+#   dropin.jsonl           (dropin) tests/gpu_dropin_bench.py: one vendor through the drop-in
+#                          beside plain NCCL, 1+1 through the drop-in beside the torch face
+#                          (dropin.txt: the table)
 #   passthrough.jsonl      one vendor (hetccl:1v, native pass-through) beside nccl, interleaved
 #   megatron.txt           (megatron) recipes/megatron/gpu.sh's summary, ITERS=${MEG_ITERS:-10}
 #   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
@@ -34,7 +37,7 @@
 #                          ucx_summary.txt: busbw per mode side by side with ratios to tcp
 #   ucx_probe.log          (ucxprobe) tests/gpu_ucx_probe.py: per configuration ok or the
 #                          stalled step, with ucx_probe_stacks_*.txt (every thread's frames)
-# Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [passthrough] [slots] [sweep] [train] [host]
+# Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [dropin] [passthrough] [slots] [sweep] [train] [host]
 #                            [profile] [p2p] [doctor] [ucx] [ucxprobe] [megatron]
 # (default: build tests bench sweep train host doctor, in that order). Each step is bounded by
 # STEP_TIMEOUT seconds (default 240), the tests step by TESTS_TIMEOUT (default 540: the suite
@@ -123,6 +126,11 @@ for w in $what; do
           --maxbytes ${MAXBYTES:-256M} --factor ${FACTOR:-2} --dtype $dt --iters ${ITERS:-20} \
           --no-progress --jsonl "$OUT/collectives.jsonl"
       done ;;
+    dropin)
+      # the drop-in NCCL (issue 25): one vendor (plain NCCL beside the drop-in, world size 1,
+      # interleaved) and 1+1 (drop-in beside the torch face): times, issue cost, #wrong
+      timeout $T python3 tests/gpu_dropin_bench.py --jsonl "$OUT/dropin.jsonl" \
+        --maxbytes "${MAXBYTES:-64M}" 2>&1 | tee "$OUT/dropin.txt" | tail -30 ;;
     passthrough)
       timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl:1v,nccl,hetccl:1v,nccl \
         --colls all_reduce --minbytes 64M --maxbytes 256M --factor 2 --dtype bfloat16 --iters 20 \

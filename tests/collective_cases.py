@@ -193,8 +193,10 @@ def run_all_reduce(ctx) -> dict:
 
 
 def run_all(ctx, extra_env_case: str = "", device: str = "cpu", default_device: bool = False,
-            record=None, timeout_s: float = 60) -> dict[str, str]:
-    """Every family of FAMILIES on `device` (see the module docstring), {case: verdict}."""
+            record=None, timeout_s: float = 60, backend: str = "hetccl") -> dict[str, str]:
+    """Every family of FAMILIES on `device` (see the module docstring), {case: verdict}.
+    backend: "nccl" runs the same cases on torch's NCCL process group (under the drop-in NCCL:
+    tests/test_gpu_dropin.py), with a "backend/get_backend" case."""
     import hetccl  # noqa: F401 - registers the backend
 
     rank, world = ctx.rank, ctx.world_size
@@ -204,9 +206,11 @@ def run_all(ctx, extra_env_case: str = "", device: str = "cpu", default_device: 
         # allocation (hetccl's or torch's) that does not name its device fails loudly instead
         # of silently landing on the CPU -- the same defect the CUDA default would expose
         torch.set_default_device(dev if dev.type == "cuda" else "meta")
-    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=rank,
+    dist.init_process_group(backend, init_method=ctx.init_method(), rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     c = Cases(rank, world, record)
+    got = dist.get_backend()
+    c.results["backend/get_backend"] = "ok" if got == backend else f"get_backend() is {got!r}, not {backend!r}"
     _cases(c, rank, world, dev)
     dist.barrier()
     dist.destroy_process_group()

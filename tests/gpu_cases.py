@@ -391,7 +391,7 @@ def peer_dies_device(ctx, device: str, victim: int, nelem: int, timeout_s: float
 
 
 # ----------------------------------------------------------------------------- training
-def run_training(ctx, device: str, which: list[str]) -> dict:
+def run_training(ctx, device: str, which: list[str], backend: str = "hetccl") -> dict:
     """DDP and FSDP2 (fully_shard) over hetccl on `device`, tests/training_cases.py's model and
     data (each rank its slice of the global batch): final parameters per run, and the
     per-step losses, for comparison with the float64 single-process reference.
@@ -402,7 +402,7 @@ def run_training(ctx, device: str, which: list[str]) -> dict:
     import hetccl  # noqa: F401
 
     dev = case_device(ctx.rank, device)
-    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+    dist.init_process_group(backend, init_method=ctx.init_method(), rank=ctx.rank,
                             world_size=ctx.world_size, timeout=timedelta(seconds=60))
     out = {}
     for w in which:

@@ -548,7 +548,7 @@ hetcclResult_t hetcclCommSplit(hetcclComm_t comm, int color, int key, hetcclComm
     std::vector<hetcclUniqueId> ids(static_cast<size_t>(n));
     host_call(c, [&](Comm& cc) { hetccl::api::all_gather_ring(cc, &id, ids.data(), 1, sizeof(hetcclUniqueId)); });
     if (color == HETCCL_SPLIT_NOCOLOR) return;
-    made = new Comm(members, ids[size_t(leader)], place);
+    made = new Comm(members, ids[size_t(leader)], place, &c.settings.vendor);
   });
   if (r != hetcclSuccess) return r;
   if (made) *newcomm = new hetcclComm{made};

@@ -32,8 +32,10 @@ uint64_t Comm::tag(uint64_t seq, uint32_t s, bool check) {
   return ((seq & 0x3FFFF) << 29) | (step << kIndexBits);
 }
 
-Comm::Comm(int nranks, const hetcclUniqueId& id, int r) : rank(r), size(nranks) {
+Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendor) : rank(r), size(nranks) {
   settings = read_settings();
+  if (vendor) settings.vendor = *vendor;
+  if (settings.vendor.empty() && !settings.vendor_split.empty()) settings.vendor = split_label(settings.vendor_split, rank);
   if (settings.crash_backtrace) install_crash_backtrace();
   UniqueIdData d = decode_id(id);
   std::string bind = settings.ifname.empty() ? local_addr_towards(d.root) : iface_addr(settings.ifname);

@@ -39,6 +39,7 @@ struct Settings {
   bool check_args = true;       // HETCCL_CHECK_ARGS (off / on; async counts as on here)
   bool shm = true;              // HETCCL_CAPI_SHM: ring neighbours on one host through shm
   std::string vendor;           // HETCCL_VENDOR (the label of this rank's vendor group)
+  std::string vendor_split;     // HETCCL_VENDOR_SPLIT: the label by rank when HETCCL_VENDOR is unset
   bool crash_backtrace = false; // HETCCL_CRASH_BACKTRACE: crash.h
   std::string algo = "auto";    // HETCCL_CAPI_ALGO: auto (select.cc's table), ring, rd
   size_t rd_max_bytes = 64 << 10;  // select.cc: recursive doubling up to this size
@@ -52,6 +53,8 @@ struct Settings {
   EngineOptions::Table host_chunks, msg_chunks;
 };
 Settings read_settings();
+// HETCCL_VENDOR_SPLIT's label for a rank (RANK when set, else `rank`), as hetccl/vendor.py.
+std::string split_label(const std::string& split, int rank);
 // The IPv4 address of interface `ifname`; throws CommError naming it if it has none.
 std::string iface_addr(const std::string& ifname);
 
@@ -62,7 +65,8 @@ struct PeerInfo {
 
 class Comm {
  public:
-  Comm(int nranks, const hetcclUniqueId& id, int rank);
+  // vendor: this process's label when already known (a split's child keeps its parent's)
+  Comm(int nranks, const hetcclUniqueId& id, int rank, const std::string* vendor = nullptr);
   ~Comm();
 
   const int rank, size;

@@ -54,6 +54,7 @@ Settings read_settings() {
   s.check_args = env_bool("HETCCL_CHECK_ARGS", true);
   s.shm = env_bool("HETCCL_CAPI_SHM", true);
   s.vendor = env("HETCCL_VENDOR");
+  s.vendor_split = env("HETCCL_VENDOR_SPLIT");
   s.crash_backtrace = env_bool("HETCCL_CRASH_BACKTRACE", false);
   s.algo = env("HETCCL_CAPI_ALGO");
   if (s.algo.empty()) s.algo = "auto";
@@ -70,6 +71,27 @@ Settings read_settings() {
   s.host_chunks = {{256 * KiB, 256 * KiB}, {INF, 128 * KiB}};
   s.msg_chunks = {{1 * MiB, 1 * MiB}, {INF, 4 * MiB}};
   return s;
+}
+
+std::string split_label(const std::string& split, int rank) {
+  // hetccl/launch.py vendor_labels: blocks of consecutive ranks are v0, v1, ...; the rank is
+  // RANK's (the launcher's) when set, as hetccl/vendor.py detect_vendor
+  std::string r = env("RANK");
+  if (!r.empty()) rank = int(env_int("RANK", 0, 0, 1 << 30));
+  int block = 0, end = 0;
+  size_t a = 0;
+  while (a <= split.size()) {
+    size_t b = split.find('+', a);
+    if (b == std::string::npos) b = split.size();
+    int n = std::atoi(split.substr(a, b - a).c_str());
+    if (n < 1) throw CommError("hetccl: HETCCL_VENDOR_SPLIT=" + split + " is not ranks per vendor joined by '+'");
+    end += n;
+    if (rank < end) return "v" + std::to_string(block);
+    ++block;
+    a = b + 1;
+  }
+  throw CommError("hetccl: HETCCL_VENDOR_SPLIT=" + split + " covers " + std::to_string(end) +
+                  " ranks, but this is rank " + std::to_string(rank));
 }
 
 std::string iface_addr(const std::string& ifname) {

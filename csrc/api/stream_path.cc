@@ -148,6 +148,9 @@ char* StreamPath::take(size_t cap) {
 }
 
 void StreamPath::issue(StreamJob j) {
+  if (ops_->capturing(j.stream))
+    throw UsageRefusal("hetccl: a call across vendors cannot be captured in a graph (its host part "
+                       "would not replay); run it outside the capture");
   std::unique_lock<std::mutex> g(mu_);
   uint64_t seq = issued_ + 1;
   g.unlock();

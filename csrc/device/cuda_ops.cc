@@ -42,6 +42,7 @@ class CudaOps final : public DeviceOps {
     unreg_ = reinterpret_cast<Res (*)(void*)>(S("cuMemHostUnregister"));
     devptr_ = reinterpret_cast<Res (*)(Ptr*, void*, unsigned)>(S("cuMemHostGetDevicePointer_v2"));
     errstr_ = reinterpret_cast<Res (*)(Res, const char**)>(S("cuGetErrorString"));
+    capturing_ = reinterpret_cast<Res (*)(void*, int*)>(S("cuStreamIsCapturing"));
     check("cuInit", init_(0));
   }
   std::string name() const override { return "cuda"; }
@@ -80,6 +81,11 @@ class CudaOps final : public DeviceOps {
     if (nbytes)
       check("cuMemcpyAsync", memcpy_(Ptr(reinterpret_cast<uintptr_t>(dst)),
                                      Ptr(reinterpret_cast<uintptr_t>(src)), nbytes, stream));
+  }
+  bool capturing(void* stream) override {
+    int status = 0;  // CUstreamCaptureStatus: 0 none, 1 active, 2 invalidated
+    check("cuStreamIsCapturing", capturing_(stream, &status));
+    return status != 0;
   }
   void* default_stream() override { return reinterpret_cast<void*>(uintptr_t(0x1)); }  // CU_STREAM_LEGACY
   void sync(void* stream) override { check("cuStreamSynchronize", sync_(stream)); }
@@ -134,6 +140,7 @@ class CudaOps final : public DeviceOps {
   Res (*unreg_)(void*);
   Res (*devptr_)(Ptr*, void*, unsigned);
   Res (*errstr_)(Res, const char**);
+  Res (*capturing_)(void*, int*);
 };
 
 }  // namespace

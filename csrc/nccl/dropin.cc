@@ -153,7 +153,8 @@ ncclResult_t no_real(const char* what) {
 
 // ------------------------------------------------------------------ settings, device
 void defaults() {
-  setenv("HETCCL_VENDOR", DROPIN_VENDOR, 0);
+  const char* split = getenv("HETCCL_VENDOR_SPLIT");
+  if (!(split && *split)) setenv("HETCCL_VENDOR", DROPIN_VENDOR, 0);  // emulation labels win
   setenv("HETCCL_CAPI_DEVICE", DROPIN_RUNTIME, 0);
 }
 

@@ -1,0 +1,195 @@
+"""Figures of the drop-in NCCL on the GPU box (issue 25), every baseline in the same run:
+
+  * one vendor, world size 1: plain NCCL (nothing preloaded) beside torch over the drop-in
+    (which forwards to the same real NCCL), interleaved twice: all_reduce time per size and the
+    host issue cost of an async all_reduce;
+  * 1+1 emulated vendors on the one GPU: torch's "nccl" process group over the drop-in (hetccl's
+    stream path) beside the torch face (backend "hetccl") on the same script.
+
+    python3 tests/gpu_dropin_bench.py --jsonl $OUT/dropin.jsonl [--maxbytes 64M] [--iters 20]
+
+Rows (JSON lines, nccl-tests columns): config, backend, vendors, size, count, type, redop,
+time_us, algbw, busbw, wrong, and issue_us (median host time of dist.all_reduce(async_op=True)
+over --issue calls) at the sizes of --issue-sizes. A short table is printed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
+    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
+
+
+def rank_main(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if a.backend == "hetccl":
+        import hetccl  # noqa: F401 - registers the torch face
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group(a.backend, rank=rank, world_size=world)
+    sizes = []
+    s = parse_size(a.minbytes)
+    while s <= parse_size(a.maxbytes):
+        sizes.append(s)
+        s *= a.factor
+    rows = []
+    dt = torch.bfloat16
+    for nbytes in sizes:
+        n = nbytes // 2
+        t = torch.ones(n, dtype=dt, device=dev)
+        for _ in range(3):
+            dist.all_reduce(t)
+        torch.cuda.synchronize()
+        iters = a.iters if nbytes < (32 << 20) else max(5, a.iters // 2)
+        dist.barrier()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        e1.record()
+        torch.cuda.synchronize()
+        us = e0.elapsed_time(e1) * 1000 / iters
+        # correctness on fresh data: rank r contributes r + 1 (exact in bf16 for small worlds)
+        t.fill_(rank + 1)
+        dist.all_reduce(t)
+        wrong = int((t.float() != world * (world + 1) / 2).sum().item())
+        issue = None
+        if nbytes in [parse_size(x) for x in a.issue_sizes.split(",")]:
+            dts = []
+            for _ in range(a.issue):
+                c0 = time.perf_counter_ns()
+                w = dist.all_reduce(t, async_op=True)
+                dts.append((time.perf_counter_ns() - c0) / 1000)
+                w.wait()
+                if len(dts) % 50 == 0:
+                    torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            issue = statistics.median(dts)
+        algbw = nbytes / us / 1e3 if us else 0.0
+        rows.append({"config": a.config, "backend": a.backend, "vendors": a.vendors, "size": nbytes,
+                     "count": n, "type": "bfloat16", "redop": "sum", "time_us": round(us, 2),
+                     "algbw": round(algbw, 3), "busbw": round(algbw * 2 * (world - 1) / world, 3),
+                     "wrong": wrong, "issue_us": None if issue is None else round(issue, 2),
+                     "get_backend": dist.get_backend()})
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(a.rows, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(a, config: str, backend: str, vendors: str, dropin: bool, tmp: str) -> list[dict]:
+    from hetccl import nccl_dropin
+
+    world = sum(int(x) for x in vendors.split("+"))
+    port = free_port()
+    rows = os.path.join(tmp, f"{config}.rows")
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(r))
+        if world > 1:
+            env["HETCCL_VENDOR_SPLIT"] = vendors
+        if dropin:
+            env = nccl_dropin.launch_env("nccl", env)
+        cmd = [sys.executable, __file__, "--rank-main", "--backend", backend, "--config", config,
+               "--vendors", vendors, "--rows", rows, "--minbytes", a.minbytes, "--maxbytes", a.maxbytes,
+               "--factor", str(a.factor), "--iters", str(a.iters), "--issue", str(a.issue),
+               "--issue-sizes", a.issue_sizes]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=a.timeout)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            logs.append("timed out")
+    if any(p.returncode for p in procs) or not os.path.exists(rows):
+        print(f"--- {config} failed:\n" + "\n".join(x[-3000:] for x in logs), flush=True)
+        return []
+    first = [ln for ln in logs[0].splitlines() if ln.startswith("hetccl:")][:3]
+    for ln in first:
+        print(f"  [{config}] {ln}")
+    return [json.loads(ln) for ln in open(rows)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank-main", action="store_true")
+    p.add_argument("--backend", default="nccl")
+    p.add_argument("--config", default="")
+    p.add_argument("--vendors", default="1")
+    p.add_argument("--rows", default="")
+    p.add_argument("--jsonl", default="dropin.jsonl")
+    p.add_argument("--minbytes", default="8K")
+    p.add_argument("--maxbytes", default="64M")
+    p.add_argument("--factor", type=int, default=8)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--issue", type=int, default=200)
+    p.add_argument("--issue-sizes", default="8K,512K,32M")
+    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--skip-face", action="store_true")
+    a = p.parse_args()
+    if a.rank_main:
+        rank_main(a)
+        return
+    import tempfile
+
+    tmp = tempfile.mkdtemp()
+    plan = [("nccl-1", "nccl", "1", False), ("dropin-1", "nccl", "1", True),
+            ("nccl-1b", "nccl", "1", False), ("dropin-1b", "nccl", "1", True),
+            ("dropin-1+1", "nccl", "1+1", True)]
+    if not a.skip_face:
+        plan.append(("face-1+1", "hetccl", "1+1", False))
+    allrows = []
+    for config, backend, vendors, dropin in plan:
+        t0 = time.time()
+        rows = launch(a, config, backend, vendors, dropin, tmp)
+        print(f"{config}: {len(rows)} rows in {time.time() - t0:.0f} s", flush=True)
+        allrows += rows
+    with open(a.jsonl, "a") as f:
+        for r in allrows:
+            f.write(json.dumps(r) + "\n")
+    by = {}
+    for r in allrows:
+        by.setdefault(r["config"].rstrip("b"), {}).setdefault(r["size"], []).append(r)
+    print(f"\n{'size':>10} {'nccl us':>9} {'dropin us':>9} {'ratio':>6} {'nccl iss':>8} {'drop iss':>8}"
+          f" | {'1+1 drop':>9} {'1+1 face':>9} {'ratio':>6} {'drop iss':>8} {'face iss':>8} wrong")
+    for size in sorted(by.get("nccl-1", {})):
+        def med(cfg, key):
+            vals = [r[key] for r in by.get(cfg, {}).get(size, []) if r.get(key) is not None]
+            return statistics.median(vals) if vals else None
+        n, d = med("nccl-1", "time_us"), med("dropin-1", "time_us")
+        x, y = med("dropin-1+1", "time_us"), med("face-1+1", "time_us")
+        wrong = sum(r["wrong"] for c in by.values() for r in c.get(size, []))
+        f = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9}"  # noqa: E731
+        rat = lambda u, v: f"{u / v:6.3f}" if u and v else f"{'-':>6}"  # noqa: E731
+        print(f"{size:>10} {f(n)} {f(d)} {rat(d, n)} {f(med('nccl-1', 'issue_us'))[1:]} "
+              f"{f(med('dropin-1', 'issue_us'))[1:]} | {f(x)} {f(y)} {rat(x, y)} "
+              f"{f(med('dropin-1+1', 'issue_us'))[1:]} {f(med('face-1+1', 'issue_us'))[1:]} {wrong}")
+
+
+if __name__ == "__main__":
+    main()
