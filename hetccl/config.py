@@ -110,6 +110,18 @@ _SETTINGS = [
             "'hetccl-frame <object> +<offset>' lines (addr2line names them; csrc/crash.h). "
             "Read by hetccl/_core.py before anything else loads and by the C API's "
             "communicator."),
+    Setting("HETCCL_DROPIN", _bool, False,
+            "Set by `hetccl run --dropin` for its workers: the drop-in NCCL is preloaded, so "
+            "hetccl.shim leaves init_process_group as the script wrote it."),
+    Setting("HETCCL_NCCL_LIBRARY", str, "",
+            "The drop-in NCCL's real library (path; 'none': no real library). Default: the first "
+            "libnccl.so.2 on LD_LIBRARY_PATH and the system directories that is not the drop-in; "
+            "`hetccl run --dropin` sets torch's (the nvidia-nccl wheel)."),
+    Setting("HETCCL_RCCL_LIBRARY", str, "",
+            "The drop-in RCCL's (librccl.so.1) real library, as HETCCL_NCCL_LIBRARY."),
+    Setting("HETCCL_DROPIN_NATIVE", _bool, True,
+            "Drop-in: a communicator of one vendor is the real library's (0: hetccl serves it "
+            "too, for tests and comparisons)."),
     Setting("HETCCL_CAPI_DEVICE", str, "cuda",
             "C API only: the device runtime of calls with a stream (csrc/api/stream_path.h): "
             "cuda, hip, or emulated / emulated-hip (tests: host threads as streams)."),

@@ -7,6 +7,8 @@ and every rank reports its vendor group and the transport it uses to each cross-
 """
 from __future__ import annotations
 
+import os
+
 import argparse
 import sys
 from datetime import timedelta
@@ -61,6 +63,7 @@ def local_report() -> list[str]:
     lines.append(f"UCX               : {'built in' if 'ucx' in names else 'not built'}; {ucx}")
     from . import rdma
     lines.extend(rdma.report(kind))  # RDMA devices, GPU memory registration, UCX per vendor
+    lines.extend(dropin_report())
     lines.append(f"host identity     : {vendor.host_identity()}")
     lines.append("settings:")
     for name, value, is_set, doc in config.table():
@@ -68,6 +71,24 @@ def local_report() -> list[str]:
         lines.append(f"  {mark} {name:<22} = {value!r:<12} {doc.splitlines()[0][:70]}")
     lines.append("  (* = set in the environment)")
     return lines
+
+
+def dropin_report() -> list[str]:
+    """The drop-in NCCL: built or not, active in this process's environment (LD_PRELOAD), the
+    real library it forwards to, and the line to add for a launcher other than `hetccl run`."""
+    from . import nccl_dropin
+
+    try:
+        lib = nccl_dropin.library_path("nccl")
+    except FileNotFoundError as e:
+        return [f"drop-in NCCL      : not built ({e})"]
+    active = lib in os.environ.get("LD_PRELOAD", "").split(":")
+    real = nccl_dropin.real_library("nccl")
+    out = [f"drop-in NCCL      : {lib} ({'ACTIVE: preloaded here' if active else 'not active here'})",
+           f"  forwards to     : {real or 'no real libnccl.so.2 found (one-vendor communicators then fail; set HETCCL_NCCL_LIBRARY)'}",
+           f"  for any launcher: LD_PRELOAD={lib} HETCCL_NCCL_LIBRARY={real or '<path of the real libnccl.so.2>'}",
+           "  (or: hetccl run --dropin ...; RCCL: " + nccl_dropin.SONAMES["rccl"] + " beside it, HETCCL_RCCL_LIBRARY)"]
+    return out
 
 
 def transport_report(kind: str) -> list[str]:

@@ -51,6 +51,12 @@ def parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
+    p.add_argument("--dropin", action="store_true",
+                   help="hetccl: put the drop-in NCCL (hetccl/dropin/libnccl.so.2) in front of every "
+                        "worker (LD_PRELOAD, HETCCL_NCCL_LIBRARY = the real library) instead of "
+                        "redirecting init_process_group to the torch face: torch's own 'nccl' "
+                        "process group then runs across vendors (CUDA tensors; CPU tensors need "
+                        "gloo as with NCCL)")
     p.prog = "hetccl run"
     p.usage = ("hetccl run [--vendors SPLIT] [torchrun options] training_script "
                "[training_script_args ...]")
@@ -94,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--vendors {args.vendors} covers {sum(split)} ranks, but torchrun starts "
                     f"{world} (--nnodes {args.nnodes} x --nproc-per-node {args.nproc_per_node})")
         os.environ["HETCCL_VENDOR_SPLIT"] = args.vendors
+    if args.dropin:
+        from . import nccl_dropin
+
+        os.environ.update(nccl_dropin.launch_env("nccl"))
+        os.environ["HETCCL_DROPIN"] = "1"
+    del args.dropin
     script = args.training_script
     args.module = True
     args.training_script = "hetccl.shim"

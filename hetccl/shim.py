@@ -239,7 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     note = share_gpus(argv=argv)  # before anything initialises the GPU runtime
     if note and os.environ.get("RANK", "0") == "0":
         log.warning("%s", note)
-    install()
+    if os.environ.get("HETCCL_DROPIN") == "1":
+        # `hetccl run --dropin`: the preloaded libnccl.so.2 serves torch's own NCCL process
+        # group, so init_process_group keeps the script's backend
+        if os.environ.get("RANK", "0") == "0":
+            log.warning("hetccl run: the drop-in NCCL serves NCCL calls (init_process_group is not redirected)")
+    else:
+        install()
     install_framework_hooks()
     script = argv[0]
     if not os.path.isfile(script):
