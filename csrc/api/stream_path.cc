@@ -47,6 +47,7 @@ StreamPath::StreamPath(Comm& c, const std::string& runtime, const std::string& l
   std::memset(page_, 0, 2 * kSlots * sizeof(uint64_t));
   if (!ops_->host_register(page_, 2 * kSlots * sizeof(uint64_t)))
     throw CommError("hetccl: the device runtime refused to page-lock the stream path's flag words");
+  page_dev_ = ops_->device_address(page_);  // the page's words at fixed offsets from it
   done_words_.resize(kSlots, nullptr);
   done_addr_.resize(kSlots);
   done_host_.resize(kSlots);
@@ -144,7 +145,27 @@ char* StreamPath::take(size_t cap) {
                     " bytes of staging memory");
   }
   all_.emplace_back(static_cast<char*>(p), cap);
+  pooled_ += cap;
   return static_cast<char*>(p);
+}
+
+bool StreamPath::drop_free_locked() {
+  for (auto& kv : free_) {
+    if (kv.second.empty()) continue;
+    char* p = kv.second.back();
+    kv.second.pop_back();
+    for (size_t i = 0; i < all_.size(); ++i)
+      if (all_[i].first == p) {
+        all_[i] = all_.back();
+        all_.pop_back();
+        break;
+      }
+    ops_->host_unregister(p);
+    std::free(p);
+    pooled_ -= kv.first;
+    return true;
+  }
+  return false;
 }
 
 void StreamPath::issue(StreamJob j) {
@@ -160,11 +181,26 @@ void StreamPath::issue(StreamJob j) {
   Job job;
   job.seq = seq;
   job.cap = round_cap(j.bytes);
+  // Pinned memory is bounded (kPoolBytes): beyond it, unused buffers of other sizes are freed,
+  // then the call waits for the streams of earlier calls to give theirs back.
+  int64_t deadline = now_ms() + c_.settings.timeout_ms;
+  int spins = 0;
+  while (pooled_ + job.cap > kPoolBytes && !(free_.count(job.cap) && !free_[job.cap].empty())) {
+    if (drop_free_locked()) continue;
+    if (in_use_.empty()) break;  // one call larger than the bound: it gets its buffer
+    if (now_ms() > deadline)
+      throw CommTimeout("hetccl: Timed out: the pinned staging memory of the stream path (" +
+                        std::to_string(kPoolBytes >> 20) + " MiB) stayed in use by earlier calls");
+    g.unlock();
+    pause(spins);
+    g.lock();
+    reclaim_locked();
+  }
   job.staging = take(job.cap);
   in_use_.push_back({seq, job.staging, job.cap});
   uint32_t slot = uint32_t(seq % kSlots);
-  uint64_t ready = ops_->device_address(page_ + slot);
-  uint64_t freed = ops_->device_address(page_ + kSlots + slot);
+  uint64_t ready = page_dev_ + slot * sizeof(uint64_t);
+  uint64_t freed = page_dev_ + (kSlots + slot) * sizeof(uint64_t);
   void* s = j.stream;
   // The group's other streams: their earlier work first. One event, re-recorded: a stream wait
   // takes the event's state when it is enqueued (device_ops.h).

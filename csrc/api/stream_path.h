@@ -84,6 +84,9 @@ class StreamPath {
   std::map<std::string, uint64_t> stats();
 
   static constexpr uint32_t kSlots = 256;
+  // Pinned staging memory one communicator keeps at most (beyond it calls wait for earlier
+  // calls' buffers; a single larger call still gets its own).
+  static constexpr size_t kPoolBytes = size_t(2) << 30;
 
  private:
   struct Job {
@@ -102,11 +105,14 @@ class StreamPath {
   void wait_slot_free(uint64_t seq);
   void reclaim_locked();
   char* take(size_t cap);
+  bool drop_free_locked();  // frees one unused pooled buffer; false if none
   void release_done(uint64_t seq);
 
   Comm& c_;
   std::shared_ptr<DeviceOps> ops_;
   uint64_t* page_ = nullptr;  // kSlots ready words, then kSlots freed words (registered)
+  uint64_t page_dev_ = 0;     // its device address
+  size_t pooled_ = 0;         // bytes of staging buffers held (under mu_)
   void* event_ = nullptr;             // joins a group's streams
   std::vector<void*> done_words_;     // per slot, where the runtime allocates wait words
   std::vector<uint64_t> done_addr_;   // device addresses of the done words
