@@ -94,9 +94,8 @@ class DeviceOps {
   virtual void* default_stream() { return nullptr; }
   // Whether the stream is capturing a graph now. Work that a host thread must play its part in
   // (the C API's stream path) cannot be replayed from a graph, so such calls are refused while
-  // capturing. CUDA asks the driver (cuStreamIsCapturing); the HIP module does not ask yet
-  // (hipStreamIsCapturing is not in its checked declaration table: false), the emulated device
-  // has no graphs.
+  // capturing. CUDA asks the driver (cuStreamIsCapturing), HIP the runtime
+  // (hipStreamIsCapturing); the emulated device has no graphs.
   virtual bool capturing(void* stream) { return false; }
 };
 

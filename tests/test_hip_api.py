@@ -72,7 +72,7 @@ def test_declarations_compile_against_the_hip_headers(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     consts, funcs = _C.runtime_api("hip")
-    m = re.match(r"checked (\d+) constants 5 types (\d+) functions against HIP (\d+)\.(\d+)", out)
+    m = re.match(r"checked (\d+) constants 6 types (\d+) functions against HIP (\d+)\.(\d+)", out)
     assert m, out
     assert (int(m[1]), int(m[2])) == (len(consts), len(funcs)), out  # all of the table
 
@@ -97,6 +97,7 @@ def test_a_wrong_declaration_fails_the_compile(tmp_path, mutation):
 
 _TYPES = {"hipError_t": "Error", "hipStream_t": "Stream", "hipEvent_t": "Event",
           "hipMemcpyKind": "MemcpyKind", "hipDeviceAttribute_t": "DeviceAttr",
+          "hipStreamCaptureStatus": "CaptureStatus",
           "unsigned": "unsigned int"}
 
 

@@ -43,6 +43,7 @@ struct OpaqueTypes {
   using Event = void*;      // hipEvent_t (ihipEvent_t*)
   using MemcpyKind = int;   // hipMemcpyKind (an enum)
   using DeviceAttr = int;   // hipDeviceAttribute_t (an enum)
+  using CaptureStatus = int;  // hipStreamCaptureStatus (an enum: 0 none, 1 active, 2 invalidated)
   using Size = size_t;      // size_t (a type of its own here only so the table can spell it)
 };
 
@@ -63,7 +64,8 @@ struct OpaqueTypes {
   X(hipHostGetDevicePointer, HostGetDevicePointer)      \
   X(hipExtMallocWithFlags, ExtMallocWithFlags)          \
   X(hipFree, Free)                                      \
-  X(hipGetErrorString, GetErrorString)
+  X(hipGetErrorString, GetErrorString)                  \
+  X(hipStreamIsCapturing, StreamIsCapturing)
 
 template <class T>
 struct Api {
@@ -87,6 +89,7 @@ struct Api {
   using ExtMallocWithFlags = Error(void**, Size, unsigned int);
   using Free = Error(void*);
   using GetErrorString = const char*(Error);
+  using StreamIsCapturing = Error(Stream, typename T::CaptureStatus*);
 };
 
 }  // namespace hip
@@ -100,7 +103,7 @@ namespace hetccl {
 namespace hip {
 // The table above as data (hetccl._C.runtime_api("hip"), for tests/test_hip_api.py): constant name ->
 // value; function name -> [return type, parameter types...] in hetccl's spelling ("Error",
-// "Stream", "Event", "MemcpyKind", "DeviceAttr", C types otherwise).
+// "Stream", "Event", "MemcpyKind", "DeviceAttr", "CaptureStatus", C types otherwise).
 std::map<std::string, long long> constants();
 std::map<std::string, std::vector<std::string>> functions();
 }  // namespace hip

@@ -17,6 +17,7 @@ struct EventT {};
 struct KindT {};
 struct AttrT {};
 struct SizeT {};
+struct CaptureT {};
 struct Tagged {
   using Error = ErrorT;
   using Stream = StreamT;
@@ -24,6 +25,7 @@ struct Tagged {
   using MemcpyKind = KindT;
   using DeviceAttr = AttrT;
   using Size = SizeT;
+  using CaptureStatus = CaptureT;
 };
 
 template <class T> struct Name;
@@ -45,6 +47,7 @@ HETCCL_NAME(int*, "int*")
 HETCCL_NAME(const char*, "const char*")
 #undef HETCCL_NAME
 template <> struct Name<EventT*> { static std::string get() { return "Event*"; } };
+template <> struct Name<CaptureT*> { static std::string get() { return "CaptureStatus*"; } };
 
 template <class F> struct Spell;
 template <class R, class... A>

@@ -49,6 +49,11 @@ class HipOps final : public DeviceOps {
                int(hip::kSuccess) &&
            v != 0;
   }
+  bool capturing(void* stream) override {
+    int status = 0;  // hipStreamCaptureStatus
+    check("hipStreamIsCapturing", hipStreamIsCapturing_(stream, &status));
+    return status != 0;
+  }
   void wait_geq(void* stream, uint64_t word, uint64_t counter) override {
     check("hipStreamWaitValue64",
           hipStreamWaitValue64_(stream, reinterpret_cast<void*>(uintptr_t(word)), counter,

@@ -116,6 +116,11 @@ hipError_t hipFree(void* ptr) {
   std::free(ptr);
   return hipSuccess;
 }
+hipError_t hipStreamIsCapturing(hipStream_t stream, hipStreamCaptureStatus* status) {
+  log_call("hipStreamIsCapturing");
+  *status = hipStreamCaptureStatusNone;
+  return hipSuccess;
+}
 const char* hipGetErrorString(hipError_t hipError) {
   return hipError == hipErrorInvalidDevice ? "invalid device ordinal (fake)" : "fake error";
 }

@@ -22,6 +22,7 @@ struct RealTypes {
   using MemcpyKind = hipMemcpyKind;
   using DeviceAttr = hipDeviceAttribute_t;
   using Size = size_t;
+  using CaptureStatus = hipStreamCaptureStatus;
 };
 using Real = hetccl::hip::Api<RealTypes>;
 using Opaque = hetccl::hip::Api<hetccl::hip::OpaqueTypes>;
@@ -40,7 +41,9 @@ static_assert(same_abi<hetccl::hip::OpaqueTypes::Event, hipEvent_t>(), "hipEvent
 static_assert(same_abi<hetccl::hip::OpaqueTypes::MemcpyKind, hipMemcpyKind>(), "hipMemcpyKind");
 static_assert(same_abi<hetccl::hip::OpaqueTypes::DeviceAttr, hipDeviceAttribute_t>(),
               "hipDeviceAttribute_t");
-constexpr int kTypes = 5;
+static_assert(same_abi<hetccl::hip::OpaqueTypes::CaptureStatus, hipStreamCaptureStatus>(),
+              "hipStreamCaptureStatus");
+constexpr int kTypes = 6;
 
 // Parameter-by-parameter ABI equality of the opaque and the real function types.
 template <class F, class G> struct SameAbiFn : std::false_type {};
