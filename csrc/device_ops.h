@@ -99,13 +99,17 @@ class DeviceOps {
   virtual bool capturing(void* stream) { return false; }
 };
 
-// Opens a runtime by name: "cuda" (library: a libcuda path), "hip" (a libamdhip64 path), or
+// Opens a runtime by name: "cuda" (library: a libcuda path; "": libcuda.so.1), "hip" (a
+// libamdhip64 path; "": libamdhip64.so), "emulated-hip" (the emulated device with HIP's rule), or
 // "emulated" (tests only; library "" or "cuda": CUDA's comparison rule, "hip": HIP's, with
 // separately allocated wait words as HIP's signal memory) -- a device whose streams are host
 // threads running their operations in order, so the engine's device protocol runs on machines
 // without a GPU; emulated_stream() makes a stream. Throws CommError when the library or a
 // required symbol is missing, or the name is unknown.
 std::shared_ptr<DeviceOps> make_device_ops(const std::string& runtime, const std::string& library);
+// The runtime a face opens when it is not told which (the C API's HETCCL_CAPI_DEVICE unset):
+// CUDA's (the drop-in RCCL sets HETCCL_CAPI_DEVICE for its own).
+const char* default_device_runtime();
 
 // The vendor declarations a runtime module uses, as data, for tests that check them against the
 // vendor's own definitions (tests/test_hip_api.py): constant name -> value, function name ->

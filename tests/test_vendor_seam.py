@@ -37,6 +37,11 @@ ALLOWED = {
     "hetccl/run.py": "its help text names the 'nccl' backend that scripts call",
     "hetccl/config.py": "help text of the settings: the detected vendor labels, NCCL's analogous "
                         "variables, UCX's cuda_copy",
+    "csrc/nccl": "the drop-in NCCL/RCCL: NCCL's ABI names are what it implements, and each "
+                 "flavour states which vendor a process that loads it is (libnccl: nvidia, its "
+                 "runtime cuda; librccl: amd, hip) and the real library it stands in front of",
+    "hetccl/nccl_dropin.py": "the drop-in's locator: the sonames it stands in for, the real "
+                             "libraries behind them (the nvidia-nccl wheel), NCCL's ABI names",
     "csrc/ucx_transport.cc": "UCX's own names of vendor memory types and transports "
                              "(UCS_MEMORY_TYPE_CUDA / _ROCM, cuda_copy, rocm_copy); the memory "
                              "type string itself comes from the device runtime",

@@ -221,19 +221,8 @@ void Comm::note_failure(std::exception_ptr e, bool arguments_too) {
 }
 
 StreamPath& Comm::streams() {
-  if (!stream_path_) {
-    std::string lib = settings.device_library;
-    std::string rt = settings.device_runtime;
-    if (rt == "emulated-hip") {
-      rt = "emulated";
-      lib = "hip";
-    } else if (rt == "emulated") {
-      lib = "cuda";
-    } else if (lib.empty()) {
-      lib = rt == "hip" ? "libamdhip64.so" : "libcuda.so.1";
-    }
-    stream_path_ = std::make_unique<StreamPath>(*this, rt, lib);
-  }
+  // the runtime and its library by name, as the device registry knows them (device_ops.h)
+  if (!stream_path_) stream_path_ = std::make_unique<StreamPath>(*this, settings.device_runtime, settings.device_library);
   return *stream_path_;
 }
 

@@ -46,7 +46,7 @@ struct Settings {
   // The stream path's device runtime (stream_path.h): HETCCL_CAPI_DEVICE (cuda, hip, emulated,
   // emulated-hip) and HETCCL_CAPI_DEVICE_LIBRARY (the runtime's library; default: the one the
   // process has loaded under its usual name)
-  std::string device_runtime = "cuda";
+  std::string device_runtime;
   std::string device_library;
   // engine chunk tables: hetccl/tuning.py's HOST and MESSAGE rows (tests/test_capi.py checks
   // they are equal)

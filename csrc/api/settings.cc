@@ -9,6 +9,7 @@
 #include <string>
 
 #include "../common.h"
+#include "../device_ops.h"
 #include "comm.h"
 
 namespace hetccl {
@@ -60,12 +61,9 @@ Settings read_settings() {
   if (s.algo.empty()) s.algo = "auto";
   if (s.algo != "auto" && s.algo != "ring" && s.algo != "rd")
     throw CommError("hetccl: HETCCL_CAPI_ALGO=" + s.algo + " is not one of auto, ring, rd");
+  // validated by the device registry when the first stream call opens it (device_ops.h)
   s.device_runtime = env("HETCCL_CAPI_DEVICE");
-  if (s.device_runtime.empty()) s.device_runtime = "cuda";
-  if (s.device_runtime != "cuda" && s.device_runtime != "hip" && s.device_runtime != "emulated" &&
-      s.device_runtime != "emulated-hip")
-    throw CommError("hetccl: HETCCL_CAPI_DEVICE=" + s.device_runtime +
-                    " is not one of cuda, hip, emulated, emulated-hip");
+  if (s.device_runtime.empty()) s.device_runtime = default_device_runtime();
   s.device_library = env("HETCCL_CAPI_DEVICE_LIBRARY");
   // hetccl/tuning.py HOST and MESSAGE (see its docstring for how the rows were chosen)
   s.host_chunks = {{256 * KiB, 256 * KiB}, {INF, 128 * KiB}};

@@ -31,11 +31,15 @@ RuntimeApi runtime_api(const std::string& runtime) {
   throw CommError("hetccl: no declaration table for the device runtime '" + runtime + "' (only hip)");
 }
 
+const char* default_device_runtime() { return "cuda"; }
+
 std::shared_ptr<DeviceOps> make_device_ops(const std::string& runtime, const std::string& library) {
-  if (runtime == "cuda") return device::make_cuda_ops(library);
-  if (runtime == "hip") return device::make_hip_ops(library);
+  // library "": the runtime's usual name, the one a process that uses it has loaded
+  if (runtime == "cuda") return device::make_cuda_ops(library.empty() ? "libcuda.so.1" : library);
+  if (runtime == "hip") return device::make_hip_ops(library.empty() ? "libamdhip64.so" : library);
   if (runtime == "emulated") return device::make_emulated_ops(library);
-  throw CommError("hetccl: unknown device runtime '" + runtime + "' (known: cuda, hip, emulated)");
+  if (runtime == "emulated-hip") return device::make_emulated_ops("hip");  // HIP's comparison rule
+  throw CommError("hetccl: unknown device runtime '" + runtime + "' (known: cuda, hip, emulated, emulated-hip)");
 }
 
 }  // namespace hetccl
