@@ -572,6 +572,10 @@ def main():
     args = json.load(open(sys.argv[1]))
     if args.get("api") == "nccl":  # the same cases through the drop-in NCCL's ABI
         import nccl_shim
+
+        if os.environ.get("FAKE_NCCL_GLOBAL"):  # as torch does: the real NCCL loaded globally first
+            import ctypes
+            ctypes.CDLL(os.environ["FAKE_NCCL_GLOBAL"], mode=ctypes.RTLD_GLOBAL)
         capi = nccl_shim.NcclApi(capi, os.environ["HETCCL_CAPI_LIB"])
     rank, n = args["rank"], args["n"]
     uid = args["uid"]

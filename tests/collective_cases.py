@@ -131,6 +131,7 @@ class Cases:
         self.results: dict[str, str] = {}
         self.case = 0
         self.record = record
+        self.backend = "hetccl"
 
     def run(self, name, fn):
         self.case += 1
@@ -209,6 +210,7 @@ def run_all(ctx, extra_env_case: str = "", device: str = "cpu", default_device: 
     dist.init_process_group(backend, init_method=ctx.init_method(), rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     c = Cases(rank, world, record)
+    c.backend = backend
     got = dist.get_backend()
     c.results["backend/get_backend"] = "ok" if got == backend else f"get_backend() is {got!r}, not {backend!r}"
     _cases(c, rank, world, dev)
@@ -613,6 +615,11 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
 
     def f(case):
         # isend/irecv to both ring neighbours, waited out of order
+        if W == 2 and c.backend == "nccl":
+            # NCCL semantics: a receive blocks its pair's stream until its send arrives, and
+            # torch puts both directions of a pair on one stream, so two ranks that each
+            # receive first deadlock with NCCL itself (and with the drop-in that keeps them)
+            return "skip: both ranks receive first on one pair's stream (deadlocks with NCCL)"
         y_prev, y_next = empty(1000), empty(1000)
         reqs = [dist.irecv(y_prev, prv, tag=1), dist.isend(put(data(rank, case, 1000,
                                                                     torch.float32)), nxt, tag=1)]

@@ -118,6 +118,21 @@ def test_one_vendor_forwards_to_the_real_library(tmp_path, fake_nccl):
     assert f"real library: {os.path.realpath(fake_nccl)}" in logs[0], logs[0][-2000:]
 
 
+def test_real_library_loaded_globally_first(tmp_path, fake_nccl):
+    """As torch does (it preloads the nvidia-nccl wheel's libnccl.so.2 with RTLD_GLOBAL): the
+    real library is already loaded when the drop-in opens it, and the drop-in is first in the
+    global scope (LD_PRELOAD), so the real library's own call of ncclCommGetAsyncError reaches
+    the drop-in, which must hand it back untouched (the stand-in fails the all_reduce otherwise)."""
+    logf = tmp_path / "fake.log"
+    SPLITS["1v2"] = ["a", "a"]
+    res, procs, logs = launch(tmp_path, "1v2", "forward", api="nccl",
+                              env=nccl_env(HETCCL_NCCL_LIBRARY=fake_nccl, FAKE_NCCL_LOG=str(logf),
+                                           FAKE_NCCL_GLOBAL=fake_nccl, LD_PRELOAD=DROPIN))
+    assert sorted(res) == [0, 1], "\n".join(logs)[-4000:]
+    for r in (0, 1):
+        assert res[r]["real"] and res[r]["y"] == [1001.0 + r] * 8, res[r]
+
+
 def test_split_across_vendors_makes_native_children(tmp_path, fake_nccl):
     """2+2 (labels a a b b): the parent spans vendors (hetccl's all_reduce: 4.0); splitting by
     vendor makes two one-vendor children that the real library serves (its mark)."""

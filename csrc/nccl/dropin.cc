@@ -26,6 +26,7 @@
 // is not this file. It is opened with RTLD_DEEPBIND so that its own calls of its public names
 // stay inside it. `hetccl run` sets the variable to the library the program would have loaded.
 #include <dlfcn.h>
+#include <link.h>
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,9 +131,50 @@ void open_real() {
     g_real_why = env ? std::string("cannot open ") + env : std::string("no ") + DROPIN_SONAME + " found beside this one";
 }
 
+// The real library's mapped address range. torch preloads the real libnccl.so.2 with
+// RTLD_GLOBAL before this library opens it, so the handle open_real gets is that object, not a
+// DEEPBIND one: the real library's own calls of its public names (ncclCommGetAsyncError from
+// its enqueue checks, ncclGroupStart/End, ncclGetUniqueId inside ncclCommInitAll, ...) then bind
+// to this drop-in, first in the global scope. Every entry point therefore hands a call whose
+// caller lies inside the real library straight back to the real function (FROM_REAL), with its
+// arguments untouched.
+uintptr_t g_real_lo = 0, g_real_hi = 0;
+
+void find_real_range() {
+  link_map* lm = nullptr;
+  if (dlinfo(g_real, RTLD_DI_LINKMAP, &lm) != 0 || !lm) return;
+  struct Q {
+    uintptr_t base, lo, hi;
+  } q{uintptr_t(lm->l_addr), 0, 0};
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) -> int {
+        auto* q = static_cast<Q*>(data);
+        if (uintptr_t(info->dlpi_addr) != q->base) return 0;
+        for (int i = 0; i < info->dlpi_phnum; ++i) {
+          const auto& ph = info->dlpi_phdr[i];
+          if (ph.p_type != PT_LOAD) continue;
+          uintptr_t a = q->base + ph.p_vaddr, b = a + ph.p_memsz;
+          if (!q->lo || a < q->lo) q->lo = a;
+          if (b > q->hi) q->hi = b;
+        }
+        return 1;
+      },
+      &q);
+  g_real_lo = q.lo;
+  g_real_hi = q.hi;
+}
+
 void* real() {
-  std::call_once(g_real_once, open_real);
+  std::call_once(g_real_once, [] {
+    open_real();
+    if (g_real) find_real_range();
+  });
   return g_real;
+}
+
+inline bool from_real(void* return_address) {
+  uintptr_t a = reinterpret_cast<uintptr_t>(return_address);
+  return a >= g_real_lo && a < g_real_hi;
 }
 
 template <typename F>
@@ -145,6 +187,12 @@ F real_fn(const char* name) {
   static const auto p = real_fn<decltype(&fn)>(#fn);            \
   return p;                                                     \
 }())
+
+// First statement of every entry point: a call from inside the real library goes back to it.
+#define FROM_REAL(fn, ...)                                            \
+  do {                                                                \
+    if (from_real(__builtin_return_address(0))) return REAL(fn)(__VA_ARGS__); \
+  } while (0)
 
 ncclResult_t no_real(const char* what) {
   return fail(ncclInvalidUsage, std::string("hetccl: ") + what + " needs the real " DROPIN_NAME " library: " +
@@ -318,6 +366,7 @@ HETCCL_NCCL_API const char* hetcclDropinInfo(void) {
 HETCCL_NCCL_API hetcclComm_t hetcclDropinComm(ncclComm_t comm) { return comm ? comm->het : nullptr; }
 
 ncclResult_t ncclGetVersion(int* version) {
+  FROM_REAL(ncclGetVersion, version);
   if (!version) return fail(ncclInvalidArgument, "hetccl: ncclGetVersion: version is NULL");
   if (auto f = REAL(ncclGetVersion)) return f(version);
   *version = DROPIN_ABI_VERSION;
@@ -325,11 +374,13 @@ ncclResult_t ncclGetVersion(int* version) {
 }
 
 const char* ncclGetErrorString(ncclResult_t result) {
+  FROM_REAL(ncclGetErrorString, result);
   if (auto f = REAL(ncclGetErrorString)) return f(result);
   return hetcclGetErrorString(hetcclResult_t(result));
 }
 
 const char* ncclGetLastError(ncclComm_t comm) {
+  FROM_REAL(ncclGetLastError, comm);
   static thread_local std::string out;
   if (comm && comm->real) {
     if (auto f = REAL(ncclGetLastError)) return f(comm->real);
@@ -344,6 +395,7 @@ const char* ncclGetLastError(ncclComm_t comm) {
 }
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
+  FROM_REAL(ncclGetUniqueId, uniqueId);
   if (!uniqueId) return fail(ncclInvalidArgument, "hetccl: ncclGetUniqueId: uniqueId is NULL");
   defaults();
   banner();
@@ -355,20 +407,24 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
 }
 
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
+  FROM_REAL(ncclCommInitRank, comm, nranks, commId, rank);
   return init(comm, nranks, commId, rank, nullptr);
 }
 
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank, ncclConfig_t* config) {
+  FROM_REAL(ncclCommInitRankConfig, comm, nranks, commId, rank, config);
   return init(comm, nranks, commId, rank, config);
 }
 
 ncclResult_t ncclCommInitRankScalable(ncclComm_t* newcomm, int nranks, int myrank, int nId, ncclUniqueId* commIds,
                                       ncclConfig_t* config) {
+  FROM_REAL(ncclCommInitRankScalable, newcomm, nranks, myrank, nId, commIds, config);
   if (nId < 1 || !commIds) return fail(ncclInvalidArgument, "hetccl: ncclCommInitRankScalable: no unique id");
   return init(newcomm, nranks, commIds[0], myrank, config);  // one hetccl root serves every rank
 }
 
 ncclResult_t ncclCommInitAll(ncclComm_t* comm, int ndev, const int* devlist) {
+  FROM_REAL(ncclCommInitAll, comm, ndev, devlist);
   // One process, several devices: always one vendor, so the real library serves it.
   banner();
   if (!comm || ndev < 1) return fail(ncclInvalidArgument, "hetccl: ncclCommInitAll: no communicators asked for");
@@ -388,12 +444,14 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comm, int ndev, const int* devlist) {
 }
 
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  FROM_REAL(ncclCommFinalize, comm);
   CHECK_COMM(comm, "ncclCommFinalize");
   if (comm->real) FORWARD(comm, ncclCommFinalize, comm->real);
   return ncclSuccess;  // hetcclCommDestroy completes what was issued
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  FROM_REAL(ncclCommDestroy, comm);
   CHECK_COMM(comm, "ncclCommDestroy");
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
@@ -407,6 +465,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  FROM_REAL(ncclCommAbort, comm);
   CHECK_COMM(comm, "ncclCommAbort");
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
@@ -420,12 +479,14 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
+  FROM_REAL(ncclCommRevoke, comm, revokeFlags);
   CHECK_COMM(comm, "ncclCommRevoke");
   if (comm->real) FORWARD(comm, ncclCommRevoke, comm->real, revokeFlags);
   return refuse_cross("ncclCommRevoke", "not supported (use ncclCommAbort)");
 }
 
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
+  FROM_REAL(ncclCommSplit, comm, color, key, newcomm, config);
   CHECK_COMM(comm, "ncclCommSplit");
   if (!newcomm) return fail(ncclInvalidArgument, "hetccl: ncclCommSplit: newcomm is NULL");
   *newcomm = nullptr;
@@ -467,6 +528,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
 
 ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount, ncclComm_t* newcomm,
                             ncclConfig_t* config, int shrinkFlags) {
+  FROM_REAL(ncclCommShrink, comm, excludeRanksList, excludeRanksCount, newcomm, config, shrinkFlags);
   CHECK_COMM(comm, "ncclCommShrink");
   if (comm->real) {
     auto f = REAL(ncclCommShrink);
@@ -489,6 +551,7 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeR
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
+  FROM_REAL(ncclCommGetAsyncError, comm, asyncError);
   CHECK_COMM(comm, "ncclCommGetAsyncError");
   if (comm->real) FORWARD(comm, ncclCommGetAsyncError, comm->real, asyncError);
   if (!asyncError) return fail(ncclInvalidArgument, "hetccl: ncclCommGetAsyncError: asyncError is NULL");
@@ -499,6 +562,7 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
 }
 
 ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
+  FROM_REAL(ncclCommCount, comm, count);
   CHECK_COMM(comm, "ncclCommCount");
   if (!count) return fail(ncclInvalidArgument, "hetccl: ncclCommCount: count is NULL");
   if (comm->real) FORWARD(comm, ncclCommCount, comm->real, count);
@@ -507,6 +571,7 @@ ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
 }
 
 ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int* device) {
+  FROM_REAL(ncclCommCuDevice, comm, device);
   CHECK_COMM(comm, "ncclCommCuDevice");
   if (!device) return fail(ncclInvalidArgument, "hetccl: ncclCommCuDevice: device is NULL");
   if (comm->real) FORWARD(comm, ncclCommCuDevice, comm->real, device);
@@ -515,6 +580,7 @@ ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int* device) {
 }
 
 ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
+  FROM_REAL(ncclCommUserRank, comm, rank);
   CHECK_COMM(comm, "ncclCommUserRank");
   if (!rank) return fail(ncclInvalidArgument, "hetccl: ncclCommUserRank: rank is NULL");
   if (comm->real) FORWARD(comm, ncclCommUserRank, comm->real, rank);
@@ -523,6 +589,7 @@ ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
 }
 
 ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, void** handle) {
+  FROM_REAL(ncclCommRegister, comm, buff, size, handle);
   CHECK_COMM(comm, "ncclCommRegister");
   if (comm->real) FORWARD(comm, ncclCommRegister, comm->real, buff, size, handle);
   if (!handle) return fail(ncclInvalidArgument, "hetccl: ncclCommRegister: handle is NULL");
@@ -531,6 +598,7 @@ ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, vo
 }
 
 ncclResult_t ncclCommDeregister(const ncclComm_t comm, void* handle) {
+  FROM_REAL(ncclCommDeregister, comm, handle);
   CHECK_COMM(comm, "ncclCommDeregister");
   if (comm->real) FORWARD(comm, ncclCommDeregister, comm->real, handle);
   if (handle != comm) return fail(ncclInvalidArgument, "hetccl: ncclCommDeregister: not a handle of this communicator");
@@ -538,36 +606,42 @@ ncclResult_t ncclCommDeregister(const ncclComm_t comm, void* handle) {
 }
 
 ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, ncclWindow_t* win, int winFlags) {
+  FROM_REAL(ncclCommWindowRegister, comm, buff, size, win, winFlags);
   CHECK_COMM(comm, "ncclCommWindowRegister");
   if (comm->real) FORWARD(comm, ncclCommWindowRegister, comm->real, buff, size, win, winFlags);
   return refuse_cross("ncclCommWindowRegister", "symmetric memory windows need one vendor's peer memory");
 }
 
 ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win) {
+  FROM_REAL(ncclCommWindowDeregister, comm, win);
   CHECK_COMM(comm, "ncclCommWindowDeregister");
   if (comm->real) FORWARD(comm, ncclCommWindowDeregister, comm->real, win);
   return refuse_cross("ncclCommWindowDeregister", "symmetric memory windows need one vendor's peer memory");
 }
 
 ncclResult_t ncclDevCommCreate(ncclComm_t comm, ncclDevCommRequirements_t const* reqs, ncclDevComm_t* outDevComm) {
+  FROM_REAL(ncclDevCommCreate, comm, reqs, outDevComm);
   CHECK_COMM(comm, "ncclDevCommCreate");
   if (comm->real) FORWARD(comm, ncclDevCommCreate, comm->real, reqs, outDevComm);
   return refuse_cross("ncclDevCommCreate", "device-initiated communication needs one vendor's device API");
 }
 
 ncclResult_t ncclDevCommDestroy(ncclComm_t comm, ncclDevComm_t const* devComm) {
+  FROM_REAL(ncclDevCommDestroy, comm, devComm);
   CHECK_COMM(comm, "ncclDevCommDestroy");
   if (comm->real) FORWARD(comm, ncclDevCommDestroy, comm->real, devComm);
   return refuse_cross("ncclDevCommDestroy", "device-initiated communication needs one vendor's device API");
 }
 
 ncclResult_t ncclMemAlloc(void** ptr, size_t size) {
+  FROM_REAL(ncclMemAlloc, ptr, size);
   auto f = REAL(ncclMemAlloc);
   if (!f) return no_real("ncclMemAlloc");
   return f(ptr, size);
 }
 
 ncclResult_t ncclMemFree(void* ptr) {
+  FROM_REAL(ncclMemFree, ptr);
   auto f = REAL(ncclMemFree);
   if (!f) return no_real("ncclMemFree");
   return f(ptr);
@@ -575,6 +649,7 @@ ncclResult_t ncclMemFree(void* ptr) {
 
 ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataType_t datatype,
                                       ncclScalarResidence_t residence, ncclComm_t comm) {
+  FROM_REAL(ncclRedOpCreatePreMulSum, op, scalar, datatype, residence, comm);
   CHECK_COMM(comm, "ncclRedOpCreatePreMulSum");
   if (comm->real) FORWARD(comm, ncclRedOpCreatePreMulSum, op, scalar, datatype, residence, comm->real);
   hetcclDataType_t dt;
@@ -587,6 +662,7 @@ ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataTyp
 }
 
 ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
+  FROM_REAL(ncclRedOpDestroy, op, comm);
   CHECK_COMM(comm, "ncclRedOpDestroy");
   if (comm->real) FORWARD(comm, ncclRedOpDestroy, op, comm->real);
   return from_het(hetcclRedOpDestroy(hetcclRedOp_t(op), comm->het), comm->het);
@@ -602,6 +678,7 @@ ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
 
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t stream) {
+  FROM_REAL(ncclAllReduce, sendbuff, recvbuff, count, datatype, op, comm, stream);
   CHECK_COMM(comm, "ncclAllReduce");
   if (comm->real) FORWARD(comm, ncclAllReduce, sendbuff, recvbuff, count, datatype, op, comm->real, stream);
   HET_DTYPE(datatype, true);
@@ -611,6 +688,7 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, n
 
 ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
                         int root, ncclComm_t comm, cudaStream_t stream) {
+  FROM_REAL(ncclReduce, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
   CHECK_COMM(comm, "ncclReduce");
   if (comm->real) FORWARD(comm, ncclReduce, sendbuff, recvbuff, count, datatype, op, root, comm->real, stream);
   HET_DTYPE(datatype, true);
@@ -620,6 +698,7 @@ ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, nccl
 
 ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
                            ncclComm_t comm, cudaStream_t stream) {
+  FROM_REAL(ncclBroadcast, sendbuff, recvbuff, count, datatype, root, comm, stream);
   CHECK_COMM(comm, "ncclBroadcast");
   if (comm->real) FORWARD(comm, ncclBroadcast, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
@@ -628,6 +707,7 @@ ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, n
 
 ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
                        cudaStream_t stream) {
+  FROM_REAL(ncclBcast, buff, count, datatype, root, comm, stream);
   CHECK_COMM(comm, "ncclBcast");
   if (comm->real) FORWARD(comm, ncclBcast, buff, count, datatype, root, comm->real, stream);
   return ncclBroadcast(buff, buff, count, datatype, root, comm, stream);
@@ -635,6 +715,7 @@ ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int ro
 
 ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount, ncclDataType_t datatype,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  FROM_REAL(ncclReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
   CHECK_COMM(comm, "ncclReduceScatter");
   if (comm->real) FORWARD(comm, ncclReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm->real, stream);
   HET_DTYPE(datatype, true);
@@ -645,6 +726,7 @@ ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recv
 
 ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
                            ncclComm_t comm, cudaStream_t stream) {
+  FROM_REAL(ncclAllGather, sendbuff, recvbuff, sendcount, datatype, comm, stream);
   CHECK_COMM(comm, "ncclAllGather");
   if (comm->real) FORWARD(comm, ncclAllGather, sendbuff, recvbuff, sendcount, datatype, comm->real, stream);
   HET_DTYPE(datatype, false);
@@ -653,6 +735,7 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
 
 ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
                           cudaStream_t stream) {
+  FROM_REAL(ncclAlltoAll, sendbuff, recvbuff, count, datatype, comm, stream);
   CHECK_COMM(comm, "ncclAlltoAll");
   if (comm->real) FORWARD(comm, ncclAlltoAll, sendbuff, recvbuff, count, datatype, comm->real, stream);
   HET_DTYPE(datatype, false);
@@ -661,6 +744,7 @@ ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, nc
 
 ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
+  FROM_REAL(ncclSend, sendbuff, count, datatype, peer, comm, stream);
   CHECK_COMM(comm, "ncclSend");
   if (comm->real) FORWARD(comm, ncclSend, sendbuff, count, datatype, peer, comm->real, stream);
   HET_DTYPE(datatype, false);
@@ -669,6 +753,7 @@ ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatyp
 
 ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
+  FROM_REAL(ncclRecv, recvbuff, count, datatype, peer, comm, stream);
   CHECK_COMM(comm, "ncclRecv");
   if (comm->real) FORWARD(comm, ncclRecv, recvbuff, count, datatype, peer, comm->real, stream);
   HET_DTYPE(datatype, false);
@@ -678,6 +763,7 @@ ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int
 // Gather / scatter: as NCCL defines them, a group of sends and receives.
 ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
                         ncclComm_t comm, cudaStream_t stream) {
+  FROM_REAL(ncclGather, sendbuff, recvbuff, count, datatype, root, comm, stream);
   CHECK_COMM(comm, "ncclGather");
   if (comm->real) FORWARD(comm, ncclGather, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
@@ -695,6 +781,7 @@ ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, nccl
 
 ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
                          ncclComm_t comm, cudaStream_t stream) {
+  FROM_REAL(ncclScatter, sendbuff, recvbuff, count, datatype, root, comm, stream);
   CHECK_COMM(comm, "ncclScatter");
   if (comm->real) FORWARD(comm, ncclScatter, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
@@ -713,6 +800,7 @@ ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncc
 }
 
 ncclResult_t ncclGroupStart(void) {
+  FROM_REAL(ncclGroupStart);
   if (auto f = REAL(ncclGroupStart)) {
     ncclResult_t r = f();
     if (r != ncclSuccess) return r;
@@ -721,6 +809,7 @@ ncclResult_t ncclGroupStart(void) {
 }
 
 ncclResult_t ncclGroupEnd(void) {
+  FROM_REAL(ncclGroupEnd);
   ncclResult_t r = ncclSuccess;
   if (auto f = REAL(ncclGroupEnd)) r = f();
   ncclResult_t h = from_het(hetcclGroupEnd(), nullptr);
@@ -728,6 +817,7 @@ ncclResult_t ncclGroupEnd(void) {
 }
 
 ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
+  FROM_REAL(ncclGroupSimulateEnd, simInfo);
   // The real library simulates its own calls; hetccl's part of the group runs (it has no
   // simulation), which keeps the group depth of both in step.
   ncclResult_t r = ncclSuccess;

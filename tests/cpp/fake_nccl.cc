@@ -2,6 +2,8 @@
 // to it. Every call appends its name to $FAKE_NCCL_LOG; communicators are single-process
 // records; ncclAllReduce of float32 writes send + 1000 + rank into recv (a mark that only a
 // forwarded call leaves); collectives are otherwise no-ops. Not NCCL: it proves forwarding only.
+// Its ncclAllReduce calls its own ncclCommGetAsyncError by name, as the real NCCL's enqueue
+// check does, so a drop-in in front of it in the global scope must hand that call back.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -9,8 +11,9 @@
 #include "../../csrc/nccl/nccl_abi.h"
 
 struct ncclComm {
-  int rank, nranks;
+  int magic, rank, nranks;  // magic: the real NCCL's CommCheck reads its own fields too
 };
+constexpr int kMagic = 0x7a4e;
 
 namespace {
 void log(const char* what) {
@@ -29,7 +32,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) { log("ncclGetUniqueId"); memset(
 ncclResult_t ncclCommInitRank(ncclComm_t* c, int n, ncclUniqueId id, int r) {
   log("ncclCommInitRank");
   if (id.internal[0] != 7) return ncclInvalidArgument;  // the id rank 0 made reached every rank
-  *c = new ncclComm{r, n};
+  *c = new ncclComm{kMagic, r, n};
   return ncclSuccess;
 }
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* c, int n, ncclUniqueId id, int r, ncclConfig_t*) {
@@ -40,9 +43,17 @@ ncclResult_t ncclCommDestroy(ncclComm_t c) { log("ncclCommDestroy"); delete c; r
 ncclResult_t ncclCommAbort(ncclComm_t c) { log("ncclCommAbort"); delete c; return ncclSuccess; }
 ncclResult_t ncclCommCount(const ncclComm_t c, int* n) { *n = c->nranks; return ncclSuccess; }
 ncclResult_t ncclCommUserRank(const ncclComm_t c, int* r) { *r = c->rank; return ncclSuccess; }
-ncclResult_t ncclCommGetAsyncError(ncclComm_t, ncclResult_t* e) { *e = ncclSuccess; return ncclSuccess; }
+ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t* e) {
+  if (!c || c->magic != kMagic) return ncclInvalidArgument;  // not one of this library's
+  *e = ncclSuccess;
+  return ncclSuccess;
+}
 ncclResult_t ncclAllReduce(const void* s, void* r, size_t count, ncclDataType_t dt, ncclRedOp_t, ncclComm_t c, cudaStream_t) {
   log("ncclAllReduce");
+  // as the real NCCL's enqueue check does: a call of its own public name, which a library
+  // earlier in the global scope (the preloaded drop-in) receives first
+  ncclResult_t e;
+  if (ncclCommGetAsyncError(c, &e) != ncclSuccess) return ncclInternalError;
   if (dt == ncclFloat32)
     for (size_t i = 0; i < count; ++i) static_cast<float*>(r)[i] = static_cast<const float*>(s)[i] + 1000.f + float(c->rank);
   return ncclSuccess;
