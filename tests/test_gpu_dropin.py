@@ -10,6 +10,7 @@ real NCCL (the nvidia-nccl wheel) behind it.
 Rank r uses GPU r % device_count (all vendors share the one GPU)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from hetccl.launch import spawn
 
 import collective_cases
 import gpu_cases
+from test_gpu_suite import recorded
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,8 +29,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def dropin_env(monkeypatch):
+def _dropin_env(monkeypatch):
     """LD_PRELOAD and the real library for the ranks (spawned processes inherit os.environ)."""
     real = nccl_dropin.real_library("nccl")
     if not real:
@@ -40,19 +41,51 @@ def dropin_env(monkeypatch):
     return real
 
 
-def _families(ctx):
-    return collective_cases.run_all(ctx, device="cuda", backend="nccl", timeout_s=120)
+@pytest.fixture
+def dropin_env(monkeypatch):
+    return _dropin_env(monkeypatch)
+
+
+def _families(ctx, record=None):
+    collective_cases.run_all(ctx, device="cuda", backend="nccl", timeout_s=60, record=record)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_nccl() -> dict:
+    """Every case on plain NCCL (nothing preloaded), world size 1: what NCCL itself accepts
+    and refuses (torch refuses some ops and dtypes for NCCL before any NCCL call)."""
+    assert "libnccl.so.2" not in os.environ.get("LD_PRELOAD", "")
+    cases, failure = recorded(_families, "1", {}, timeout=200)
+    assert not failure, failure
+    return {k: v[0] for k, v in cases.items()}
 
 
 @pytest.mark.parametrize("split", ["1", "1+1", "1+1+1"])
-def test_every_family_under_the_dropin(split, dropin_env, capfd):
+def test_every_family_under_the_dropin(split, monkeypatch, capfd):
+    """Each case's verdict is recorded by every rank as soon as it is known (a hang names the
+    last case that finished). A case passes when it is ok or skipped, or when it fails as it
+    does on plain NCCL (the same refusal); world size 1 must equal plain NCCL case for case."""
+    plain = _plain_nccl()
+    _dropin_env(monkeypatch)
     world = sum(int(x) for x in split.split("+"))
-    per_rank = spawn(_families, world, vendors=split if world > 1 else None, timeout=400)
-    bad = {f"rank {r} {k}": v for r, res in enumerate(per_rank) for k, v in res.items()
-           if v != "ok" and not v.startswith("skip")}
-    assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
-    assert len(per_rank[0]) > 50, sorted(per_rank[0])
-    assert all(res["backend/get_backend"] == "ok" for res in per_rank)
+    cases, failure = recorded(_families, split, {}, timeout=240)
+    bad = {}
+    for case, per_rank in sorted(cases.items()):
+        for r in range(world):
+            v = per_rank.get(r)
+            if v is None:
+                bad[f"{case} rank {r}"] = "no verdict (the rank died or hung before it)"
+            elif v != "ok" and not v.startswith("skip") and (plain.get(case, "ok") in ("ok",) or
+                                                            plain.get(case, "").startswith("skip")):
+                bad[f"{case} rank {r}"] = v
+    if world == 1:
+        for case, v in plain.items():
+            got = cases.get(case, {}).get(0)
+            if (got == "ok") != (v == "ok"):
+                bad[f"{case} (plain NCCL: {v[:60]})"] = got
+    detail = "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:20])
+    assert not bad and not failure, f"{failure or ''}\n{detail}"[-6000:]
+    assert len(cases) > 50 and all(cases["backend/get_backend"][r] == "ok" for r in range(world))
     err = capfd.readouterr().err
     assert "hetccl: serving NCCL calls (drop-in libnccl.so.2)" in err, err[-3000:]
     want = "one vendor: the real NCCL serves" if world == 1 else "vendor group(s): hetccl serves"
