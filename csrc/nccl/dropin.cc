@@ -268,6 +268,15 @@ bool het_dtype(ncclDataType_t d, bool reduces, hetcclDataType_t* out, std::strin
   return true;
 }
 
+size_t elem_size(hetcclDataType_t d) {
+  switch (d) {
+    case hetcclInt8: case hetcclUint8: return 1;
+    case hetcclFloat16: case hetcclBfloat16: return 2;
+    case hetcclInt64: case hetcclUint64: case hetcclFloat64: return 8;
+    default: return 4;
+  }
+}
+
 void* het_stream(cudaStream_t s) { return s ? s : HETCCL_STREAM_DEFAULT; }
 
 // A new hetccl communicator becomes a real one when its ranks are one vendor: rank 0 makes the
@@ -344,6 +353,17 @@ ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank,
     if (!f) return no_real(#fn);                                       \
     return f(__VA_ARGS__);                                             \
   } while (0)
+
+// A communicator the real library made (a split's or shrink's child): its size and rank as the
+// real library reports them (a nonblocking child may not know them yet: 0 then).
+ncclComm* wrap_real(ncclComm_t child, int device) {
+  auto* c = new ncclComm();
+  c->real = child;
+  c->device = device;
+  if (auto cnt = REAL(ncclCommCount)) cnt(child, &c->nranks);
+  if (auto ur = REAL(ncclCommUserRank)) ur(child, &c->rank);
+  return c;
+}
 
 ncclResult_t refuse_cross(const char* what, const char* why) {
   return fail(ncclInvalidUsage, std::string("hetccl: ") + what + " on a communicator that spans vendors: " + why);
@@ -496,15 +516,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
     ncclComm_t child = nullptr;
     ncclResult_t r = f(comm->real, color, key, &child, config);
     if (r != ncclSuccess && r != ncclInProgress) return r;
-    if (child) {
-      auto* c = new ncclComm();
-      c->real = child;
-      c->device = comm->device;
-      int v = 0;
-      if (auto cnt = REAL(ncclCommCount)) cnt(child, &v), c->nranks = v;
-      if (auto ur = REAL(ncclCommUserRank)) ur(child, &v), c->rank = v;
-      *newcomm = c;
-    }
+    if (child) *newcomm = wrap_real(child, comm->device);
     return r;
   }
   hetcclComm_t child = nullptr;
@@ -536,15 +548,7 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeR
     ncclComm_t child = nullptr;
     ncclResult_t r = f(comm->real, excludeRanksList, excludeRanksCount, &child, config, shrinkFlags);
     if (newcomm) *newcomm = nullptr;
-    if ((r == ncclSuccess || r == ncclInProgress) && child && newcomm) {
-      auto* c = new ncclComm();
-      c->real = child;
-      c->device = comm->device;
-      int v = 0;
-      if (auto cnt = REAL(ncclCommCount)) cnt(child, &v), c->nranks = v;
-      if (auto ur = REAL(ncclCommUserRank)) ur(child, &v), c->rank = v;
-      *newcomm = c;
-    }
+    if ((r == ncclSuccess || r == ncclInProgress) && child && newcomm) *newcomm = wrap_real(child, comm->device);
     return r;
   }
   return refuse_cross("ncclCommShrink", "not supported yet (make a new communicator from the survivors)");
@@ -768,8 +772,7 @@ ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, nccl
   if (comm->real) FORWARD(comm, ncclGather, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
   if (root < 0 || root >= comm->nranks) return fail(ncclInvalidArgument, "hetccl: ncclGather: root out of range");
-  size_t es = hdt == hetcclUint8 || hdt == hetcclInt8 ? 1 : hdt == hetcclFloat16 || hdt == hetcclBfloat16 ? 2
-              : hdt == hetcclInt64 || hdt == hetcclUint64 || hdt == hetcclFloat64 ? 8 : 4;
+  size_t es = elem_size(hdt);
   hetcclGroupStart();
   hetcclResult_t r = hetcclSend(sendbuff, count, hdt, root, comm->het, het_stream(stream));
   if (comm->rank == root)
@@ -786,8 +789,7 @@ ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncc
   if (comm->real) FORWARD(comm, ncclScatter, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
   if (root < 0 || root >= comm->nranks) return fail(ncclInvalidArgument, "hetccl: ncclScatter: root out of range");
-  size_t es = hdt == hetcclUint8 || hdt == hetcclInt8 ? 1 : hdt == hetcclFloat16 || hdt == hetcclBfloat16 ? 2
-              : hdt == hetcclInt64 || hdt == hetcclUint64 || hdt == hetcclFloat64 ? 8 : 4;
+  size_t es = elem_size(hdt);
   hetcclGroupStart();
   hetcclResult_t r = hetcclSuccess;
   if (comm->rank == root)
