@@ -480,6 +480,25 @@ def run_stream(comm, rank, n):
         want = np.arange(5000, dtype=np.float32) + (rank - 1) % n
         return None if np.array_equal(got, want) else "group over two streams: wrong data"
 
+    def gather_scatter():
+        """ncclGather / ncclScatter (the drop-in builds them from a group of sends and
+        receives, the root's own block included)."""
+        root = n - 1
+        mine = np.arange(300, dtype=np.float32) + 1000 * rank
+        got = np.zeros(300 * n, np.float32)
+        comm.gather(mine, got, 300, "float32", root, stream=s)
+        blocks = np.arange(300 * n, dtype=np.float32) * 3
+        back = np.zeros(300, np.float32)
+        comm.scatter(blocks, back, 300, "float32", root, stream=s)
+        comm.stream_sync(s)
+        if rank == root and not np.array_equal(got, np.concatenate(
+                [np.arange(300, dtype=np.float32) + 1000 * p for p in range(n)])):
+            return "gather: wrong blocks at the root"
+        want = np.arange(300 * n, dtype=np.float32)[rank * 300:(rank + 1) * 300] * 3
+        return None if np.array_equal(back, want) else "scatter: wrong block"
+
+    if hasattr(comm, "gather"):  # NCCL's names only (tests/nccl_shim.py)
+        case("nccl/gather_scatter", gather_scatter)
     case("stream/burst40", burst)
     case("stream/default_stream", default_stream)
     case("stream/mixed_host_and_stream", mixed)

@@ -82,7 +82,7 @@ def test_every_collective_across_vendors(tmp_path, split):
     assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
     cases = res[0]["cases"]
-    assert len(cases) > 200, len(cases)
+    assert len(cases) > 200 and "nccl/gather_scatter" in cases, len(cases)
     bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
     assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
     assert int(res[0]["info"]["stream_jobs"]) > 200
