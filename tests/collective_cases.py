@@ -40,7 +40,7 @@ SIZES = [0, 1, 7, 1000, 70001]
 # absolute tolerance per element and contributing rank, for data in [-1, 1]
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # the case families run_all reports (the first component of every case name)
-FAMILIES = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather_coalesced",
+FAMILIES = ["backend", "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_coalesced",
             "reduce_scatter", "all_to_all_single", "all_to_all", "gather_scatter", "barrier",
             "object_collectives", "p2p", "coalescing_manager", "new_group", "async", "stream",
             "requires_grad"]
@@ -212,7 +212,8 @@ def run_all(ctx, extra_env_case: str = "", device: str = "cpu", default_device: 
     c = Cases(rank, world, record)
     c.backend = backend
     got = dist.get_backend()
-    c.results["backend/get_backend"] = "ok" if got == backend else f"get_backend() is {got!r}, not {backend!r}"
+    c.run("backend/get_backend",
+          lambda case: None if got == backend else f"get_backend() is {got!r}, not {backend!r}")
     _cases(c, rank, world, dev)
     dist.barrier()
     dist.destroy_process_group()
