@@ -2,10 +2,13 @@
 // to result codes and texts. Algorithms live in coll_*.cc, the communicator in comm.cc.
 //
 // Error contract:
-//  * a bad argument this rank can see (unknown dtype or op, a root out of range, a stream) is
-//    that rank's refusal; with the argument check on (default) it travels in the check's header
-//    so that every rank returns hetcclInvalidArgument / hetcclInvalidUsage with its text, and the
-//    communicator stays usable;
+//  * a bad argument this rank can see (unknown dtype or op, a root out of range, a stream whose
+//    device runtime cannot be opened) is that rank's refusal; with the argument check on
+//    (default) it travels in the check's header so that every rank returns
+//    hetcclInvalidArgument / hetcclInvalidUsage with its text, and the communicator stays
+//    usable. On the stream path (stream_path.h) the refusing rank returns it at once and the
+//    others' calls break their communicators with it (an async error: their streams already
+//    hold the call's copies);
 //  * ranks that disagree (counts, dtypes, ops, roots) all return hetcclInvalidArgument;
 //  * a dead peer or a timeout returns hetcclRemoteError, anything else hetcclInternalError or
 //    hetcclSystemError; the communicator is then broken: every later call returns that code at
