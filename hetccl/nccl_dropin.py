@@ -4,7 +4,6 @@ hetccl/dropin/libnccl.so.2 and librccl.so.1) and which real library they forward
 Imports neither torch nor the rest of hetccl."""
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import sys
@@ -72,10 +71,3 @@ def launch_env(flavour: str = "nccl", env: dict | None = None) -> dict:
     real = real_library(flavour)
     env.setdefault(REAL_ENV[flavour], real or "none")
     return env
-
-
-def info(flavour: str = "nccl") -> str:
-    """The drop-in's own line (hetcclDropinInfo): its soname, ABI and the real library it found."""
-    L = ctypes.CDLL(library_path(flavour))
-    L.hetcclDropinInfo.restype = ctypes.c_char_p
-    return L.hetcclDropinInfo().decode()

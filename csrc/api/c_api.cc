@@ -132,6 +132,12 @@ Refusal common_refusal(const char* what, const DT& dt, int dtype) {
   throw hetccl::ArgMismatch(why.text);
 }
 
+// A new unique id: a bootstrap root in this process, listening where the settings say.
+hetcclUniqueId new_unique_id(const hetccl::api::Settings& s) {
+  std::string host = s.ifname.empty() ? hetccl::api::default_root_host() : hetccl::api::iface_addr(s.ifname);
+  return hetccl::api::make_root(host, s.timeout_ms);
+}
+
 // A host call: inline, or on the stream path's executor once the communicator has one (the
 // order every rank issues in is then kept: stream_path.h).
 void host_call(Comm& c, const std::function<void(Comm&)>& fn) {
@@ -157,10 +163,9 @@ struct Call {
   const void* send;
   void* recv;
   size_t bytes = 0, in_off = 0, in_bytes = 0, out_off = 0, out_bytes = 0;
-  // PreMulSum: the input (in_bytes at in_off, elements of esize) is multiplied by the scalar
-  // first (on a copy: the caller's sendbuff stays as it was).
+  // PreMulSum: the input (in_bytes at in_off) is multiplied by the scalar first (on a copy:
+  // the caller's sendbuff stays as it was).
   const Comm::PreMul* premul = nullptr;
-  size_t esize = 0;
 };
 
 void premul_scale(const Comm& c, const DT& dt, void* data, size_t bytes, const void* scalar) {
@@ -229,11 +234,16 @@ void dispatch(Comm& c, void* stream, Call k) {
   c.streams().issue(std::move(j));
 }
 
+// The index of op among this communicator's live PreMulSum operators, -1 if it is none.
+int premul_index(const Comm& c, int op) {
+  int i = op - hetcclNumOps;
+  return i < 0 || i >= int(c.premul.size()) || !c.premul[size_t(i)].live ? -1 : i;
+}
+
 // A PreMulSum operator of this communicator (nullptr for the built-in ones).
 const Comm::PreMul* premul_of(const Comm& c, int op) {
-  int i = op - hetcclNumOps;
-  if (i < 0 || i >= int(c.premul.size()) || !c.premul[size_t(i)].live) return nullptr;
-  return &c.premul[size_t(i)];
+  int i = premul_index(c, op);
+  return i < 0 ? nullptr : &c.premul[size_t(i)];
 }
 
 Refusal reduce_refusal(const Comm& c, const char* what, const DT& dt, int op, hetccl::ReduceOp* rop) {
@@ -284,9 +294,7 @@ const char* hetcclGetLastError(hetcclComm_t comm) {
 hetcclResult_t hetcclGetUniqueId(hetcclUniqueId* id) {
   if (!id) return fail(nullptr, hetcclInvalidArgument, "hetccl: hetcclGetUniqueId: uniqueId is NULL");
   try {
-    hetccl::api::Settings s = hetccl::api::read_settings();
-    std::string host = s.ifname.empty() ? hetccl::api::default_root_host() : hetccl::api::iface_addr(s.ifname);
-    *id = hetccl::api::make_root(host, s.timeout_ms);
+    *id = new_unique_id(hetccl::api::read_settings());
     return hetcclSuccess;
   } catch (const std::exception& e) {
     return fail(nullptr, hetcclSystemError, e.what());
@@ -543,11 +551,7 @@ hetcclResult_t hetcclCommSplit(hetcclComm_t comm, int color, int key, hetcclComm
     members = int(order.size());
     hetcclUniqueId id;
     std::memset(&id, 0, sizeof id);
-    if (color != HETCCL_SPLIT_NOCOLOR && leader == c.rank) {
-      hetccl::api::Settings st = c.settings;
-      std::string host = st.ifname.empty() ? hetccl::api::default_root_host() : hetccl::api::iface_addr(st.ifname);
-      id = hetccl::api::make_root(host, st.timeout_ms);
-    }
+    if (color != HETCCL_SPLIT_NOCOLOR && leader == c.rank) id = new_unique_id(c.settings);
     std::vector<hetcclUniqueId> ids(static_cast<size_t>(n));
     host_call(c, [&](Comm& cc) { hetccl::api::all_gather_ring(cc, &id, ids.data(), 1, sizeof(hetcclUniqueId)); });
     if (color == HETCCL_SPLIT_NOCOLOR) return;
@@ -582,8 +586,8 @@ hetcclResult_t hetcclRedOpCreatePreMulSum(hetcclRedOp_t* op, void* scalar, hetcc
 
 hetcclResult_t hetcclRedOpDestroy(hetcclRedOp_t op, hetcclComm_t comm) {
   return run(comm, "hetcclRedOpDestroy", [&](Comm& c) {
-    int i = int(op) - hetcclNumOps;
-    if (i < 0 || i >= int(c.premul.size()) || !c.premul[size_t(i)].live)
+    int i = premul_index(c, op);
+    if (i < 0)
       throw hetccl::ArgMismatch("hetccl: hetcclRedOpDestroy: " + std::to_string(int(op)) +
                                 " is not a PreMulSum operator of this communicator");
     c.premul[size_t(i)].live = false;  // calls already issued hold their own copy

@@ -328,9 +328,7 @@ void StreamPath::test_sync(void* stream) { ops_->sync(stream); }
 
 std::map<std::string, uint64_t> StreamPath::stats() {
   std::lock_guard<std::mutex> g(mu_);
-  size_t pooled = 0;
-  for (auto& b : all_) pooled += b.second;
-  return {{"jobs", jobs_}, {"staged_bytes", staged_bytes_}, {"pool_bytes", pooled},
+  return {{"jobs", jobs_}, {"staged_bytes", staged_bytes_}, {"pool_bytes", pooled_},
           {"backpressure_polls", waits_}};
 }
 
