@@ -18,7 +18,8 @@ from hetccl import capi
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SPLITS = {"1": ["a"], "1+1": ["a", "b"], "2+1": ["a", "a", "b"], "1+1+1": ["a", "b", "c"],
-          "2+2": ["a", "a", "b", "b"]}
+          "2+2": ["a", "a", "b", "b"], "3+3": ["a", "a", "a", "b", "b", "b"],
+          "3+2+2": ["a", "a", "a", "b", "b", "c", "c"]}
 
 
 def launch(tmp_path, split: str, mode: str, env=None, timeout=240, **extra):
@@ -54,10 +55,14 @@ def launch(tmp_path, split: str, mode: str, env=None, timeout=240, **extra):
 
 @pytest.mark.parametrize("split,algo", [("1", "auto"), ("1+1", "auto"), ("2+1", "auto"),
                                         ("1+1+1", "auto"), ("2+2", "auto"), ("2+2", "ring"),
-                                        ("1+1", "rd")])
+                                        ("1+1", "rd"), ("3+3", "rd"),
+                                        ("3+2+2", "auto")])
 def test_collectives_against_references(tmp_path, split, algo):
-    """auto: recursive doubling for small all_reduces and the check where n is a power of two
-    (csrc/api/select.cc), rings otherwise; ring / rd force one (HETCCL_CAPI_ALGO)."""
+    """auto: recursive doubling for small all_reduces (folded when n is not a power of two),
+    rings for large ones; the check's all-gather recursive doubling where n is a power of two,
+    Bruck's otherwise; broadcast's binomial tree for small messages, its chain for large ones
+    (csrc/api/select.cc); ring / rd force one (HETCCL_CAPI_ALGO). 3+3 and
+    3+2+2: the fold with two and three ranks beyond the power of two."""
     res, procs, logs = launch(tmp_path, split, "cases",
                               env={"HETCCL_CAPI_ALGO": algo,
                                    # a stream's runtime that cannot be opened (error/stream_one_rank)
@@ -74,12 +79,25 @@ def test_collectives_against_references(tmp_path, split, algo):
     rd, ring = int(info.get("algo_all_reduce_rd", 0)), int(info.get("algo_all_reduce_ring", 0))
     if n == 1:
         pass
-    elif algo == "ring" or n & (n - 1):
+    elif algo == "ring":
         assert rd == 0 and ring > 0, info
     elif algo == "rd":
         assert ring == 0 and rd > 0, info
     else:
         assert rd > 0 and ring > 0, info  # small ones recursive doubling, the large ones rings
+    bt, bc = int(info.get("algo_broadcast_binomial", 0)), int(info.get("algo_broadcast_chain", 0))
+    if n > 1:  # broadcast: binomial tree for small messages, the chain for large ones
+        assert (bt > 0) == (algo != "ring") and (bc > 0) == (algo != "rd"), info
+    if n > 1:  # the check: a summary all_reduce on every call, the headers' all-gather on the
+        # failing ones (recursive doubling where n is 2^m, else Bruck's); forced ring: the ring
+        checks = {k: int(v) for k, v in info.items() if k.startswith("algo_check_")}
+        if algo == "ring":
+            assert list(checks) == ["algo_check_ring"] and checks["algo_check_ring"] > 0, info
+        else:
+            gather = "algo_check_headers_" + ("rd" if n & (n - 1) == 0 else "bruck")
+            assert sorted(checks) == sorted(["algo_check_summary", gather]), info
+            # the headers only for the refused / mismatched cases: far fewer than the calls
+            assert 0 < checks[gather] < checks["algo_check_summary"] // 4, info
     # every rank has the same bits of every all_reduce, and the same text of every error
     for key in res[0]["digests"]:
         vals = {r: res[r]["digests"].get(key) for r in res}

@@ -224,6 +224,9 @@ def _lazy_ring(ctx) -> dict:
     out["ring_ok"] = bool(np.array_equal(dst, _data(prv, n)))
     _barrier(st, "ring", rank, world)
     out["after_ring"] = _settled(t, 2)
+    # no rank dials its pair before every rank looked (rank 3 could otherwise reach rank 1
+    # while rank 1 still waits in _settled: CI saw 3 peers there)
+    _barrier(st, "ring_seen", rank, world)
     if rank in (1, 3):  # never linked (not ring neighbours): both dial each other at once
         other = 4 - rank
         got = np.zeros(1000, np.uint8)

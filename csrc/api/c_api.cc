@@ -440,7 +440,15 @@ hetcclResult_t hetcclBroadcast(const void* sendbuff, void* recvbuff, size_t coun
     if (why.empty() && count && (!recvbuff || (c.rank == root && !sendbuff))) why = {"hetccl: broadcast: a NULL buffer"};
     size_t n = count * dt.size;
     Call k{hetccl::api::Coll::Broadcast, count, datatype, -1, root, why,
-           [n, root](Comm& cc, const void* s, void* r) { hetccl::api::broadcast_chain(cc, s, r, n, root); },
+           [n, root](Comm& cc, const void* s, void* r) {
+             if (hetccl::api::select_broadcast(cc, n) == hetccl::api::Algo::Binomial) {
+               ++cc.algo_runs["broadcast_binomial"];
+               hetccl::api::broadcast_binomial(cc, s, r, n, root);
+             } else {
+               ++cc.algo_runs["broadcast_chain"];
+               hetccl::api::broadcast_chain(cc, s, r, n, root);
+             }
+           },
            sendbuff, recvbuff};
     k.bytes = k.out_bytes = n;
     k.in_bytes = c.rank == root ? n : 0;

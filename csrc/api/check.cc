@@ -1,14 +1,24 @@
-// The C API's argument check: before any data of a collective moves, every rank's header goes
-// to every rank (a ring all-gather of fixed-size headers: n-1 steps, O(n) bytes per rank, peers
-// per rank constant), and every rank compares the same table, so the verdict and its text are
-// the same everywhere. A header carries the call's collective, count, dtype, op and root and,
-// when this rank already refused the call (bad root, a stream, an unsupported dtype), the text
-// of its refusal: the other ranks then fail with that text too instead of waiting for it.
+// The C API's argument check: before any data of a collective moves, the ranks agree on the
+// call's collective, count, dtype, op and root and on whether any rank already refused it (bad
+// root, a stream, an unsupported dtype), so the verdict and its text are the same everywhere.
+// Two rounds, the second only when something is wrong:
+//  1. summary (the common case): an all_reduce (MIN, int64) of 11 values per rank: each field,
+//     its bitwise complement (so the minimum of those is the complement of the maximum), and
+//     the complement of the rank's refusal kind. Where every field's minimum equals its maximum
+//     and no rank refused, the call proceeds: O(1) bytes and the latency all_reduce's O(log n)
+//     steps and peers per rank, whatever n (recursive doubling, folded when n is not 2^m).
+//  2. headers (a mismatch or a refusal somewhere, every rank knows it from round 1): every rank's
+//     fixed-size header (fields and its refusal's text) to every rank, an all-gather: recursive
+//     doubling for n a power of two, Bruck's for any other n (ceil(log2 n) steps); O(n) bytes
+//     per rank, on the failing call only. Every rank then composes the same text from the same
+//     table: the lowest refusing rank's own text, else the first field on which ranks disagree
+//     with rank 0's value and up to three others.
+// HETCCL_CAPI_ALGO=ring: the headers' ring all-gather alone (n-1 steps) on every call.
 // The communicator stays usable after a mismatch: nothing of the collective was sent.
-// For n a power of two the all-gather is recursive doubling instead (log2(n) steps, select.cc).
-// Trade-off: n-1 small steps per collective on a ring (HETCCL_CHECK_ARGS=0 removes them; a rank's own
+// Trade-off: one small all_reduce per collective (HETCCL_CHECK_ARGS=0 removes it; a rank's own
 // refusal then returns at once on that rank only, and its peers wait until the timeout, as with
 // NCCL).
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -50,16 +60,33 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
                 const std::string& refusal, bool usage) {
   const char* what = coll_name(coll);
   const int n = c.size, r = c.rank;
+  int64_t f[6] = {int64_t(coll), count, dtype, op, root, refusal.empty() ? 0 : usage ? 2 : 1};
+  const Algo algo = select_check(c);
+  if (algo != Algo::Ring) {
+    const bool rooted = coll == Coll::Broadcast || coll == Coll::Reduce;
+    int64_t v[11];
+    for (int i = 0; i < 5; ++i) {
+      int64_t x = i == 4 && !rooted ? 0 : f[i];  // root: rooted collectives only
+      v[i] = x;
+      v[5 + i] = ~x;
+    }
+    v[10] = ~f[5];
+    ++c.algo_runs["check_summary"];
+    all_reduce_recursive_doubling(c, v, v, 11, DType::INT64, sizeof(int64_t), ReduceOp::MIN);
+    bool agree = ~v[10] == 0;
+    for (int i = 0; i < 5; ++i) agree = agree && v[i] == ~v[5 + i];
+    if (agree) return;
+  }
   std::vector<Header> all(static_cast<size_t>(n));
   Header& mine = all[size_t(r)];
   std::memset(&mine, 0, sizeof mine);
-  int64_t f[6] = {int64_t(coll), count, dtype, op, root, refusal.empty() ? 0 : usage ? 2 : 1};
   std::memcpy(mine.f, f, sizeof f);
   std::strncpy(mine.error, refusal.c_str(), sizeof mine.error - 1);
-  uint64_t seq = c.begin();
   char* out = reinterpret_cast<char*>(all.data());
   const size_t blk = sizeof(Header);
-  if (select_check(c) == Algo::RecursiveDoubling) {
+  ++c.algo_runs[algo == Algo::RecursiveDoubling ? "check_headers_rd" : algo == Algo::Bruck ? "check_headers_bruck" : "check_ring"];
+  uint64_t seq = c.begin();
+  if (algo == Algo::RecursiveDoubling) {
     // n a power of two: at step k this rank holds the 2^k headers of its aligned group and
     // swaps them with the partner group's (rank ^ 2^k): log2(n) steps
     uint32_t k = 0;
@@ -68,6 +95,20 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
       c.step(Comm::tag(seq, k, true), {{r ^ d, true, out + size_t(base) * blk, size_t(d) * blk},
                                        {r ^ d, false, out + size_t(other) * blk, size_t(d) * blk}});
     }
+  } else if (algo == Algo::Bruck) {
+    // any n (Bruck's all-gather): rot[i] is rank (r + i) % n's header; at step k (d = 2^k) this
+    // rank sends its first min(d, n - d) headers to rank r - d and receives as many from rank
+    // r + d behind its own: ceil(log2 n) steps, 2 ceil(log2 n) peers
+    std::vector<Header> rot(static_cast<size_t>(n));
+    rot[0] = mine;
+    char* rp = reinterpret_cast<char*>(rot.data());
+    uint32_t k = 0;
+    for (int d = 1; d < n; d <<= 1, ++k) {
+      size_t cnt = size_t(std::min(d, n - d));
+      c.step(Comm::tag(seq, k, true), {{mod(r - d, n), true, rp, cnt * blk},
+                                       {mod(r + d, n), false, rp + size_t(d) * blk, cnt * blk}});
+    }
+    for (int i = 0; i < n; ++i) all[size_t(mod(r + i, n))] = rot[size_t(i)];
   } else {
     for (int k = 0; k < n - 1; ++k)
       c.step(Comm::tag(seq, uint32_t(k), true),

@@ -50,6 +50,9 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
     for (auto& row : settings.host_chunks) slot = std::max<size_t>(slot, row.second);
   topt["slot_bytes"] = std::to_string(slot);
   topt["nslots"] = std::to_string(settings.shm_nslots);
+  // one outgoing segment per shm neighbour, at most two: the budget over two (over one for a
+  // pair), the same on every rank so that both segments of a pair get one geometry
+  topt["seg_budget"] = std::to_string(settings.shm_budget_bytes / (size > 2 ? 2 : 1));
   tcp_ = std::shared_ptr<Transport>(make_transport("tcp", rank, size, topt));
   if (settings.shm && size > 1) shm_ = std::shared_ptr<Transport>(make_transport("shm", rank, size, topt));
   char hn[256] = {0};
@@ -59,6 +62,7 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
       {"vendor", settings.vendor}, {"tcp", tcp_->address()}};
   if (shm_) mine.emplace_back("shm", shm_->address());
   std::vector<std::string> table = join(d, rank, size, encode_kv(mine), settings.timeout_ms);
+  for (auto& e : table) table_bytes_ += e.size();
   std::vector<std::vector<std::pair<std::string, std::string>>> rows;
   for (auto& e : table) rows.push_back(decode_kv(e));
   peers.resize(size);
@@ -234,7 +238,8 @@ std::string Comm::info() {
   for (auto& kv : links_) (kv.second == shm_ ? n_shm : n_tcp)++;
   std::string o = "rank=" + std::to_string(rank) + " size=" + std::to_string(size) +
                   " links_shm=" + std::to_string(n_shm) + " links_tcp=" + std::to_string(n_tcp) +
-                  " vendor=" + (settings.vendor.empty() ? std::string("-") : settings.vendor);
+                  " vendor=" + (settings.vendor.empty() ? std::string("-") : settings.vendor) +
+                  " bootstrap_table_bytes=" + std::to_string(table_bytes_);
   auto add = [&o](const char* prefix, const std::string& key, const std::string& value) {
     o += " ";
     o += prefix;

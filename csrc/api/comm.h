@@ -35,6 +35,9 @@ struct Settings {
   std::string ifname;           // HETCCL_SOCKET_IFNAME: interface to listen on (root and tcp)
   size_t shm_slot_bytes = 0;    // HETCCL_SHM_SLOT_BYTES (0: the transport's default)
   int shm_nslots = 8;           // HETCCL_SHM_NSLOTS
+  // HETCCL_SHM_BUDGET_BYTES: the shared memory one rank creates, both neighbours together
+  // (0: 8 MiB; the C API's shm carries host data only, the stream path stages separately)
+  size_t shm_budget_bytes = 8 << 20;
   int reduce_threads = 0;       // HETCCL_REDUCE_THREADS
   bool check_args = true;       // HETCCL_CHECK_ARGS (off / on; async counts as on here)
   bool shm = true;              // HETCCL_CAPI_SHM: ring neighbours on one host through shm
@@ -135,6 +138,7 @@ class Comm {
   std::map<int, std::shared_ptr<Transport>> links_;
   std::unique_ptr<Engine> engine_;
   uint64_t seq_ = 0;
+  size_t table_bytes_ = 0;  // the bootstrap's table as this rank received it (every rank's row)
   std::atomic<hetcclResult_t> broken_code_{hetcclSuccess};
   std::mutex broken_mu_;
   std::string broken_text_;
@@ -149,9 +153,10 @@ class Comm {
 hetcclResult_t classify(std::exception_ptr e, std::string* text, bool* argument);
 
 // Algorithm selection (select.cc: the one table of switch points).
-enum class Algo { Ring, RecursiveDoubling };
+enum class Algo { Ring, RecursiveDoubling, Bruck, Chain, Binomial };
 Algo select_all_reduce(const Comm& c, size_t bytes);
 Algo select_check(const Comm& c);
+Algo select_broadcast(const Comm& c, size_t bytes);  // Chain or Binomial
 
 // The collectives (coll_*.cc). Arguments are validated by c_api.cc; counts in elements.
 void all_reduce_ring(Comm& c, const void* send, void* recv, size_t count, DType dt, size_t esize,
@@ -162,10 +167,11 @@ void reduce_scatter_ring(Comm& c, const void* send, void* recv, size_t recvcount
                          size_t esize, ReduceOp op);
 void all_gather_ring(Comm& c, const void* send, void* recv, size_t sendcount, size_t esize);
 void broadcast_chain(Comm& c, const void* send, void* recv, size_t nbytes, int root);
+void broadcast_binomial(Comm& c, const void* send, void* recv, size_t nbytes, int root);
 // blk bytes from block p of send to rank p, block p of recv from rank p (send == recv allowed)
 void all_to_all_pairwise(Comm& c, const void* send, void* recv, size_t blk);
-// The argument check (check.cc): every rank's header (collective, count, dtype, op, root) to
-// every rank through a ring all-gather; throws ArgMismatch with the same text on every rank.
+// The argument check (check.cc): a summary all_reduce of every rank's (collective, count,
+// dtype, op, root), then every rank's header to every rank where they disagree (select_check); throws ArgMismatch with the same text on every rank.
 // The collectives as the argument check's header names them (values travel between ranks).
 enum class Coll : int64_t { AllReduce = 1, Broadcast = 2, AllGather = 3, ReduceScatter = 4, Reduce = 5, AllToAll = 6 };
 const char* coll_name(Coll c);  // "all_reduce", ...

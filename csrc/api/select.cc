@@ -2,10 +2,19 @@
 // environment override HETCCL_CAPI_ALGO (settings.cc).
 //
 //   collective   condition                                   algorithm
-//   all_reduce   n a power of two, bytes <= rd_max_bytes      recursive doubling (log2 n steps)
+//   all_reduce   bytes <= rd_max_bytes                        recursive doubling (log2 p steps,
+//                                                            +2 folding when n is not p = 2^m)
 //   all_reduce   otherwise                                   ring (2(n-1) steps)
+//   check        every call                                  summary all_reduce (recursive
+//                                                            doubling), then on a mismatch:
 //   check        n a power of two                            recursive-doubling all-gather
-//   check        otherwise                                   ring all-gather
+//   check        otherwise                                   Bruck's all-gather (ceil(log2 n))
+//   broadcast    bytes <= rd_max_bytes                        binomial tree (ceil(log2 n) steps)
+//   broadcast    otherwise                                   pipelined chain (segments + n - 2)
+// HETCCL_CAPI_ALGO=ring forces rings everywhere (the check: its ring all-gather alone; broadcast:
+// the chain), =rd recursive doubling for
+// every all_reduce. Peers per rank: the two ring neighbours, plus O(log n) partners of the
+// latency algorithms (connected on first use), at any n.
 // rd_max_bytes (64 KiB): where the ring's bandwidth starts to matter more than its step count
 // on the 2-core machine's shm and tcp (docs/benchmarks.md, "C API latency"); re-measure
 // before moving it.
@@ -19,14 +28,20 @@ bool power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
 Algo select_all_reduce(const Comm& c, size_t bytes) {
   const std::string& force = c.settings.algo;
   if (force == "ring") return Algo::Ring;
-  bool rd_ok = power_of_two(c.size);
-  if (force == "rd") return rd_ok ? Algo::RecursiveDoubling : Algo::Ring;
-  return rd_ok && bytes <= c.settings.rd_max_bytes ? Algo::RecursiveDoubling : Algo::Ring;
+  if (force == "rd") return Algo::RecursiveDoubling;
+  return bytes <= c.settings.rd_max_bytes ? Algo::RecursiveDoubling : Algo::Ring;
+}
+
+Algo select_broadcast(const Comm& c, size_t bytes) {
+  const std::string& force = c.settings.algo;
+  if (force == "ring") return Algo::Chain;
+  if (force == "rd") return Algo::Binomial;  // the latency algorithms everywhere
+  return bytes <= c.settings.rd_max_bytes ? Algo::Binomial : Algo::Chain;
 }
 
 Algo select_check(const Comm& c) {
   if (c.settings.algo == "ring") return Algo::Ring;
-  return power_of_two(c.size) ? Algo::RecursiveDoubling : Algo::Ring;
+  return power_of_two(c.size) ? Algo::RecursiveDoubling : Algo::Bruck;
 }
 
 }  // namespace api

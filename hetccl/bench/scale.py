@@ -7,7 +7,8 @@ all_reduce, first-use connections included), later_us (median of later ones), so
 threads of the process, shm_MB (hetccl shared memory mapped into it), links (peers reached by
 shm / tcp) and the tcp connections actually made. One row per n (max over ranks; later_us: the
 slowest rank's median), a progress bar over the ranks' completion, a summary with fits of
-sockets and shm per rank against n (constant or log n), --jsonl rows, --plot.
+sockets, tcp peers, shm and the bootstrap table per rank against n (constant, log n or linear),
+--jsonl rows, --plot.
 
     hetccl bench scale --ranks 8,32,64
 
@@ -65,31 +66,40 @@ def measure(n: int, iters: int, timeout: float, progress=None) -> dict:
             "shm_total_MB": sum(p["shm_bytes"] for p in per) / 1e6 / 2,  # each segment is mapped by both ends
             "links_shm": max(p["links_shm"] for p in per), "links_tcp": max(p["links_tcp"] for p in per),
             "tcp_conns": max(p["tcp_conns"] for p in per),
+            "tcp_peers": max(p["tcp_peers"] for p in per),
+            "table_KB": max(p.get("table_bytes", 0) for p in per) / 1e3,
             "init_s": max(p["init_s"] for p in per), "first_us": max(p["first_us"] for p in per),
             "later_us": max(p["later_us"] for p in per), "wrong": sum(p["wrong"] for p in per),
             "wall_s": wall}
 
 
-COLUMNS = [("n", "{:>5}"), ("links_shm", "{:>9}"), ("links_tcp", "{:>9}"), ("tcp_conns", "{:>9}"),
+COLUMNS = [("n", "{:>5}"), ("links_shm", "{:>9}"), ("links_tcp", "{:>9}"), ("tcp_peers", "{:>9}"),
+           ("tcp_conns", "{:>9}"), ("table_KB", "{:>8.1f}"),
            ("sockets", "{:>7}"), ("threads", "{:>7}"), ("shm_MB", "{:>7.1f}"),
            ("shm_total_MB", "{:>12.1f}"), ("init_s", "{:>7.2f}"), ("first_us", "{:>9.0f}"),
            ("later_us", "{:>9.0f}"), ("wrong", "{:>6}")]
 
 
-def fit(rows, key) -> str:
-    """Which of a + b*log2(n) or a constant describes rows[key] better (least squares)."""
-    xs = [math.log2(r["n"]) for r in rows]
-    ys = [float(r[key]) for r in rows]
-    if len(rows) < 2:
-        return f"{ys[0]:.1f} (one point)"
+def _lsq(xs, ys):
+    """a, b and the residual sum of squares of y = a + b*x."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
     a = my - b * mx
-    spread = max(ys) - min(ys)
-    if spread <= 0.05 * max(1.0, abs(my)):
+    return a, b, sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+
+
+def fit(rows, key) -> str:
+    """Which of a constant, a + b*log2(n) or a + b*n describes rows[key] best (least squares)."""
+    ys = [float(r[key]) for r in rows]
+    if len(rows) < 2:
+        return f"{ys[0]:.1f} (one point)"
+    my = sum(ys) / len(ys)
+    if max(ys) - min(ys) <= 0.05 * max(1.0, abs(my)):
         return f"constant {my:.1f}"
-    return f"{a:.1f} + {b:.2f}*log2(n)"
+    a1, b1, e1 = _lsq([math.log2(r["n"]) for r in rows], ys)
+    a2, b2, e2 = _lsq([float(r["n"]) for r in rows], ys)
+    return f"{a1:.1f} + {b1:.2f}*log2(n)" if e1 <= e2 else f"{a2:.2f} + {b2:.3f}*n (linear)"
 
 
 def plot(rows, path) -> None:
@@ -144,7 +154,8 @@ def main(argv=None) -> int:
     if bar is not None:
         bar.close()
     print("\n# summary (max over ranks)")
-    print(f"#   sockets per rank: {fit(rows, 'sockets')}; hetccl tcp connections: {fit(rows, 'tcp_conns')}")
+    print(f"#   sockets per rank: {fit(rows, 'sockets')}; hetccl tcp peers: {fit(rows, 'tcp_peers')}, "
+          f"connections: {fit(rows, 'tcp_conns')}; bootstrap table per rank (KB): {fit(rows, 'table_KB')}")
     print(f"#   shm per rank (MB): {fit(rows, 'shm_MB')}; init (s): " +
           ", ".join(f"n={r['n']}: {r['init_s']:.2f}" for r in rows))
     print("#   1 KiB all_reduce (us; algorithm: csrc/api/select.cc, HETCCL_CAPI_ALGO): " +

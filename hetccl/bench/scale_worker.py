@@ -62,7 +62,8 @@ def main():
            "shm_bytes": shm_mapped(), "links_shm": int(info.get("links_shm", 0)),
            "links_tcp": int(info.get("links_tcp", 0)),
            "tcp_peers": int(info.get("tcp_connected_peers", 0)),
-           "tcp_conns": int(info.get("tcp_connections", 0))}
+           "tcp_conns": int(info.get("tcp_connections", 0)),
+           "table_bytes": int(info.get("bootstrap_table_bytes", 0))}
     c.all_reduce(x, x, 1, "float32", "sum")  # nobody leaves before every rank has measured
     c.destroy()
     with open(out + ".tmp", "w") as f:
