@@ -169,6 +169,59 @@ def test_bootstrap_refuses_a_duplicate_rank(tmp_path, monkeypatch):
     assert any("did not join within" in o and "missing: 1, 2" in o for o in outs), outs
 
 
+def _fake_joiner(uid: bytes, rank: int, nranks: int, forward: bool) -> dict:
+    """Joins the bootstrap root through its wire (csrc/api/bootstrap.cc) as `rank`, with a tree
+    listener; returns the status and, for status 0, the table's size. forward=False: never
+    sends the table on to the children."""
+    import socket
+    import struct
+
+    secret, root = uid[8:24], uid[28:].split(b"\0")[0].decode()
+    host, port = root.rsplit(":", 1)
+    lis = socket.socket()
+    lis.bind(("127.0.0.1", 0))
+    lis.listen(4)
+    me = f"127.0.0.1:{lis.getsockname()[1]}".encode()
+    entry = b"\0\0\0\0"  # encode_kv of no pairs
+    c = socket.create_connection((host, int(port)), timeout=30)
+    c.sendall(b"hetcBOOT" + secret + struct.pack("<III", rank, nranks, len(entry)) + entry +
+              struct.pack("<I", len(me)) + me)
+    head = b""
+    while len(head) < 12:
+        head += c.recv(12 - len(head))
+    status, blen = struct.unpack("<IQ", head)
+    body = b""
+    while len(body) < blen:
+        body += c.recv(blen - len(body))
+    assert not forward
+    return {"status": status, "body": len(body), "listener": lis}
+
+
+def test_bootstrap_tree_names_a_parent_that_never_forwards(tmp_path, monkeypatch):
+    """The table reaches rank 0 from the root and every other rank from its parent in a
+    binomial tree (bootstrap.cc). A rank 0 that joins and never forwards: its children (1 and
+    2 of 3) fail with a timeout naming rank 0 as their parent, not a hang; the root sent the
+    table to rank 0 only."""
+    import struct
+
+    uid = capi.unique_id()
+    code = ("import sys, importlib.util as u; s=u.spec_from_file_location('c', sys.argv[1]); "
+            "m=u.module_from_spec(s); s.loader.exec_module(m)\n"
+            "try:\n    m.Comm(3, bytes.fromhex(sys.argv[2]), int(sys.argv[3]))\n    print('OK')\n"
+            "except m.HetcclError as e:\n    print('ERR', e.code, e.text)\n")
+    path = os.path.join(ROOT, "hetccl", "capi.py")
+    env = {**os.environ, "HETCCL_TIMEOUT_S": "5"}
+    ps = [subprocess.Popen([sys.executable, "-c", code, path, uid.hex(), str(r)], env=env,
+                           stdout=subprocess.PIPE, text=True) for r in (1, 2)]
+    got = _fake_joiner(uid, 0, 3, forward=False)
+    outs = [p.communicate(timeout=90)[0] for p in ps]
+    got["listener"].close()
+    assert got["status"] == 0 and got["body"] > 0, got  # rank 0 got the table itself
+    for r, o in zip((1, 2), outs):
+        assert "ERR" in o and "timed out waiting for the table from rank 0" in o, (r, o)
+        assert f"rank {r}'s parent" in o, (r, o)
+
+
 def test_settings_documented_and_tables_equal_tuning():
     """Every environment name the C faces read (csrc/api/settings.cc) is a setting of
     hetccl/config.py, and the C API's chunk tables are tuning.py's."""
@@ -214,3 +267,26 @@ def test_scale_harness_runs(tmp_path):
     assert [r["n"] for r in got] == [2, 4] and all(r["wrong"] == 0 for r in got), got
     assert all(r["links_shm"] >= 1 and r["sockets"] >= 1 for r in got), got
     assert "wrong elements: 0" in out.stdout
+
+
+def test_peers_per_rank_log_n_for_any_n(tmp_path):
+    """Issue 30: at n not a power of two (12, 24) a rank's tcp peers after small all_reduces are
+    at most log2 of the largest power of two <= n (the folded recursive doubling's partners and
+    the check's summary; the fold partner and the ring neighbours are on shm), its shared memory
+    within HETCCL_SHM_BUDGET_BYTES, and every result right."""
+    rows = tmp_path / "rows.jsonl"
+    budget = 4 << 20
+    out = subprocess.run([sys.executable, "-m", "hetccl.cli", "bench", "scale", "--ranks", "12,24",
+                          "--iters", "3", "--no-progress", "--jsonl", str(rows)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HETCCL_SHM_BUDGET_BYTES": str(budget)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = {r["n"]: r for r in map(json.loads, rows.read_text().splitlines())}
+    for n, r in got.items():
+        p = 1 << (n.bit_length() - 1)
+        assert r["wrong"] == 0, r
+        assert 1 <= r["tcp_peers"] <= p.bit_length() - 1, r  # log2(p): 3 at 12, 4 at 24
+        # mapped: this rank's own segments (within the budget) and its two neighbours'
+        assert 0 < r["shm_MB"] * 1e6 <= 2 * budget, r
+        assert r["table_KB"] > 0, r
+    assert set(got) == {12, 24}, got

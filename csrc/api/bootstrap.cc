@@ -1,9 +1,15 @@
 // hetccl C API bootstrap (contract in bootstrap.h).
 //
 // Wire: a joiner sends  magic "hetcBOOT" | secret (16) | u32 rank | u32 nranks | u32 len | entry
+//                       | u32 len | its tree listener's "host:port"
 // and reads          u32 status | u64 len | body
-// where status 0 means body is the table (u32 n, then per rank u32 len | entry) and status 1
-// means body is an error text.
+// where status 0 means body is the table (u32 n, then per rank u32 len | entry, then per rank
+// u32 len | tree listener), status 1 an error text, and status 2 (empty body) that the table
+// comes from its parent in the tree. The root sends the table to rank 0 alone; every rank that
+// has it forwards it to its children in a binomial tree rooted at rank 0 (rank r's parent is
+// r - lowbit(r), its children r + 2^j for 2^j < lowbit(r)), connecting to their listeners and
+// sending  magic "hetcTREE" | secret (16) | u64 len | body.  No rank sends more than
+// ceil(log2 n) copies of the table, the root one: the root's O(n^2) bytes became O(n).
 #include "bootstrap.h"
 
 #include <arpa/inet.h>
@@ -110,7 +116,11 @@ void serve(int listen_fd, std::string secret, int64_t timeout_ms) {
   Fd lfd(listen_fd);
   Deadline d(timeout_ms);
   int nranks = -1;
-  std::map<int, std::pair<std::shared_ptr<Fd>, std::string>> joined;  // rank -> (conn, entry)
+  struct Joined {
+    std::shared_ptr<Fd> conn;
+    std::string entry, listener;
+  };
+  std::map<int, Joined> joined;
   auto refuse = [&](int fd, const std::string& why) {
     try {
       std::string r = reply(1, why);
@@ -142,6 +152,15 @@ void serve(int listen_fd, std::string secret, int64_t timeout_ms) {
       }
       std::string entry(len, '\0');
       read_all(c, entry.data(), len, hd, "a joining rank");
+      unsigned char lb[4];
+      read_all(c, lb, 4, hd, "a joining rank");
+      uint32_t llen = net::get_u32(lb);
+      if (llen > 256) {
+        refuse(c, "hetccl bootstrap: listener address of " + std::to_string(llen) + " bytes");
+        continue;
+      }
+      std::string listener(llen, '\0');
+      read_all(c, listener.data(), llen, hd, "a joining rank");
       if (n <= 0 || (nranks > 0 && n != nranks)) {
         refuse(c, "hetccl bootstrap: rank " + std::to_string(rank) + " says nranks=" +
                       std::to_string(n) + ", the ranks before it said " + std::to_string(nranks));
@@ -158,7 +177,7 @@ void serve(int listen_fd, std::string secret, int64_t timeout_ms) {
         continue;
       }
       nranks = n;
-      joined[rank] = {conn, std::move(entry)};
+      joined[rank] = Joined{conn, std::move(entry), std::move(listener)};
     } catch (const std::exception&) {
       continue;  // a joiner that vanished mid-hello: it will retry or time out on its own
     }
@@ -175,22 +194,125 @@ void serve(int listen_fd, std::string secret, int64_t timeout_ms) {
                       std::to_string(nranks) + " ranks did not join within " +
                       std::to_string(timeout_ms / 1000) + " s (missing: " + missing +
                       (nranks - int(joined.size()) > shown ? ", ..." : "") + ")";
-    for (auto& kv : joined) refuse(kv.second.first->fd, why);
+    for (auto& kv : joined) refuse(kv.second.conn->fd, why);
     return;
   }
   std::string table;
   net::put_u32(table, uint32_t(nranks));
   for (auto& kv : joined) {
-    net::put_u32(table, uint32_t(kv.second.second.size()));
-    table += kv.second.second;
+    net::put_u32(table, uint32_t(kv.second.entry.size()));
+    table += kv.second.entry;
   }
-  std::string msg = reply(0, table);
+  for (auto& kv : joined) {
+    net::put_u32(table, uint32_t(kv.second.listener.size()));
+    table += kv.second.listener;
+  }
+  std::string msg = reply(0, table), later = reply(2, "");
   Deadline sd(std::max<int64_t>(d.left_ms(), 30000));
   for (auto& kv : joined) {
     try {
-      write_all(kv.second.first->fd, msg.data(), msg.size(), sd, "a joined rank");
+      const std::string& m = kv.first == 0 ? msg : later;
+      write_all(kv.second.conn->fd, m.data(), m.size(), sd, "a joined rank");
     } catch (const std::exception&) {
-      // that rank died after joining: its peers find out through their transports
+      // that rank died after joining: its peers find out through their transports (rank 0:
+      // its children time out waiting for the table, naming it)
+    }
+  }
+}
+
+// The table body as the root builds it: entries and tree listeners, n of each.
+void parse_body(const std::string& body, int nranks, const std::string& who,
+                std::vector<std::string>* entries, std::vector<std::string>* listeners) {
+  size_t at = 0;
+  auto u32 = [&] {
+    if (at + 4 > body.size()) throw CommError("hetccl bootstrap: malformed table from " + who);
+    uint32_t v = net::get_u32(reinterpret_cast<const unsigned char*>(body.data()) + at);
+    at += 4;
+    return v;
+  };
+  uint32_t n = u32();
+  if (int(n) != nranks) throw CommError("hetccl bootstrap: table of " + std::to_string(n) + " ranks, expected " + std::to_string(nranks));
+  for (auto* out : {entries, listeners})
+    for (uint32_t i = 0; i < n; ++i) {
+      uint32_t l = u32();
+      if (at + l > body.size()) throw CommError("hetccl bootstrap: malformed table from " + who);
+      out->emplace_back(body.substr(at, l));
+      at += l;
+    }
+}
+
+// A listener on `host` (port chosen by the kernel) and its "host:port".
+Fd listen_on(const std::string& host, std::string* addr) {
+  std::string hp = (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":1";
+  sockaddr_storage ss;
+  socklen_t len;
+  if (!net::parse_hostport(hp, &ss, &len))
+    throw CommError("hetccl bootstrap: '" + host + "' is not a numeric IPv4/IPv6 address");
+  if (ss.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&ss)->sin_port = 0;
+  else reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = 0;
+  Fd l(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (l.fd < 0 || ::bind(l.fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(l.fd, 64) != 0)
+    throw CommError("hetccl bootstrap: cannot listen on " + host + ": " + strerror(errno));
+  sockaddr_storage bound;
+  socklen_t blen = sizeof bound;
+  getsockname(l.fd, reinterpret_cast<sockaddr*>(&bound), &blen);
+  *addr = net::sockaddr_str(bound);
+  return l;
+}
+
+constexpr char kTreeMagic[8] = {'h', 'e', 't', 'c', 'T', 'R', 'E', 'E'};
+
+// Waits on the tree listener for the parent's copy of the table (anything without the magic
+// and the secret is dropped) and returns its body.
+std::string receive_from_parent(int lfd, const std::string& secret, int rank, const Deadline& d) {
+  int parent = rank - (rank & -rank);
+  std::string who = "rank " + std::to_string(parent) + " (rank " + std::to_string(rank) +
+                    "'s parent in the bootstrap's tree)";
+  for (;;) {
+    if (!wait_fd(lfd, POLLIN, d))
+      throw CommTimeout("hetccl bootstrap: rank " + std::to_string(rank) + " timed out waiting for the table from " + who);
+    Fd c(::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC));
+    if (c.fd < 0) continue;
+    try {
+      char head[8 + kSecretBytes + 8];
+      read_all(c.fd, head, sizeof head, d, who.c_str());
+      if (std::memcmp(head, kTreeMagic, 8) != 0 || std::string(head + 8, kSecretBytes) != secret) continue;
+      uint64_t blen = net::get_u64(reinterpret_cast<const unsigned char*>(head) + 8 + kSecretBytes);
+      if (blen > (uint64_t(1) << 34)) continue;
+      std::string body(blen, '\0');
+      read_all(c.fd, body.data(), blen, d, who.c_str());
+      return body;
+    } catch (const CommTimeout&) {
+      throw;
+    } catch (const std::exception&) {
+      continue;  // a connection that broke mid-message: the parent would have to retry
+    }
+  }
+}
+
+// Sends the table to rank's children in the tree, the largest subtree first. A child that
+// cannot be reached is skipped: it times out naming this rank, and its peers see it dead.
+void forward_to_children(int rank, int nranks, const std::string& secret, const std::string& body,
+                         const std::vector<std::string>& listeners, const Deadline& d) {
+  int top = rank ? (rank & -rank) : 1;
+  if (!rank)
+    while (top < nranks) top <<= 1;
+  std::string head(kTreeMagic, 8);
+  head += secret;
+  net::put_u64(head, body.size());
+  for (int j = top >> 1; j >= 1; j >>= 1) {
+    int child = rank + j;
+    if (child >= nranks) continue;
+    sockaddr_storage ss;
+    socklen_t len;
+    if (!net::parse_hostport(listeners[size_t(child)], &ss, &len)) continue;
+    Fd s(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (s.fd < 0 || ::connect(s.fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) continue;
+    std::string who = "rank " + std::to_string(child) + " (bootstrap tree)";
+    try {
+      write_all(s.fd, head.data(), head.size(), d, who.c_str());
+      write_all(s.fd, body.data(), body.size(), d, who.c_str());
+    } catch (const std::exception&) {
     }
   }
 }
@@ -293,8 +415,11 @@ hetcclUniqueId make_root(const std::string& bind_host, int64_t timeout_ms) {
 }
 
 std::vector<std::string> join(const UniqueIdData& id, int rank, int nranks,
-                              const std::string& entry, int64_t timeout_ms) {
+                              const std::string& entry, const std::string& bind_host,
+                              int64_t timeout_ms) {
   Deadline d(timeout_ms);
+  std::string tree_addr;
+  Fd tree = listen_on(bind_host, &tree_addr);
   sockaddr_storage ss;
   socklen_t len;
   if (!net::parse_hostport(id.root, &ss, &len))
@@ -319,6 +444,8 @@ std::vector<std::string> join(const UniqueIdData& id, int rank, int nranks,
     net::put_u32(hello, uint32_t(nranks));
     net::put_u32(hello, uint32_t(entry.size()));
     hello += entry;
+    net::put_u32(hello, uint32_t(tree_addr.size()));
+    hello += tree_addr;
     write_all(s.fd, hello.data(), hello.size(), d, who.c_str());
     // the table comes once every rank has joined: wait as long as the root waits for them
     Deadline td(std::max<int64_t>(d.left_ms(), id.root_timeout_ms + 10000));
@@ -329,23 +456,13 @@ std::vector<std::string> join(const UniqueIdData& id, int rank, int nranks,
     if (blen > (uint64_t(1) << 34)) throw CommError("hetccl bootstrap: malformed reply from " + who);
     std::string body(blen, '\0');
     read_all(s.fd, body.data(), blen, td, who.c_str());
-    if (status != 0) throw CommError(body);
-    std::vector<std::string> table;
-    size_t at = 0;
-    auto u32 = [&] {
-      if (at + 4 > body.size()) throw CommError("hetccl bootstrap: malformed table from " + who);
-      uint32_t v = net::get_u32(reinterpret_cast<const unsigned char*>(body.data()) + at);
-      at += 4;
-      return v;
-    };
-    uint32_t n = u32();
-    if (int(n) != nranks) throw CommError("hetccl bootstrap: table of " + std::to_string(n) + " ranks, expected " + std::to_string(nranks));
-    for (uint32_t i = 0; i < n; ++i) {
-      uint32_t l = u32();
-      if (at + l > body.size()) throw CommError("hetccl bootstrap: malformed table from " + who);
-      table.emplace_back(body.substr(at, l));
-      at += l;
-    }
+    if (status == 1) throw CommError(body);
+    // the parent had the table when the root answered: this rank's own timeout from now
+    if (status == 2) body = receive_from_parent(tree.fd, id.secret, rank, Deadline(timeout_ms));
+    else if (status != 0) throw CommError("hetccl bootstrap: malformed reply from " + who);
+    std::vector<std::string> table, listeners;
+    parse_body(body, nranks, status == 0 ? who : "the bootstrap tree", &table, &listeners);
+    forward_to_children(rank, nranks, id.secret, body, listeners, Deadline(std::max<int64_t>(td.left_ms(), 30000)));
     return table;
   }
 }

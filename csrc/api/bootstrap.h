@@ -5,13 +5,17 @@
 //  * make_root() opens a listener (settings: bootstrap address) and starts a detached thread that
 //    serves exactly one communicator: it accepts connections until `nranks` distinct ranks have
 //    joined (nranks comes from the first joiner; every joiner must agree), checks each joiner's
-//    secret, then sends every rank the table of all entries (rank order) and exits. A wrong
+//    secret, then sends rank 0 the table of all entries (rank order), tells every other rank
+//    that its copy comes from its parent in a binomial tree over the ranks, and exits. A wrong
 //    secret, a rank out of range, a duplicate rank or a different nranks is answered with an
 //    error text to that joiner alone; ranks that do not all join within the init timeout get the
-//    list of missing ranks as their error. O(n) connections and messages in total.
-//  * join() connects to the root named by the id (retrying until the deadline: the root process
-//    may still be starting its listener), sends this rank's entry and returns the table, or
-//    throws CommError with the root's error text or CommTimeout.
+//    list of missing ranks as their error. O(n) connections and messages in total; the root
+//    sends one copy of the table and no rank more than ceil(log2 n) (bootstrap.cc, wire).
+//  * join() listens for its parent, connects to the root named by the id (retrying until the
+//    deadline: the root process may still be starting its listener), sends this rank's entry,
+//    receives the table (from the root or its parent), forwards it to its children and returns
+//    it, or throws CommError with the root's error text or CommTimeout (naming the parent
+//    that did not send it).
 //  * An entry is opaque bytes to the bootstrap (comm.cc encodes key/value pairs).
 #pragma once
 
@@ -37,8 +41,10 @@ UniqueIdData decode_id(const hetcclUniqueId& id);  // throws CommError if it is 
 // Starts the root (see the contract) and returns the id that names it.
 hetcclUniqueId make_root(const std::string& bind_host, int64_t timeout_ms);
 
+// bind_host: where this rank listens for its parent's copy of the table (the bootstrap's tree).
 std::vector<std::string> join(const UniqueIdData& id, int rank, int nranks,
-                              const std::string& entry, int64_t timeout_ms);
+                              const std::string& entry, const std::string& bind_host,
+                              int64_t timeout_ms);
 
 // The local address that routes to `host` ("127.0.0.1" for a loopback host): what this rank's
 // transports listen on and advertise.

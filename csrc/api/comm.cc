@@ -61,7 +61,7 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
       {"host_id", host_id()}, {"hostname", hn}, {"pid", std::to_string(getpid())},
       {"vendor", settings.vendor}, {"tcp", tcp_->address()}};
   if (shm_) mine.emplace_back("shm", shm_->address());
-  std::vector<std::string> table = join(d, rank, size, encode_kv(mine), settings.timeout_ms);
+  std::vector<std::string> table = join(d, rank, size, encode_kv(mine), bind, settings.timeout_ms);
   for (auto& e : table) table_bytes_ += e.size();
   std::vector<std::vector<std::pair<std::string, std::string>>> rows;
   for (auto& e : table) rows.push_back(decode_kv(e));
