@@ -439,7 +439,14 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
   DevicePart part;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (!broken_.empty()) throw_kind(broken_kind_, broken_);
+    if (!broken_.empty()) {
+      // Broken since the headers were posted (the progress loop compared an earlier plan's):
+      // this plan never enters plans_, so its header receives must be withdrawn or kept alive
+      // here. Dropping it with them posted let a peer's header land in freed memory (UCX;
+      // tests/test_engine.py earlier_plan_mismatch, found with AddressSanitizer).
+      bury(p);
+      throw_kind(broken_kind_, broken_);
+    }
     if (spec.device) {
       dev_->set_device(spec.device_index);
       ensure_device_state();

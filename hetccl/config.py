@@ -102,9 +102,11 @@ _SETTINGS = [
             "take before they fail naming the peer waited for (the torch face takes the "
             "process group's timeout instead)."),
     Setting("HETCCL_CAPI_ALGO", str, "auto",
-            "C API only: auto (csrc/api/select.cc's table: recursive doubling for small "
-            "all_reduces and for the argument check when the rank count is a power of two, "
-            "rings otherwise), ring, or rd (recursive doubling wherever the rank count allows)."),
+            "C API only: auto (csrc/api/select.cc's table: up to 64 KiB the latency "
+            "algorithms -- recursive doubling for all_reduce and reduce_scatter, a binomial "
+            "tree for broadcast, Bruck's all_gather -- rings and the chain above), ring (rings "
+            "and the chain everywhere, the argument check's ring all-gather too), or rd (the "
+            "latency algorithms at every size)."),
     Setting("HETCCL_CRASH_BACKTRACE", _bool, False,
             "Debugging aid: on SIGSEGV/SIGBUS/SIGFPE print the native frames as "
             "'hetccl-frame <object> +<offset>' lines (addr2line names them; csrc/crash.h). "

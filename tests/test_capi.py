@@ -60,8 +60,9 @@ def launch(tmp_path, split: str, mode: str, env=None, timeout=240, **extra):
 def test_collectives_against_references(tmp_path, split, algo):
     """auto: recursive doubling for small all_reduces (folded when n is not a power of two),
     rings for large ones; the check's all-gather recursive doubling where n is a power of two,
-    Bruck's otherwise; broadcast's binomial tree for small messages, its chain for large ones
-    (csrc/api/select.cc); ring / rd force one (HETCCL_CAPI_ALGO). 3+3 and
+    Bruck's otherwise; broadcast's binomial tree, Bruck's all_gather and the recursive-doubling
+    reduce_scatter for small messages, the chain and rings for large ones (csrc/api/select.cc);
+    ring / rd force one (HETCCL_CAPI_ALGO). 3+3 and
     3+2+2: the fold with two and three ranks beyond the power of two."""
     res, procs, logs = launch(tmp_path, split, "cases",
                               env={"HETCCL_CAPI_ALGO": algo,
@@ -85,9 +86,13 @@ def test_collectives_against_references(tmp_path, split, algo):
         assert ring == 0 and rd > 0, info
     else:
         assert rd > 0 and ring > 0, info  # small ones recursive doubling, the large ones rings
-    bt, bc = int(info.get("algo_broadcast_binomial", 0)), int(info.get("algo_broadcast_chain", 0))
-    if n > 1:  # broadcast: binomial tree for small messages, the chain for large ones
-        assert (bt > 0) == (algo != "ring") and (bc > 0) == (algo != "rd"), info
+    if n > 1:  # broadcast, all_gather, reduce_scatter: latency algorithms for small messages,
+        # rings (the chain) for large ones
+        for latency, ring in (("broadcast_binomial", "broadcast_chain"),
+                              ("all_gather_bruck", "all_gather_ring"),
+                              ("reduce_scatter_rd", "reduce_scatter_ring")):
+            lt, rg = int(info.get("algo_" + latency, 0)), int(info.get("algo_" + ring, 0))
+            assert (lt > 0) == (algo != "ring") and (rg > 0) == (algo != "rd"), (latency, info)
     if n > 1:  # the check: a summary all_reduce on every call, the headers' all-gather on the
         # failing ones (recursive doubling where n is 2^m, else Bruck's); forced ring: the ring
         checks = {k: int(v) for k, v in info.items() if k.startswith("algo_check_")}

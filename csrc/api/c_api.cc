@@ -378,6 +378,24 @@ void all_reduce_any(Comm& c, const void* send, void* recv, size_t count, const D
     hetccl::api::all_reduce_ring(c, send, recv, count, dt.engine, dt.size, rop);
   }
 }
+void all_gather_any(Comm& c, const void* send, void* recv, size_t sendcount, size_t es) {
+  if (hetccl::api::select_all_gather(c, sendcount * es * size_t(c.size)) == hetccl::api::Algo::Bruck) {
+    ++c.algo_runs["all_gather_bruck"];
+    hetccl::api::all_gather_bruck(c, send, recv, sendcount, es);
+  } else {
+    ++c.algo_runs["all_gather_ring"];
+    hetccl::api::all_gather_ring(c, send, recv, sendcount, es);
+  }
+}
+void reduce_scatter_any(Comm& c, const void* send, void* recv, size_t recvcount, const DT& dt, hetccl::ReduceOp rop) {
+  if (hetccl::api::select_reduce_scatter(c, recvcount * dt.size * size_t(c.size)) == hetccl::api::Algo::RecursiveDoubling) {
+    ++c.algo_runs["reduce_scatter_rd"];
+    hetccl::api::reduce_scatter_rd(c, send, recv, recvcount, dt.engine, dt.size, rop);
+  } else {
+    ++c.algo_runs["reduce_scatter_ring"];
+    hetccl::api::reduce_scatter_ring(c, send, recv, recvcount, dt.engine, dt.size, rop);
+  }
+}
 }  // namespace
 
 hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t count, hetcclDataType_t datatype,
@@ -464,7 +482,7 @@ hetcclResult_t hetcclAllGather(const void* sendbuff, void* recvbuff, size_t send
     if (why.empty() && sendcount && (!sendbuff || !recvbuff)) why = {"hetccl: all_gather: a NULL buffer"};
     size_t n = sendcount * dt.size;
     Call k{hetccl::api::Coll::AllGather, sendcount, datatype, -1, -1, why,
-           [sendcount, dt](Comm& cc, const void* s, void* r) { hetccl::api::all_gather_ring(cc, s, r, sendcount, dt.size); },
+           [sendcount, dt](Comm& cc, const void* s, void* r) { all_gather_any(cc, s, r, sendcount, dt.size); },
            sendbuff, recvbuff};
     k.bytes = k.out_bytes = n * size_t(c.size);
     k.in_off = n * size_t(c.rank);  // in place in the staging buffer
@@ -484,7 +502,7 @@ hetcclResult_t hetcclReduceScatter(const void* sendbuff, void* recvbuff, size_t 
     size_t n = recvcount * dt.size;
     Call k{hetccl::api::Coll::ReduceScatter, recvcount, datatype, op, -1, why,
            [recvcount, dt, rop](Comm& cc, const void* s, void* r) {
-             hetccl::api::reduce_scatter_ring(cc, s, r, recvcount, dt.engine, dt.size, rop);
+             reduce_scatter_any(cc, s, r, recvcount, dt, rop);
            },
            sendbuff, recvbuff};
     k.bytes = k.in_bytes = n * size_t(c.size);
@@ -545,7 +563,7 @@ hetcclResult_t hetcclCommSplit(hetcclComm_t comm, int color, int key, hetcclComm
     const int n = c.size;
     std::vector<int64_t> ck(2 * size_t(n));
     int64_t mine[2] = {color, key};
-    host_call(c, [&](Comm& cc) { hetccl::api::all_gather_ring(cc, mine, ck.data(), 2, sizeof(int64_t)); });
+    host_call(c, [&](Comm& cc) { all_gather_any(cc, mine, ck.data(), 2, sizeof(int64_t)); });
     int leader = -1, place = 0, members = 0;
     std::vector<std::pair<int64_t, int>> order;
     for (int p = 0; p < n; ++p)
@@ -561,7 +579,7 @@ hetcclResult_t hetcclCommSplit(hetcclComm_t comm, int color, int key, hetcclComm
     std::memset(&id, 0, sizeof id);
     if (color != HETCCL_SPLIT_NOCOLOR && leader == c.rank) id = new_unique_id(c.settings);
     std::vector<hetcclUniqueId> ids(static_cast<size_t>(n));
-    host_call(c, [&](Comm& cc) { hetccl::api::all_gather_ring(cc, &id, ids.data(), 1, sizeof(hetcclUniqueId)); });
+    host_call(c, [&](Comm& cc) { all_gather_any(cc, &id, ids.data(), 1, sizeof(hetcclUniqueId)); });
     if (color == HETCCL_SPLIT_NOCOLOR) return;
     made = new Comm(members, ids[size_t(leader)], place, &c.settings.vendor);
   });

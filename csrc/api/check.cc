@@ -18,7 +18,6 @@
 // Trade-off: one small all_reduce per collective (HETCCL_CHECK_ARGS=0 removes it; a rank's own
 // refusal then returns at once on that rank only, and its peers wait until the timeout, as with
 // NCCL).
-#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -85,8 +84,8 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
   char* out = reinterpret_cast<char*>(all.data());
   const size_t blk = sizeof(Header);
   ++c.algo_runs[algo == Algo::RecursiveDoubling ? "check_headers_rd" : algo == Algo::Bruck ? "check_headers_bruck" : "check_ring"];
-  uint64_t seq = c.begin();
   if (algo == Algo::RecursiveDoubling) {
+    uint64_t seq = c.begin();
     // n a power of two: at step k this rank holds the 2^k headers of its aligned group and
     // swaps them with the partner group's (rank ^ 2^k): log2(n) steps
     uint32_t k = 0;
@@ -96,20 +95,11 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
                                        {r ^ d, false, out + size_t(other) * blk, size_t(d) * blk}});
     }
   } else if (algo == Algo::Bruck) {
-    // any n (Bruck's all-gather): rot[i] is rank (r + i) % n's header; at step k (d = 2^k) this
-    // rank sends its first min(d, n - d) headers to rank r - d and receives as many from rank
-    // r + d behind its own: ceil(log2 n) steps, 2 ceil(log2 n) peers
-    std::vector<Header> rot(static_cast<size_t>(n));
-    rot[0] = mine;
-    char* rp = reinterpret_cast<char*>(rot.data());
-    uint32_t k = 0;
-    for (int d = 1; d < n; d <<= 1, ++k) {
-      size_t cnt = size_t(std::min(d, n - d));
-      c.step(Comm::tag(seq, k, true), {{mod(r - d, n), true, rp, cnt * blk},
-                                       {mod(r + d, n), false, rp + size_t(d) * blk, cnt * blk}});
-    }
-    for (int i = 0; i < n; ++i) all[size_t(mod(r + i, n))] = rot[size_t(i)];
+    // any n: Bruck's all-gather (coll_allgather_bruck.cc: reads this rank's header before it
+    // writes any block, so in place is fine)
+    all_gather_bruck(c, &mine, all.data(), 1, sizeof(Header));
   } else {
+    uint64_t seq = c.begin();
     for (int k = 0; k < n - 1; ++k)
       c.step(Comm::tag(seq, uint32_t(k), true),
              {{c.next(), true, out + size_t(mod(r - k, n)) * blk, blk},

@@ -157,6 +157,8 @@ enum class Algo { Ring, RecursiveDoubling, Bruck, Chain, Binomial };
 Algo select_all_reduce(const Comm& c, size_t bytes);
 Algo select_check(const Comm& c);
 Algo select_broadcast(const Comm& c, size_t bytes);  // Chain or Binomial
+Algo select_all_gather(const Comm& c, size_t out_bytes);      // Ring or Bruck
+Algo select_reduce_scatter(const Comm& c, size_t in_bytes);   // Ring or RecursiveDoubling
 
 // The collectives (coll_*.cc). Arguments are validated by c_api.cc; counts in elements.
 void all_reduce_ring(Comm& c, const void* send, void* recv, size_t count, DType dt, size_t esize,
@@ -166,6 +168,9 @@ void all_reduce_recursive_doubling(Comm& c, const void* send, void* recv, size_t
 void reduce_scatter_ring(Comm& c, const void* send, void* recv, size_t recvcount, DType dt,
                          size_t esize, ReduceOp op);
 void all_gather_ring(Comm& c, const void* send, void* recv, size_t sendcount, size_t esize);
+void all_gather_bruck(Comm& c, const void* send, void* recv, size_t sendcount, size_t esize);
+void reduce_scatter_rd(Comm& c, const void* send, void* recv, size_t recvcount, DType dt,
+                       size_t esize, ReduceOp op);
 void broadcast_chain(Comm& c, const void* send, void* recv, size_t nbytes, int root);
 void broadcast_binomial(Comm& c, const void* send, void* recv, size_t nbytes, int root);
 // blk bytes from block p of send to rank p, block p of recv from rank p (send == recv allowed)

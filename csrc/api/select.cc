@@ -11,6 +11,11 @@
 //   check        otherwise                                   Bruck's all-gather (ceil(log2 n))
 //   broadcast    bytes <= rd_max_bytes                        binomial tree (ceil(log2 n) steps)
 //   broadcast    otherwise                                   pipelined chain (segments + n - 2)
+//   all_gather   output bytes <= rd_max_bytes                 Bruck's (ceil(log2 n) steps)
+//   all_gather   otherwise                                   ring (n-1 steps)
+//   reduce_scat. input bytes <= rd_max_bytes                  recursive-doubling all_reduce of
+//                                                            the input, own block kept
+//   reduce_scat. otherwise                                   ring (n-1 steps)
 // HETCCL_CAPI_ALGO=ring forces rings everywhere (the check: its ring all-gather alone; broadcast:
 // the chain), =rd recursive doubling for
 // every all_reduce. Peers per rank: the two ring neighbours, plus O(log n) partners of the
@@ -37,6 +42,20 @@ Algo select_broadcast(const Comm& c, size_t bytes) {
   if (force == "ring") return Algo::Chain;
   if (force == "rd") return Algo::Binomial;  // the latency algorithms everywhere
   return bytes <= c.settings.rd_max_bytes ? Algo::Binomial : Algo::Chain;
+}
+
+Algo select_all_gather(const Comm& c, size_t out_bytes) {
+  const std::string& force = c.settings.algo;
+  if (force == "ring") return Algo::Ring;
+  if (force == "rd") return Algo::Bruck;
+  return out_bytes <= c.settings.rd_max_bytes ? Algo::Bruck : Algo::Ring;
+}
+
+Algo select_reduce_scatter(const Comm& c, size_t in_bytes) {
+  const std::string& force = c.settings.algo;
+  if (force == "ring") return Algo::Ring;
+  if (force == "rd") return Algo::RecursiveDoubling;
+  return in_bytes <= c.settings.rd_max_bytes ? Algo::RecursiveDoubling : Algo::Ring;
 }
 
 Algo select_check(const Comm& c) {
