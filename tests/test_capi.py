@@ -202,13 +202,12 @@ def _fake_joiner(uid: bytes, rank: int, nranks: int, forward: bool) -> dict:
     return {"status": status, "body": len(body), "listener": lis}
 
 
-def test_bootstrap_tree_names_a_parent_that_never_forwards(tmp_path, monkeypatch):
+def test_bootstrap_tree_names_a_parent_that_never_forwards(tmp_path):
     """The table reaches rank 0 from the root and every other rank from its parent in a
     binomial tree (bootstrap.cc). A rank 0 that joins and never forwards: its children (1 and
     2 of 3) fail with a timeout naming rank 0 as their parent, not a hang; the root sent the
-    table to rank 0 only."""
-    import struct
-
+    table to rank 0 only. The root (this process) keeps its default wait for the joins; the
+    ranks' own timeout (5 s) bounds their wait for the parent."""
     uid = capi.unique_id()
     code = ("import sys, importlib.util as u; s=u.spec_from_file_location('c', sys.argv[1]); "
             "m=u.module_from_spec(s); s.loader.exec_module(m)\n"

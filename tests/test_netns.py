@@ -168,9 +168,12 @@ def _check_survivors(res, ranks, t_fault, hosts, victims_host=None):
         assert m, f"rank {r}: error does not name a peer's host: {d['error']}"
         if victims_host is not None:
             # The error names the lost host, or -- a cascade, when a peer on this rank's own
-            # host failed first and closed its transport while this rank still waited on it --
-            # that peer and its host (a known gap: the root cause is then one hop away).
-            cascade = "closed its transport" in d["error"] and all(
+            # host failed first and closed its transport while this rank still waited on it, or
+            # when this rank's timeout ran out on such a peer that itself still waited on the
+            # lost host (SIGSTOP: nothing closes, every survivor times out, in whatever order)
+            # -- that peer and its host (a known gap: the root cause is then one hop away).
+            # Whoever saw the loss first must still name the lost host (below).
+            cascade = ("closed its transport" in d["error"] or "Timed out" in d["error"]) and all(
                 int(p) in ranks for p, _ in m)
             assert any(h == victims_host for _, h in m) or cascade, (r, d["error"])
             named_victim.append(any(h == victims_host for _, h in m))
