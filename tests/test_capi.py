@@ -156,19 +156,25 @@ def test_killed_peer_is_a_clear_error(tmp_path):
         assert d["again_s"] < 1, d
 
 
+def _joining_rank(uid: bytes, n: int, rank: int, env: dict) -> subprocess.Popen:
+    """A torch-free process that makes rank `rank` of an n-rank communicator from uid and prints
+    'OK' or 'ERR <code> <text>'."""
+    code = ("import sys, importlib.util as u; s=u.spec_from_file_location('c', sys.argv[1]); "
+            "m=u.module_from_spec(s); s.loader.exec_module(m)\n"
+            "try:\n    m.Comm(int(sys.argv[3]), bytes.fromhex(sys.argv[2]), int(sys.argv[4]))\n"
+            "    print('OK')\nexcept m.HetcclError as e:\n    print('ERR', e.code, e.text)\n")
+    path = os.path.join(ROOT, "hetccl", "capi.py")
+    return subprocess.Popen([sys.executable, "-c", code, path, uid.hex(), str(n), str(rank)],
+                            env=env, stdout=subprocess.PIPE, text=True)
+
+
 def test_bootstrap_refuses_a_duplicate_rank(tmp_path, monkeypatch):
     """Two processes given rank 0: the second gets a clear error from the root; the other
     waits for the root's verdict, which names the ranks that never joined."""
     monkeypatch.setenv("HETCCL_TIMEOUT_S", "4")  # the root's (this process's) wait
     uid = capi.unique_id()
-    code = ("import sys, importlib.util as u; s=u.spec_from_file_location('c', sys.argv[1]); "
-            "m=u.module_from_spec(s); s.loader.exec_module(m)\n"
-            "try:\n    m.Comm(3, bytes.fromhex(sys.argv[2]), 0)\nexcept m.HetcclError as e:\n"
-            "    print('ERR', e.code, e.text)\n")
-    path = os.path.join(ROOT, "hetccl", "capi.py")
     env = {**os.environ, "HETCCL_TIMEOUT_S": "4"}
-    ps = [subprocess.Popen([sys.executable, "-c", code, path, uid.hex()], env=env,
-                           stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    ps = [_joining_rank(uid, 3, 0, env) for _ in range(2)]
     outs = [p.communicate(timeout=60)[0] for p in ps]
     assert any("joined twice" in o for o in outs), outs
     assert any("did not join within" in o and "missing: 1, 2" in o for o in outs), outs
@@ -209,14 +215,8 @@ def test_bootstrap_tree_names_a_parent_that_never_forwards(tmp_path):
     table to rank 0 only. The root (this process) keeps its default wait for the joins; the
     ranks' own timeout (5 s) bounds their wait for the parent."""
     uid = capi.unique_id()
-    code = ("import sys, importlib.util as u; s=u.spec_from_file_location('c', sys.argv[1]); "
-            "m=u.module_from_spec(s); s.loader.exec_module(m)\n"
-            "try:\n    m.Comm(3, bytes.fromhex(sys.argv[2]), int(sys.argv[3]))\n    print('OK')\n"
-            "except m.HetcclError as e:\n    print('ERR', e.code, e.text)\n")
-    path = os.path.join(ROOT, "hetccl", "capi.py")
     env = {**os.environ, "HETCCL_TIMEOUT_S": "5"}
-    ps = [subprocess.Popen([sys.executable, "-c", code, path, uid.hex(), str(r)], env=env,
-                           stdout=subprocess.PIPE, text=True) for r in (1, 2)]
+    ps = [_joining_rank(uid, 3, r, env) for r in (1, 2)]
     got = _fake_joiner(uid, 0, 3, forward=False)
     outs = [p.communicate(timeout=90)[0] for p in ps]
     got["listener"].close()

@@ -242,7 +242,7 @@ void parse_body(const std::string& body, int nranks, const std::string& who,
 }
 
 // A listener on `host` (port chosen by the kernel) and its "host:port".
-Fd listen_on(const std::string& host, std::string* addr) {
+Fd listen_on(const std::string& host, std::string* addr, int backlog = 64) {
   std::string hp = (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":1";
   sockaddr_storage ss;
   socklen_t len;
@@ -251,7 +251,7 @@ Fd listen_on(const std::string& host, std::string* addr) {
   if (ss.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&ss)->sin_port = 0;
   else reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = 0;
   Fd l(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (l.fd < 0 || ::bind(l.fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(l.fd, 64) != 0)
+  if (l.fd < 0 || ::bind(l.fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(l.fd, backlog) != 0)
     throw CommError("hetccl bootstrap: cannot listen on " + host + ": " + strerror(errno));
   sockaddr_storage bound;
   socklen_t blen = sizeof bound;
@@ -383,20 +383,8 @@ UniqueIdData decode_id(const hetcclUniqueId& id) {
 }
 
 hetcclUniqueId make_root(const std::string& bind_host, int64_t timeout_ms) {
-  std::string hp = (bind_host.find(':') != std::string::npos ? "[" + bind_host + "]" : bind_host) + ":1";
-  sockaddr_storage ss;
-  socklen_t len;
-  if (!net::parse_hostport(hp, &ss, &len))
-    throw CommError("hetccl bootstrap: '" + bind_host + "' is not a numeric IPv4/IPv6 address");
-  if (ss.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&ss)->sin_port = 0;
-  else reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = 0;
-  Fd l(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (l.fd < 0 || ::bind(l.fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(l.fd, 1024) != 0)
-    throw CommError("hetccl bootstrap: cannot listen on " + bind_host + ": " + strerror(errno));
-  sockaddr_storage bound;
-  socklen_t blen = sizeof bound;
-  getsockname(l.fd, reinterpret_cast<sockaddr*>(&bound), &blen);
-  std::string root = net::sockaddr_str(bound);
+  std::string root;
+  Fd l = listen_on(bind_host, &root, 1024);
   std::string secret = random_bytes(kSecretBytes);
   hetcclUniqueId id;
   std::memset(&id, 0, sizeof id);

@@ -17,8 +17,7 @@
 //                                                            the input, own block kept
 //   reduce_scat. otherwise                                   ring (n-1 steps)
 // HETCCL_CAPI_ALGO=ring forces rings everywhere (the check: its ring all-gather alone; broadcast:
-// the chain), =rd recursive doubling for
-// every all_reduce. Peers per rank: the two ring neighbours, plus O(log n) partners of the
+// the chain), =rd the latency algorithms at every size. Peers per rank: the two ring neighbours, plus O(log n) partners of the
 // latency algorithms (connected on first use), at any n.
 // rd_max_bytes (64 KiB): where the ring's bandwidth starts to matter more than its step count
 // on the 2-core machine's shm and tcp (docs/benchmarks.md, "C API latency"); re-measure
@@ -30,32 +29,23 @@ namespace api {
 
 bool power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
+namespace {
+// The latency algorithm up to rd_max_bytes, the bandwidth one above (ring / rd force one).
+Algo by_size(const Comm& c, size_t bytes, Algo bandwidth, Algo latency) {
+  const std::string& force = c.settings.algo;
+  if (force == "ring") return bandwidth;
+  if (force == "rd") return latency;  // the latency algorithms everywhere
+  return bytes <= c.settings.rd_max_bytes ? latency : bandwidth;
+}
+}  // namespace
+
 Algo select_all_reduce(const Comm& c, size_t bytes) {
-  const std::string& force = c.settings.algo;
-  if (force == "ring") return Algo::Ring;
-  if (force == "rd") return Algo::RecursiveDoubling;
-  return bytes <= c.settings.rd_max_bytes ? Algo::RecursiveDoubling : Algo::Ring;
+  return by_size(c, bytes, Algo::Ring, Algo::RecursiveDoubling);
 }
-
-Algo select_broadcast(const Comm& c, size_t bytes) {
-  const std::string& force = c.settings.algo;
-  if (force == "ring") return Algo::Chain;
-  if (force == "rd") return Algo::Binomial;  // the latency algorithms everywhere
-  return bytes <= c.settings.rd_max_bytes ? Algo::Binomial : Algo::Chain;
-}
-
-Algo select_all_gather(const Comm& c, size_t out_bytes) {
-  const std::string& force = c.settings.algo;
-  if (force == "ring") return Algo::Ring;
-  if (force == "rd") return Algo::Bruck;
-  return out_bytes <= c.settings.rd_max_bytes ? Algo::Bruck : Algo::Ring;
-}
-
+Algo select_broadcast(const Comm& c, size_t bytes) { return by_size(c, bytes, Algo::Chain, Algo::Binomial); }
+Algo select_all_gather(const Comm& c, size_t out_bytes) { return by_size(c, out_bytes, Algo::Ring, Algo::Bruck); }
 Algo select_reduce_scatter(const Comm& c, size_t in_bytes) {
-  const std::string& force = c.settings.algo;
-  if (force == "ring") return Algo::Ring;
-  if (force == "rd") return Algo::RecursiveDoubling;
-  return in_bytes <= c.settings.rd_max_bytes ? Algo::RecursiveDoubling : Algo::Ring;
+  return by_size(c, in_bytes, Algo::Ring, Algo::RecursiveDoubling);
 }
 
 Algo select_check(const Comm& c) {
