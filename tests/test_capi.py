@@ -180,10 +180,10 @@ def test_bootstrap_refuses_a_duplicate_rank(tmp_path, monkeypatch):
     assert any("did not join within" in o and "missing: 1, 2" in o for o in outs), outs
 
 
-def _fake_joiner(uid: bytes, rank: int, nranks: int, forward: bool) -> dict:
+def _fake_joiner(uid: bytes, rank: int, nranks: int) -> dict:
     """Joins the bootstrap root through its wire (csrc/api/bootstrap.cc) as `rank`, with a tree
-    listener; returns the status and, for status 0, the table's size. forward=False: never
-    sends the table on to the children."""
+    listener, and never forwards the table to its children; returns the root's status, the
+    body's size and the listener (kept open: the children can connect, nobody sends)."""
     import socket
     import struct
 
@@ -204,7 +204,6 @@ def _fake_joiner(uid: bytes, rank: int, nranks: int, forward: bool) -> dict:
     body = b""
     while len(body) < blen:
         body += c.recv(blen - len(body))
-    assert not forward
     return {"status": status, "body": len(body), "listener": lis}
 
 
@@ -217,7 +216,7 @@ def test_bootstrap_tree_names_a_parent_that_never_forwards(tmp_path):
     uid = capi.unique_id()
     env = {**os.environ, "HETCCL_TIMEOUT_S": "5"}
     ps = [_joining_rank(uid, 3, r, env) for r in (1, 2)]
-    got = _fake_joiner(uid, 0, 3, forward=False)
+    got = _fake_joiner(uid, 0, 3)
     outs = [p.communicate(timeout=90)[0] for p in ps]
     got["listener"].close()
     assert got["status"] == 0 and got["body"] > 0, got  # rank 0 got the table itself

@@ -37,7 +37,7 @@ from hetccl import checks, tuning
 from hetccl._core import _C
 from hetccl.launch import spawn
 from test_reduce import DTYPES, OPS, _rand, _reference, _same
-from test_transport import _connect, _opts
+from test_transport import _barrier, _connect, _opts
 
 NAMES = _C.transport_names()
 TIMEOUT_MS = 15_000
@@ -271,17 +271,6 @@ def _mixed_wait_mismatch(e, rank, peer, tag0, dev):
     return "ok" if want in msg else f"broken={msg!r}"
 
 
-def _both_done(st, key: str) -> None:
-    """Neither rank closes a transport before the other has its verdicts: after a mismatch a
-    rank that closed early turns its peer's pending verdict into "peer closed its end"."""
-    st.add(f"done/{key}", 1)
-    deadline = time.monotonic() + 120
-    while int(st.add(f"done/{key}", 0)) < 2:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the peer did not finish phase {key}")
-        time.sleep(0.01)
-
-
 def rank_main(ctx, name):
     torch.set_num_threads(1)
     st = ctx.store()
@@ -331,7 +320,7 @@ def rank_main(ctx, name):
     if "d" in dev:
         attempt("device_async_mismatch",
                 lambda: _device_async_mismatch(e, rank, peer, 1100, dev["d"]))
-    _both_done(st, "main")
+    _barrier(st, "done/main", rank)  # nobody closes before both have their verdicts
     e.close()
     t.close()
     # a fresh pair: the mismatch above left the rings out of step, as a failed collective does
@@ -346,7 +335,7 @@ def rank_main(ctx, name):
     e3.set_device_ops(ops)
     attempt("mixed_wait_mismatch", lambda: _mixed_wait_mismatch(
         e3, rank, peer, 1200, (ops, ops.emulated_stream(), ops.emulated_stream())))
-    _both_done(st, "mixed")
+    _barrier(st, "done/mixed", rank)  # nobody closes before both have their verdicts
     e3.close()
     t3.close()
     t4 = _C.Transport(name, rank, 2, _opts())
@@ -355,7 +344,7 @@ def rank_main(ctx, name):
     e4.set_device_ops(ops)
     attempt("earlier_plan_mismatch", lambda: _earlier_plan_mismatch(
         e4, rank, peer, 1300, (ops, ops.emulated_stream(), ops.emulated_stream())))
-    _both_done(st, "earlier")
+    _barrier(st, "done/earlier", rank)  # nobody closes before both have their verdicts
     e4.close()
     t4.close()
     return res

@@ -28,6 +28,7 @@
 
 #include "../common.h"
 #include "../net.h"
+#include "ring.h"
 
 namespace hetccl {
 namespace api {
@@ -265,7 +266,7 @@ constexpr char kTreeMagic[8] = {'h', 'e', 't', 'c', 'T', 'R', 'E', 'E'};
 // Waits on the tree listener for the parent's copy of the table (anything without the magic
 // and the secret is dropped) and returns its body.
 std::string receive_from_parent(int lfd, const std::string& secret, int rank, const Deadline& d) {
-  int parent = rank - (rank & -rank);
+  int parent = binomial_parent(rank);
   std::string who = "rank " + std::to_string(parent) + " (rank " + std::to_string(rank) +
                     "'s parent in the bootstrap's tree)";
   for (;;) {
@@ -294,9 +295,7 @@ std::string receive_from_parent(int lfd, const std::string& secret, int rank, co
 // cannot be reached is skipped: it times out naming this rank, and its peers see it dead.
 void forward_to_children(int rank, int nranks, const std::string& secret, const std::string& body,
                          const std::vector<std::string>& listeners, const Deadline& d) {
-  int top = rank ? (rank & -rank) : 1;
-  if (!rank)
-    while (top < nranks) top <<= 1;
+  const int top = binomial_span(rank, nranks);
   std::string head(kTreeMagic, 8);
   head += secret;
   net::put_u64(head, body.size());

@@ -378,6 +378,15 @@ void all_reduce_any(Comm& c, const void* send, void* recv, size_t count, const D
     hetccl::api::all_reduce_ring(c, send, recv, count, dt.engine, dt.size, rop);
   }
 }
+void broadcast_any(Comm& c, const void* send, void* recv, size_t nbytes, int root) {
+  if (hetccl::api::select_broadcast(c, nbytes) == hetccl::api::Algo::Binomial) {
+    ++c.algo_runs["broadcast_binomial"];
+    hetccl::api::broadcast_binomial(c, send, recv, nbytes, root);
+  } else {
+    ++c.algo_runs["broadcast_chain"];
+    hetccl::api::broadcast_chain(c, send, recv, nbytes, root);
+  }
+}
 void all_gather_any(Comm& c, const void* send, void* recv, size_t sendcount, size_t es) {
   if (hetccl::api::select_all_gather(c, sendcount * es * size_t(c.size)) == hetccl::api::Algo::Bruck) {
     ++c.algo_runs["all_gather_bruck"];
@@ -458,15 +467,7 @@ hetcclResult_t hetcclBroadcast(const void* sendbuff, void* recvbuff, size_t coun
     if (why.empty() && count && (!recvbuff || (c.rank == root && !sendbuff))) why = {"hetccl: broadcast: a NULL buffer"};
     size_t n = count * dt.size;
     Call k{hetccl::api::Coll::Broadcast, count, datatype, -1, root, why,
-           [n, root](Comm& cc, const void* s, void* r) {
-             if (hetccl::api::select_broadcast(cc, n) == hetccl::api::Algo::Binomial) {
-               ++cc.algo_runs["broadcast_binomial"];
-               hetccl::api::broadcast_binomial(cc, s, r, n, root);
-             } else {
-               ++cc.algo_runs["broadcast_chain"];
-               hetccl::api::broadcast_chain(cc, s, r, n, root);
-             }
-           },
+           [n, root](Comm& cc, const void* s, void* r) { broadcast_any(cc, s, r, n, root); },
            sendbuff, recvbuff};
     k.bytes = k.out_bytes = n;
     k.in_bytes = c.rank == root ? n : 0;

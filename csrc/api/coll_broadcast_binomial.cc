@@ -18,13 +18,9 @@ void broadcast_binomial(Comm& c, const void* send, void* recv, size_t nbytes, in
   if (r == root && send != recv && nbytes) std::memmove(buf, send, nbytes);
   if (n == 1 || nbytes == 0) return;
   const int v = mod(r - root, n);
-  int top = 1;  // the children's distances are the powers of two below `top`
-  while (top < n) top <<= 1;
-  if (v) {
-    top = v & -v;
-    // step index: the parent's distance (one tag per tree level, unique in the collective)
-    c.step(Comm::tag(seq, uint32_t(__builtin_ctz(unsigned(top)))), {{mod(v - top + root, n), false, buf, nbytes}});
-  }
+  const int top = binomial_span(v, n);  // the children's distances are the powers of two below
+  // step index: the parent's distance (one tag per tree level, unique in the collective)
+  if (v) c.step(Comm::tag(seq, uint32_t(__builtin_ctz(unsigned(top)))), {{mod(binomial_parent(v) + root, n), false, buf, nbytes}});
   for (int d = top >> 1; d >= 1; d >>= 1)
     if (v + d < n) c.step(Comm::tag(seq, uint32_t(__builtin_ctz(unsigned(d)))), {{mod(v + d + root, n), true, buf, nbytes}});
 }

@@ -62,9 +62,11 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
       {"vendor", settings.vendor}, {"tcp", tcp_->address()}};
   if (shm_) mine.emplace_back("shm", shm_->address());
   std::vector<std::string> table = join(d, rank, size, encode_kv(mine), bind, settings.timeout_ms);
-  for (auto& e : table) table_bytes_ += e.size();
   std::vector<std::vector<std::pair<std::string, std::string>>> rows;
-  for (auto& e : table) rows.push_back(decode_kv(e));
+  for (auto& e : table) {
+    table_bytes_ += e.size();
+    rows.push_back(decode_kv(e));
+  }
   peers.resize(size);
   for (int p = 0; p < size; ++p) {
     peers[p].host_id = get(rows[p], "host_id");

@@ -176,7 +176,8 @@ void broadcast_binomial(Comm& c, const void* send, void* recv, size_t nbytes, in
 // blk bytes from block p of send to rank p, block p of recv from rank p (send == recv allowed)
 void all_to_all_pairwise(Comm& c, const void* send, void* recv, size_t blk);
 // The argument check (check.cc): a summary all_reduce of every rank's (collective, count,
-// dtype, op, root), then every rank's header to every rank where they disagree (select_check); throws ArgMismatch with the same text on every rank.
+// dtype, op, root), then every rank's header to every rank where they disagree (select_check);
+// throws ArgMismatch with the same text on every rank.
 // The collectives as the argument check's header names them (values travel between ranks).
 enum class Coll : int64_t { AllReduce = 1, Broadcast = 2, AllGather = 3, ReduceScatter = 4, Reduce = 5, AllToAll = 6 };
 const char* coll_name(Coll c);  // "all_reduce", ...
