@@ -44,7 +44,10 @@
 # is meant to take <= ~8 minutes on one H200; run `build` and `tests` as two device commands
 # when both together would pass the device tool's 10 minutes). TESTS="tests/test_gpu_suite.py"
 # runs one file, PYTEST_K="deepspeed or megatron" a subset (pytest -k), PYTEST_ARGS adds
-# pytest flags. The tests and megatron steps install the wheels carried in .whl/ that the box
+# pytest flags: PYTEST_ARGS="-n 4 --dist load -v" (pytest-xdist, on the box) ran the whole
+# suite in 389 s on 2026-12-03 (about 600 s serially). A per-test --timeout (pytest-timeout)
+# must exceed the tests' own bounds (spawns of up to 300 s), or it cuts a hung test before
+# its recorder names the case and the stacks each rank was blocked in (tests/test_harness.py). The tests and megatron steps install the wheels carried in .whl/ that the box
 # lacks (deepspeed, megatron-core and their pure-Python dependencies; carried_wheels below);
 # without .whl the DeepSpeed and Megatron tests skip with a reason.
 # The GPU suite alone, with the wheels (device tool: carry [".whl"]):
@@ -109,6 +112,7 @@ for w in $what; do
       carried_wheels
       : > "$OUT/gpu_figures.jsonl"
       t0=$SECONDS
+      export GPU_SUITE_PYTEST="python3 -m pytest ${TESTS:-$GPU_TESTS} -m gpu${PYTEST_K:+ -k \"$PYTEST_K\"}${PYTEST_ARGS:+ $PYTEST_ARGS}"
       # shellcheck disable=SC2086 # TESTS and PYTEST_ARGS are word lists
       HETCCL_GPU_FIGURES="$OUT/gpu_figures.jsonl" HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 \
         timeout -k 15 "${TESTS_TIMEOUT:-540}" python3 -m pytest -q ${TESTS:-$GPU_TESTS} \

@@ -95,8 +95,10 @@ def summary(out: str, rc: int, secs: int, limit: str) -> str:
                           text=True).stdout.strip()
     lines.append(f"GPU suite, {date}, commit {rev or '?'} (git metadata of the copy), source "
                  f"fingerprint {fingerprint()} (.ci/gpu_suite.py fingerprint), {gpu}")
-    lines.append("command: bash .ci/gpu-box.sh build tests   "
-                 "(python3 -m pytest tests/test_gpu.py tests/test_gpu_suite.py -m gpu)")
+    # the pytest command line the tests step ran (.ci/gpu-box.sh exports it)
+    lines.append("command: bash .ci/gpu-box.sh build tests   ("
+                 + os.environ.get("GPU_SUITE_PYTEST", "python3 -m pytest tests/test_gpu*.py -m gpu")
+                 + ")")
     last = next((l for l in reversed(log.splitlines()) if re.search(r"\d+ (passed|failed)", l)),
                 "")
     counts = re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", last)

@@ -171,12 +171,20 @@ def run(ctx) -> dict:
 # (case, verdict) as soon as it has a verdict, so the parent keeps what was done when a rank dies.
 # ======================================================================================
 
-def recorded_entry(ctx, tmp: str, fn, kwargs: dict):
+def recorded_entry(ctx, tmp: str, fn, kwargs: dict, stacks_after: float = 0):
     """Runs fn(ctx, record=..., **kwargs); record(case, verdict) appends one JSON line to
-    tmp/rank<r>.jsonl at once (flushed), for the parent to read even if this rank dies."""
+    tmp/rank<r>.jsonl at once (flushed), for the parent to read even if this rank dies.
+    stacks_after > 0: if the rank is still running that many seconds from now, every thread's
+    Python stack is written to tmp/rank<r>.stacks (faulthandler), so a hang names the call it
+    is blocked in."""
+    import faulthandler
     import json
 
     f = open(os.path.join(tmp, f"rank{ctx.rank}.jsonl"), "a", buffering=1)
+    stacks = None
+    if stacks_after > 0:
+        stacks = open(os.path.join(tmp, f"rank{ctx.rank}.stacks"), "w")
+        faulthandler.dump_traceback_later(stacks_after, repeat=False, file=stacks)
 
     def record(case, verdict):
         f.write(json.dumps([case, verdict]) + "\n")
@@ -185,6 +193,9 @@ def recorded_entry(ctx, tmp: str, fn, kwargs: dict):
     try:
         fn(ctx, record=record, **kwargs)
     finally:
+        if stacks is not None:
+            faulthandler.cancel_dump_traceback_later()
+            stacks.close()
         f.close()
     return None
 

@@ -92,24 +92,50 @@ def figure(name: str, **values) -> None:
 def recorded(fn, split: str, kwargs: dict, env: dict | None = None, timeout: float = 300):
     """Run fn(ctx, record=..., **kwargs) on the ranks of `split`; every case's verdict is
     written by each rank as soon as it is known, so a rank that dies still leaves the cases it
-    finished. Returns ({case: {rank: verdict}}, failure text or None)."""
+    finished. Returns ({case: {rank: verdict}}, failure text or None). A case a rank started
+    and never finished has the verdict "no verdict: ... still running it"; when the ranks did
+    not finish, the failure text carries each late rank's Python stack taken a little before
+    the timeout (what it was blocked in)."""
     world = _world(split)
     tmp = tempfile.mkdtemp(prefix="hetccl-gpu-suite-")
     failure = None
     try:
-        spawn(gpu_cases.recorded_entry, world, args=(tmp, fn, kwargs), vendors=split,
-              env=env, timeout=timeout)
+        spawn(gpu_cases.recorded_entry, world, args=(tmp, fn, kwargs, max(1.0, timeout - 15)),
+              vendors=split, env=env, timeout=timeout)
     except RankError as e:
-        failure = str(e)
+        failure = str(e) + late_stacks(tmp, world)
     merged: dict[str, dict[int, str]] = {}
     for r in range(world):
         path = os.path.join(tmp, f"rank{r}.jsonl")
         if os.path.exists(path):
             for line in open(path):
                 case, verdict = json.loads(line)
+                if verdict == collective_cases.RUNNING:
+                    verdict = ("no verdict: the rank started this case and was still running it "
+                               "when it died or the run timed out")
                 merged.setdefault(case, {})[r] = verdict
     shutil.rmtree(tmp, ignore_errors=True)
     return merged, failure
+
+
+def late_stacks(tmp: str, world: int, frames: int = 10) -> str:
+    """The stacks recorded_entry wrote for ranks still running near the timeout: per rank,
+    each thread that was in a test or hetccl frame, innermost `frames` frames first."""
+    out = []
+    for r in range(world):
+        path = os.path.join(tmp, f"rank{r}.stacks")
+        text = open(path, errors="replace").read() if os.path.exists(path) else ""
+        if not text.strip():
+            continue
+        # faulthandler: "Timeout (h:mm:ss)!", then one block per thread, blank-line separated
+        text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("Timeout ("))
+        blocks = [b for b in text.split("\n\n") if b.strip()]
+        for b in blocks:
+            lines = b.strip().splitlines()
+            if not any(("tests/" in ln or "hetccl" in ln) for ln in lines[1:]):
+                continue
+            out.append(f"rank {r} {lines[0].strip()}\n" + "\n".join(lines[1:1 + frames]))
+    return ("\nstacks of the ranks still running before the timeout:\n" + "\n".join(out)) if out else ""
 
 
 def check_cases(cases: dict[str, dict[int, str]], world: int, failure: str | None,
