@@ -25,8 +25,9 @@
 #   slots.jsonl            (slots) 1+1 bf16 collectives, the bounded ring geometry beside the
 #                          old one (8 MiB x 8 slots), interleaved; rows tagged {"geometry"}
 #   dropin.jsonl           (dropin) tests/gpu_dropin_bench.py: one vendor through the drop-in
-#                          beside plain NCCL, 1+1 through the drop-in beside the torch face
-#                          (dropin.txt: the table)
+#                          beside plain NCCL, 1+1 through the drop-in beside the torch face,
+#                          and 1+1 with chunked stream-path all_reduces (DROPIN_CHUNKS, default
+#                          4M,1M) (dropin.txt: the tables)
 #   passthrough.jsonl      one vendor (hetccl:1v, native pass-through) beside nccl, interleaved
 #   megatron.txt           (megatron) recipes/megatron/gpu.sh's summary, ITERS=${MEG_ITERS:-10}
 #   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
@@ -133,8 +134,9 @@ for w in $what; do
     dropin)
       # the drop-in NCCL (issue 25): one vendor (plain NCCL beside the drop-in, world size 1,
       # interleaved) and 1+1 (drop-in beside the torch face): times, issue cost, #wrong
+      # DROPIN_CHUNKS: 1+1 again with the stream path's chunked all_reduce at each chunk size
       timeout $T python3 tests/gpu_dropin_bench.py --jsonl "$OUT/dropin.jsonl" \
-        --maxbytes "${MAXBYTES:-64M}" 2>&1 | tee "$OUT/dropin.txt" | tail -30 ;;
+        --maxbytes "${MAXBYTES:-64M}" --chunks "${DROPIN_CHUNKS:-4M,1M}" 2>&1 | tee "$OUT/dropin.txt" | tail -30 ;;
     passthrough)
       timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl:1v,nccl,hetccl:1v,nccl \
         --colls all_reduce --minbytes 64M --maxbytes 256M --factor 2 --dtype bfloat16 --iters 20 \

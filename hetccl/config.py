@@ -130,6 +130,12 @@ _SETTINGS = [
     Setting("HETCCL_CAPI_DEVICE_LIBRARY", str, "",
             "C API only: the device runtime's library (default libcuda.so.1 / libamdhip64.so, "
             "the one the process has loaded under that name)."),
+    Setting("HETCCL_STREAM_CHUNK_BYTES", int, 0,
+            "C API / drop-in only: a stream-ordered all_reduce larger than this many bytes "
+            "runs chunk by chunk, each chunk's copies to and from pinned staging overlapping "
+            "the host collective of its neighbours (csrc/api/stream_path.h; at most 32 "
+            "chunks). 0 (default): whole calls, the path the GPU suite has measured. Must be "
+            "equal on every rank."),
     Setting("HETCCL_CAPI_SHM", _bool, True,
             "C API only: ring neighbours on one host reach each other through shared memory; "
             "0: tcp for every peer."),

@@ -528,7 +528,31 @@ def run_stream(comm, rank, n):
             return None if "root" in e.text and str(n + 3) in e.text else f"text: {e.text}"
         return "a later call succeeded"
 
-    if n > 1:
+    def chunked_mismatch():
+        """HETCCL_STREAM_CHUNK_BYTES: counts that differ (rank 0's spans more chunks) are
+        refused by the first chunk's check of the whole call: every rank's communicator reports
+        it as its async error, and no chunk of any rank's buffer was reduced."""
+        count = 30_000 if rank == 0 else 20_000
+        x = np.arange(count, dtype=np.float32) + rank
+        keep = x.copy()
+        comm.all_reduce(x, x, count, "float32", "sum", stream=s)
+        comm.stream_sync(s)
+        end = time.time() + 30
+        while comm.async_error() == 0 and time.time() < end:
+            time.sleep(0.01)
+        if comm.async_error() != capi.INVALID_ARGUMENT:
+            return f"async error {comm.async_error()}"
+        if not np.array_equal(x, keep):
+            return f"a chunk was reduced: {int((x != keep).sum())} elements changed"
+        try:
+            comm.all_reduce(x, x, 8, "float32", "sum", stream=s)
+        except capi.HetcclError as e:
+            return None if "30000" in e.text and "20000" in e.text else f"text: {e.text}"
+        return "a later call succeeded"
+
+    if n > 1 and int(os.environ.get("HETCCL_STREAM_CHUNK_BYTES") or 0):
+        case("stream/chunked_mismatch_breaks_every_rank", chunked_mismatch)
+    elif n > 1:
         case("stream/refusal_breaks_every_rank", refusal)
     res["info"] = comm.info()
     return res

@@ -7,6 +7,11 @@
     stream path) beside the torch face (backend "hetccl") on the same script.
 
     python3 tests/gpu_dropin_bench.py --jsonl $OUT/dropin.jsonl [--maxbytes 64M] [--iters 20]
+                                      [--chunks 4M,1M]
+
+  * --chunks: 1+1 through the drop-in again with HETCCL_STREAM_CHUNK_BYTES set to each value
+    (the stream path's chunked all_reduce, csrc/api/stream_path.h), configs dropin-1+1-c<bytes>,
+    beside the whole-call rows of the same run.
 
 Rows (JSON lines, nccl-tests columns): config, backend, vendors, size, count, type, redop,
 time_us, algbw, busbw, wrong, and issue_us (median host time of dist.all_reduce(async_op=True)
@@ -99,7 +104,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(a, config: str, backend: str, vendors: str, dropin: bool, tmp: str) -> list[dict]:
+def launch(a, config: str, backend: str, vendors: str, dropin: bool, tmp: str,
+           extra_env: dict | None = None) -> list[dict]:
     from hetccl import nccl_dropin
 
     world = sum(int(x) for x in vendors.split("+"))
@@ -113,6 +119,7 @@ def launch(a, config: str, backend: str, vendors: str, dropin: bool, tmp: str) -
             env["HETCCL_VENDOR_SPLIT"] = vendors
         if dropin:
             env = nccl_dropin.launch_env("nccl", env)
+        env.update(extra_env or {})
         cmd = [sys.executable, __file__, "--rank-main", "--backend", backend, "--config", config,
                "--vendors", vendors, "--rows", rows, "--minbytes", a.minbytes, "--maxbytes", a.maxbytes,
                "--factor", str(a.factor), "--iters", str(a.iters), "--issue", str(a.issue),
@@ -151,6 +158,7 @@ def main() -> None:
     p.add_argument("--issue-sizes", default="8K,512K,32M")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--skip-face", action="store_true")
+    p.add_argument("--chunks", default="", help="HETCCL_STREAM_CHUNK_BYTES values for more 1+1 drop-in rows")
     a = p.parse_args()
     if a.rank_main:
         rank_main(a)
@@ -158,15 +166,18 @@ def main() -> None:
     import tempfile
 
     tmp = tempfile.mkdtemp()
-    plan = [("nccl-1", "nccl", "1", False), ("dropin-1", "nccl", "1", True),
-            ("nccl-1b", "nccl", "1", False), ("dropin-1b", "nccl", "1", True),
-            ("dropin-1+1", "nccl", "1+1", True)]
+    plan = [("nccl-1", "nccl", "1", False, {}), ("dropin-1", "nccl", "1", True, {}),
+            ("nccl-1b", "nccl", "1", False, {}), ("dropin-1b", "nccl", "1", True, {}),
+            ("dropin-1+1", "nccl", "1+1", True, {})]
+    chunks = [parse_size(c) for c in a.chunks.split(",") if c.strip()]
+    for c in chunks:
+        plan.append((f"dropin-1+1-c{c}", "nccl", "1+1", True, {"HETCCL_STREAM_CHUNK_BYTES": str(c)}))
     if not a.skip_face:
-        plan.append(("face-1+1", "hetccl", "1+1", False))
+        plan.append(("face-1+1", "hetccl", "1+1", False, {}))
     allrows = []
-    for config, backend, vendors, dropin in plan:
+    for config, backend, vendors, dropin, extra in plan:
         t0 = time.time()
-        rows = launch(a, config, backend, vendors, dropin, tmp)
+        rows = launch(a, config, backend, vendors, dropin, tmp, extra)
         print(f"{config}: {len(rows)} rows in {time.time() - t0:.0f} s", flush=True)
         allrows += rows
     with open(a.jsonl, "a") as f:
@@ -189,6 +200,15 @@ def main() -> None:
         print(f"{size:>10} {f(n)} {f(d)} {rat(d, n)} {f(med('nccl-1', 'issue_us'))[1:]} "
               f"{f(med('dropin-1', 'issue_us'))[1:]} | {f(x)} {f(y)} {rat(x, y)} "
               f"{f(med('dropin-1+1', 'issue_us'))[1:]} {f(med('face-1+1', 'issue_us'))[1:]} {wrong}")
+    for c in chunks:
+        cfg = f"dropin-1+1-c{c}"
+        print(f"\n1+1 drop-in, HETCCL_STREAM_CHUNK_BYTES={c}: size, us, / whole calls, / torch face, issue us, wrong")
+        for size in sorted(by.get(cfg, {})):
+            r = by[cfg][size][0]
+            w = by.get("dropin-1+1", {}).get(size, [{}])[0].get("time_us")
+            fc = by.get("face-1+1", {}).get(size, [{}])[0].get("time_us")
+            print(f"{size:>10} {r['time_us']:9.1f} {r['time_us'] / w if w else float('nan'):6.3f} "
+                  f"{r['time_us'] / fc if fc else float('nan'):6.3f} {r.get('issue_us') or '-'} {r['wrong']}")
 
 
 if __name__ == "__main__":

@@ -132,6 +132,28 @@ def test_stream_path(tmp_path, split, runtime):
         assert res[r]["digests"] == res[0]["digests"] or n == 1, f"rank {r} has other bits"
 
 
+@pytest.mark.parametrize("split", ["1+1", "2+1", "1+1+1"])
+def test_stream_path_chunked(tmp_path, split):
+    """HETCCL_STREAM_CHUNK_BYTES (stream_path.h): every case of the stream test with every
+    all_reduce above 4 KiB run chunk by chunk (1031 floats: 2 chunks; 300,000: past the 32-chunk
+    bound, so the chunks grow), against the same float64 references, the same bits on every
+    rank; a count mismatch spanning chunks leaves every buffer as it was and breaks every rank."""
+    res, procs, logs = launch(tmp_path, split, "stream",
+                              env={"HETCCL_CAPI_DEVICE": "emulated", "HETCCL_STREAM_CHUNK_BYTES": "4096"})
+    n = len(SPLITS[split])
+    assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
+    cases = res[0]["cases"]
+    assert "stream/chunked_mismatch_breaks_every_rank" in cases, sorted(cases)[-5:]
+    bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
+    for r in res:
+        info = res[r]["info"]
+        # every float and integer all_reduce of 1031 elements and the large ones went chunked
+        assert int(info["stream_chunked_jobs"]) >= 40, info
+        assert int(info["stream_chunks"]) >= 2 * int(info["stream_chunked_jobs"]), info
+        assert res[r]["digests"] == res[0]["digests"], f"rank {r} has other bits"
+
+
 def test_links_stay_constant_per_rank(tmp_path):
     """Four ranks on one host: each holds shared memory only to its two ring neighbours, and
     tcp only to the peers it exchanged messages with (p2p/far: rank 0 and rank 2)."""

@@ -166,6 +166,9 @@ struct Call {
   // PreMulSum: the input (in_bytes at in_off) is multiplied by the scalar first (on a copy:
   // the caller's sendbuff stays as it was).
   const Comm::PreMul* premul = nullptr;
+  // Elementwise collectives (all_reduce): the algorithm on `count` elements at any offset, so
+  // the stream path may run a large call chunk by chunk (HETCCL_STREAM_CHUNK_BYTES).
+  std::function<void(Comm&, const void*, void*, size_t)> chunk_algo;
 };
 
 void premul_scale(const Comm& c, const DT& dt, void* data, size_t bytes, const void* scalar) {
@@ -231,6 +234,20 @@ void dispatch(Comm& c, void* stream, Call k) {
     if (has_premul) premul_scale(cc, dt, st + k.in_off, k.in_bytes, pm.device ? st + scalar_off : pm.value);
     k.algo(cc, st + k.in_off, st + k.out_off);
   };
+  // Chunked (stream_path.h): the first chunk checks the whole call's arguments, so a refused
+  // call leaves every chunk as it was; later chunks agree by construction (every rank splits
+  // the same count alike: HETCCL_STREAM_CHUNK_BYTES must be equal on every rank). A device
+  // PreMulSum scalar sits after the data: such calls stay whole.
+  size_t cb = c.settings.stream_chunk_bytes / dt.size * dt.size;
+  if (k.chunk_algo && cb && k.in_off == k.out_off && !(has_premul && pm.device)) {
+    j.chunk = cb;
+    j.chunk_host = [k, dt, pm, has_premul](Comm& cc, char* st, size_t off, size_t bytes) {
+      if (off == 0) checked(cc, k.coll, k.count, k.dtype, k.op, k.root, Refusal{});
+      char* at = st + k.in_off + off;
+      if (has_premul) premul_scale(cc, dt, at, bytes, pm.value);
+      k.chunk_algo(cc, at, at, bytes / dt.size);
+    };
+  }
   c.streams().issue(std::move(j));
 }
 
@@ -421,6 +438,7 @@ hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t coun
            sendbuff, recvbuff};
     k.bytes = k.in_bytes = k.out_bytes = n;
     k.premul = premul_of(c, op);
+    k.chunk_algo = [dt, rop](Comm& cc, const void* s, void* r, size_t cnt) { all_reduce_any(cc, s, r, cnt, dt, rop); };
     dispatch(c, stream, k);
   });
 }

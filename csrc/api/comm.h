@@ -51,6 +51,9 @@ struct Settings {
   // process has loaded under its usual name)
   std::string device_runtime;
   std::string device_library;
+  // HETCCL_STREAM_CHUNK_BYTES: a stream-ordered all_reduce larger than this runs chunk by chunk,
+  // its copies overlapping the host collective (stream_path.h); 0 (default): whole calls
+  size_t stream_chunk_bytes = 0;
   // engine chunk tables: hetccl/tuning.py's HOST and MESSAGE rows (tests/test_capi.py checks
   // they are equal)
   EngineOptions::Table host_chunks, msg_chunks;

@@ -67,6 +67,7 @@ Settings read_settings() {
   s.device_runtime = env("HETCCL_CAPI_DEVICE");
   if (s.device_runtime.empty()) s.device_runtime = default_device_runtime();
   s.device_library = env("HETCCL_CAPI_DEVICE_LIBRARY");
+  s.stream_chunk_bytes = size_t(env_int("HETCCL_STREAM_CHUNK_BYTES", 0, 0, int64_t(1) << 40));
   // hetccl/tuning.py HOST and MESSAGE (see its docstring for how the rows were chosen)
   s.host_chunks = {{256 * KiB, 256 * KiB}, {INF, 128 * KiB}};
   s.msg_chunks = {{1 * MiB, 1 * MiB}, {INF, 4 * MiB}};

@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -175,7 +176,16 @@ void StreamPath::issue(StreamJob j) {
   std::unique_lock<std::mutex> g(mu_);
   uint64_t seq = issued_ + 1;
   g.unlock();
-  wait_slot_free(seq);  // only this (issuing) thread advances issued_: NCCL's one-thread rule
+  // chunked (contract in stream_path.h): sequence numbers seq .. seq + m - 1, one per chunk
+  uint32_t m = 1;
+  size_t chunk = 0;
+  if (j.chunk && j.chunk_host && j.bytes > j.chunk) {
+    chunk = j.chunk;
+    while ((j.bytes + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
+    m = uint32_t((j.bytes + chunk - 1) / chunk);
+  }
+  // only this (issuing) thread advances issued_: NCCL's one-thread rule
+  for (uint32_t k = 0; k < m; ++k) wait_slot_free(seq + k);
   g.lock();
   reclaim_locked();
   Job job;
@@ -197,10 +207,6 @@ void StreamPath::issue(StreamJob j) {
     reclaim_locked();
   }
   job.staging = take(job.cap);
-  in_use_.push_back({seq, job.staging, job.cap});
-  uint32_t slot = uint32_t(seq % kSlots);
-  uint64_t ready = page_dev_ + slot * sizeof(uint64_t);
-  uint64_t freed = page_dev_ + (kSlots + slot) * sizeof(uint64_t);
   void* s = j.stream;
   // The group's other streams: their earlier work first. One event, re-recorded: a stream wait
   // takes the event's state when it is enqueued (device_ops.h).
@@ -209,17 +215,50 @@ void StreamPath::issue(StreamJob j) {
     ops_->event_record(event_, o);
     ops_->stream_wait_event(s, event_);
   }
-  for (auto& cp : j.in) ops_->memcpy_async(job.staging + cp.off, cp.dev, cp.bytes, s);
-  ops_->write(s, ready, seq);
-  ops_->wait_geq(s, done_addr_[slot], seq);
-  for (auto& cp : j.out) ops_->memcpy_async(cp.dev, job.staging + cp.off, cp.bytes, s);
-  ops_->write(s, freed, seq);
+  if (m > 1) {
+    job.chunks = m;
+    job.chunk = chunk;
+    in_use_.push_back({seq + m - 1, job.staging, job.cap});
+    // the copies (device pointer, staging offset, bytes) that fall in [lo, hi) of the staging
+    auto copies = [&](const std::vector<StreamCopy>& v, size_t lo, size_t hi, bool in) {
+      for (auto& cp : v) {
+        size_t a = std::max(lo, cp.off), b = std::min(hi, cp.off + cp.bytes);
+        if (a >= b) continue;
+        char* dev = static_cast<char*>(cp.dev) + (a - cp.off);
+        if (in) ops_->memcpy_async(job.staging + a, dev, b - a, s);
+        else ops_->memcpy_async(dev, job.staging + a, b - a, s);
+      }
+    };
+    for (uint32_t k = 0; k < m; ++k) {
+      uint64_t q = seq + k;
+      copies(j.in, k * chunk, std::min(j.bytes, (k + 1) * chunk), true);
+      ops_->write(s, page_dev_ + (q % kSlots) * sizeof(uint64_t), q);
+    }
+    for (uint32_t k = 0; k < m; ++k) {
+      uint64_t q = seq + k;
+      ops_->wait_geq(s, done_addr_[q % kSlots], q);
+      copies(j.out, k * chunk, std::min(j.bytes, (k + 1) * chunk), false);
+      ops_->write(s, page_dev_ + (kSlots + q % kSlots) * sizeof(uint64_t), q);
+    }
+    ++chunked_jobs_;
+    chunks_ += m;
+  } else {
+    in_use_.push_back({seq, job.staging, job.cap});
+    uint32_t slot = uint32_t(seq % kSlots);
+    uint64_t ready = page_dev_ + slot * sizeof(uint64_t);
+    uint64_t freed = page_dev_ + (kSlots + slot) * sizeof(uint64_t);
+    for (auto& cp : j.in) ops_->memcpy_async(job.staging + cp.off, cp.dev, cp.bytes, s);
+    ops_->write(s, ready, seq);
+    ops_->wait_geq(s, done_addr_[slot], seq);
+    for (auto& cp : j.out) ops_->memcpy_async(cp.dev, job.staging + cp.off, cp.bytes, s);
+    ops_->write(s, freed, seq);
+  }
   if (!j.others.empty()) ops_->event_record(event_, s);
   for (void* o : j.others) ops_->stream_wait_event(o, event_);
   for (auto& cp : j.in) staged_bytes_ += cp.bytes;
   ++jobs_;
   job.j = std::move(j);
-  issued_ = seq;
+  issued_ = seq + job.chunks - 1;
   q_.push_back(std::move(job));
   g.unlock();
   cv_.notify_one();
@@ -267,33 +306,41 @@ void StreamPath::run_job(Job& job) {
     host_cv_.notify_all();
     return;
   }
-  // the stream's copies in are done when the ready word reaches the job
-  const uint64_t* ready = page_ + job.seq % kSlots;
+  for (uint32_t k = 0; k < job.chunks; ++k) {
+    uint64_t q = job.seq + k;
+    bool ok = wait_ready(q);
+    if (ok && c_.broken_code() == hetcclSuccess) {
+      try {
+        if (job.chunks > 1) {
+          size_t off = size_t(k) * job.chunk;
+          job.j.chunk_host(c_, job.staging, off, std::min(job.j.bytes - off, job.chunk));
+        } else if (job.j.host) {
+          job.j.host(c_, job.staging);
+        }
+      } catch (...) {
+        c_.note_failure(std::current_exception(), true);
+      }
+    }
+    release_done(q);
+  }
+}
+
+bool StreamPath::wait_ready(uint64_t seq) {
+  // the stream's copies in are done when the ready word reaches the sequence number
+  const uint64_t* ready = page_ + seq % kSlots;
   int64_t deadline = now_ms() + c_.settings.timeout_ms;
   int spins = 0;
-  bool ok = true;
-  while (!reached(ready, job.seq)) {
-    if (abort_.load()) {
-      ok = false;
-      break;
-    }
+  while (!reached(ready, seq)) {
+    if (abort_.load()) return false;
     if (now_ms() > deadline) {
       c_.note_failure(std::make_exception_ptr(CommTimeout(
           "hetccl: Timed out: the stream of a stream-ordered call did not reach it in " +
           std::to_string(c_.settings.timeout_ms / 1000) + " s")), true);
-      ok = false;
-      break;
+      return false;
     }
     pause(spins);
   }
-  if (ok && c_.broken_code() == hetcclSuccess && job.j.host) {
-    try {
-      job.j.host(c_, job.staging);
-    } catch (...) {
-      c_.note_failure(std::current_exception(), true);
-    }
-  }
-  release_done(job.seq);
+  return true;
 }
 
 void StreamPath::loop() {
@@ -329,7 +376,7 @@ void StreamPath::test_sync(void* stream) { ops_->sync(stream); }
 std::map<std::string, uint64_t> StreamPath::stats() {
   std::lock_guard<std::mutex> g(mu_);
   return {{"jobs", jobs_}, {"staged_bytes", staged_bytes_}, {"pool_bytes", pooled_},
-          {"backpressure_polls", waits_}};
+          {"backpressure_polls", waits_}, {"chunked_jobs", chunked_jobs_}, {"chunks", chunks_}};
 }
 
 }  // namespace api

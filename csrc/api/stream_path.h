@@ -20,9 +20,17 @@
 //    so no stream stays blocked; the data of failed jobs is left as it was.
 //  * At most kSlots jobs are in flight; the issuing thread waits for the oldest one's stream
 //    beyond that (back-pressure, bounded by the communicator's timeout).
-// Trade-off: the data makes one extra pass (device -> host -> device) beside the host collective,
-// and a job's copies in finish before its host collective starts (no pipelining within a job);
-// the issue cost is a few runtime calls (no host wait).
+//  * A chunked job (StreamJob::chunk, all_reduce with HETCCL_STREAM_CHUNK_BYTES set) takes one
+//    sequence number per chunk: the stream enqueues every chunk's copies in, each followed by
+//    its ready word, then per chunk: wait for its done word, its copies out, its freed word.
+//    The executor runs the host part chunk by chunk as each chunk's ready word arrives, so the
+//    copies in of later chunks overlap the host collective of earlier ones, and the copies out
+//    of earlier chunks the collective of later ones (a three-stage pipeline on one stream).
+//    Every rank must chunk alike (the setting equal on every rank, as NCCL's own variables);
+//    ranks that differ are refused by each chunk's argument check (the counts differ).
+// Trade-off: the data makes one extra pass (device -> host -> device) beside the host collective;
+// an unchunked job's copies in finish before its host collective starts; the issue cost is a
+// few runtime calls per chunk (no host wait).
 #pragma once
 
 #include <atomic>
@@ -57,6 +65,12 @@ struct StreamJob {
   size_t bytes = 0;           // staging bytes
   std::vector<StreamCopy> in, out;
   std::function<void(Comm&, char*)> host;  // the host collective on the staging buffer
+  // Chunked (optional): chunk_host(comm, staging, off, bytes) runs the host part on the staging
+  // bytes [off, off + bytes) alone, chunk by chunk of `chunk` bytes (the last one shorter); it
+  // replaces `host` when the job is larger than one chunk. The caller makes `chunk` a multiple
+  // of its element size.
+  size_t chunk = 0;
+  std::function<void(Comm&, char*, size_t, size_t)> chunk_host;
 };
 
 class StreamPath {
@@ -84,13 +98,17 @@ class StreamPath {
   std::map<std::string, uint64_t> stats();
 
   static constexpr uint32_t kSlots = 256;
+  // A chunked job takes at most this many sequence numbers (its chunks grow beyond it).
+  static constexpr uint32_t kMaxChunks = 32;
   // Pinned staging memory one communicator keeps at most (beyond it calls wait for earlier
   // calls' buffers; a single larger call still gets its own).
   static constexpr size_t kPoolBytes = size_t(2) << 30;
 
  private:
   struct Job {
-    uint64_t seq = 0;
+    uint64_t seq = 0;    // the first sequence number (of its first chunk)
+    uint32_t chunks = 1;  // sequence numbers seq .. seq + chunks - 1
+    size_t chunk = 0;     // bytes per chunk when chunks > 1
     bool host_only = false;
     StreamJob j;
     char* staging = nullptr;
@@ -102,6 +120,7 @@ class StreamPath {
   void loop();
   void run_job(Job& job);
   bool reached(const uint64_t* word, uint64_t seq) const;
+  bool wait_ready(uint64_t seq);  // executor: the stream's copies in of seq are done (false: abort/timeout)
   void wait_slot_free(uint64_t seq);
   void reclaim_locked();
   char* take(size_t cap);
@@ -133,7 +152,7 @@ class StreamPath {
   std::vector<InUse> in_use_;                       // under mu_
   std::map<size_t, std::vector<char*>> free_;       // capacity -> buffers (under mu_)
   std::vector<std::pair<char*, size_t>> all_;       // every buffer (freed at the end)
-  uint64_t jobs_ = 0, staged_bytes_ = 0, waits_ = 0;
+  uint64_t jobs_ = 0, staged_bytes_ = 0, waits_ = 0, chunked_jobs_ = 0, chunks_ = 0;
 };
 
 }  // namespace api
