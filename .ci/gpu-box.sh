@@ -45,8 +45,9 @@
 # is meant to take <= ~8 minutes on one H200; run `build` and `tests` as two device commands
 # when both together would pass the device tool's 10 minutes). TESTS="tests/test_gpu_suite.py"
 # runs one file, PYTEST_K="deepspeed or megatron" a subset (pytest -k), PYTEST_ARGS adds
-# pytest flags: PYTEST_ARGS="-n 4 --dist load -v" (pytest-xdist, on the box) ran the whole
-# suite in 389 s on 2026-12-03 (about 600 s serially). A per-test --timeout (pytest-timeout)
+# pytest flags in place of the default "-n 4 --dist load -v" (pytest-xdist, on the box: the
+# whole suite in 389 s on 2026-12-03, about 600 s serially; GPU_TEST_WORKERS sets the count,
+# 0 runs serially). A per-test --timeout (pytest-timeout)
 # must exceed the tests' own bounds (spawns of up to 300 s), or it cuts a hung test before
 # its recorder names the case and the stacks each rank was blocked in (tests/test_harness.py). The tests and megatron steps install the wheels carried in .whl/ that the box
 # lacks (deepspeed, megatron-core and their pure-Python dependencies; carried_wheels below);
@@ -113,11 +114,16 @@ for w in $what; do
       carried_wheels
       : > "$OUT/gpu_figures.jsonl"
       t0=$SECONDS
-      export GPU_SUITE_PYTEST="python3 -m pytest ${TESTS:-$GPU_TESTS} -m gpu${PYTEST_K:+ -k \"$PYTEST_K\"}${PYTEST_ARGS:+ $PYTEST_ARGS}"
+      # four pytest-xdist workers by default (the box has it and 16 cores): the whole suite in
+      # about 390 s instead of about 600; GPU_TEST_WORKERS=0 runs it serially (ms-per-step
+      # figures are then those of one test alone on the GPU)
+      XDIST=""
+      [ "${GPU_TEST_WORKERS:-4}" -gt 0 ] && XDIST="-n ${GPU_TEST_WORKERS:-4} --dist load -v"
+      export GPU_SUITE_PYTEST="python3 -m pytest ${TESTS:-$GPU_TESTS} -m gpu${PYTEST_K:+ -k \"$PYTEST_K\"} ${PYTEST_ARGS-$XDIST}"
       # shellcheck disable=SC2086 # TESTS and PYTEST_ARGS are word lists
       HETCCL_GPU_FIGURES="$OUT/gpu_figures.jsonl" HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 \
         timeout -k 15 "${TESTS_TIMEOUT:-540}" python3 -m pytest -q ${TESTS:-$GPU_TESTS} \
-        -m gpu -p no:cacheprovider -rfEs --durations=12 ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 \
+        -m gpu -p no:cacheprovider -rfEs --durations=12 ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS-$XDIST} 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -40
       rc=${PIPESTATUS[0]}
       grep -o "hetccl-frame [^ ]* +0x[0-9a-f]*" "$OUT/gpu_tests.log" | sort -u | head -40 \

@@ -31,6 +31,7 @@ def load_capi():
 
 capi = load_capi()
 
+ARGS: dict = {}  # the job's configuration (main)
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 INTS = ["int8", "uint8", "int32", "uint32", "int64", "uint64"]
 NP = {"int8": np.int8, "uint8": np.uint8, "int32": np.int32, "uint32": np.uint32,
@@ -576,6 +577,21 @@ def run_forward(comm, rank, n):
         out["child_y"] = z.tolist()
         out["child_size"] = sub.size
         sub.destroy()
+    if ARGS.get("singletons"):
+        # as torch's new_group([r]) on every rank of a cross-vendor world: a stream all_reduce
+        # of the world still in flight, then each rank's own one-rank communicator (its own
+        # unique id; the real library serves it), then the world again
+        s = comm.stream_create()
+        w = np.full(1 << 16, 1.0 + rank, np.float32)
+        comm.all_reduce(w, w, w.size, "float32", "sum", stream=s)
+        one = capi.Comm(1, capi.unique_id(), 0)
+        o = np.zeros(8, np.float32)
+        one.all_reduce(x, o, 8, "float32", "sum")
+        out["single_real"] = not one.het
+        out["single_y"] = o.tolist()
+        one.destroy()
+        comm.stream_sync(s)
+        out["world_after"] = bool(np.all(w == n * (n + 1) / 2))
     return out
 
 
@@ -635,6 +651,7 @@ def main():
             time.sleep(0.05)
         uid = open(path).read()
     LABELS[:] = args.get("labels", [])
+    ARGS.update(args)
     t0 = time.time()
     comm = capi.Comm(n, bytes.fromhex(uid), rank)
     init_s = time.time() - t0

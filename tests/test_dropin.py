@@ -156,3 +156,21 @@ def test_killed_peer_reaches_the_async_error(tmp_path):
         assert d["code"] in (2, 6) and d["async"] in (2, 6), d  # ncclSystemError / ncclRemoteError
         assert "rank 2" in d["text"] or "peer" in d["text"], d
         assert d["again_s"] < 2, d
+
+
+@pytest.mark.parametrize("split", ["1+1", "1+1+1"])
+def test_one_rank_communicators_beside_a_cross_vendor_one(tmp_path, fake_nccl, split):
+    """What torch's new_group([r]) on every rank does under the drop-in (the GPU suite's
+    new_group family): with a stream all_reduce of the cross-vendor world in flight, every rank
+    makes a one-rank communicator of its own at the same time (the real library serves each),
+    then the world's call completes with the right values."""
+    logf = tmp_path / "fake.log"
+    res, procs, logs = launch(tmp_path, split, "forward", singletons=True, timeout=120,
+                              env=nccl_env(HETCCL_NCCL_LIBRARY=fake_nccl, FAKE_NCCL_LOG=str(logf)), api="nccl")
+    n = len(SPLITS[split])
+    assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
+    for r in range(n):
+        d = res[r]
+        assert not d["real"] and d["single_real"], d
+        assert d["single_y"] == [1001.0] * 8, d  # the stand-in's mark: send + 1000 + rank 0
+        assert d["world_after"], d
