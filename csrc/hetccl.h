@@ -110,6 +110,17 @@ hetcclResult_t hetcclCommGetAsyncError(hetcclComm_t comm, hetcclResult_t* asyncE
 /* Ranks with the same color form a new communicator, ordered by key then by rank; color
  * HETCCL_SPLIT_NOCOLOR gives *newcomm = NULL. Collective over comm (host calls on it). */
 hetcclResult_t hetcclCommSplit(hetcclComm_t comm, int color, int key, hetcclComm_t* newcomm);
+/* A new communicator of comm's ranks but the nexclude listed in exclude (NCCL's
+ * ncclCommShrink): every rank not listed calls it (survivors of the same list shrink in the
+ * same order); the listed ranks do not. The new ranks keep comm's order. No collective over comm: the
+ * lowest surviving rank makes the new unique id and sends it to every other survivor's
+ * bootstrap listener, so it works on a communicator broken by a dead peer (listed). flags:
+ * HETCCL_SHRINK_ABORT first aborts comm's calls in flight (comm is then unusable: destroy it);
+ * HETCCL_SHRINK_DEFAULT leaves comm as it is (usable if it was). */
+#define HETCCL_SHRINK_DEFAULT 0
+#define HETCCL_SHRINK_ABORT 1
+hetcclResult_t hetcclCommShrink(hetcclComm_t comm, const int* exclude, int nexclude, hetcclComm_t* newcomm,
+                                int flags);
 /* The number of vendor groups (distinct HETCCL_VENDOR labels) among the ranks, and this rank's
  * group's size (either pointer may be NULL). */
 hetcclResult_t hetcclCommVendorGroups(hetcclComm_t comm, int* ngroups, int* mygroupsize);

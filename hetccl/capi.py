@@ -71,6 +71,7 @@ def lib() -> ctypes.CDLL:
             "hetcclReduce": [vp, vp, sz, i, i, i, vp, vp],
             "hetcclAllToAll": [vp, vp, sz, i, vp, vp],
             "hetcclCommSplit": [vp, i, i, ctypes.POINTER(vp)],
+            "hetcclCommShrink": [vp, ctypes.POINTER(i), i, ctypes.POINTER(vp), i],
             "hetcclCommVendorGroups": [vp, ctypes.POINTER(i), ctypes.POINTER(i)],
             "hetcclRedOpCreatePreMulSum": [ctypes.POINTER(i), vp, i, i, vp],
             "hetcclRedOpDestroy": [i, vp],
@@ -95,6 +96,7 @@ def lib() -> ctypes.CDLL:
 
 STREAM_DEFAULT = 1  # HETCCL_STREAM_DEFAULT: the device's default stream
 SPLIT_NOCOLOR = -1  # HETCCL_SPLIT_NOCOLOR
+SHRINK_DEFAULT, SHRINK_ABORT = 0, 1  # HETCCL_SHRINK_*
 
 
 def _check(code: int, comm=None) -> None:
@@ -171,6 +173,16 @@ class Comm:
         """A new Comm of the ranks with this color (None for SPLIT_NOCOLOR)."""
         h = ctypes.c_void_p()
         self._call("hetcclCommSplit", self._c, color, key, ctypes.byref(h))
+        return self._child(h)
+
+    def shrink(self, exclude, flags: int = SHRINK_DEFAULT):
+        """A new Comm of the ranks not in exclude (hetcclCommShrink; the excluded do not call)."""
+        h = ctypes.c_void_p()
+        arr = (ctypes.c_int * max(1, len(exclude)))(*exclude)
+        self._call("hetcclCommShrink", self._c, arr, len(exclude), ctypes.byref(h), flags)
+        return self._child(h)
+
+    def _child(self, h):
         if not h.value:
             return None
         c = Comm.__new__(Comm)

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -595,6 +596,87 @@ def run_forward(comm, rank, n):
     return out
 
 
+def _sum_check(c, ranks, what):
+    """An all_reduce on c where each member contributes its old rank + 1 (ranks: old ranks)."""
+    x = np.full(1000, float(ranks[c.rank] + 1), np.float32)
+    c.all_reduce(x, x, x.size, "float32", "sum")
+    want = float(sum(r + 1 for r in ranks))
+    return None if np.all(x == want) else f"{what}: {x[:3].tolist()} != {want}"
+
+
+def run_shrink(comm, rank, n):
+    """hetcclCommShrink / ncclCommShrink (healthy parent, HETCCL_SHRINK_DEFAULT): the last rank
+    left out, then the first; every survivor's new rank and size, an all_reduce on each child,
+    the parent still usable (every rank, the excluded too), and bad lists refused locally."""
+    out = {"cases": {}}
+
+    def case(name, fn):
+        try:
+            out["cases"][name] = fn() or "ok"
+        except Exception:  # noqa: BLE001
+            out["cases"][name] = traceback.format_exc(limit=4)
+
+    for name, excl in (("last", [n - 1]), ("first", [0])):
+        keep = [r for r in range(n) if r not in excl]
+        if rank in keep:
+            def one(excl=excl, keep=keep, name=name):
+                sub = comm.shrink(excl)
+                if (sub.rank, sub.size) != (keep.index(rank), len(keep)):
+                    return f"rank {sub.rank} of {sub.size}, expected {keep.index(rank)} of {len(keep)}"
+                e = _sum_check(sub, keep, name)
+                out.setdefault("child_real", {})[name] = not getattr(sub, "het", True)
+                sub.destroy()
+                return e
+            case(f"shrink/{name}", one)
+        case(f"parent_after/{name}", lambda: _sum_check(comm, list(range(n)), "parent"))
+
+    def refused(excl, code, word):
+        try:
+            comm.shrink(excl)
+        except capi.HetcclError as e:
+            return None if e.code == code and word in e.text else f"{e.code}: {e.text}"
+        return f"shrink({excl}) was not refused"
+    case("bad/out_of_range", lambda: refused([n + 5], capi.INVALID_ARGUMENT, "out of range"))
+    case("bad/self", lambda: refused([rank], capi.INVALID_USAGE, "excluded"))
+    case("bad/twice", lambda: refused([(rank + 1) % n] * 2, capi.INVALID_ARGUMENT, "twice"))
+    case("parent_after/bad", lambda: _sum_check(comm, list(range(n)), "parent after refusals"))
+    return out
+
+
+def run_shrink_death(comm, rank, n, args):
+    """The last rank dies; each survivor sees the parent fail, then shrinks it with
+    HETCCL_SHRINK_ABORT (the parent is broken: no collective over it is possible) and carries
+    on in the child: an all_reduce with the right sum, the vendor groups of the survivors."""
+    victim = n - 1
+    x = np.ones(1 << 16, np.float32)
+    if rank == victim:
+        comm.all_reduce(x, x, x.size, "float32", "sum")
+        os._exit(17)
+    err = None
+    for _ in range(1000):
+        try:
+            comm.all_reduce(x, x, x.size, "float32", "sum")
+        except capi.HetcclError as e:
+            err = e
+            break
+    out = {"parent_error": err.code if err else None}
+    t0 = time.time()
+    sub = comm.shrink([victim], capi.SHRINK_ABORT)
+    out["shrink_s"] = time.time() - t0
+    keep = list(range(n - 1))
+    out["child"] = [sub.rank, sub.size]
+    out["child_sum"] = _sum_check(sub, keep, "child") or "ok"
+    out["child_groups"] = list(sub.vendor_groups()) if hasattr(sub, "vendor_groups") else None
+    try:
+        comm.all_reduce(x, x, 4, "float32", "sum")
+        out["parent_after"] = "a call on the aborted parent succeeded"
+    except capi.HetcclError as e:
+        out["parent_after"] = e.code
+    sub.destroy()
+    comm.abort()
+    return out
+
+
 def run_death(comm, rank, n, args):
     """all_reduces until the victim (the last rank) exits mid-way; survivors report the error."""
     victim = n - 1
@@ -666,6 +748,20 @@ def main():
         comm.destroy()
     elif args["mode"] == "death":
         res = run_death(comm, rank, n, args)
+    elif args["mode"] == "shrink":
+        res = run_shrink(comm, rank, n)
+        comm.destroy()
+    elif args["mode"] == "shrink_vendor":  # 2+2: vendor "a" (ranks 0, 1) shrinks "b" away
+        res = {}
+        if rank < 2:
+            sub = comm.shrink([2, 3])
+            x, y = np.full(8, 1.0, np.float32), np.zeros(8, np.float32)
+            sub.all_reduce(x, y, 8, "float32", "sum")
+            res = {"child_real": not sub.het, "child_y": y.tolist()}
+            sub.destroy()
+        comm.destroy()
+    elif args["mode"] == "shrink_death":
+        res = run_shrink_death(comm, rank, n, args)
     else:
         raise SystemExit(f"unknown mode {args['mode']}")
     res["init_s"] = init_s

@@ -31,6 +31,7 @@ class NcclApi:
             "ncclSend": [vp, sz, i, i, vp, vp], "ncclRecv": [vp, sz, i, i, vp, vp],
             "ncclGroupStart": [], "ncclGroupEnd": [],
             "ncclCommSplit": [vp, i, i, ctypes.POINTER(vp), vp],
+            "ncclCommShrink": [vp, ctypes.POINTER(i), i, ctypes.POINTER(vp), vp, i],
             "ncclRedOpCreatePreMulSum": [ctypes.POINTER(i), vp, i, i, vp], "ncclRedOpDestroy": [i, vp],
             "ncclCommRegister": [vp, vp, sz, ctypes.POINTER(vp)], "ncclCommDeregister": [vp, vp],
             "ncclCommWindowRegister": [vp, vp, sz, ctypes.POINTER(vp), i],
@@ -45,7 +46,7 @@ class NcclApi:
         self.depth = 0
         self.comms: list = []
         for k in ("SUCCESS", "INVALID_ARGUMENT", "INVALID_USAGE", "REMOTE_ERROR", "SYSTEM_ERROR",
-                  "HetcclError", "STREAM_DEFAULT", "SPLIT_NOCOLOR", "DTYPES", "OPS"):
+                  "HetcclError", "STREAM_DEFAULT", "SPLIT_NOCOLOR", "SHRINK_DEFAULT", "SHRINK_ABORT", "DTYPES", "OPS"):
             setattr(self, k, getattr(capi, k))
 
     def check(self, code, comm=None):
@@ -140,6 +141,15 @@ class NcclComm:
         self._call("ncclCommSplit", self.h, color, key, ctypes.byref(h), None)
         if not h.value:
             return None
+        n, r = ctypes.c_int(), ctypes.c_int()
+        self.api.check(self.api.L.ncclCommCount(h, ctypes.byref(n)), h)
+        self.api.check(self.api.L.ncclCommUserRank(h, ctypes.byref(r)), h)
+        return NcclComm(self.api, h, r.value, n.value)
+
+    def shrink(self, exclude, flags=0):
+        h = ctypes.c_void_p()
+        arr = (ctypes.c_int * max(1, len(exclude)))(*exclude)
+        self._call("ncclCommShrink", self.h, arr, len(exclude), ctypes.byref(h), None, flags)
         n, r = ctypes.c_int(), ctypes.c_int()
         self.api.check(self.api.L.ncclCommCount(h, ctypes.byref(n)), h)
         self.api.check(self.api.L.ncclCommUserRank(h, ctypes.byref(r)), h)

@@ -178,6 +178,40 @@ def test_killed_peer_is_a_clear_error(tmp_path):
         assert d["again_s"] < 1, d
 
 
+@pytest.mark.parametrize("split", ["1+1+1", "2+2", "3+2+2"])
+def test_shrink(tmp_path, split):
+    """hetcclCommShrink on a healthy communicator: the last rank left out, then the first (the
+    leader is not rank 0 then); each survivor's new rank and size and an all_reduce on the
+    child; the parent usable after (every rank); bad lists refused on the calling rank alone."""
+    res, procs, logs = launch(tmp_path, split, "shrink", timeout=120)
+    n = len(SPLITS[split])
+    assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
+    want = {f"shrink/{w}" for w in ("last", "first")} | {"bad/out_of_range", "bad/self", "bad/twice"}
+    for r in range(n):
+        cases = res[r]["cases"]
+        bad = {k: v for k, v in cases.items() if v != "ok"}
+        assert not bad, (r, bad)
+        mine = want - ({"shrink/last"} if r == n - 1 else set()) - ({"shrink/first"} if r == 0 else set())
+        assert mine <= set(cases), (r, sorted(cases))
+
+
+def test_shrink_after_a_killed_peer(tmp_path):
+    """2+1+1: the last rank (a vendor of its own) dies; the survivors' parent fails, and
+    hetcclCommShrink with HETCCL_SHRINK_ABORT makes a working child of 3 ranks and 2 vendor
+    groups without any collective over the broken parent; the parent stays refused."""
+    SPLITS["2+1+1"] = ["a", "a", "b", "c"]
+    res, procs, logs = launch(tmp_path, "2+1+1", "shrink_death", env={"HETCCL_TIMEOUT_S": "20"}, timeout=120)
+    assert procs[3].returncode == 17
+    for r in range(3):
+        d = res.get(r)
+        assert d is not None, "\n".join(logs)[-3000:]
+        assert d["parent_error"] == capi.REMOTE_ERROR, d
+        assert d["child"] == [r, 3] and d["child_sum"] == "ok", d
+        assert d["child_groups"][0] == 2, d
+        assert d["parent_after"] != "a call on the aborted parent succeeded", d
+        assert d["shrink_s"] < 15, d
+
+
 def _joining_rank(uid: bytes, n: int, rank: int, env: dict) -> subprocess.Popen:
     """A torch-free process that makes rank `rank` of an n-rank communicator from uid and prints
     'OK' or 'ERR <code> <text>'."""

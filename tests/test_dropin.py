@@ -174,3 +174,32 @@ def test_one_rank_communicators_beside_a_cross_vendor_one(tmp_path, fake_nccl, s
         assert not d["real"] and d["single_real"], d
         assert d["single_y"] == [1001.0] * 8, d  # the stand-in's mark: send + 1000 + rank 0
         assert d["world_after"], d
+
+
+@pytest.mark.parametrize("mode", ["shrink", "shrink_death"])
+def test_shrink_through_nccl_names(tmp_path, fake_nccl, mode):
+    """ncclCommShrink on a cross-vendor communicator (2+1+1): healthy (the last rank left out,
+    then the first) and after the last rank died (NCCL_SHRINK_ABORT); the children are hetccl's
+    (two or three vendors remain) and compute the right sums."""
+    SPLITS["2+1+1"] = ["a", "a", "b", "c"]
+    res, procs, logs = launch(tmp_path, "2+1+1", mode, api="nccl", timeout=120,
+                              env=nccl_env(HETCCL_NCCL_LIBRARY=fake_nccl, HETCCL_TIMEOUT_S="20"))
+    survivors = range(4) if mode == "shrink" else range(3)
+    for r in survivors:
+        d = res.get(r)
+        assert d is not None, "\n".join(logs)[-3000:]
+        if mode == "shrink":
+            assert all(v == "ok" for v in d["cases"].values()), d["cases"]
+            assert not any(d.get("child_real", {}).values()), d
+        else:
+            assert d["child"] == [r, 3] and d["child_sum"] == "ok", d
+
+
+def test_shrink_to_one_vendor_is_the_real_library(tmp_path, fake_nccl):
+    """2+2 shrunk to one vendor's ranks: the child is the real library's (its mark)."""
+    res, procs, logs = launch(tmp_path, "2+2", "shrink_vendor", api="nccl", timeout=120,
+                              env=nccl_env(HETCCL_NCCL_LIBRARY=fake_nccl))
+    for r in (0, 1):
+        d = res.get(r)
+        assert d is not None, "\n".join(logs)[-3000:]
+        assert d["child_real"] and d["child_y"] == [1001.0 + r] * 8, d

@@ -20,7 +20,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -403,7 +408,8 @@ hetcclUniqueId make_root(const std::string& bind_host, int64_t timeout_ms) {
 
 std::vector<std::string> join(const UniqueIdData& id, int rank, int nranks,
                               const std::string& entry, const std::string& bind_host,
-                              int64_t timeout_ms) {
+                              int64_t timeout_ms, int* keep_listener,
+                              std::vector<std::string>* listeners_out) {
   Deadline d(timeout_ms);
   std::string tree_addr;
   Fd tree = listen_on(bind_host, &tree_addr);
@@ -450,7 +456,119 @@ std::vector<std::string> join(const UniqueIdData& id, int rank, int nranks,
     std::vector<std::string> table, listeners;
     parse_body(body, nranks, status == 0 ? who : "the bootstrap tree", &table, &listeners);
     forward_to_children(rank, nranks, id.secret, body, listeners, Deadline(std::max<int64_t>(td.left_ms(), 30000)));
+    if (listeners_out) *listeners_out = listeners;
+    if (keep_listener) {
+      *keep_listener = tree.fd;
+      tree.fd = -1;
+    }
     return table;
+  }
+}
+
+// ------------------------------------------------------------------ mailbox (bootstrap.h)
+namespace {
+constexpr char kMailMagic[8] = {'h', 'e', 't', 'c', 'M', 'A', 'I', 'L'};
+constexpr uint32_t kMaxMail = 4096;
+}  // namespace
+
+struct Mailbox::State {
+  int lfd = -1;
+  int wake[2] = {-1, -1};  // a pipe: the destructor writes a byte to stop the thread
+  std::string secret;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint64_t, std::string> box;
+  std::thread th;
+};
+
+Mailbox::Mailbox(int listen_fd, std::string secret) : st_(new State) {
+  st_->lfd = listen_fd;
+  st_->secret = std::move(secret);
+  if (::pipe2(st_->wake, O_CLOEXEC) != 0) {
+    ::close(listen_fd);
+    throw CommError(std::string("hetccl: mailbox: pipe: ") + strerror(errno));
+  }
+  st_->th = std::thread([this] { loop(); });
+}
+
+Mailbox::~Mailbox() {
+  char b = 1;
+  ssize_t w = ::write(st_->wake[1], &b, 1);
+  (void)w;
+  if (st_->th.joinable()) st_->th.join();
+  ::close(st_->wake[0]);
+  ::close(st_->wake[1]);
+  ::close(st_->lfd);
+}
+
+void Mailbox::loop() {
+  for (;;) {
+    pollfd p[2] = {{st_->lfd, POLLIN, 0}, {st_->wake[0], POLLIN, 0}};
+    int r = ::poll(p, 2, -1);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 || (p[1].revents & POLLIN)) return;
+    if (!(p[0].revents & POLLIN)) continue;
+    Fd c(::accept4(st_->lfd, nullptr, nullptr, SOCK_CLOEXEC));
+    if (c.fd < 0) continue;
+    try {
+      // a sender that connects and says nothing holds this thread for at most 5 s
+      Deadline d(5000);
+      char head[8 + kSecretBytes + 12];
+      read_all(c.fd, head, sizeof head, d, "a mailbox sender");
+      if (std::memcmp(head, kMailMagic, 8) != 0 || std::string(head + 8, kSecretBytes) != st_->secret) continue;
+      auto* u = reinterpret_cast<const unsigned char*>(head + 8 + kSecretBytes);
+      uint64_t key = net::get_u64(u);
+      uint32_t len = net::get_u32(u + 8);
+      if (len > kMaxMail) continue;
+      std::string payload(len, '\0');
+      read_all(c.fd, payload.data(), len, d, "a mailbox sender");
+      char ack = 1;
+      write_all(c.fd, &ack, 1, d, "a mailbox sender");
+      std::lock_guard<std::mutex> g(st_->mu);
+      st_->box[key] = std::move(payload);
+      st_->cv.notify_all();
+    } catch (const std::exception&) {
+      continue;  // a sender that vanished mid-message: it reports its own failure
+    }
+  }
+}
+
+std::string Mailbox::wait(uint64_t key, int64_t timeout_ms, const std::string& who) {
+  std::unique_lock<std::mutex> g(st_->mu);
+  bool got = st_->cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [&] { return st_->box.count(key) > 0; });
+  if (!got)
+    throw CommTimeout("hetccl: Timed out after " + std::to_string(timeout_ms / 1000) + " s waiting for " + who);
+  std::string v = std::move(st_->box[key]);
+  st_->box.erase(key);
+  return v;
+}
+
+void mail(const std::string& listener, const std::string& secret, uint64_t key,
+          const std::string& payload, int64_t timeout_ms, const std::string& who) {
+  Deadline d(timeout_ms);
+  sockaddr_storage ss;
+  socklen_t len;
+  if (!net::parse_hostport(listener, &ss, &len))
+    throw CommError("hetccl: " + who + " has no bootstrap listener address ('" + listener + "')");
+  for (int attempt = 0;; ++attempt) {
+    Fd s(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (s.fd < 0) throw CommError(std::string("hetccl: socket: ") + strerror(errno));
+    if (::connect(s.fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) {
+      int e = errno;
+      if (d.expired() || e == ECONNREFUSED)
+        throw CommError("hetccl: cannot reach " + who + " at " + listener + " (" + strerror(e) + ")");
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(100, 5 + attempt * 5)));
+      continue;
+    }
+    std::string m(kMailMagic, 8);
+    m += secret;
+    net::put_u64(m, key);
+    net::put_u32(m, uint32_t(payload.size()));
+    m += payload;
+    write_all(s.fd, m.data(), m.size(), d, who.c_str());
+    char ack = 0;
+    read_all(s.fd, &ack, 1, d, who.c_str());  // stored: the receiver's wait() will see it
+    return;
   }
 }
 

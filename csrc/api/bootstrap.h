@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -42,9 +43,37 @@ UniqueIdData decode_id(const hetcclUniqueId& id);  // throws CommError if it is 
 hetcclUniqueId make_root(const std::string& bind_host, int64_t timeout_ms);
 
 // bind_host: where this rank listens for its parent's copy of the table (the bootstrap's tree).
+// keep_listener / listeners (optional): that listener is handed to the caller (its fd; the
+// caller closes it: Mailbox) instead of being closed, and every rank's listener address is
+// returned in rank order.
 std::vector<std::string> join(const UniqueIdData& id, int rank, int nranks,
                               const std::string& entry, const std::string& bind_host,
-                              int64_t timeout_ms);
+                              int64_t timeout_ms, int* keep_listener = nullptr,
+                              std::vector<std::string>* listeners = nullptr);
+
+// A rank's bootstrap listener kept for its communicator's life: a thread accepts messages
+//   magic "hetcMAIL" | secret (16) | u64 key | u32 len | payload (at most 4 KiB)
+// from the communicator's other ranks (anything else is dropped) and keeps the latest payload
+// per key until wait() takes it. hetcclCommShrink's leader sends the new unique id this way, so
+// a shrink needs no collective over the parent, which may be broken (a dead peer).
+class Mailbox {
+ public:
+  Mailbox(int listen_fd, std::string secret);  // takes the fd
+  ~Mailbox();                                  // stops the thread and closes the listener
+  Mailbox(const Mailbox&) = delete;
+  Mailbox& operator=(const Mailbox&) = delete;
+  // The payload sent under key, waiting up to timeout_ms; CommTimeout naming `who` after it.
+  std::string wait(uint64_t key, int64_t timeout_ms, const std::string& who);
+
+ private:
+  void loop();
+  struct State;
+  std::unique_ptr<State> st_;
+};
+// Sends payload under key to the Mailbox listening at `listener` ("host:port"); CommError or
+// CommTimeout naming `who` when it cannot be reached within timeout_ms.
+void mail(const std::string& listener, const std::string& secret, uint64_t key,
+          const std::string& payload, int64_t timeout_ms, const std::string& who);
 
 // The local address that routes to `host` ("127.0.0.1" for a loopback host): what this rank's
 // transports listen on and advertise.

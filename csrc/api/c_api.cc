@@ -607,6 +607,70 @@ hetcclResult_t hetcclCommSplit(hetcclComm_t comm, int color, int key, hetcclComm
   return hetcclSuccess;
 }
 
+hetcclResult_t hetcclCommShrink(hetcclComm_t comm, const int* exclude, int nexclude, hetcclComm_t* newcomm,
+                                int flags) {
+  // Not through run(): a communicator broken by a dead peer is what a shrink is for.
+  if (!comm || !comm->c) return fail(comm, hetcclInvalidArgument, "hetccl: comm_shrink: comm is NULL");
+  if (!newcomm) return fail(comm, hetcclInvalidArgument, "hetccl: comm_shrink: newcomm is NULL");
+  *newcomm = nullptr;
+  Comm& c = *comm->c;
+  try {
+    if (flags != HETCCL_SHRINK_DEFAULT && flags != HETCCL_SHRINK_ABORT)
+      throw hetccl::ArgMismatch("hetccl: comm_shrink: unknown flags " + std::to_string(flags) +
+                                " (HETCCL_SHRINK_DEFAULT = 0 or HETCCL_SHRINK_ABORT = 1)");
+    if (nexclude < 0 || (nexclude > 0 && !exclude))
+      throw hetccl::ArgMismatch("hetccl: comm_shrink: the list of excluded ranks is NULL or of negative length");
+    std::vector<bool> out(size_t(c.size), false);
+    for (int i = 0; i < nexclude; ++i) {
+      int r = exclude[i];
+      if (r < 0 || r >= c.size)
+        throw hetccl::ArgMismatch("hetccl: comm_shrink: excluded rank " + std::to_string(r) + " is out of range for " +
+                                  std::to_string(c.size) + " ranks");
+      if (out[size_t(r)])
+        throw hetccl::ArgMismatch("hetccl: comm_shrink: rank " + std::to_string(r) + " is listed twice");
+      out[size_t(r)] = true;
+    }
+    if (out[size_t(c.rank)])
+      throw UsageError("hetccl: comm_shrink: rank " + std::to_string(c.rank) +
+                         " is in the excluded list: excluded ranks do not call it");
+    std::vector<int> keep;
+    int place = 0;
+    for (int p = 0; p < c.size; ++p)
+      if (!out[size_t(p)]) {
+        if (p == c.rank) place = int(keep.size());
+        keep.push_back(p);
+      }
+    if (flags == HETCCL_SHRINK_ABORT) {
+      // calls in flight end now (their streams are released); comm stays broken
+      c.mark_broken(hetcclInvalidUsage, "hetccl: the communicator was shrunk with HETCCL_SHRINK_ABORT");
+      c.abort();
+    }
+    std::vector<int> gone;
+    for (int p = 0; p < c.size; ++p)
+      if (out[size_t(p)]) gone.push_back(p);
+    uint64_t key = c.next_shrink(gone);
+    hetcclUniqueId id;
+    std::string wire;
+    if (c.rank == keep[0]) {
+      id = new_unique_id(c.settings);
+      wire.assign(reinterpret_cast<const char*>(&id), sizeof id);
+      for (size_t i = 1; i < keep.size(); ++i) c.mail_to(keep[i], key, wire);
+    } else {
+      wire = c.mail_from(keep[0], key);
+      if (wire.size() != sizeof id) throw hetccl::CommError("hetccl: comm_shrink: a malformed id from the leader");
+      std::memcpy(&id, wire.data(), sizeof id);
+    }
+    Comm* made = new Comm(int(keep.size()), id, place, &c.settings.vendor);
+    *newcomm = new hetcclComm{made};
+    return hetcclSuccess;
+  } catch (...) {
+    std::string text;
+    bool argument = false;
+    hetcclResult_t code = hetccl::api::classify(std::current_exception(), &text, &argument);
+    return fail(comm, code, text);  // the parent is left as it was (broken only by ABORT)
+  }
+}
+
 hetcclResult_t hetcclRedOpCreatePreMulSum(hetcclRedOp_t* op, void* scalar, hetcclDataType_t datatype,
                                           hetcclScalarResidence_t residence, hetcclComm_t comm) {
   return run(comm, "hetcclRedOpCreatePreMulSum", [&](Comm& c) {

@@ -61,7 +61,10 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
       {"host_id", host_id()}, {"hostname", hn}, {"pid", std::to_string(getpid())},
       {"vendor", settings.vendor}, {"tcp", tcp_->address()}};
   if (shm_) mine.emplace_back("shm", shm_->address());
-  std::vector<std::string> table = join(d, rank, size, encode_kv(mine), bind, settings.timeout_ms);
+  int mail_fd = -1;
+  std::vector<std::string> table = join(d, rank, size, encode_kv(mine), bind, settings.timeout_ms, &mail_fd, &listeners_);
+  secret_ = d.secret;
+  mailbox_ = std::make_unique<Mailbox>(mail_fd, d.secret);
   std::vector<std::vector<std::pair<std::string, std::string>>> rows;
   for (auto& e : table) {
     table_bytes_ += e.size();
@@ -114,6 +117,29 @@ Comm::~Comm() {
   // them too), bounded by the timeout per call.
   if (stream_path_) stream_path_->finish(false);
   abort();
+}
+
+uint64_t Comm::next_shrink(const std::vector<int>& excluded) {
+  uint64_t count = ++shrinks_[excluded];
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the set and the count
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  for (int r : excluded) mix(uint64_t(uint32_t(r)));
+  mix(~uint64_t(0));
+  mix(count);
+  return h;
+}
+
+void Comm::mail_to(int peer, uint64_t key, const std::string& payload) {
+  mail(listeners_.at(size_t(peer)), secret_, key, payload, settings.timeout_ms, "rank " + std::to_string(peer));
+}
+
+std::string Comm::mail_from(int leader, uint64_t key) {
+  return mailbox_->wait(key, settings.timeout_ms, "rank " + std::to_string(leader) + " (the shrink's leader) to send the new communicator's id");
 }
 
 void Comm::abort() {

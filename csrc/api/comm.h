@@ -22,6 +22,7 @@
 #include "../engine.h"
 #include "../hetccl.h"
 #include "../transport.h"
+#include "bootstrap.h"
 #include "stream_path.h"
 
 namespace hetccl {
@@ -135,6 +136,16 @@ class Comm {
   std::string info();
   void abort();
 
+  // hetcclCommShrink (c_api.cc): the key of a shrink that excludes `excluded` (sorted): the
+  // set and how many shrinks of this set this rank made before. Every survivor of a set takes
+  // part in every shrink of that set (it is never excluded from it), so all survivors derive
+  // the same key whatever else each of them did. Then the unique id's passage from the leader
+  // to the other survivors through their bootstrap listeners (bootstrap.h Mailbox), which
+  // needs nothing of this communicator's transports or engine.
+  uint64_t next_shrink(const std::vector<int>& excluded);
+  void mail_to(int peer, uint64_t key, const std::string& payload);
+  std::string mail_from(int leader, uint64_t key);
+
  private:
   Transport& link(int peer);
   std::shared_ptr<Transport> tcp_, shm_;
@@ -147,6 +158,10 @@ class Comm {
   std::string broken_text_;
   std::unique_ptr<StreamPath> stream_path_;
   bool closed_ = false;
+  std::string secret_;                  // the unique id's: authenticates mail between ranks
+  std::vector<std::string> listeners_;  // every rank's bootstrap listener (its mailbox)
+  std::unique_ptr<Mailbox> mailbox_;    // this rank's, for the communicator's life
+  std::map<std::vector<int>, uint64_t> shrinks_;  // excluded set -> shrinks of it so far
 };
 
 // An exception's result code and text (c_api.cc and the stream path map errors alike):

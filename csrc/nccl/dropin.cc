@@ -11,13 +11,15 @@
 //        forwarded unchanged, so a one-vendor job runs at the real library's speed;
 //      - several vendor groups: hetccl's communicator serves every call (stream-ordered on the
 //        caller's stream: csrc/api/stream_path.h).
-//  * ncclCommSplit of a hetccl communicator makes its children through hetccl and gives each
-//    child the same choice (a child inside one vendor becomes a real communicator).
+//  * ncclCommSplit and ncclCommShrink of a hetccl communicator make their children through
+//    hetccl and give each child the same choice (a child inside one vendor becomes a real
+//    communicator); a shrink needs no collective over the parent (NCCL_SHRINK_ABORT after a
+//    dead peer: csrc/hetccl.h).
 //  * Groups: ncclGroupStart/End go to both the real library and hetccl, so a group may hold
 //    calls of both kinds of communicator.
 //  * What has no cross-vendor meaning is refused on a hetccl communicator with
 //    ncclInvalidUsage and a message in ncclGetLastError: windows (symmetric memory), device
-//    communicators, ncclCommRevoke and ncclCommShrink; ncclCommRegister is accepted as the hint it
+//    communicators and ncclCommRevoke; ncclCommRegister is accepted as the hint it
 //    is (hetccl stages through its own pinned memory) and returns a handle that deregisters.
 //  * FP8 types are moved as bytes where nothing is reduced; reductions of them across vendors
 //    are refused (ncclInvalidArgument).
@@ -551,7 +553,25 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeR
     if ((r == ncclSuccess || r == ncclInProgress) && child && newcomm) *newcomm = wrap_real(child, comm->device);
     return r;
   }
-  return refuse_cross("ncclCommShrink", "not supported yet (make a new communicator from the survivors)");
+  if (!newcomm) return fail(ncclInvalidArgument, "hetccl: ncclCommShrink: newcomm is NULL");
+  *newcomm = nullptr;
+  hetcclComm_t child = nullptr;
+  hetcclResult_t hr = hetcclCommShrink(comm->het, excludeRanksList, excludeRanksCount, &child, shrinkFlags);
+  if (hr != hetcclSuccess) return from_het(hr, comm->het);
+  // as a split's child: one vendor left means the real library serves it
+  auto* c = new ncclComm();
+  c->het = child;
+  c->device = comm->device;
+  hetcclCommCount(child, &c->nranks);
+  hetcclCommUserRank(child, &c->rank);
+  ncclResult_t s = settle(c, config);
+  if (s != ncclSuccess && s != ncclInProgress) {
+    if (c->het) hetcclCommAbort(c->het);
+    delete c;
+    return s;
+  }
+  *newcomm = c;
+  return s;
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
