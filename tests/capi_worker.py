@@ -518,17 +518,23 @@ def run_stream(comm, rank, n):
         except capi.HetcclError as e:
             if rank != n - 1 or e.code != capi.INVALID_ARGUMENT:
                 return f"unexpected {e}"
-        comm.stream_sync(s)
-        end = time.time() + 30
-        while comm.async_error() == 0 and time.time() < end:
-            time.sleep(0.01)
-        if comm.async_error() != capi.INVALID_ARGUMENT:
-            return f"async error {comm.async_error()}"
+        err = _async_error_after(s)
+        if err:
+            return err
         try:
             comm.all_reduce(x, x, 8, "float32", "sum", stream=s)
         except capi.HetcclError as e:
             return None if "root" in e.text and str(n + 3) in e.text else f"text: {e.text}"
         return "a later call succeeded"
+
+    def _async_error_after(stream):
+        """Waits for the stream, then up to 30 s for the communicator's async error: None if it
+        is hetcclInvalidArgument, else what it is."""
+        comm.stream_sync(stream)
+        end = time.time() + 30
+        while comm.async_error() == 0 and time.time() < end:
+            time.sleep(0.01)
+        return None if comm.async_error() == capi.INVALID_ARGUMENT else f"async error {comm.async_error()}"
 
     def chunked_mismatch():
         """HETCCL_STREAM_CHUNK_BYTES: counts that differ (rank 0's spans more chunks) are
@@ -538,12 +544,9 @@ def run_stream(comm, rank, n):
         x = np.arange(count, dtype=np.float32) + rank
         keep = x.copy()
         comm.all_reduce(x, x, count, "float32", "sum", stream=s)
-        comm.stream_sync(s)
-        end = time.time() + 30
-        while comm.async_error() == 0 and time.time() < end:
-            time.sleep(0.01)
-        if comm.async_error() != capi.INVALID_ARGUMENT:
-            return f"async error {comm.async_error()}"
+        err = _async_error_after(s)
+        if err:
+            return err
         if not np.array_equal(x, keep):
             return f"a chunk was reduced: {int((x != keep).sum())} elements changed"
         try:

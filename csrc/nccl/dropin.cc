@@ -507,6 +507,24 @@ ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
   return refuse_cross("ncclCommRevoke", "not supported (use ncclCommAbort)");
 }
 
+// A hetccl child (of a split or a shrink) as NCCL's communicator, settled like a new one: one
+// vendor left means the real library serves it.
+static ncclResult_t adopt(hetcclComm_t child, int device, ncclConfig_t* config, ncclComm_t* newcomm) {
+  auto* c = new ncclComm();
+  c->het = child;
+  c->device = device;
+  hetcclCommCount(child, &c->nranks);
+  hetcclCommUserRank(child, &c->rank);
+  ncclResult_t s = settle(c, config);
+  if (s != ncclSuccess && s != ncclInProgress) {
+    if (c->het) hetcclCommAbort(c->het);
+    delete c;
+    return s;
+  }
+  *newcomm = c;
+  return s;
+}
+
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
   FROM_REAL(ncclCommSplit, comm, color, key, newcomm, config);
   CHECK_COMM(comm, "ncclCommSplit");
@@ -525,19 +543,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   hetcclResult_t hr = hetcclCommSplit(comm->het, color, key, &child);
   if (hr != hetcclSuccess) return from_het(hr, comm->het);
   if (!child) return ncclSuccess;  // NCCL_SPLIT_NOCOLOR
-  auto* c = new ncclComm();
-  c->het = child;
-  c->device = comm->device;
-  hetcclCommCount(child, &c->nranks);
-  hetcclCommUserRank(child, &c->rank);
-  ncclResult_t s = settle(c, config);
-  if (s != ncclSuccess && s != ncclInProgress) {
-    if (c->het) hetcclCommAbort(c->het);
-    delete c;
-    return s;
-  }
-  *newcomm = c;
-  return s;
+  return adopt(child, comm->device, config, newcomm);
 }
 
 ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount, ncclComm_t* newcomm,
@@ -558,20 +564,7 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeR
   hetcclComm_t child = nullptr;
   hetcclResult_t hr = hetcclCommShrink(comm->het, excludeRanksList, excludeRanksCount, &child, shrinkFlags);
   if (hr != hetcclSuccess) return from_het(hr, comm->het);
-  // as a split's child: one vendor left means the real library serves it
-  auto* c = new ncclComm();
-  c->het = child;
-  c->device = comm->device;
-  hetcclCommCount(child, &c->nranks);
-  hetcclCommUserRank(child, &c->rank);
-  ncclResult_t s = settle(c, config);
-  if (s != ncclSuccess && s != ncclInProgress) {
-    if (c->het) hetcclCommAbort(c->het);
-    delete c;
-    return s;
-  }
-  *newcomm = c;
-  return s;
+  return adopt(child, comm->device, config, newcomm);
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
