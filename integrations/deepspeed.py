@@ -338,6 +338,7 @@ with backend hetccl (and DeepSpeed wraps that group) before running the unchange
 Working forms:
   hetccl deepspeed --num_gpus 8 train.py --deepspeed_config ds.json
   hetccl deepspeed --vendors 1+1 --num_gpus 2 train.py ...    (emulate two vendors)
+  hetccl deepspeed --dropin --vendors 1+1 --num_gpus 2 train.py ...  (the drop-in NCCL)
   any launcher, with hetccl.integrations.deepspeed.init_distributed(comm_backend="hetccl")
   called in the script before deepspeed.initialize (docs/integrations/deepspeed.md)
 Does NOT work: `deepspeed --comm_backend hetccl train.py`: the deepspeed launcher has no
@@ -348,6 +349,9 @@ hetccl options (read before user_script only; after it they belong to the script
                         ranks get labels v0, v1, ... (HETCCL_VENDOR). `--vendors=1+1` works too.
   --comm_backend NAME   backend for the workers (default hetccl; others: DeepSpeed initialises
                         them itself)
+  --dropin              the drop-in NCCL (libnccl.so.2) in front of every worker, and DeepSpeed's
+                        own nccl backend (default with it) served across vendors by hetccl; with
+                        --vendors the ranks carry emulated vendor labels
 All other options are the deepspeed launcher's (listed below, from `deepspeed --help`).
 """
 
@@ -378,6 +382,10 @@ def _split_wrapper_args(argv: list[str]) -> tuple[dict, list[str]]:
     while i < len(argv):
         tok = argv[i]
         name, eq, val = tok.partition("=")
+        if tok == "--dropin":
+            opts["dropin"] = "1"
+            i += 1
+            continue
         if name in ("--comm_backend", "--vendors"):
             if not eq:
                 if i + 1 >= len(argv):
@@ -415,9 +423,13 @@ def launcher_argv(argv: list[str]) -> list[str]:
     if not any(not a.startswith("-") for a in argv):
         return argv
     opts, rest = _split_wrapper_args(argv)
-    opts.setdefault("comm_backend", "hetccl")
+    dropin = "dropin" in opts
+    if dropin and opts.get("comm_backend", "nccl") != "nccl":
+        raise SystemExit(f"hetccl deepspeed: --dropin serves DeepSpeed's own nccl backend; it "
+                         f"cannot be combined with --comm_backend {opts['comm_backend']}")
+    opts.setdefault("comm_backend", "nccl" if dropin else "hetccl")
     if "vendors" in opts:
-        if opts["comm_backend"] != "hetccl":
+        if opts["comm_backend"] != "hetccl" and not dropin:
             raise SystemExit(f"hetccl deepspeed: --vendors emulates vendors for hetccl; it "
                              f"cannot be combined with --comm_backend {opts['comm_backend']}")
         from hetccl.run import parse_split
@@ -439,6 +451,8 @@ def launcher_argv(argv: list[str]) -> list[str]:
     worker = [_WORKER_FLAG, "--comm_backend", opts["comm_backend"]]
     if "vendors" in opts:
         worker += ["--vendors", opts["vendors"]]
+    if dropin:
+        worker.append("--dropin")
     if ds_args.module:
         worker.append("--module")
     worker += ["--", ds_args.user_script] + list(ds_args.user_args)
@@ -456,9 +470,12 @@ def _worker_main(argv: list[str]) -> int:
     p.add_argument("--comm_backend", required=True, choices=COMM_BACKENDS)
     p.add_argument("--vendors", default=None)
     p.add_argument("--module", action="store_true")
+    p.add_argument("--dropin", action="store_true")
     opts = p.parse_args(argv[1:sep])
     target, user_args = argv[sep + 1], argv[sep + 2:]
-    if opts.comm_backend == "hetccl":
+    if opts.comm_backend == "hetccl" or opts.dropin:
+        # the torch face, or the drop-in NCCL (preloaded by the wrapper: launcher_env) serving
+        # DeepSpeed's nccl backend across vendors; both place ranks on shared GPUs alike
         from hetccl.launch import share_gpus
         if opts.vendors:
             emulate_vendors(opts.vendors)
@@ -466,7 +483,7 @@ def _worker_main(argv: list[str]) -> int:
         note = share_gpus(argv=local_rank_arg)
         if note and os.environ.get("RANK", "0") == "0":
             print(note, file=sys.stderr, flush=True)
-    init_distributed(comm_backend=opts.comm_backend, vendors=opts.vendors)
+    init_distributed(comm_backend=opts.comm_backend, vendors=None if opts.dropin else opts.vendors)
     # The user script sees the argv the plain launcher would have given it.
     sys.argv = [target] + local_rank_arg + user_args
     if opts.module:
@@ -489,7 +506,25 @@ def cli_main(argv: list[str] | None = None) -> int:
     require_deepspeed()
     from deepspeed.launcher.runner import main as launcher_main
 
-    return int(launcher_main(launcher_argv(argv)) or 0)
+    new_argv = launcher_argv(argv)
+    os.environ.update(launcher_env(argv))
+    return int(launcher_main(new_argv) or 0)
+
+
+def launcher_env(argv: list[str]) -> dict:
+    """The variables the launcher's workers inherit for `hetccl deepspeed` arguments argv:
+    with --dropin, the drop-in NCCL in front of every rank (LD_PRELOAD, the real library's
+    path, HETCCL_DROPIN=1, which keeps hetccl.shim's hands off init_process_group). On other
+    nodes of a multi-node launch DeepSpeed forwards only the variables of .deepspeed_env: put
+    these there (`hetccl doctor` prints the LD_PRELOAD line)."""
+    opts, _ = _split_wrapper_args(argv) if argv else ({}, [])
+    if "dropin" not in opts:
+        return {}
+    from hetccl import nccl_dropin
+
+    env = nccl_dropin.launch_env("nccl", {})
+    env["HETCCL_DROPIN"] = "1"
+    return env
 
 
 main = cli_main

@@ -232,6 +232,24 @@ def test_launcher_argv_rewrite():
         hds.launcher_argv(["--comm_backend", "hetcl", "train.py"])
 
 
+def test_launcher_dropin():
+    """`hetccl deepspeed --dropin`: DeepSpeed's own nccl backend in the workers (--vendors keeps
+    its emulated labels), the drop-in NCCL preloaded in front of them; contradictions refused."""
+    from hetccl import nccl_dropin
+
+    mod = hds._worker_module()
+    argv = ["--dropin", "--vendors", "1+1", "--num_gpus", "2", "train.py", "--dropin"]
+    got = hds.launcher_argv(argv)
+    assert got == ["--num_gpus", "2", "--module", mod, "--hetccl_worker", "--comm_backend",
+                   "nccl", "--vendors", "1+1", "--dropin", "--", "train.py", "--dropin"]
+    env = hds.launcher_env(argv)
+    assert env["LD_PRELOAD"].split(":")[0] == nccl_dropin.library_path("nccl"), env
+    assert env["HETCCL_DROPIN"] == "1" and env.get(nccl_dropin.REAL_ENV["nccl"]), env
+    assert hds.launcher_env(["--num_gpus", "2", "train.py", "--dropin"]) == {}  # the script's flag
+    with pytest.raises(SystemExit, match="cannot be combined with --comm_backend hetccl"):
+        hds.launcher_argv(["--dropin", "--comm_backend", "hetccl", "train.py"])
+
+
 def test_help_shows_working_forms_first(capsys):
     """`hetccl deepspeed --help`: hetccl's usage with --vendors, the working forms, and the
     literal `deepspeed --comm_backend hetccl` named as not working; then deepspeed's options."""
