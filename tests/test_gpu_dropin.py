@@ -6,12 +6,16 @@ real NCCL (the nvidia-nccl wheel) behind it.
     one GPU (hetccl's stream path serves the calls: csrc/api/stream_path.h) and for one vendor
     (world size 1: the real NCCL serves them), with get_backend() == "nccl";
   * DDP and FSDP2 against the float64 single-process reference, 1+1;
+  * DeepSpeed ZeRO-1/2/3 through `hetccl deepspeed --dropin --vendors 1+1` (DeepSpeed's own
+    nccl backend) against one plain DeepSpeed process on the same global batches;
   * the drop-in's start-up line, and which library served each communicator.
 Rank r uses GPU r % device_count (all vendors share the one GPU)."""
 from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from hetccl.launch import spawn
 import collective_cases
 import gpu_cases
 from test_gpu_suite import recorded
+import test_gpu_suite as suite
 
 pytestmark = [
     pytest.mark.gpu,
@@ -103,3 +108,36 @@ def test_training_under_the_dropin(dropin_env):
             for p, want in zip(out[which]["params"], ref):
                 torch.testing.assert_close(p, want, atol=1e-4, rtol=1e-4,
                                            msg=lambda m, r=r, w=which: f"rank {r} {w}: {m}")
+
+
+@suite.needs_ds
+@pytest.mark.timeout(600)
+def test_deepspeed_under_the_dropin(tmp_path):
+    """ZeRO-1/2/3 (bf16) through `hetccl deepspeed --dropin --vendors 1+1 --num_gpus 2`: every
+    worker runs DeepSpeed's own nccl backend (get_backend() "nccl") with the drop-in serving it
+    across the two emulated vendors; per-step losses within the GPU suite's DS_TOL of one plain
+    DeepSpeed process (torchrun, nccl) on the same global batches, and the loss falls."""
+    tmp = str(tmp_path)
+    env = suite._ds_env()
+    driver = os.path.join(suite.REPO, "tests", "gpu_ds_driver.py")
+    cmd = [sys.executable, "-m", "hetccl.cli", "deepspeed", "--dropin", "--vendors", "1+1",
+           "--num_gpus", "2", "--master_port", str(suite._free_port()), driver, suite._ds_runs(tmp, 2)]
+    het = subprocess.run(cmd, cwd=suite.REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert het.returncode == 0, " ".join(cmd) + " failed:\n" + het.stdout[-3000:] + het.stderr[-6000:]
+    assert "hetccl: serving NCCL calls (drop-in libnccl.so.2)" in het.stderr, het.stderr[-3000:]
+    ref_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               driver, suite._ds_runs(tmp, 1), "--comm_backend", "nccl"]
+    ref = subprocess.run(ref_cmd, cwd=suite.REPO, env=env, capture_output=True, text=True, timeout=200)
+    assert ref.returncode == 0, "reference failed:\n" + ref.stdout[-3000:] + ref.stderr[-5000:]
+    got_all = suite._records(os.path.join(tmp, "steps_w2.jsonl"))
+    want_all = suite._records(os.path.join(tmp, "steps_w1.jsonl"))
+    for stage in suite.DS_STAGES:
+        got, want = got_all[f"zero{stage}"], want_all[f"zero{stage}"]
+        assert [r["step"] for r in got] == list(range(suite.DS_STEPS))
+        assert all(r["backend"] == "nccl" and r["world_size"] == 2 for r in got), got[0]
+        a, b = [r["loss"] for r in got], [r["loss"] for r in want]
+        diff = max(abs(x - y) for x, y in zip(a, b))
+        suite.figure(f"dropin/deepspeed/zero{stage}", max_loss_diff=diff, loss_first=a[0],
+                     loss_last=a[-1], vendors="1+1")
+        assert b[0] - b[-1] > 5 * suite.DS_TOL, f"reference did not learn: {b}"
+        assert diff <= suite.DS_TOL, f"ZeRO-{stage} under the drop-in: {a} vs reference {b}"
