@@ -43,6 +43,9 @@ def _dropin_env(monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("HETCCL_NCCL_LIBRARY", real)
     monkeypatch.setenv("HETCCL_LOG_LEVEL", "INFO")
+    # hetccl's own waits (bootstrap, peers, the stream path's executor) fail naming what they
+    # waited for well inside the spawn's bound, as torch's watchdog does for its works (60 s)
+    monkeypatch.setenv("HETCCL_TIMEOUT_S", "60")
     return real
 
 
