@@ -633,21 +633,21 @@ hetcclResult_t hetcclCommShrink(hetcclComm_t comm, const int* exclude, int nexcl
     if (out[size_t(c.rank)])
       throw UsageError("hetccl: comm_shrink: rank " + std::to_string(c.rank) +
                          " is in the excluded list: excluded ranks do not call it");
-    std::vector<int> keep;
+    std::vector<int> keep, gone;  // survivors, excluded (both in rank order)
     int place = 0;
-    for (int p = 0; p < c.size; ++p)
-      if (!out[size_t(p)]) {
-        if (p == c.rank) place = int(keep.size());
-        keep.push_back(p);
+    for (int p = 0; p < c.size; ++p) {
+      if (out[size_t(p)]) {
+        gone.push_back(p);
+        continue;
       }
+      if (p == c.rank) place = int(keep.size());
+      keep.push_back(p);
+    }
     if (flags == HETCCL_SHRINK_ABORT) {
       // calls in flight end now (their streams are released); comm stays broken
       c.mark_broken(hetcclInvalidUsage, "hetccl: the communicator was shrunk with HETCCL_SHRINK_ABORT");
       c.abort();
     }
-    std::vector<int> gone;
-    for (int p = 0; p < c.size; ++p)
-      if (out[size_t(p)]) gone.push_back(p);
     uint64_t key = c.next_shrink(gone);
     hetcclUniqueId id;
     std::string wire;
