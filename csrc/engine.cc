@@ -453,6 +453,11 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
     }
     plans_[p->id] = p;
     start_locked(p);
+    if (spec.device && !p->headers_done) {  // async check: the stream waits for the verdict
+      ensure_verdict_word();
+      p->verdict_pos = ++verdict_issued_;
+      verdict_q_.push_back(p);
+    }
     if (spec.device) part = device_part_locked(*p);
   }
   if (spec.device) {
@@ -767,6 +772,38 @@ void Engine::enqueue_device(Plan& p, const DevicePart& part) {
     if (lane.direct && !lane.sends.empty())
       dev_->wait_geq(S, lane.link->freed_dev,
                      lane.link->flags->freed->counter(lane.sends.back().pos + 1));
+  if (p.verdict_pos)
+    dev_->wait_geq(S, verdict_dev_, static_cast<Word*>(verdict_)->counter(p.verdict_pos));
+}
+
+// The verdict word (engine.h): one page-locked word, or the runtime's own wait word.
+void Engine::ensure_verdict_word() {
+  if (verdict_) return;
+  void* page = nullptr;
+  if (posix_memalign(&page, 4096, 4096) != 0) throw CommError("hetccl engine: out of memory");
+  std::memset(page, 0, 4096);
+  flag_pages_.push_back(page);
+  if (void* w = dev_->wait_word_alloc()) {
+    wait_words_.push_back(w);
+    verdict_ = new (w) Word();
+    verdict_dev_ = dev_->wait_word_address(w);
+    return;
+  }
+  if (!dev_->host_register(page, 4096))
+    throw CommError("hetccl engine: could not page-lock the device flag words");
+  registered_.push_back(page);
+  verdict_ = new (page) Word();
+  verdict_dev_ = dev_->device_address(page);
+}
+
+// Publishes, in issue order, the verdicts of the async-checked device plans whose headers are
+// compared (a mismatch breaks the engine first, which releases the word). Caller holds mu_.
+void Engine::publish_verdicts() {
+  while (!verdict_q_.empty() &&
+         (verdict_q_.front()->headers_done || verdict_q_.front()->state != Plan::Pending)) {
+    static_cast<Word*>(verdict_)->set(verdict_q_.front()->verdict_pos);
+    verdict_q_.pop_front();
+  }
 }
 
 // Fallback without stream memory operations: the posting thread plays the stream's part
@@ -1161,6 +1198,7 @@ bool Engine::progress_locked() {
         moved = true;
       }
     }
+    publish_verdicts();
     // drop finished device plans (host plans are dropped by their waiter)
     for (auto it = plans_.begin(); it != plans_.end();) {
       if (it->second->spec.device && it->second->state != Plan::Pending) {
@@ -1251,6 +1289,8 @@ void Engine::release_device_waits() {
     l.flags->freed->set(l.send_pos + (1u << 20));
     l.flags->avail->set(l.recv_pos + (1u << 20));
   }
+  if (verdict_) static_cast<Word*>(verdict_)->set(verdict_issued_ + (1u << 20));
+  verdict_q_.clear();
   release_message_waits();
 }
 

@@ -260,6 +260,20 @@ class Engine {
   // with the flag pages
   std::vector<void*> wait_words_;
   std::vector<void*> registered_;
+  // HETCCL_CHECK_ARGS=async: a device plan's stream passes the plan only once its argument
+  // headers have been compared (the verdict word, a position per such plan in issue order,
+  // advanced by the proxy; released when the engine breaks). Without it a broadcast root (no
+  // receive, so nothing of the stream waited for a peer) returned from a synchronize before
+  // the mismatch was known, issued its next collective on the still-healthy engine, and that
+  // one's receives were released with the stale data when the engine broke under it: a wrong
+  // value and no error (test_gpu_suite test_bad_input_async_checks, 1+1+1 root). Now the
+  // rank knows the verdict before anything after the mismatching call can run on its stream.
+  void* verdict_ = nullptr;  // engine_detail::Word, page-locked (or the runtime's wait word)
+  uint64_t verdict_dev_ = 0;
+  uint32_t verdict_issued_ = 0;
+  std::deque<std::shared_ptr<Plan>> verdict_q_;  // plans whose verdict is not yet published
+  void ensure_verdict_word();
+  void publish_verdicts();
   std::vector<void*> events_;  // fork/join events of device plans (reused)
   void* join_event_ = nullptr;
   std::mutex issue_mu_;        // device enqueueing (events_ and join_event_ are reused)

@@ -66,6 +66,8 @@ struct Engine::Plan {
   bool started = false;
   bool gate = true;         // data may move (headers matched or not checked)
   bool headers_done = true;
+  // an async-checked device plan's position on the verdict word (0: none; Engine::verdict_)
+  uint32_t verdict_pos = 0;
   std::vector<char> my_hdr;
   struct HdrIn {
     int peer;

@@ -19,7 +19,9 @@ HETCCL_CHECK_ARGS:
        per-rank cache cannot be correct.) `full` is accepted as a synonym.
   async device collectives never wait: the headers ride with the data and the engine compares
        them as they arrive, so issuing never waits for the peers. Every rank takes the same
-       path whatever it called before; a mismatch found that way breaks the group on every rank
+       path whatever it called before; a call's stream passes it only once its headers are
+       compared (csrc/engine.h, the verdict word), so a rank that synchronized after a
+       mismatching call knows it before its next call; a mismatch breaks the group on every rank
        (HETCCL_ASYNC_ERROR_HANDLING: abort the process, or raise at the next call), and a
        mismatch only inside one vendor group is not caught (as with the native library). A rank
        that did wait (host tensors on it) raises ValueError at the call and breaks its group too,

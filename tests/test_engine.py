@@ -248,6 +248,37 @@ def _earlier_plan_mismatch(e, rank, peer, tag0, dev):
     return "ok" if "root differs" in msg else f"broken={msg!r}"
 
 
+def _verdict_before_next_call(e, rank, peer, tag0, dev):
+    """HETCCL_CHECK_ARGS=async, a broadcast whose ranks name different roots (each sends, none
+    receives), rank 1 issuing it 0.5 s late: rank 0's stream must not pass the plan before its
+    headers are compared (the verdict word, csrc/engine.h), so once the rank has synchronized
+    its stream its next post raises the mismatch. Without that wait rank 0's stream finished
+    with its copy, its next collective was issued on a healthy engine, and that one's receives
+    were released with stale data when the engine broke under it: a wrong value, no error
+    (the GPU suite's test_bad_input_async_checks 1+1+1 root)."""
+    ops, S, Sd = dev
+    if rank == 1:
+        time.sleep(0.5)
+    x = torch.ones(64, dtype=torch.uint8)
+    t0 = time.monotonic()
+    _post(e, [(peer, True, x.data_ptr(), 64)], tag0, header=[4, 64, 6, 0, rank, 2],
+          wait_check=False, streams=(S, Sd))
+    ops.synchronize(S)
+    ops.synchronize(Sd)
+    waited = time.monotonic() - t0
+    y = torch.ones(4000, dtype=torch.uint8)
+    got = torch.zeros(4000, dtype=torch.uint8)
+    try:
+        _post(e, [(peer, True, y.data_ptr(), 4000), (peer, False, got.data_ptr(), 4000)],
+              tag0 + 1, header=[1, 4000, 6, 1, -1, 2], wait_check=False, streams=(S, Sd))
+    except _C.CommError as err:
+        return "ok" if "root differs" in str(err) else f"next post: {err}"
+    ops.synchronize(S)  # its copies land in `got` before it is freed
+    ops.synchronize(Sd)
+    return (f"the next post was accepted after the stream passed the mismatching plan "
+            f"({waited:.2f} s after its issue)")
+
+
 def _mixed_wait_mismatch(e, rank, peer, tag0, dev):
     """Rank 0 holds its data for the check (wait_check), rank 1 does not (HETCCL_CHECK_ARGS=async
     on its device tensors): rank 0 raises the mismatch at the call, and both engines end broken
@@ -347,6 +378,15 @@ def rank_main(ctx, name):
     _barrier(st, "done/earlier", rank)  # nobody closes before both have their verdicts
     e4.close()
     t4.close()
+    t5 = _C.Transport(name, rank, 2, _opts())
+    _connect(t5, st, "verdict", rank)
+    e5 = _engine(t5, rank)
+    e5.set_device_ops(ops)
+    attempt("verdict_before_next_call", lambda: _verdict_before_next_call(
+        e5, rank, peer, 1400, (ops, ops.emulated_stream(), ops.emulated_stream())))
+    _barrier(st, "done/verdict", rank)  # nobody closes before both have their verdicts
+    e5.close()
+    t5.close()
     return res
 
 
