@@ -551,7 +551,8 @@ def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
         ref = reference([data(r, case, 64, torch.float32) for r in mine], "sum", torch.float32)
         e = close(x, ref, torch.float32, len(mine))
         if e:
-            return "vendor subgroup: " + e
+            return (f"vendor subgroup {mine} ({type(pg).__name__}, labels {labels}): {e}; got "
+                    f"{x[:3].tolist()}, want {ref[:3].tolist()}")
         mixed = [r for r in range(W) if r != 0] if W > 2 else list(range(W))
         sub = dist.new_group(mixed, backend="hetccl")
         if rank in mixed:
@@ -689,6 +690,19 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
     def f(case):
         # recv from any source (src=None): rank 0 receives one message from every other rank,
         # whichever comes first; every sender names itself in the data
+        if c.backend == "nccl" and W > 1:
+            # torch's ProcessGroupNCCL refuses it before any NCCL call (recvAnysource is not
+            # NCCL's); the others must not send, or their messages wait for a receive that never
+            # comes and meet the next one (as with NCCL itself)
+            if rank != 0:
+                return "skip: torch's ProcessGroupNCCL has no receive from any source"
+            try:
+                dist.recv(empty(257), src=None, tag=7)
+            except NotImplementedError as e:
+                if "recvAnysource" in str(e):
+                    return "skip: torch's ProcessGroupNCCL has no receive from any source"
+                raise
+            return "recv(src=None) on ProcessGroupNCCL did not raise torch's refusal"
         if rank == 0:
             seen = {}
             for _ in range(W - 1):
