@@ -286,6 +286,37 @@ class Cases:
         want = data(case, (r - 1) % n, count, "float32", "sum")
         return None if np.array_equal(got, want) else "ring exchange: wrong data"
 
+    def p2p_batch_with_self(self, case):
+        """A group of sends and receives with every rank, this one included (torch's
+        batch_isend_irecv with self, as an all-to-all written with p2p does): per peer, in
+        order, a float32 pair with self only, then an int64 send and receive; then an
+        all_reduce, which must not meet anything the group left behind."""
+        n, r = self.n, self.rank
+        got = {p: np.zeros(17, np.int64) for p in range(n)}
+        col = np.zeros(17, np.float32)
+        sends = []
+        group_start()
+        for p in range(n):
+            if p == r:
+                self.c.recv(col, 17, "float32", p)
+                sends.append(data(case, r * 100 + p, 17, "float32", "sum"))
+                self.c.send(sends[-1], 17, "float32", p)
+            sends.append(data(case + 1, r * 100 + p, 17, "int64", "sum"))
+            self.c.send(sends[-1], 17, "int64", p)
+            self.c.recv(got[p], 17, "int64", p)
+        group_end()
+        x = data(case + 2, r, 64, "float32", "sum")
+        y = x.copy()
+        self.c.all_reduce(y, y, 64, "float32", "sum")
+        for p in range(n):
+            if not np.array_equal(got[p], data(case + 1, p * 100 + r, 17, "int64", "sum")):
+                return f"int64 message from {p} wrong"
+        if not np.array_equal(col, data(case, r * 100 + r, 17, "float32", "sum")):
+            return "float32 message to self wrong"
+        want = sum(data(case + 2, q, 64, "float32", "sum").astype(np.float64) for q in range(n))
+        err = float(np.abs(y - want).max())
+        return None if err < 1e-5 * n else f"the all_reduce after the group: max error {err:.3g}"
+
     def p2p_far(self, case, count):
         """rank 0 and rank n//2 (not ring neighbours for n >= 4: over tcp, dialled on first
         use), several messages in order."""
@@ -388,6 +419,7 @@ def run_cases(comm, rank, n, stream=None):
     c.run("p2p/ring", c.p2p_ring, 1000)
     c.run("p2p/ring_large", c.p2p_ring, 300_000)
     c.run("p2p/far", c.p2p_far, 2000)
+    c.run("p2p/batch_with_self", c.p2p_batch_with_self)
     if not stream:  # on a stream, a size mismatch breaks the communicator (an async error)
         c.run("p2p/size_mismatch", c.p2p_size_mismatch)
     if stream:

@@ -604,6 +604,12 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
         x = put(data(rank, case, 600, torch.float32).view(20, 30)).t()  # non-contiguous send
         y = empty(30, 20)
         ring(x, y)
+        if c.backend == "nccl":
+            # torch's ProcessGroupNCCL sends a non-contiguous tensor's storage as it lies
+            # (data_ptr, numel; "user responsibility" to match the contiguity): the receiver
+            # gets the sender's storage order, with NCCL as with the drop-in
+            return None if eq(y.reshape(-1), data(prv, case, 600, torch.float32)) else \
+                "mismatch (NCCL: the sender's storage order)"
         return None if eq(y, data(prv, case, 600, torch.float32).view(20, 30).t()) else \
             "mismatch"
     c.run("p2p/send_non_contiguous", f)
@@ -666,10 +672,17 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
         # with p2p does it): every pair both ways, self included, a non-contiguous receive to
         # self, receive posted before send
         ops, bufs = [], {}
+        # torch's ProcessGroupNCCL refuses a non-dense receive ("Tensors for P2P must be
+        # non-overlapping and dense") inside the batch, after its ncclGroupStart, and its
+        # coalescing manager has no try/finally: the NCCL group stays open and every later NCCL
+        # call of the process is deferred for ever (with NCCL itself as with the drop-in). So
+        # under NCCL the receive from self is dense here; p2p/non_dense_receive_refused checks
+        # that refusal outside a batch.
+        dense = c.backend == "nccl"
         for p in range(W):
             bufs[p] = empty(17, dtype=torch.int64)
             if p == rank:
-                col = empty(17, 2)[:, 1]
+                col = empty(17) if dense else empty(17, 2)[:, 1]
                 ops.append(dist.P2POp(dist.irecv, col, p, tag=4))
                 ops.append(dist.P2POp(dist.isend, put(data(rank * 100 + p, case, 17,
                                                            torch.float32)), p, tag=4))
@@ -686,6 +699,23 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
         if not eq(bufs["col"], data(rank * 100 + rank, case, 17, torch.float32)):
             return "non-contiguous receive from this rank itself wrong"
     c.run("p2p/batch_with_self", f)
+
+    if c.backend == "nccl":
+        def f(case):
+            # outside a batch the refusal comes before any NCCL call: the group stays usable
+            try:
+                dist.irecv(empty(17, 2)[:, 1], (rank + 1) % W)
+            except ValueError as e:
+                if "non-overlapping and dense" not in str(e):
+                    return f"other refusal: {e}"
+            else:
+                return "a non-dense receive was accepted by torch's ProcessGroupNCCL"
+            x = put(data(rank, case, 64, torch.float32))
+            dist.all_reduce(x)
+            ref = reference([data(r, case, 64, torch.float32) for r in range(W)], "sum",
+                            torch.float32)
+            return close(x, ref, torch.float32, W)
+        c.run("p2p/non_dense_receive_refused", f)
 
     def f(case):
         # recv from any source (src=None): rank 0 receives one message from every other rank,
