@@ -700,6 +700,42 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
             return "non-contiguous receive from this rank itself wrong"
     c.run("p2p/batch_with_self", f)
 
+    def f(case):
+        # torch's coalescing manager has no try/finally: an exception inside the block (a
+        # refused op of a batch, or the user's own) leaves the group's coalescing started.
+        # The group must still serve the next batch and plain calls with the right data.
+        if c.backend == "nccl":
+            return "skip: NCCL's group then stays open for ever (torch's defect, NCCL's semantics)"
+        from torch.distributed.distributed_c10d import _coalescing_manager
+
+        class Abandon(Exception):
+            pass
+
+        try:
+            with _coalescing_manager(device=dev, async_ops=True):
+                raise Abandon()
+        except Abandon:
+            pass
+        # torch's own leftover: the group's entry in pg_coalesce_state, which makes every later
+        # dist.all_reduce of the group a silent no-op (recorded, never issued) whatever the
+        # backend -- torch's defect; this case checks hetccl's part
+        from torch.distributed.distributed_c10d import _world
+        _world.pg_coalesce_state.pop(dist.group.WORLD, None)
+        y = empty(33)
+        ops = [dist.P2POp(dist.isend, put(data(rank, case, 33, torch.float32)), nxt),
+               dist.P2POp(dist.irecv, y, prv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        if not eq(y, data(prv, case, 33, torch.float32)):
+            return "the batch after an abandoned one received wrong data"
+        x = put(data(rank, case + 1, 64, torch.float32))
+        dist.all_reduce(x)
+        ref = reference([data(r, case + 1, 64, torch.float32) for r in range(W)], "sum",
+                        torch.float32)
+        return close(x, ref, torch.float32, W)
+    c.run("p2p/batch_after_an_abandoned_one", f)
+    c.case += 1
+
     if c.backend == "nccl":
         def f(case):
             # outside a batch the refusal comes before any NCCL call: the group stays usable
