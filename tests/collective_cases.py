@@ -111,6 +111,15 @@ def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, world: int) 
     return None if bad == 0 else f"{bad} wrong elements"
 
 
+def world_sum_error(rank: int, W: int, case: int, n: int, put) -> str | None:
+    """A float32 all_reduce (sum) of n elements over the default group against its float64
+    reference: None when right (a group that must still be usable after a refusal)."""
+    x = put(data(rank, case, n, torch.float32))
+    dist.all_reduce(x)
+    ref = reference([data(r, case, n, torch.float32) for r in range(W)], "sum", torch.float32)
+    return close(x, ref, torch.float32, W)
+
+
 def eq(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Exact equality of values and shape, whatever devices the two live on."""
     return torch.equal(a.detach().cpu(), b.detach().cpu())
@@ -728,11 +737,7 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
             w.wait()
         if not eq(y, data(prv, case, 33, torch.float32)):
             return "the batch after an abandoned one received wrong data"
-        x = put(data(rank, case + 1, 64, torch.float32))
-        dist.all_reduce(x)
-        ref = reference([data(r, case + 1, 64, torch.float32) for r in range(W)], "sum",
-                        torch.float32)
-        return close(x, ref, torch.float32, W)
+        return world_sum_error(rank, W, case + 1, 64, put)
     c.run("p2p/batch_after_an_abandoned_one", f)
     c.case += 1
 
@@ -746,11 +751,7 @@ def _p2p_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
                     return f"other refusal: {e}"
             else:
                 return "a non-dense receive was accepted by torch's ProcessGroupNCCL"
-            x = put(data(rank, case, 64, torch.float32))
-            dist.all_reduce(x)
-            ref = reference([data(r, case, 64, torch.float32) for r in range(W)], "sum",
-                            torch.float32)
-            return close(x, ref, torch.float32, W)
+            return world_sum_error(rank, W, case, 64, put)
         c.run("p2p/non_dense_receive_refused", f)
 
     def f(case):
@@ -885,11 +886,7 @@ def _async_cases(c: Cases, rank: int, W: int, dev, put, empty) -> None:
         # hetccl's refusal names the graph; torch may refuse first (also naming the capture)
         if multi and (err is None or "captur" not in err.lower()):
             return f"capture not refused clearly: {err!r}"
-        y = put(data(rank, case + 1, 1000, torch.float32))
-        dist.all_reduce(y)
-        ref = reference([data(r, case + 1, 1000, torch.float32) for r in range(W)], "sum",
-                        torch.float32)
-        return close(y, ref, torch.float32, W)
+        return world_sum_error(rank, W, case + 1, 1000, put)
     c.run("stream/graph_capture_refused", f)
 
 

@@ -359,34 +359,24 @@ def rank_main(ctx, name):
     _connect(t2, st, "fresh", rank)
     attempt("paths_agree", lambda: _paths_agree(t2, rank, peer, 900, st, name))
     t2.close()
-    t3 = _C.Transport(name, rank, 2, _opts())
-    _connect(t3, st, "mixed", rank)
-    e3 = _engine(t3, rank)
     ops = _C.device_ops("emulated")
-    e3.set_device_ops(ops)
-    attempt("mixed_wait_mismatch", lambda: _mixed_wait_mismatch(
-        e3, rank, peer, 1200, (ops, ops.emulated_stream(), ops.emulated_stream())))
-    _barrier(st, "done/mixed", rank)  # nobody closes before both have their verdicts
-    e3.close()
-    t3.close()
-    t4 = _C.Transport(name, rank, 2, _opts())
-    _connect(t4, st, "earlier", rank)
-    e4 = _engine(t4, rank)
-    e4.set_device_ops(ops)
-    attempt("earlier_plan_mismatch", lambda: _earlier_plan_mismatch(
-        e4, rank, peer, 1300, (ops, ops.emulated_stream(), ops.emulated_stream())))
-    _barrier(st, "done/earlier", rank)  # nobody closes before both have their verdicts
-    e4.close()
-    t4.close()
-    t5 = _C.Transport(name, rank, 2, _opts())
-    _connect(t5, st, "verdict", rank)
-    e5 = _engine(t5, rank)
-    e5.set_device_ops(ops)
-    attempt("verdict_before_next_call", lambda: _verdict_before_next_call(
-        e5, rank, peer, 1400, (ops, ops.emulated_stream(), ops.emulated_stream())))
-    _barrier(st, "done/verdict", rank)  # nobody closes before both have their verdicts
-    e5.close()
-    t5.close()
+
+    def on_fresh_engine(key, case, tag0):
+        """case(e, rank, peer, tag0, dev) on a fresh transport pair and engine (each mismatch
+        case leaves its rings out of step)."""
+        t = _C.Transport(name, rank, 2, _opts())
+        _connect(t, st, key, rank)
+        e = _engine(t, rank)
+        e.set_device_ops(ops)
+        attempt(case.__name__.lstrip("_"), lambda: case(
+            e, rank, peer, tag0, (ops, ops.emulated_stream(), ops.emulated_stream())))
+        _barrier(st, f"done/{key}", rank)  # nobody closes before both have their verdicts
+        e.close()
+        t.close()
+
+    on_fresh_engine("mixed", _mixed_wait_mismatch, 1200)
+    on_fresh_engine("earlier", _earlier_plan_mismatch, 1300)
+    on_fresh_engine("verdict", _verdict_before_next_call, 1400)
     return res
 
 
