@@ -374,49 +374,58 @@ def _records(path):
     return out
 
 
-@pytest.fixture(scope="module")
-def deepspeed_runs(tmp_path_factory):
-    """ZeRO-1/2/3 through `hetccl deepspeed --vendors 1+1 --num_gpus 2` (on one GPU the
-    launcher maps both ranks onto it: each rank sees GPU local_rank % n as its device 0), and
-    the same through one plain DeepSpeed process (torchrun, nccl / gloo) as the reference."""
-    tmp = str(tmp_path_factory.mktemp("ds"))
+def deepspeed_pair(tmp: str, launcher_flags=(), het_timeout: float = 240,
+                   ref_timeout: float = 150) -> dict:
+    """ZeRO-1/2/3 through `hetccl deepspeed [launcher_flags] --vendors 1+1 --num_gpus 2` (on one
+    GPU the launcher maps both ranks onto it: each rank sees GPU local_rank % n as its device 0),
+    and the same through one plain DeepSpeed process (torchrun, nccl / gloo) as the reference."""
     env = _ds_env()
     driver = os.path.join(REPO, "tests", "gpu_ds_driver.py")
-    cmd = [sys.executable, "-m", "hetccl.cli", "deepspeed", "--vendors", "1+1", "--num_gpus",
-           "2", "--master_port", str(_free_port()), driver, _ds_runs(tmp, 2)]
-    t0 = time.monotonic()
-    het = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    het_s = time.monotonic() - t0
+    cmd = [sys.executable, "-m", "hetccl.cli", "deepspeed", *launcher_flags, "--vendors", "1+1",
+           "--num_gpus", "2", "--master_port", str(_free_port()), driver, _ds_runs(tmp, 2)]
+    het = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=het_timeout)
     ref_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "1", driver, _ds_runs(tmp, 1), "--comm_backend", "nccl" if ON_GPU else "gloo"]
-    ref = subprocess.run(ref_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
-    return {"het": het, "ref": ref, "tmp": tmp, "het_s": het_s, "cmd": " ".join(cmd)}
+    ref = subprocess.run(ref_cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=ref_timeout)
+    return {"het": het, "ref": ref, "tmp": tmp, "cmd": " ".join(cmd)}
+
+
+def check_deepspeed_stage(runs: dict, stage: int, backend: str, name: str) -> None:
+    """Per-step global mean loss of ZeRO-`stage` of the 2-rank run (every rank on `backend`)
+    within DS_TOL of the single-process run on the same global batches, and the loss falls by
+    far more than the tolerance (the comparison can fail); records figure `name`."""
+    het, ref, tmp = runs["het"], runs["ref"], runs["tmp"]
+    assert ref.returncode == 0, "reference run failed:\n" + ref.stdout[-3000:] + ref.stderr[-5000:]
+    assert het.returncode == 0, f"{runs['cmd']} failed:\n" + het.stdout[-3000:] + het.stderr[-6000:]
+    got = _records(os.path.join(tmp, "steps_w2.jsonl"))[f"zero{stage}"]
+    want = _records(os.path.join(tmp, "steps_w1.jsonl"))[f"zero{stage}"]
+    assert [r["step"] for r in got] == list(range(DS_STEPS))
+    assert all(r["backend"] == backend and r["world_size"] == 2 and r["zero_stage"] == stage
+               for r in got), got[0]
+    a, b = [r["loss"] for r in got], [r["loss"] for r in want]
+    diff = max(abs(x - y) for x, y in zip(a, b))
+    ms = sorted(r["step_time_s"] for r in got[2:])[len(got[2:]) // 2] * 1e3
+    figure(name, max_loss_diff=diff, loss_first=a[0], loss_last=a[-1], ms_per_step=ms,
+           vendors="1+1")
+    assert all(math.isfinite(x) for x in a)
+    assert b[0] - b[-1] > 5 * DS_TOL, f"reference did not learn: {b}"
+    assert diff <= DS_TOL, f"ZeRO-{stage} ({name}): {a} vs reference {b}"
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    return deepspeed_pair(str(tmp_path_factory.mktemp("ds")))
 
 
 @needs_ds
 @pytest.mark.timeout(600)   # the fixture's two DeepSpeed launches (minutes on a busy 2-core CPU)
 @pytest.mark.parametrize("stage", DS_STAGES)
 def test_deepspeed_zero_bf16_through_launcher(deepspeed_runs, stage):
-    """Per-step global mean loss of ZeRO-`stage` over hetccl 1+1 (2 ranks, `hetccl deepspeed`)
-    within DS_TOL of the single-process DeepSpeed run on the same global batches, and the loss
-    falls by far more than the tolerance (the comparison can fail)."""
-    het, ref, tmp = deepspeed_runs["het"], deepspeed_runs["ref"], deepspeed_runs["tmp"]
-    assert ref.returncode == 0, "reference run failed:\n" + ref.stdout[-3000:] + ref.stderr[-5000:]
-    assert het.returncode == 0, (f"{deepspeed_runs['cmd']} failed:\n" + het.stdout[-3000:]
-                                 + het.stderr[-6000:])
-    got = _records(os.path.join(tmp, "steps_w2.jsonl"))[f"zero{stage}"]
-    want = _records(os.path.join(tmp, "steps_w1.jsonl"))[f"zero{stage}"]
-    assert [r["step"] for r in got] == list(range(DS_STEPS))
-    assert all(r["backend"] == "hetccl" and r["world_size"] == 2 and r["zero_stage"] == stage
-               for r in got), got[0]
-    a, b = [r["loss"] for r in got], [r["loss"] for r in want]
-    diff = max(abs(x - y) for x, y in zip(a, b))
-    ms = sorted(r["step_time_s"] for r in got[2:])[len(got[2:]) // 2] * 1e3
-    figure(f"deepspeed/zero{stage}", max_loss_diff=diff, loss_first=a[0], loss_last=a[-1],
-           ms_per_step=ms, vendors="1+1")
-    assert all(math.isfinite(x) for x in a)
-    assert b[0] - b[-1] > 5 * DS_TOL, f"reference did not learn: {b}"
-    assert diff <= DS_TOL, f"ZeRO-{stage}: hetccl {a} vs reference {b}"
+    """ZeRO-`stage` over hetccl 1+1 (2 ranks, `hetccl deepspeed`, the torch face) against the
+    single-process DeepSpeed run (check_deepspeed_stage)."""
+    check_deepspeed_stage(deepspeed_runs, stage, "hetccl", f"deepspeed/zero{stage}")
 
 
 # ----------------------------------------------------------------------------- HF Trainer
