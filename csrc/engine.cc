@@ -779,16 +779,16 @@ void Engine::enqueue_device(Plan& p, const DevicePart& part) {
 // The verdict word (engine.h): one page-locked word, or the runtime's own wait word.
 void Engine::ensure_verdict_word() {
   if (verdict_) return;
-  void* page = nullptr;
-  if (posix_memalign(&page, 4096, 4096) != 0) throw CommError("hetccl engine: out of memory");
-  std::memset(page, 0, 4096);
-  flag_pages_.push_back(page);
   if (void* w = dev_->wait_word_alloc()) {
     wait_words_.push_back(w);
     verdict_ = new (w) Word();
     verdict_dev_ = dev_->wait_word_address(w);
     return;
   }
+  void* page = nullptr;
+  if (posix_memalign(&page, 4096, 4096) != 0) throw CommError("hetccl engine: out of memory");
+  std::memset(page, 0, 4096);
+  flag_pages_.push_back(page);
   if (!dev_->host_register(page, 4096))
     throw CommError("hetccl engine: could not page-lock the device flag words");
   registered_.push_back(page);

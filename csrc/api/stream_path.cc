@@ -215,43 +215,36 @@ void StreamPath::issue(StreamJob j) {
     ops_->event_record(event_, o);
     ops_->stream_wait_event(s, event_);
   }
+  // One call is m chunks (m = 1 unchunked): chunk k's copies in, then its ready word; then, per
+  // chunk, the wait for its done word, its copies out and its freed word.
+  if (m == 1) chunk = j.bytes;
+  job.chunks = m;
+  job.chunk = chunk;
+  in_use_.push_back({seq + m - 1, job.staging, job.cap});
+  // the copies (device pointer, staging offset, bytes) that fall in [lo, hi) of the staging
+  auto copies = [&](const std::vector<StreamCopy>& v, size_t lo, size_t hi, bool in) {
+    for (auto& cp : v) {
+      size_t a = std::max(lo, cp.off), b = std::min(hi, cp.off + cp.bytes);
+      if (a >= b) continue;
+      char* dev = static_cast<char*>(cp.dev) + (a - cp.off);
+      if (in) ops_->memcpy_async(job.staging + a, dev, b - a, s);
+      else ops_->memcpy_async(dev, job.staging + a, b - a, s);
+    }
+  };
+  for (uint32_t k = 0; k < m; ++k) {
+    uint64_t q = seq + k;
+    copies(j.in, k * chunk, std::min(j.bytes, (k + 1) * chunk), true);
+    ops_->write(s, page_dev_ + (q % kSlots) * sizeof(uint64_t), q);
+  }
+  for (uint32_t k = 0; k < m; ++k) {
+    uint64_t q = seq + k;
+    ops_->wait_geq(s, done_addr_[q % kSlots], q);
+    copies(j.out, k * chunk, std::min(j.bytes, (k + 1) * chunk), false);
+    ops_->write(s, page_dev_ + (kSlots + q % kSlots) * sizeof(uint64_t), q);
+  }
   if (m > 1) {
-    job.chunks = m;
-    job.chunk = chunk;
-    in_use_.push_back({seq + m - 1, job.staging, job.cap});
-    // the copies (device pointer, staging offset, bytes) that fall in [lo, hi) of the staging
-    auto copies = [&](const std::vector<StreamCopy>& v, size_t lo, size_t hi, bool in) {
-      for (auto& cp : v) {
-        size_t a = std::max(lo, cp.off), b = std::min(hi, cp.off + cp.bytes);
-        if (a >= b) continue;
-        char* dev = static_cast<char*>(cp.dev) + (a - cp.off);
-        if (in) ops_->memcpy_async(job.staging + a, dev, b - a, s);
-        else ops_->memcpy_async(dev, job.staging + a, b - a, s);
-      }
-    };
-    for (uint32_t k = 0; k < m; ++k) {
-      uint64_t q = seq + k;
-      copies(j.in, k * chunk, std::min(j.bytes, (k + 1) * chunk), true);
-      ops_->write(s, page_dev_ + (q % kSlots) * sizeof(uint64_t), q);
-    }
-    for (uint32_t k = 0; k < m; ++k) {
-      uint64_t q = seq + k;
-      ops_->wait_geq(s, done_addr_[q % kSlots], q);
-      copies(j.out, k * chunk, std::min(j.bytes, (k + 1) * chunk), false);
-      ops_->write(s, page_dev_ + (kSlots + q % kSlots) * sizeof(uint64_t), q);
-    }
     ++chunked_jobs_;
     chunks_ += m;
-  } else {
-    in_use_.push_back({seq, job.staging, job.cap});
-    uint32_t slot = uint32_t(seq % kSlots);
-    uint64_t ready = page_dev_ + slot * sizeof(uint64_t);
-    uint64_t freed = page_dev_ + (kSlots + slot) * sizeof(uint64_t);
-    for (auto& cp : j.in) ops_->memcpy_async(job.staging + cp.off, cp.dev, cp.bytes, s);
-    ops_->write(s, ready, seq);
-    ops_->wait_geq(s, done_addr_[slot], seq);
-    for (auto& cp : j.out) ops_->memcpy_async(cp.dev, job.staging + cp.off, cp.bytes, s);
-    ops_->write(s, freed, seq);
   }
   if (!j.others.empty()) ops_->event_record(event_, s);
   for (void* o : j.others) ops_->stream_wait_event(o, event_);
