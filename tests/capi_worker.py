@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -731,6 +732,21 @@ def run_death(comm, rank, n, args):
     t_err = time.time()
     out = {"ops": i, "code": err.code if err else None, "text": err.text if err else None,
            "async": comm.async_error(), "t_err": t_err}
+    # as torch's watchdog does: another thread polls the async error, then reads the last
+    # error with no communicator (NCCL's ncclGetLastError(NULL)); it must name the failure
+    seen = {}
+
+    def watchdog():
+        seen["async"] = comm.async_error()
+        if hasattr(comm, "api"):  # the drop-in's ABI
+            text = comm.api.L.ncclGetLastError(None)
+        else:
+            text = capi.lib().hetcclGetLastError(None)
+        seen["text"] = (text or b"").decode(errors="replace")
+    th = threading.Thread(target=watchdog)
+    th.start()
+    th.join()
+    out["watchdog_async"], out["watchdog_text"] = seen.get("async"), seen.get("text")
     try:
         t1 = time.time()
         comm.all_reduce(x, x, 4, "float32", "sum")

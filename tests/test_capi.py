@@ -176,6 +176,9 @@ def test_killed_peer_is_a_clear_error(tmp_path):
         assert d["async"] == capi.REMOTE_ERROR, d
         assert d["again_code"] == capi.REMOTE_ERROR and "unusable after an earlier failure" in d["again"], d
         assert d["again_s"] < 1, d
+        # a thread that made no failing call polls the async error, then asks for the last
+        # error with no communicator (what torch's watchdog does through NCCL's ABI)
+        assert d["watchdog_async"] == capi.REMOTE_ERROR and re.search(r"rank \d", d["watchdog_text"]), d
 
 
 @pytest.mark.parametrize("split", ["1+1+1", "2+2", "3+2+2"])

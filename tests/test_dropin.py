@@ -156,6 +156,9 @@ def test_killed_peer_reaches_the_async_error(tmp_path):
         assert d["code"] in (2, 6) and d["async"] in (2, 6), d  # ncclSystemError / ncclRemoteError
         assert "rank 2" in d["text"] or "peer" in d["text"], d
         assert d["again_s"] < 2, d
+        # torch's watchdog: ncclCommGetAsyncError then ncclGetLastError(NULL) on its own thread
+        assert d["watchdog_async"] == d["async"], d
+        assert "rank 2" in d["watchdog_text"] or "peer" in d["watchdog_text"], d
 
 
 @pytest.mark.parametrize("split", ["1+1", "1+1+1"])

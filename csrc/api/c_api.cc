@@ -305,6 +305,9 @@ const char* hetcclGetErrorString(hetcclResult_t r) {
 const char* hetcclGetLastError(hetcclComm_t comm) {
   static thread_local std::string out;
   out = comm && comm->c ? comm->c->last_error : t_last_error;
+  // a broken communicator whose failure no call of this thread returned (the stream path's
+  // executor broke it): its failure's text, not an empty line
+  if (out.empty() && comm && comm->c && comm->c->broken_code() != hetcclSuccess) out = comm->c->broken_text();
   return out.c_str();
 }
 
@@ -374,6 +377,9 @@ hetcclResult_t hetcclCommUserRank(const hetcclComm_t comm, int* rank) {
 hetcclResult_t hetcclCommGetAsyncError(hetcclComm_t comm, hetcclResult_t* err) {
   if (!comm || !comm->c || !err) return fail(comm, hetcclInvalidArgument, "hetccl: hetcclCommGetAsyncError: NULL argument");
   *err = comm->c->broken_code();
+  // the failure's text becomes this thread's last error: a watchdog that polls this and then
+  // asks hetcclGetLastError(NULL) (torch's, through ncclGetLastError) reads why
+  if (*err != hetcclSuccess) t_last_error = comm->c->broken_text();
   return hetcclSuccess;
 }
 

@@ -575,6 +575,9 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
   hetcclResult_t e = hetcclSuccess;
   hetcclResult_t r = hetcclCommGetAsyncError(comm->het, &e);
   *asyncError = ncclResult_t(e);
+  // NCCL's contract: after an async error, ncclGetLastError names it (torch's watchdog prints
+  // ncclGetLastError(NULL) under "Last error:" from the thread that polled)
+  if (r == hetcclSuccess && e != hetcclSuccess) t_error = hetcclGetLastError(nullptr);
   return from_het(r, comm->het);
 }
 
