@@ -50,6 +50,9 @@
 #include <string>
 #include <vector>
 
+#include "errors.h"
+#include "reduce.h"
+
 namespace hetccl {
 
 class DeviceOps {
@@ -97,6 +100,44 @@ class DeviceOps {
   // capturing. CUDA asks the driver (cuStreamIsCapturing), HIP the runtime
   // (hipStreamIsCapturing); the emulated device has no graphs.
   virtual bool capturing(void* stream) { return false; }
+
+  // ---- The device route (csrc/api/device_route.h): collectives of the C API whose data stays
+  // in device memory, moved by engine device plans on streams of the route's own and reduced
+  // by kernels of this runtime. A module that lacks these answers device_route() false, and
+  // the C API then stages such calls through host memory instead (stream_path.h).
+  virtual bool device_route() { return false; }
+  // Loads what the kernels need on the current device, once, before any stream of this process
+  // waits on a word of the engine: a module loaded while a stream is blocked on a stream
+  // memory operation can deadlock (lazy loading waits for the device: docs/gpu.md). Called on
+  // the thread that issues the first call of a communicator, with the caller's device current.
+  virtual void prepare_kernels() { unsupported("prepare_kernels"); }
+  // The device whose context is current on the calling thread (the caller's stream's device).
+  virtual int current_device() { return 0; }
+  // A stream of the current device that does not synchronize with the legacy default stream.
+  virtual void* stream_create() { unsupported("stream_create"); }
+  virtual void stream_destroy(void* stream) { unsupported("stream_destroy"); }
+  // Stream-ordered device memory of the current device: usable by work enqueued on `stream`
+  // after the call (the pointer is known at once), given back in stream order (the runtime's
+  // pool reuses it without a host synchronisation).
+  virtual void* mem_alloc_async(size_t nbytes, void* stream) { unsupported("mem_alloc_async"); }
+  virtual void mem_free_async(void* p, void* stream) { unsupported("mem_free_async"); }
+  // Kernels on `stream`, reduce.h's contract and arithmetic (reduce_kernels.cu):
+  // dst[i] = dst[i] op src[i] (AVG reduces as SUM); p[i] /= n (AVG's last step); p[i] *= scalar
+  // (PreMulSum's local step), the scalar read when the stream runs from device-accessible
+  // memory at scalar_dev, or, when that is null, its bytes taken now from scalar_host.
+  virtual void reduce(void* dst, const void* src, size_t count, DType dt, ReduceOp op, void* stream) {
+    unsupported("reduce");
+  }
+  virtual void scale_div(void* p, size_t count, DType dt, int64_t n, void* stream) { unsupported("scale_div"); }
+  virtual void scale_mul(void* p, size_t count, DType dt, const void* scalar_dev, const void* scalar_host,
+                         void* stream) {
+    unsupported("scale_mul");
+  }
+
+ protected:
+  [[noreturn]] void unsupported(const char* what) const {
+    throw CommError("hetccl: the " + name() + " device runtime module has no " + what);
+  }
 };
 
 // Opens a runtime by name: "cuda" (library: a libcuda path; "": libcuda.so.1), "hip" (a

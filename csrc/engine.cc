@@ -205,6 +205,11 @@ std::string Engine::broken() {
   return broken_;
 }
 
+void Engine::rethrow_broken() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!broken_.empty()) throw_kind(broken_kind_, broken_);
+}
+
 std::map<std::string, uint64_t> Engine::stats() {
   std::lock_guard<std::mutex> g(mu_);
   return stats_;
@@ -449,7 +454,7 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
     }
     if (spec.device) {
       dev_->set_device(spec.device_index);
-      ensure_device_state();
+      ensure_device_state(spec);
     }
     plans_[p->id] = p;
     start_locked(p);
@@ -574,10 +579,15 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
 }
 
 // ----------------------------------------------------------------------------- device plans
-void Engine::ensure_device_state() {
-  // Flag words (and message-link staging slots) registered with the device runtime once.
+void Engine::ensure_device_state(const PlanSpec& spec) {
+  // Flag words (and message-link staging slots) registered with the device runtime once per
+  // link, when the first device plan that uses the link is posted: a communicator of many
+  // peers pays only for the links its device plans use (the C API's rings: two).
   for (auto& kv : links_) {
     Link& l = *kv.second;
+    bool used = false;
+    for (auto& it : spec.items) used = used || it.peer == kv.first;
+    if (!used) continue;
     if (!l.flags) {
       void* page = nullptr;
       if (posix_memalign(&page, 4096, 4096) != 0) throw CommError("hetccl engine: out of memory");

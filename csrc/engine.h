@@ -172,6 +172,7 @@ class Engine {
   // after the timeout or once the engine broke (close() then fails what is left).
   bool drain(int64_t timeout_ms);
   std::string broken();  // "" while healthy, else the first failure
+  void rethrow_broken();  // throws the first failure as its kind (CommTimeout, PeerFailure, ...)
   std::map<std::string, uint64_t> stats();
   void close();
 
@@ -223,7 +224,7 @@ class Engine {
   void release_device_waits();
   void check_deadlines();
   void check_liveness();
-  void ensure_device_state();
+  void ensure_device_state(const PlanSpec& spec);  // the links spec uses
   std::shared_ptr<Plan> find(uint64_t id);
   // point-to-point messages (engine_messages.cc)
   struct MessageCopy;

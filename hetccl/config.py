@@ -136,6 +136,13 @@ _SETTINGS = [
             "the host collective of its neighbours (csrc/api/stream_path.h; at most 32 "
             "chunks). 0 (default): whole calls, the path the GPU suite has measured. Must be "
             "equal on every rank."),
+    Setting("HETCCL_STREAM_DEVICE_BYTES", str, "262144",
+            "C API / drop-in only: stream-ordered collectives of at least this many bytes (the "
+            "larger of input and output) take the device route: engine device plans on the "
+            "communicator's own streams, reductions by hetccl's kernels, no staging copies "
+            "(csrc/api/device_route.h); smaller ones are staged through host memory, whose "
+            "latency is lower. 'off': every call staged. Must be equal on every rank (where "
+            "ranks differ, the argument check runs the call staged on all of them)."),
     Setting("HETCCL_CAPI_SHM", _bool, True,
             "C API only: ring neighbours on one host reach each other through shared memory; "
             "0: tcp for every peer."),

@@ -590,6 +590,10 @@ def run_stream(comm, rank, n):
 
     if n > 1 and int(os.environ.get("HETCCL_STREAM_CHUNK_BYTES") or 0):
         case("stream/chunked_mismatch_breaks_every_rank", chunked_mismatch)
+    elif n > 1 and os.environ.get("HETCCL_STREAM_DEVICE_BYTES", "").isdigit() and \
+            int(os.environ["HETCCL_STREAM_DEVICE_BYTES"]) <= 80_000:
+        # the device route (csrc/api/device_route.h): the check before any plan is posted
+        case("stream/device_mismatch_breaks_every_rank", chunked_mismatch)
     elif n > 1:
         case("stream/refusal_breaks_every_rank", refusal)
     res["info"] = comm.info()
@@ -759,6 +763,45 @@ def run_death(comm, rank, n, args):
     return out
 
 
+def run_death_stream(comm, rank, n, args):
+    """Stream calls (the device route when HETCCL_STREAM_DEVICE_BYTES allows: plans in flight
+    on the route's streams) until the victim (the last rank) exits mid-way: the survivors'
+    streams must not stay blocked, the communicator reports the failure as its async error, and
+    a later call fails at once naming it."""
+    victim = n - 1
+    s = comm.stream_create()
+    x = np.ones(1 << 18, np.float32)  # 1 MiB
+    t0 = time.time()
+    i = 0
+    out = {}
+    while time.time() - t0 < 60:
+        if rank == victim and i == args.get("kill_at", 3):
+            os._exit(17)
+        try:
+            for _ in range(4):  # several calls in flight before one wait
+                comm.all_reduce(x, x, x.size, "float32", "sum", stream=s)
+        except capi.HetcclError as e:
+            out["issue_error"] = e.code
+            break
+        comm.stream_sync(s)  # returns even once the peer is gone: the engine releases the words
+        if comm.async_error() != 0:
+            break
+        i += 1
+    end = time.time() + 60
+    while comm.async_error() == 0 and time.time() < end:
+        time.sleep(0.01)
+    out.update({"ops": i, "async": comm.async_error(), "t_err": time.time() - t0})
+    try:
+        t1 = time.time()
+        comm.all_reduce(x, x, 4, "float32", "sum", stream=s)
+        out["again"] = "a later call succeeded"
+    except capi.HetcclError as e:
+        out["again"], out["again_code"], out["again_s"] = e.text, e.code, time.time() - t1
+    out["info"] = comm.info()
+    comm.abort()
+    return out
+
+
 def main():
     global capi
     args = json.load(open(sys.argv[1]))
@@ -799,6 +842,8 @@ def main():
         comm.destroy()
     elif args["mode"] == "death":
         res = run_death(comm, rank, n, args)
+    elif args["mode"] == "death_stream":
+        res = run_death_stream(comm, rank, n, args)
     elif args["mode"] == "shrink":
         res = run_shrink(comm, rank, n)
         comm.destroy()

@@ -109,16 +109,24 @@ def test_collectives_against_references(tmp_path, split, algo):
         assert len(set(vals.values())) == 1, (key, vals)
 
 
+@pytest.mark.parametrize("route", ["auto", "device"])
 @pytest.mark.parametrize("split,runtime", [("1", "emulated"), ("1+1", "emulated"),
                                            ("2+1", "emulated"), ("1+1+1", "emulated-hip"),
-                                           ("2+2", "emulated")])
-def test_stream_path(tmp_path, split, runtime):
+                                           ("2+2", "emulated"), ("3+2+2", "emulated")])
+def test_stream_path(tmp_path, split, runtime, route):
     """Calls with a stream (csrc/api/stream_path.h) on the emulated device runtime, CUDA's and
     HIP's comparison rules: every collective case of the host test, on a stream, against the
     same references and with the same bits as the host path; 40 calls in flight; the default
     stream; host and stream ranks mixed; a group over two streams; a refusal reaching every
-    rank as its async error."""
-    res, procs, logs = launch(tmp_path, split, "stream", env={"HETCCL_CAPI_DEVICE": runtime})
+    rank as its async error. auto: calls of 256 KiB and more take the device route
+    (csrc/api/device_route.h), the others are staged; device: every stream call with data takes
+    the device route (HETCCL_STREAM_DEVICE_BYTES=1): engine device plans and the runtime's
+    kernels for every collective, dtype and op, the PreMulSum scalars, and a count mismatch
+    refused before any plan."""
+    env = {"HETCCL_CAPI_DEVICE": runtime}
+    if route == "device":
+        env["HETCCL_STREAM_DEVICE_BYTES"] = "1"
+    res, procs, logs = launch(tmp_path, split, "stream", env=env)
     n = len(SPLITS[split])
     assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
@@ -130,6 +138,21 @@ def test_stream_path(tmp_path, split, runtime):
     assert int(info["stream_jobs"]) > 200, info  # the calls took the stream path
     for r in res:
         assert res[r]["digests"] == res[0]["digests"] or n == 1, f"rank {r} has other bits"
+        info = res[r]["info"]
+        assert info["stream_device_route"] == "1", info
+        device_jobs = int(info["stream_device_jobs"])
+        if route == "device":
+            assert device_jobs > 200, info
+            for coll in ("all_reduce_ring", "reduce_scatter_ring", "all_gather_ring", "broadcast_chain",
+                         "all_to_all_pairwise"):
+                assert int(info.get(f"algo_{coll}_device", 0)) > 0 or n == 1, (coll, info)
+            # stream/mixed_host_and_stream: where the other ranks made host calls, the odd
+            # (stream) ranks ran the call staged on the route's stream
+            assert (int(info["stream_staged_fallbacks"]) > 0) == (r % 2 == 1 and n > 1), (r, info)
+        else:
+            assert 0 < device_jobs < 30 or n == 1, info  # the large cases only
+    if route == "device" and n > 1:
+        assert "stream/device_mismatch_breaks_every_rank" in res[0]["cases"]
 
 
 @pytest.mark.parametrize("split", ["1+1", "2+1", "1+1+1"])
@@ -179,6 +202,26 @@ def test_killed_peer_is_a_clear_error(tmp_path):
         # a thread that made no failing call polls the async error, then asks for the last
         # error with no communicator (what torch's watchdog does through NCCL's ABI)
         assert d["watchdog_async"] == capi.REMOTE_ERROR and re.search(r"rank \d", d["watchdog_text"]), d
+
+
+@pytest.mark.parametrize("route", ["device", "staged"])
+def test_killed_peer_during_stream_calls(tmp_path, route):
+    """A peer dies while stream calls are in flight (the device route's plans on its streams,
+    or staged calls on the executor): no survivor's stream stays blocked, each survivor's
+    communicator reports hetcclRemoteError as its async error, and a later call fails at once
+    naming the failure."""
+    env = {"HETCCL_TIMEOUT_S": "20", "HETCCL_CAPI_DEVICE": "emulated",
+           "HETCCL_STREAM_DEVICE_BYTES": "1" if route == "device" else "off"}
+    res, procs, logs = launch(tmp_path, "2+1", "death_stream", env=env, timeout=150, kill_at=3)
+    assert procs[2].returncode == 17
+    for r in (0, 1):
+        d = res.get(r)
+        assert d is not None, "\n".join(logs)[-3000:]
+        assert d["async"] == capi.REMOTE_ERROR, d
+        assert d.get("again_code") == capi.REMOTE_ERROR, d
+        assert re.search(r"rank \d|peer", d["again"]), d["again"]
+        assert d["again_s"] < 1, d
+        assert (int(d["info"]["stream_device_jobs"]) > 0) == (route == "device"), d["info"]
 
 
 @pytest.mark.parametrize("split", ["1+1+1", "2+2", "3+2+2"])
@@ -294,7 +337,8 @@ def test_settings_documented_and_tables_equal_tuning():
     assert names, "no settings found"
     declared = set(config.SETTINGS)
     assert names <= declared, names - declared
-    rows = {k: re.search(k + r" = \{(.*?)\};", src, re.S).group(1) for k in ("host_chunks", "msg_chunks")}
+    rows = {k: re.search(k + r" = \{(.*?)\};", src, re.S).group(1)
+            for k in ("host_chunks", "msg_chunks", "device_chunks")}
 
     def parse(text):
         val = {"KiB": 1 << 10, "MiB": 1 << 20, "INF": tuning.INF}
@@ -306,6 +350,7 @@ def test_settings_documented_and_tables_equal_tuning():
 
     assert parse(rows["host_chunks"]) == [tuple(r) for r in tuning.HOST]
     assert parse(rows["msg_chunks"]) == [tuple(r) for r in tuning.MESSAGE]
+    assert parse(rows["device_chunks"]) == [tuple(r) for r in tuning.DEVICE]
 
 
 def test_torch_free():

@@ -112,10 +112,13 @@ struct Refusal {
 };
 
 // The check (when on) with this rank's own refusal; without it, the refusal returns here.
+// device_route / all_device: check_args's (comm.h).
 void checked(Comm& c, hetccl::api::Coll coll, size_t count, int dtype, int op, int root,
-             const Refusal& refusal) {
+             const Refusal& refusal, bool device_route = false, bool* all_device = nullptr) {
+  if (all_device) *all_device = device_route;
   if (c.settings.check_args)
-    hetccl::api::check_args(c, coll, int64_t(count), dtype, op, root, refusal.text, refusal.usage);
+    hetccl::api::check_args(c, coll, int64_t(count), dtype, op, root, refusal.text, refusal.usage, device_route,
+                            all_device);
   if (!refusal.empty()) {
     if (refusal.usage) throw UsageError(refusal.text);
     throw hetccl::ArgMismatch(refusal.text);
@@ -169,6 +172,12 @@ struct Call {
   // Elementwise collectives (all_reduce): the algorithm on `count` elements at any offset, so
   // the stream path may run a large call chunk by chunk (HETCCL_STREAM_CHUNK_BYTES).
   std::function<void(Comm&, const void*, void*, size_t)> chunk_algo;
+  // The device route's algorithm (device_route.h) on the caller's own pointers, where the
+  // collective has one; scalar_dev / scalar_host: a PreMulSum scalar (at most one set) for the
+  // algorithm to apply to its working copy of the input.
+  std::function<void(Comm&, hetccl::api::DeviceRoute&, const void* send, void* recv, const void* scalar_dev,
+                     const void* scalar_host)>
+      device_algo;
 };
 
 void premul_scale(const Comm& c, const DT& dt, void* data, size_t bytes, const void* scalar) {
@@ -229,10 +238,38 @@ void dispatch(Comm& c, void* stream, Call k) {
   }
   bool has_premul = k.premul != nullptr;
   k.premul = nullptr;
-  j.host = [k, dt, pm, has_premul, scalar_off](Comm& cc, char* st) {
-    checked(cc, k.coll, k.count, k.dtype, k.op, k.root, Refusal{});
+  // the host collective on the staging buffer, the check already made
+  auto staged_host = [k, dt, pm, has_premul, scalar_off](Comm& cc, char* st) {
     if (has_premul) premul_scale(cc, dt, st + k.in_off, k.in_bytes, pm.device ? st + scalar_off : pm.value);
     k.algo(cc, st + k.in_off, st + k.out_off);
+  };
+  // The device route (device_route.h): large calls whose collective has one, where the runtime
+  // has one. Every rank decides alike from the call (sizes, the setting, the runtime); where the
+  // check finds a rank on the host route, the call runs staged on the route's stream instead.
+  hetccl::api::DeviceRoute* route = c.streams().route();
+  if (route && k.device_algo && std::max(k.in_bytes, k.out_bytes) >= c.settings.stream_device_bytes) {
+    hetccl::api::StreamJob staged = j;
+    staged.host = staged_host;
+    j.in.clear();
+    j.out.clear();
+    j.bytes = 0;
+    j.device = [k, staged, pm, has_premul](Comm& cc, hetccl::api::DeviceRoute& d) {
+      bool all = false;
+      checked(cc, k.coll, k.count, k.dtype, k.op, k.root, Refusal{}, true, &all);
+      if (!all) {
+        cc.streams().staged_on(d.main, staged);
+        return;
+      }
+      const void* sdev = has_premul && pm.device ? pm.ptr : nullptr;
+      const void* shost = has_premul && !pm.device ? pm.value : nullptr;
+      k.device_algo(cc, d, k.send, k.recv, sdev, shost);
+    };
+    c.streams().issue(std::move(j));
+    return;
+  }
+  j.host = [k, staged_host](Comm& cc, char* st) {
+    checked(cc, k.coll, k.count, k.dtype, k.op, k.root, Refusal{});
+    staged_host(cc, st);
   };
   // Chunked (stream_path.h): the first chunk checks the whole call's arguments, so a refused
   // call leaves every chunk as it was; later chunks agree by construction (every rank splits
@@ -428,6 +465,17 @@ void reduce_scatter_any(Comm& c, const void* send, void* recv, size_t recvcount,
     hetccl::api::reduce_scatter_ring(c, send, recv, recvcount, dt.engine, dt.size, rop);
   }
 }
+// all_reduce on the device route: a PreMulSum scales recvbuff (a copy of sendbuff) first.
+void all_reduce_device(Comm& c, hetccl::api::DeviceRoute& d, const void* send, void* recv, size_t count,
+                       const DT& dt, hetccl::ReduceOp rop, const void* sdev, const void* shost) {
+  if (sdev || shost) {
+    if (send != recv) d.ops.memcpy_async(recv, send, count * dt.size, d.main);
+    d.ops.scale_mul(recv, count, dt.engine, sdev, shost, d.main);
+    send = recv;
+  }
+  ++c.algo_runs["all_reduce_ring_device"];
+  hetccl::api::all_reduce_ring_device(c, d, send, recv, count, dt.engine, dt.size, rop);
+}
 }  // namespace
 
 hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t count, hetcclDataType_t datatype,
@@ -445,6 +493,10 @@ hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t coun
     k.bytes = k.in_bytes = k.out_bytes = n;
     k.premul = premul_of(c, op);
     k.chunk_algo = [dt, rop](Comm& cc, const void* s, void* r, size_t cnt) { all_reduce_any(cc, s, r, cnt, dt, rop); };
+    k.device_algo = [count, dt, rop](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
+                                     const void* sdev, const void* shost) {
+      all_reduce_device(cc, d, s, r, count, dt, rop, sdev, shost);
+    };
     dispatch(c, stream, k);
   });
 }
@@ -476,6 +528,12 @@ hetcclResult_t hetcclReduce(const void* sendbuff, void* recvbuff, size_t count, 
     k.bytes = k.in_bytes = n;
     k.out_bytes = is_root ? n : 0;
     k.premul = premul_of(c, op);
+    k.device_algo = [count, dt, rop, is_root, n](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
+                                                 const void* sdev, const void* shost) {
+      void* out = is_root ? r : d.ops.mem_alloc_async(n, d.main);
+      all_reduce_device(cc, d, s, out, count, dt, rop, sdev, shost);
+      if (!is_root) d.ops.mem_free_async(out, d.main);
+    };
     dispatch(c, stream, k);
   });
 }
@@ -495,6 +553,10 @@ hetcclResult_t hetcclBroadcast(const void* sendbuff, void* recvbuff, size_t coun
            sendbuff, recvbuff};
     k.bytes = k.out_bytes = n;
     k.in_bytes = c.rank == root ? n : 0;
+    k.device_algo = [n, root](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r, const void*, const void*) {
+      ++cc.algo_runs["broadcast_chain_device"];
+      hetccl::api::broadcast_chain_device(cc, d, s, r, n, root);
+    };
     dispatch(c, stream, k);
   });
 }
@@ -512,6 +574,11 @@ hetcclResult_t hetcclAllGather(const void* sendbuff, void* recvbuff, size_t send
     k.bytes = k.out_bytes = n * size_t(c.size);
     k.in_off = n * size_t(c.rank);  // in place in the staging buffer
     k.in_bytes = n;
+    k.device_algo = [sendcount, dt](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r, const void*,
+                                    const void*) {
+      ++cc.algo_runs["all_gather_ring_device"];
+      hetccl::api::all_gather_ring_device(cc, d, s, r, sendcount, dt.size);
+    };
     dispatch(c, stream, k);
   });
 }
@@ -534,6 +601,11 @@ hetcclResult_t hetcclReduceScatter(const void* sendbuff, void* recvbuff, size_t 
     k.out_off = n * size_t(c.rank);  // in place in the staging buffer
     k.out_bytes = n;
     k.premul = premul_of(c, op);
+    k.device_algo = [recvcount, dt, rop](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
+                                         const void* sdev, const void* shost) {
+      ++cc.algo_runs["reduce_scatter_ring_device"];
+      hetccl::api::reduce_scatter_ring_device(cc, d, s, r, recvcount, dt.engine, dt.size, rop, sdev, shost);
+    };
     dispatch(c, stream, k);
   });
 }
@@ -557,6 +629,10 @@ hetcclResult_t hetcclAllToAll(const void* sendbuff, void* recvbuff, size_t count
     k.in_bytes = total;
     k.out_off = total;
     k.out_bytes = total;
+    k.device_algo = [n](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r, const void*, const void*) {
+      ++cc.algo_runs["all_to_all_pairwise_device"];
+      hetccl::api::all_to_all_pairwise_device(cc, d, s, r, n);
+    };
     dispatch(c, stream, k);
   });
 }

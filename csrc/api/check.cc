@@ -2,9 +2,10 @@
 // call's collective, count, dtype, op and root and on whether any rank already refused it (bad
 // root, a stream, an unsupported dtype), so the verdict and its text are the same everywhere.
 // Two rounds, the second only when something is wrong:
-//  1. summary (the common case): an all_reduce (MIN, int64) of 11 values per rank: each field,
-//     its bitwise complement (so the minimum of those is the complement of the maximum), and
-//     the complement of the rank's refusal kind. Where every field's minimum equals its maximum
+//  1. summary (the common case): an all_reduce (MIN, int64) of 12 values per rank: each field,
+//     its bitwise complement (so the minimum of those is the complement of the maximum), the
+//     complement of the rank's refusal kind, and whether it took the device route (the minimum
+//     says whether every rank did: device_route.h; never a mismatch). Where every field's minimum equals its maximum
 //     and no rank refused, the call proceeds: O(1) bytes and the latency all_reduce's O(log n)
 //     steps and peers per rank, whatever n (recursive doubling, folded when n is not 2^m).
 //  2. headers (a mismatch or a refusal somewhere, every rank knows it from round 1): every rank's
@@ -31,7 +32,8 @@ namespace {
 
 struct Header {
   int64_t f[6];      // collective, count, dtype, op, root, refusal (0 none, 1 argument, 2 usage)
-  char error[208];   // this rank's refusal (NUL-terminated, truncated)
+  int64_t route;     // 1: this rank took the device route (device_route.h), 0: the host route
+  char error[200];   // this rank's refusal (NUL-terminated, truncated)
 };
 static_assert(sizeof(Header) == 256, "fixed-size header");
 
@@ -56,30 +58,34 @@ const char* coll_name(Coll c) {
 }
 
 void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, int64_t root,
-                const std::string& refusal, bool usage) {
+                const std::string& refusal, bool usage, bool device_route, bool* all_device) {
   const char* what = coll_name(coll);
   const int n = c.size, r = c.rank;
   int64_t f[6] = {int64_t(coll), count, dtype, op, root, refusal.empty() ? 0 : usage ? 2 : 1};
+  if (all_device) *all_device = device_route;
   const Algo algo = select_check(c);
   if (algo != Algo::Ring) {
     const bool rooted = coll == Coll::Broadcast || coll == Coll::Reduce;
-    int64_t v[11];
+    int64_t v[12];
     for (int i = 0; i < 5; ++i) {
       int64_t x = i == 4 && !rooted ? 0 : f[i];  // root: rooted collectives only
       v[i] = x;
       v[5 + i] = ~x;
     }
     v[10] = ~f[5];
+    v[11] = device_route ? 1 : 0;  // its minimum: 1 only where every rank took the device route
     ++c.algo_runs["check_summary"];
-    all_reduce_recursive_doubling(c, v, v, 11, DType::INT64, sizeof(int64_t), ReduceOp::MIN);
+    all_reduce_recursive_doubling(c, v, v, 12, DType::INT64, sizeof(int64_t), ReduceOp::MIN);
     bool agree = ~v[10] == 0;
     for (int i = 0; i < 5; ++i) agree = agree && v[i] == ~v[5 + i];
+    if (all_device) *all_device = v[11] == 1;
     if (agree) return;
   }
   std::vector<Header> all(static_cast<size_t>(n));
   Header& mine = all[size_t(r)];
   std::memset(&mine, 0, sizeof mine);
   std::memcpy(mine.f, f, sizeof f);
+  mine.route = device_route ? 1 : 0;
   std::strncpy(mine.error, refusal.c_str(), sizeof mine.error - 1);
   char* out = reinterpret_cast<char*>(all.data());
   const size_t blk = sizeof(Header);
@@ -105,6 +111,8 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
              {{c.next(), true, out + size_t(mod(r - k, n)) * blk, blk},
               {c.prev(), false, out + size_t(mod(r - k - 1, n)) * blk, blk}});
   }
+  if (all_device)
+    for (int p = 0; p < n; ++p) *all_device = *all_device && all[size_t(p)].route == 1;
   for (int p = 0; p < n; ++p)
     if (all[size_t(p)].f[5]) {
       all[size_t(p)].error[sizeof all[0].error - 1] = 0;

@@ -107,7 +107,12 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
   eo.group_of.assign(size, 0);
   eo.host_chunks = settings.host_chunks;
   eo.msg_chunks = settings.msg_chunks;
-  eo.device_chunks = settings.msg_chunks;  // no device plans in this revision
+  eo.device_chunks = settings.device_chunks;  // the device route's plans (device_route.h)
+  // Message links (tcp) stage device data through pinned slots of their own, made for a link
+  // when its first device plan is posted: 4 slots of 1 MiB each way (the engine's default of
+  // 8 x 8 MiB is sized for the torch face's few bridge peers).
+  eo.device_slot_bytes = size_t(1) << 20;
+  eo.device_slots = 4;
   eo.abort_on_device_failure = false;
   engine_ = std::make_unique<Engine>(links_, eo);
 }
@@ -176,6 +181,35 @@ uint64_t Comm::post(uint64_t tag_base, const std::vector<Item>& items, bool redu
   s.timeout_ms = settings.timeout_ms;
   s.what = "collective #" + std::to_string(seq_);
   return engine_->post(s, false);
+}
+
+void Comm::post_device(uint64_t tag_base, const std::vector<Item>& items, DeviceRoute& d) {
+  PlanSpec s;
+  for (auto& it : items)
+    if (it.nbytes) s.items.push_back(PlanItem{it.peer, it.send, reinterpret_cast<uintptr_t>(it.ptr), it.nbytes});
+  if (s.items.empty()) return;
+  s.tag_base = tag_base;
+  s.index_bits = kIndexBits;
+  s.timeout_ms = settings.timeout_ms;
+  s.what = "collective #" + std::to_string(seq_) + " (device route)";
+  s.device = true;
+  s.device_index = d.device;
+  s.stream = reinterpret_cast<uintptr_t>(d.main);
+  s.side_stream = reinterpret_cast<uintptr_t>(d.side);
+  engine_->post(s, false);
+}
+
+void Comm::attach_device(std::shared_ptr<DeviceOps> ops) { engine_->set_device_ops(std::move(ops)); }
+
+hetcclResult_t Comm::broken_code() {
+  hetcclResult_t code = broken_code_.load(std::memory_order_acquire);
+  if (code != hetcclSuccess || !engine_) return code;
+  try {
+    engine_->rethrow_broken();
+  } catch (...) {
+    note_failure(std::current_exception(), true);
+  }
+  return broken_code_.load(std::memory_order_acquire);
 }
 
 void Comm::wait(uint64_t plan) {

@@ -23,6 +23,7 @@
 #include "../hetccl.h"
 #include "../transport.h"
 #include "bootstrap.h"
+#include "device_route.h"
 #include "stream_path.h"
 
 namespace hetccl {
@@ -55,9 +56,13 @@ struct Settings {
   // HETCCL_STREAM_CHUNK_BYTES: a stream-ordered all_reduce larger than this runs chunk by chunk,
   // its copies overlapping the host collective (stream_path.h); 0 (default): whole calls
   size_t stream_chunk_bytes = 0;
-  // engine chunk tables: hetccl/tuning.py's HOST and MESSAGE rows (tests/test_capi.py checks
-  // they are equal)
-  EngineOptions::Table host_chunks, msg_chunks;
+  // HETCCL_STREAM_DEVICE_BYTES: stream-ordered collectives of at least this many bytes (the
+  // larger of input and output) take the device route (device_route.h) where the runtime has
+  // one; "off" (SIZE_MAX) never
+  size_t stream_device_bytes = 256 << 10;
+  // engine chunk tables: hetccl/tuning.py's HOST, MESSAGE and DEVICE rows (tests/test_capi.py
+  // checks they are equal)
+  EngineOptions::Table host_chunks, msg_chunks, device_chunks;
 };
 Settings read_settings();
 // HETCCL_VENDOR_SPLIT's label for a rank (RANK when set, else `rank`), as hetccl/vendor.py.
@@ -98,6 +103,12 @@ class Comm {
   // different tags (broadcast_chain): post returns 0 when no item has bytes.
   uint64_t post(uint64_t tag_base, const std::vector<Item>& items, bool reduce = false,
                 ReduceOp op = ReduceOp::SUM, DType dtype = DType::UINT8);
+  // One step on device memory (device_route.h): an engine device plan on the route's streams
+  // (receives on main, sends on side); it returns once enqueued. Never reduces: receives land
+  // where the items say, and the algorithm reduces them with the route's kernels.
+  void post_device(uint64_t tag_base, const std::vector<Item>& items, DeviceRoute& d);
+  // The device runtime the engine's device plans use (the stream path's), set once.
+  void attach_device(std::shared_ptr<DeviceOps> ops);
   void wait(uint64_t plan);
   // A new collective: its sequence number (the high bits of every tag it uses).
   uint64_t begin() { return ++seq_; }
@@ -112,7 +123,9 @@ class Comm {
   // Failure state: after a non-argument error every call fails at once with it. Thread-safe
   // (the stream path's executor breaks the communicator while the caller issues).
   void mark_broken(hetcclResult_t code, const std::string& text);
-  hetcclResult_t broken_code() const { return broken_code_.load(std::memory_order_acquire); }
+  // Also learns of a failure the engine met on its own (a device plan's peer died after the
+  // executor had moved on: nothing waits for device plans on the host).
+  hetcclResult_t broken_code();
   std::string broken_text();
   // Breaks the communicator with the code of an exception (classify), unless it is an argument
   // refusal and arguments_too is false (host calls: the communicator stays usable).
@@ -206,8 +219,12 @@ struct UsageRefusal : ArgMismatch {
 };
 // refusal: this rank's own verdict on its arguments ("" when fine), shared with every rank;
 // usage: it is a usage refusal (UsageRefusal on every rank).
+// device_route: this rank took the device route (device_route.h); *all_device (when given):
+// whether every rank did (with the check off: this rank's own route, NCCL's rule that ranks
+// call alike).
 void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, int64_t root,
-                const std::string& refusal, bool usage);
+                const std::string& refusal, bool usage, bool device_route = false,
+                bool* all_device = nullptr);
 
 }  // namespace api
 }  // namespace hetccl

@@ -4,6 +4,7 @@
 #include <ifaddrs.h>
 #include <netinet/in.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -68,9 +69,14 @@ Settings read_settings() {
   if (s.device_runtime.empty()) s.device_runtime = default_device_runtime();
   s.device_library = env("HETCCL_CAPI_DEVICE_LIBRARY");
   s.stream_chunk_bytes = size_t(env_int("HETCCL_STREAM_CHUNK_BYTES", 0, 0, int64_t(1) << 40));
-  // hetccl/tuning.py HOST and MESSAGE (see its docstring for how the rows were chosen)
+  if (env("HETCCL_STREAM_DEVICE_BYTES") == "off")
+    s.stream_device_bytes = SIZE_MAX;
+  else
+    s.stream_device_bytes = size_t(env_int("HETCCL_STREAM_DEVICE_BYTES", int64_t(s.stream_device_bytes), 0, int64_t(1) << 50));
+  // hetccl/tuning.py HOST, MESSAGE and DEVICE (see its docstring for how the rows were chosen)
   s.host_chunks = {{256 * KiB, 256 * KiB}, {INF, 128 * KiB}};
   s.msg_chunks = {{1 * MiB, 1 * MiB}, {INF, 4 * MiB}};
+  s.device_chunks = {{512 * KiB, 512 * KiB}, {4 * MiB, 512 * KiB}, {32 * MiB, 2 * MiB}, {INF, 4 * MiB}};
   return s;
 }
 

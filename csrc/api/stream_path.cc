@@ -76,11 +76,25 @@ StreamPath::StreamPath(Comm& c, const std::string& runtime, const std::string& l
     }
     all_.emplace_back(static_cast<char*>(d), 0);  // freed with the buffers (cap 0: flag page)
   }
+  // The device route (device_route.h) where the runtime has one: made here, on the issuing
+  // thread of the first stream call, so the kernels load before this communicator's first wait
+  // is on a stream. A route that cannot be made (kernels refused by an old driver) leaves every
+  // call on the host route.
+  if (ops_->device_route() && c_.settings.stream_device_bytes != SIZE_MAX) {
+    try {
+      route_ = std::make_unique<DeviceRoute>(*ops_);
+      c_.attach_device(ops_);
+    } catch (const std::exception& e) {
+      route_.reset();
+      log_warn("capi", std::string("the device route is off for this communicator: ") + e.what());
+    }
+  }
   th_ = std::thread([this] { loop(); });
 }
 
 StreamPath::~StreamPath() {
   finish(true);
+  route_.reset();  // waits for the route's streams (their plans ended or were released)
   for (auto& b : all_) {
     ops_->host_unregister(b.first);
     std::free(b.first);
@@ -190,6 +204,22 @@ void StreamPath::issue(StreamJob j) {
   reclaim_locked();
   Job job;
   job.seq = seq;
+  if (j.device) {
+    // Device route: the caller's stream signals that its data is ready and waits until the
+    // route has written the call's results (no staging, no copies on this stream).
+    void* s = j.stream;
+    ops_->write(s, page_dev_ + (seq % kSlots) * sizeof(uint64_t), seq);
+    ops_->wait_geq(s, done_addr_[seq % kSlots], seq);
+    ops_->write(s, page_dev_ + (kSlots + seq % kSlots) * sizeof(uint64_t), seq);
+    ++jobs_;
+    ++device_jobs_;
+    job.j = std::move(j);
+    issued_ = seq;
+    q_.push_back(std::move(job));
+    g.unlock();
+    cv_.notify_one();
+    return;
+  }
   job.cap = round_cap(j.bytes);
   // Pinned memory is bounded (kPoolBytes): beyond it, unused buffers of other sizes are freed,
   // then the call waits for the streams of earlier calls to give theirs back.
@@ -280,7 +310,62 @@ void StreamPath::release_done(uint64_t seq) {
   executed_.store(seq);
 }
 
+void StreamPath::run_device_job(Job& job) {
+  const uint64_t q = job.seq;
+  DeviceRoute& d = *route_;
+  bool enqueued = false;
+  if (!abort_.load() && c_.broken_code() == hetcclSuccess) {
+    try {
+      ops_->set_device(d.device);
+      // the route's streams start once the caller's stream has reached the call
+      ops_->wait_geq(d.main, page_dev_ + (q % kSlots) * sizeof(uint64_t), q);
+      enqueued = true;
+      job.j.device(c_, d);
+    } catch (...) {
+      c_.note_failure(std::current_exception(), true);
+    }
+  }
+  if (enqueued) {
+    try {
+      ops_->write(d.main, done_addr_[q % kSlots], q);
+      executed_.store(q);
+      return;
+    } catch (...) {
+      c_.note_failure(std::current_exception(), true);
+    }
+  }
+  release_done(q);
+}
+
+void StreamPath::staged_on(void* stream, const StreamJob& j) {
+  char* st = nullptr;
+  size_t cap = round_cap(j.bytes);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    ++staged_fallbacks_;
+    st = take(cap);
+  }
+  struct Give {  // back to the pool however this ends (the stream has passed it: synced below)
+    StreamPath* p;
+    char* st;
+    size_t cap;
+    ~Give() {
+      std::lock_guard<std::mutex> g(p->mu_);
+      p->free_[cap].push_back(st);
+    }
+  } give{this, st, cap};
+  for (auto& cp : j.in) ops_->memcpy_async(st + cp.off, cp.dev, cp.bytes, stream);
+  ops_->sync(stream);
+  if (j.host) j.host(c_, st);
+  for (auto& cp : j.out) ops_->memcpy_async(cp.dev, st + cp.off, cp.bytes, stream);
+  ops_->sync(stream);
+}
+
 void StreamPath::run_job(Job& job) {
+  if (job.j.device) {
+    run_device_job(job);
+    return;
+  }
   if (job.host_only) {
     std::exception_ptr err;
     if (abort_.load()) {
@@ -359,8 +444,20 @@ void StreamPath::finish(bool abort) {
   cv_.notify_all();
   if (th_.joinable()) th_.join();
   // Jobs never run (abort): release their streams.
-  std::lock_guard<std::mutex> g(mu_);
-  for (uint64_t s = executed_.load() + 1; s <= issued_; ++s) release_done(s);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (uint64_t s = executed_.load() + 1; s <= issued_; ++s) release_done(s);
+  }
+  // The device route's streams: every plan they hold ends (or, on abort, is released by the
+  // engine's close) before the communicator frees what they copy from.
+  if (route_) {
+    try {
+      ops_->sync(route_->main);
+      ops_->sync(route_->side);
+    } catch (const std::exception& e) {
+      log_warn("capi", std::string("waiting for the device route's streams: ") + e.what());
+    }
+  }
 }
 
 void* StreamPath::test_stream() { return emulated_stream(*ops_); }
@@ -369,7 +466,9 @@ void StreamPath::test_sync(void* stream) { ops_->sync(stream); }
 std::map<std::string, uint64_t> StreamPath::stats() {
   std::lock_guard<std::mutex> g(mu_);
   return {{"jobs", jobs_}, {"staged_bytes", staged_bytes_}, {"pool_bytes", pooled_},
-          {"backpressure_polls", waits_}, {"chunked_jobs", chunked_jobs_}, {"chunks", chunks_}};
+          {"backpressure_polls", waits_}, {"chunked_jobs", chunked_jobs_}, {"chunks", chunks_},
+          {"device_jobs", device_jobs_}, {"staged_fallbacks", staged_fallbacks_},
+          {"device_route", route_ ? 1u : 0u}};
 }
 
 }  // namespace api

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "../device_ops.h"
+#include "device_route.h"
 
 namespace hetccl {
 namespace api {
@@ -71,6 +72,12 @@ struct StreamJob {
   // of its element size.
   size_t chunk = 0;
   std::function<void(Comm&, char*, size_t, size_t)> chunk_host;
+  // The device route (device_route.h), when the caller chose it for this call (then bytes, in,
+  // out and host are ignored): run by the executor with the route's streams current; it
+  // returns once it has enqueued the call on the route's main stream (or run it staged there:
+  // staged_on), and the path then enqueues the job's done word on main. The caller's stream
+  // only writes ready and waits for done.
+  std::function<void(Comm&, DeviceRoute&)> device;
 };
 
 class StreamPath {
@@ -92,6 +99,13 @@ class StreamPath {
   void request_abort() { abort_.store(true); }
   // The runtime's default stream (HETCCL_STREAM_DEFAULT).
   void* default_stream() { return ops_->default_stream(); }
+  // The device route, or nullptr where the runtime has none (or HETCCL_STREAM_DEVICE_BYTES=off,
+  // or its kernels could not be loaded: then every call stays on the host route).
+  DeviceRoute* route() { return route_.get(); }
+  // Executor, inside a device job whose ranks did not all take the device route: the host
+  // route's job `j` (bytes, in, out, host) run on `stream` -- copies in, a wait for them, the
+  // host collective on pooled staging, copies out, a wait for them.
+  void staged_on(void* stream, const StreamJob& j);
   // Tests (emulated runtime only): a stream, and waiting for it.
   void* test_stream();
   void test_sync(void* stream);
@@ -127,8 +141,10 @@ class StreamPath {
   bool drop_free_locked();  // frees one unused pooled buffer; false if none
   void release_done(uint64_t seq);
 
+  void run_device_job(Job& job);
   Comm& c_;
   std::shared_ptr<DeviceOps> ops_;
+  std::unique_ptr<DeviceRoute> route_;
   uint64_t* page_ = nullptr;  // kSlots ready words, then kSlots freed words (registered)
   uint64_t page_dev_ = 0;     // its device address
   size_t pooled_ = 0;         // bytes of staging buffers held (under mu_)
@@ -152,7 +168,8 @@ class StreamPath {
   std::vector<InUse> in_use_;                       // under mu_
   std::map<size_t, std::vector<char*>> free_;       // capacity -> buffers (under mu_)
   std::vector<std::pair<char*, size_t>> all_;       // every buffer (freed at the end)
-  uint64_t jobs_ = 0, staged_bytes_ = 0, waits_ = 0, chunked_jobs_ = 0, chunks_ = 0;
+  uint64_t jobs_ = 0, staged_bytes_ = 0, waits_ = 0, chunked_jobs_ = 0, chunks_ = 0, device_jobs_ = 0;
+  uint64_t staged_fallbacks_ = 0;
 };
 
 }  // namespace api

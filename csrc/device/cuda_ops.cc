@@ -1,11 +1,15 @@
 // The CUDA runtime module (NVIDIA): the CUDA driver API behind DeviceOps (device_ops.h),
 // resolved with dlsym from the libcuda the framework already loaded. Nothing here is compiled
 // against a vendor header: the few types and constants used are spelled out below, from cuda.h.
+#include <algorithm>
+#include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "errors.h"
+#include "kernels/reduce_kernels_gen.h"
 #include "runtime.h"
 
 namespace hetccl {
@@ -20,6 +24,7 @@ class CudaOps final : public DeviceOps {
   static constexpr unsigned kRegPortableMapped = 0x3; // CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP
   static constexpr unsigned kEventNoTiming = 0x2;     // CU_EVENT_DISABLE_TIMING
   static constexpr Res kAlreadyRegistered = 712;      // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+  static constexpr unsigned kStreamNonBlocking = 0x1; // CU_STREAM_NON_BLOCKING
 
  public:
   explicit CudaOps(const std::string& library) : lib_name_(library) {
@@ -44,6 +49,18 @@ class CudaOps final : public DeviceOps {
     errstr_ = reinterpret_cast<Res (*)(Res, const char**)>(S("cuGetErrorString"));
     capturing_ = reinterpret_cast<Res (*)(void*, int*)>(S("cuStreamIsCapturing"));
     check("cuInit", init_(0));
+    // The device route's calls: optional, so that a driver without them still runs the rest
+    // (device_route() then answers false and the C API stages through host memory).
+    auto O = [&](const char* s) { return symbol_or_null(lib, s); };
+    ctx_device_ = reinterpret_cast<Res (*)(int*)>(O("cuCtxGetDevice"));
+    stream_create_ = reinterpret_cast<Res (*)(void**, unsigned)>(O("cuStreamCreate"));
+    stream_destroy_ = reinterpret_cast<Res (*)(void*)>(O("cuStreamDestroy_v2"));
+    alloc_async_ = reinterpret_cast<Res (*)(Ptr*, size_t, void*)>(O("cuMemAllocAsync"));
+    free_async_ = reinterpret_cast<Res (*)(Ptr, void*)>(O("cuMemFreeAsync"));
+    module_load_ = reinterpret_cast<Res (*)(void**, const void*)>(O("cuModuleLoadData"));
+    module_fn_ = reinterpret_cast<Res (*)(void**, void*, const char*)>(O("cuModuleGetFunction"));
+    launch_ = reinterpret_cast<Res (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                       unsigned, void*, void**, void**)>(O("cuLaunchKernel"));
   }
   std::string name() const override { return "cuda"; }
   std::string memory_type() const override { return "cuda"; }
@@ -112,6 +129,94 @@ class CudaOps final : public DeviceOps {
     return uint64_t(d);
   }
 
+  // ---- the device route: the kernels of reduce_kernels.cu as embedded PTX, which the driver
+  // compiles for this GPU when the module is loaded (once per device, in prepare_kernels).
+  bool device_route() override {
+    return ctx_device_ && stream_create_ && stream_destroy_ && alloc_async_ && free_async_ && module_load_ &&
+           module_fn_ && launch_;
+  }
+  int current_device() override {
+    int dev = 0;
+    check("cuCtxGetDevice", ctx_device_(&dev));
+    return dev;
+  }
+  void prepare_kernels() override {
+    if (!device_route()) unsupported("device route (a driver older than CUDA 11.2)");
+    int dev = current_device();
+    std::lock_guard<std::mutex> g(modules_mu());
+    if (modules().count(dev)) return;
+    Module m;
+    check("cuModuleLoadData (hetccl's reduction kernels)", module_load_(&m.module, device::reduce_kernels_ptx()));
+    auto fn = [&](const std::string& name) {
+      void* f = nullptr;
+      check(("cuModuleGetFunction " + name).c_str(), module_fn_(&f, m.module, name.c_str()));
+      return f;
+    };
+    static const char* ops[] = {"sum", "prod", "min", "max"};
+    for (int t = 0; t < kDtypes; ++t) {
+      std::string dn = dtype_name(DType(t));
+      for (int o = 0; o < 4; ++o) m.reduce[t][o] = fn("hetccl_reduce_" + dn + "_" + ops[o]);
+      m.div[t] = fn("hetccl_div_" + dn);
+      m.mul[t] = fn("hetccl_mul_" + dn);
+    }
+    // One launch of each on an idle stream of our own, so that lazy loading (the driver's
+    // default) finishes here and never behind a stream that waits on an engine word.
+    void* s = nullptr;
+    check("cuStreamCreate", stream_create_(&s, kStreamNonBlocking));
+    unsigned long long zero = 0;
+    long long one = 1;
+    void* null = nullptr;
+    for (int t = 0; t < kDtypes; ++t) {
+      for (int o = 0; o < 4; ++o) {
+        void* args[] = {&null, &null, &zero};
+        launch(m.reduce[t][o], 1, args, s);
+      }
+      void* dargs[] = {&null, &zero, &one};
+      launch(m.div[t], 1, dargs, s);
+      void* margs[] = {&null, &zero, &null, &zero};
+      launch(m.mul[t], 1, margs, s);
+    }
+    check("cuStreamSynchronize", sync_(s));
+    stream_destroy_(s);
+    modules()[dev] = m;
+  }
+  void* stream_create() override {
+    void* s = nullptr;
+    check("cuStreamCreate", stream_create_(&s, kStreamNonBlocking));
+    return s;
+  }
+  void stream_destroy(void* stream) override { stream_destroy_(stream); }
+  void* mem_alloc_async(size_t nbytes, void* stream) override {
+    Ptr p = 0;
+    check("cuMemAllocAsync", alloc_async_(&p, nbytes ? nbytes : 1, stream));
+    return reinterpret_cast<void*>(uintptr_t(p));
+  }
+  void mem_free_async(void* p, void* stream) override {
+    check("cuMemFreeAsync", free_async_(Ptr(reinterpret_cast<uintptr_t>(p)), stream));
+  }
+  void reduce(void* dst, const void* src, size_t count, DType dt, ReduceOp op, void* stream) override {
+    if (!count) return;
+    int o = op == ReduceOp::AVG ? 0 : int(op);  // AVG reduces as SUM (reduce.h)
+    unsigned long long n = count;
+    void* args[] = {&dst, const_cast<void**>(&src), &n};
+    launch(kernels().reduce[int(dt)][o], count, args, stream);
+  }
+  void scale_div(void* p, size_t count, DType dt, int64_t by, void* stream) override {
+    if (!count || by == 1) return;
+    unsigned long long n = count;
+    long long b = by;
+    void* args[] = {&p, &n, &b};
+    launch(kernels().div[int(dt)], count, args, stream);
+  }
+  void scale_mul(void* p, size_t count, DType dt, const void* scalar_dev, const void* scalar_host,
+                 void* stream) override {
+    if (!count) return;
+    unsigned long long n = count, imm = 0;
+    if (!scalar_dev) std::memcpy(&imm, scalar_host, dtype_size(dt));
+    void* args[] = {&p, &n, const_cast<void**>(&scalar_dev), &imm};
+    launch(kernels().mul[int(dt)], count, args, stream);
+  }
+
  private:
   void check(const char* what, Res r) {
     if (r == 0) return;
@@ -119,6 +224,38 @@ class CudaOps final : public DeviceOps {
     errstr_(r, &s);
     throw CommError(std::string("hetccl: ") + what + " failed: error " + std::to_string(r) + " (" +
                     (s ? s : "unknown") + ")");
+  }
+  static constexpr int kDtypes = 8;  // reduce.h's DType values 0..7
+  struct Module {
+    void* module = nullptr;
+    void* reduce[kDtypes][4] = {};
+    void* div[kDtypes] = {};
+    void* mul[kDtypes] = {};
+  };
+  // Loaded once per device and process, whichever module instance asks first: every later
+  // communicator finds them, so no module is ever loaded while a stream of an earlier one is
+  // blocked on an engine word (prepare_kernels' contract).
+  static std::map<int, Module>& modules() {
+    static std::map<int, Module> m;
+    return m;
+  }
+  static std::mutex& modules_mu() {
+    static std::mutex m;
+    return m;
+  }
+  const Module& kernels() {
+    int dev = current_device();
+    std::lock_guard<std::mutex> g(modules_mu());
+    auto it = modules().find(dev);
+    if (it == modules().end())
+      throw CommError("hetccl: the reduction kernels are not loaded on device " + std::to_string(dev) +
+                      " (prepare_kernels was not called there)");
+    return it->second;
+  }
+  // Grid-stride kernels: 256 threads a block, at most 4096 blocks (enough to fill any GPU).
+  void launch(void* f, size_t count, void** args, void* stream) {
+    unsigned blocks = unsigned(std::min<size_t>(4096, std::max<size_t>(1, (count + 1023) / 1024)));
+    check("cuLaunchKernel", launch_(f, blocks, 1, 1, 256, 1, 1, 0, stream, args, nullptr));
   }
   std::string lib_name_;
   std::mutex mu_;
@@ -141,6 +278,15 @@ class CudaOps final : public DeviceOps {
   Res (*devptr_)(Ptr*, void*, unsigned);
   Res (*errstr_)(Res, const char**);
   Res (*capturing_)(void*, int*);
+  Res (*ctx_device_)(int*) = nullptr;
+  Res (*stream_create_)(void**, unsigned) = nullptr;
+  Res (*stream_destroy_)(void*) = nullptr;
+  Res (*alloc_async_)(Ptr*, size_t, void*) = nullptr;
+  Res (*free_async_)(Ptr, void*) = nullptr;
+  Res (*module_load_)(void**, const void*) = nullptr;
+  Res (*module_fn_)(void**, void*, const char*) = nullptr;
+  Res (*launch_)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                 void**) = nullptr;
 };
 
 }  // namespace

@@ -12,7 +12,9 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -146,6 +148,32 @@ class EmulatedOps final : public DeviceOps {
   }
   uint64_t wait_word_address(void* w) override { return uint64_t(reinterpret_cast<uintptr_t>(w)); }
   void wait_word_free(void* w) override { delete static_cast<uint64_t*>(w); }
+
+  // The device route: its "device memory" is host memory, its kernels reduce.cc's host kernels
+  // (one thread: a stream is one thread), run in stream order like every other operation.
+  bool device_route() override { return true; }
+  void prepare_kernels() override {}
+  int current_device() override { return 0; }
+  void* stream_create() override { return create_stream(); }
+  void stream_destroy(void*) override {}  // streams live as long as the module
+  void* mem_alloc_async(size_t nbytes, void*) override {
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, nbytes ? nbytes : 1) != 0) throw std::bad_alloc();
+    return p;
+  }
+  void mem_free_async(void* p, void* stream) override { enqueue(stream, [p] { std::free(p); }); }
+  void reduce(void* dst, const void* src, size_t count, DType dt, ReduceOp op, void* stream) override {
+    enqueue(stream, [=] { reduce_into(op, dt, dst, src, count, 1); });
+  }
+  void scale_div(void* p, size_t count, DType dt, int64_t n, void* stream) override {
+    enqueue(stream, [=] { hetccl::scale_div(dt, p, count, n, 1); });
+  }
+  void scale_mul(void* p, size_t count, DType dt, const void* scalar_dev, const void* scalar_host,
+                 void* stream) override {
+    uint64_t imm = 0;
+    if (!scalar_dev) std::memcpy(&imm, scalar_host, dtype_size(dt));
+    enqueue(stream, [=] { hetccl::scale_mul(dt, p, count, scalar_dev ? scalar_dev : &imm, 1); });
+  }
 
  private:
   void enqueue(void* stream, std::function<void()> op) {

@@ -22,6 +22,8 @@ void* must_symbol(void* lib, const std::string& library, const char* symbol) {
   return f;
 }
 
+void* symbol_or_null(void* lib, const char* symbol) { return dlsym(lib, symbol); }
+
 }  // namespace device
 
 void* emulated_stream(DeviceOps& ops) { return device::emulated_stream(ops); }

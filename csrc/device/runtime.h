@@ -15,6 +15,8 @@ namespace device {
 void* open_library(const std::string& library);
 // dlsym that throws CommError "<library> lacks <symbol>".
 void* must_symbol(void* lib, const std::string& library, const char* symbol);
+// dlsym, nullptr when missing (calls a module can do without).
+void* symbol_or_null(void* lib, const char* symbol);
 
 std::shared_ptr<DeviceOps> make_cuda_ops(const std::string& library);
 std::shared_ptr<DeviceOps> make_hip_ops(const std::string& library);

@@ -1,0 +1,32 @@
+// hetccl C API: the device route's streams (contracts in device_route.h).
+#include "device_route.h"
+
+#include <string>
+
+#include "../common.h"
+
+namespace hetccl {
+namespace api {
+
+DeviceRoute::DeviceRoute(DeviceOps& o) : ops(o) {
+  device = ops.current_device();
+  ops.prepare_kernels();
+  main = ops.stream_create();
+  side = ops.stream_create();
+}
+
+DeviceRoute::~DeviceRoute() {
+  for (void* s : {main, side}) {
+    if (!s) continue;
+    try {
+      ops.set_device(device);
+      ops.sync(s);
+      ops.stream_destroy(s);
+    } catch (const std::exception& e) {
+      log_warn("capi", std::string("closing the device route's streams: ") + e.what());
+    }
+  }
+}
+
+}  // namespace api
+}  // namespace hetccl

@@ -1,0 +1,179 @@
+"""hetccl's device kernels (csrc/device/kernels/reduce_kernels.cu), without a GPU:
+
+  * the generated header embeds the source as it is, and (where this machine's nvcc is the one
+    that made it) the PTX nvcc makes of it now (gen_kernels.py --check);
+  * ptxas accepts the embedded PTX (ISA 6.4) for the oldest and a current architecture;
+  * the PTX has every kernel the CUDA module asks for (csrc/device/cuda_ops.cc);
+  * the kernels' arithmetic is reduce.cc's, bit for bit: the source compiled for the host (a
+    prelude stands in for the CUDA built-ins; one thread walks the grid-stride loop) against
+    hetccl._C.reduce_into / scale_div and numpy on random data with NaN, infinities,
+    subnormals and overflow, for every dtype and op. The GPU box runs the real kernels through
+    the C API (tests/test_gpu_capi.py)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from hetccl import _core
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KDIR = os.path.join(ROOT, "csrc", "device", "kernels")
+SRC = os.path.join(KDIR, "reduce_kernels.cu")
+GEN = os.path.join(KDIR, "reduce_kernels_gen.h")
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
+OPS = ["sum", "prod", "min", "max"]
+NP = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": np.uint16,
+      "int8": np.int8, "uint8": np.uint8, "int32": np.int32, "int64": np.int64}
+
+
+def _embedded(which: str) -> str:
+    text = open(GEN).read()
+    delim = {"ptx": "HETCCL_PTX", "source": "HETCCL_SRC"}[which]
+    return re.search(r'R"' + delim + r"\((.*?)\)" + delim + '"', text, re.S).group(1)
+
+
+def test_header_embeds_the_source():
+    assert _embedded("source") == open(SRC).read(), \
+        "reduce_kernels_gen.h is stale: run python3 csrc/device/kernels/gen_kernels.py"
+
+
+def test_header_is_what_nvcc_makes_now():
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("no nvcc on this machine (the header was made with the one its PTX names)")
+    made_with = re.search(r"Cuda compilation tools, release [\d.]+, V[\d.]+", _embedded("ptx")).group(0)
+    here = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    if made_with not in here:
+        pytest.skip(f"this nvcc is not the one that made the header ({made_with}): its PTX may differ")
+    out = subprocess.run(["python3", os.path.join(KDIR, "gen_kernels.py"), "--check"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_90"])
+def test_ptxas_accepts_the_ptx(tmp_path, arch):
+    ptxas = shutil.which("ptxas")
+    if not ptxas:
+        pytest.skip("no ptxas on this machine")
+    p = tmp_path / "k.ptx"
+    p.write_text(_embedded("ptx"))
+    assert ".version 6.4" in p.read_text()
+    out = subprocess.run([ptxas, f"-arch={arch}", str(p), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_every_kernel_the_module_loads_is_in_the_ptx():
+    entries = set(re.findall(r"\.entry\s+(\w+)\(", _embedded("ptx")))
+    want = {f"hetccl_reduce_{d}_{o}" for d in DTYPES for o in OPS}
+    want |= {f"hetccl_div_{d}" for d in DTYPES} | {f"hetccl_mul_{d}" for d in DTYPES}
+    assert want <= entries, sorted(want - entries)
+    cuda = open(os.path.join(ROOT, "csrc", "device", "cuda_ops.cc")).read()
+    for pattern in ('"hetccl_reduce_" + dn + "_" + ops[o]', '"hetccl_div_" + dn', '"hetccl_mul_" + dn'):
+        assert pattern in cuda, pattern
+
+
+PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+struct HetcclDim { unsigned x; };
+static HetcclDim blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+"""
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        pytest.skip("no C++ compiler")
+    d = tmp_path_factory.mktemp("kernels")
+    src = d / "k.cc"
+    src.write_text(PRELUDE + open(SRC).read())
+    lib = d / "k.so"
+    out = subprocess.run([cxx, "-std=c++17", "-O2", "-shared", "-fPIC", str(src), "-o", str(lib)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return ctypes.CDLL(str(lib))
+
+
+def _data(dt: str, n: int, seed: int, special: bool) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    if dt in ("int8", "uint8", "int32", "int64"):
+        info = np.iinfo(NP[dt])
+        return g.integers(info.min, info.max, n, dtype=NP[dt], endpoint=True)
+    if dt == "bfloat16":
+        bits = g.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)  # every bit pattern
+        return bits
+    x = g.uniform(-3, 3, n) * 10.0 ** g.integers(-8 if dt != "float16" else -7, 6, n)
+    if special and n >= 8:
+        x[:8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 6e-8, 3e-5]
+    with np.errstate(over="ignore"):
+        a = x.astype(NP[dt])
+    if dt == "float16" and n >= 40:
+        a.view(np.uint16)[8:40] = g.integers(0, 1 << 16, 32).astype(np.uint16)  # subnormals, NaN payloads
+    return a
+
+
+def _c_ptr(a: np.ndarray):
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_kernels_equal_the_host_kernels(host_kernels, dt):
+    n = 4099
+    for op in OPS + ["avg"]:
+        a, b = _data(dt, n, 1, True), _data(dt, n, 2, False)
+        if op == "avg":
+            continue  # AVG reduces as SUM (reduce.h); its division is checked below
+        want = a.copy()
+        _core._C.reduce_into(op, dt, want.ctypes.data, b.ctypes.data, n)
+        got = a.copy()
+        getattr(host_kernels, f"hetccl_reduce_{dt}_{op}")(_c_ptr(got), _c_ptr(b), ctypes.c_uint64(n))
+        diff = np.flatnonzero(got.view(f"u{got.itemsize}") != want.view(f"u{want.itemsize}"))
+        if dt in ("float32", "float64", "float16"):  # a NaN may differ in payload only
+            nan_both = np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
+            diff = np.array([i for i in diff if not nan_both[i]])
+        assert diff.size == 0, (op, int(diff[0]), got[diff[0]], want[diff[0]], a[diff[0]], b[diff[0]])
+    # AVG's last step: p /= n
+    for by in (3, 7):
+        a = _data(dt, n, 3, True)
+        want = a.copy()
+        _core._C.scale_div(dt, want.ctypes.data, n, by)
+        got = a.copy()
+        getattr(host_kernels, f"hetccl_div_{dt}")(_c_ptr(got), ctypes.c_uint64(n), ctypes.c_int64(by))
+        ok = (got.view(f"u{got.itemsize}") == want.view(f"u{want.itemsize}"))
+        if dt in ("float32", "float64", "float16"):
+            ok |= np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
+        assert ok.all(), (by, np.flatnonzero(~ok)[:3])
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_premul_kernel_is_a_product(host_kernels, dt):
+    """hetccl_mul_<dt>: p[i] *= scalar, read from device memory (sp) or from the bits passed
+    by value (imm), equal to reduce_into(prod) with a constant array."""
+    n = 1031
+    a = _data(dt, n, 4, False)
+    sc = _data(dt, 1, 5, False)
+    want, const = a.copy(), np.repeat(sc, n)
+    _core._C.reduce_into("prod", dt, want.ctypes.data, const.ctypes.data, n)
+    got_ptr, got_imm = a.copy(), a.copy()
+    imm = int.from_bytes(sc.tobytes().ljust(8, b"\0"), "little")
+    fn = getattr(host_kernels, f"hetccl_mul_{dt}")
+    fn(_c_ptr(got_ptr), ctypes.c_uint64(n), _c_ptr(sc), ctypes.c_uint64(0))
+    fn(_c_ptr(got_imm), ctypes.c_uint64(n), ctypes.c_void_p(0), ctypes.c_uint64(imm))
+    for got in (got_ptr, got_imm):
+        ok = got.view(f"u{got.itemsize}") == want.view(f"u{want.itemsize}")
+        if dt in ("float32", "float64", "float16"):
+            ok |= np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
+        assert ok.all(), np.flatnonzero(~ok)[:3]
