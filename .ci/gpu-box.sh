@@ -26,8 +26,10 @@
 #                          old one (8 MiB x 8 slots), interleaved; rows tagged {"geometry"}
 #   dropin.jsonl           (dropin) tests/gpu_dropin_bench.py: one vendor through the drop-in
 #                          beside plain NCCL, 1+1 through the drop-in beside the torch face,
-#                          and 1+1 with chunked stream-path all_reduces (DROPIN_CHUNKS, default
-#                          4M,1M) (dropin.txt: the tables)
+#                          and 1+1 with the C API's routes forced (DROPIN_VARIANTS, default:
+#                          staged = every call staged through host memory, the path before the
+#                          device route; device = the device route at every size)
+#                          (dropin.txt: the tables)
 #   passthrough.jsonl      one vendor (hetccl:1v, native pass-through) beside nccl, interleaved
 #   megatron.txt           (megatron) recipes/megatron/gpu.sh's summary, ITERS=${MEG_ITERS:-10}
 #   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
@@ -140,9 +142,11 @@ for w in $what; do
     dropin)
       # the drop-in NCCL (issue 25): one vendor (plain NCCL beside the drop-in, world size 1,
       # interleaved) and 1+1 (drop-in beside the torch face): times, issue cost, #wrong
-      # DROPIN_CHUNKS: 1+1 again with the stream path's chunked all_reduce at each chunk size
-      timeout $T python3 tests/gpu_dropin_bench.py --jsonl "$OUT/dropin.jsonl" \
-        --maxbytes "${MAXBYTES:-64M}" --chunks "${DROPIN_CHUNKS:-4M,1M}" 2>&1 | tee "$OUT/dropin.txt" | tail -30 ;;
+      # DROPIN_VARIANTS: 1+1 again with other settings (gpu_dropin_bench.py --variants)
+      timeout $T python3 tests/gpu_dropin_bench.py --jsonl "$OUT/dropin.jsonl" --factor "${DROPIN_FACTOR:-8}" \
+        --maxbytes "${MAXBYTES:-64M}" \
+        --variants "${DROPIN_VARIANTS:-staged:HETCCL_STREAM_DEVICE_BYTES=off,device:HETCCL_STREAM_DEVICE_BYTES=1}" \
+        2>&1 | tee "$OUT/dropin.txt" | tail -45 ;;
     passthrough)
       timeout $T $B collectives --device cuda --vendors 1+1 --backends hetccl:1v,nccl,hetccl:1v,nccl \
         --colls all_reduce --minbytes 64M --maxbytes 256M --factor 2 --dtype bfloat16 --iters 20 \

@@ -163,6 +163,16 @@ void Engine::set_device_ops(std::shared_ptr<DeviceOps> ops) {
   dev_ = std::move(ops);
 }
 
+void Engine::prepare_device(int device_index, const std::vector<int>& peers) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!dev_) throw CommError("hetccl engine: prepare_device without a device runtime");
+  PlanSpec spec;
+  for (int p : peers)
+    if (links_.count(p)) spec.items.push_back(PlanItem{p, true, 0, 0});
+  dev_->set_device(device_index);
+  ensure_device_state(spec);
+}
+
 void Engine::set_position_base(uint32_t base) {
   std::lock_guard<std::mutex> g(mu_);
   for (auto& kv : links_) {

@@ -159,6 +159,10 @@ class Engine {
   // Device registration of host memory the device plans copy from/to (ring slots): called once
   // per device runtime before the first device plan.
   void set_device_ops(std::shared_ptr<DeviceOps> ops);
+  // Registers the flag words (and message links' staging slots) of the links to `peers` with
+  // the device runtime now, on the calling thread, instead of at the first device plan that
+  // uses them (for a caller whose later posts may run while a stream waits: engine.cc).
+  void prepare_device(int device_index, const std::vector<int>& peers);
   // Tests: message links start their positions at `base` instead of 0, so a short run crosses
   // 2^32 (the wrap-around of free-running positions). Only before the first plan; zero-copy
   // links take their positions from the transport's rings and are refused.

@@ -7,11 +7,12 @@
     stream path) beside the torch face (backend "hetccl") on the same script.
 
     python3 tests/gpu_dropin_bench.py --jsonl $OUT/dropin.jsonl [--maxbytes 64M] [--iters 20]
-                                      [--chunks 4M,1M]
+                                      [--variants staged:HETCCL_STREAM_DEVICE_BYTES=off,...]
 
-  * --chunks: 1+1 through the drop-in again with HETCCL_STREAM_CHUNK_BYTES set to each value
-    (the stream path's chunked all_reduce, csrc/api/stream_path.h), configs dropin-1+1-c<bytes>,
-    beside the whole-call rows of the same run.
+  * --variants NAME:VAR=VALUE[;VAR=VALUE],...: 1+1 through the drop-in again with those settings,
+    configs dropin-1+1-NAME, beside the default rows of the same run: e.g. the C API's staged
+    route alone (HETCCL_STREAM_DEVICE_BYTES=off, the landed path before the device route), the
+    device route at every size (=1), chunked staged calls (HETCCL_STREAM_CHUNK_BYTES).
 
 Rows (JSON lines, nccl-tests columns): config, backend, vendors, size, count, type, redop,
 time_us, algbw, busbw, wrong, and issue_us (median host time of dist.all_reduce(async_op=True)
@@ -158,7 +159,7 @@ def main() -> None:
     p.add_argument("--issue-sizes", default="8K,512K,32M")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--skip-face", action="store_true")
-    p.add_argument("--chunks", default="", help="HETCCL_STREAM_CHUNK_BYTES values for more 1+1 drop-in rows")
+    p.add_argument("--variants", default="", help="NAME:VAR=VALUE[;VAR=VALUE],... more 1+1 drop-in configs")
     a = p.parse_args()
     if a.rank_main:
         rank_main(a)
@@ -169,9 +170,14 @@ def main() -> None:
     plan = [("nccl-1", "nccl", "1", False, {}), ("dropin-1", "nccl", "1", True, {}),
             ("nccl-1b", "nccl", "1", False, {}), ("dropin-1b", "nccl", "1", True, {}),
             ("dropin-1+1", "nccl", "1+1", True, {})]
-    chunks = [parse_size(c) for c in a.chunks.split(",") if c.strip()]
-    for c in chunks:
-        plan.append((f"dropin-1+1-c{c}", "nccl", "1+1", True, {"HETCCL_STREAM_CHUNK_BYTES": str(c)}))
+    variants = []
+    for v in a.variants.split(","):
+        if not v.strip():
+            continue
+        name, _, settings = v.partition(":")
+        env = dict(kv.split("=", 1) for kv in settings.split(";") if kv)
+        variants.append(name)
+        plan.append((f"dropin-1+1-{name}", "nccl", "1+1", True, env))
     if not a.skip_face:
         plan.append(("face-1+1", "hetccl", "1+1", False, {}))
     allrows = []
@@ -200,9 +206,9 @@ def main() -> None:
         print(f"{size:>10} {f(n)} {f(d)} {rat(d, n)} {f(med('nccl-1', 'issue_us'))[1:]} "
               f"{f(med('dropin-1', 'issue_us'))[1:]} | {f(x)} {f(y)} {rat(x, y)} "
               f"{f(med('dropin-1+1', 'issue_us'))[1:]} {f(med('face-1+1', 'issue_us'))[1:]} {wrong}")
-    for c in chunks:
-        cfg = f"dropin-1+1-c{c}"
-        print(f"\n1+1 drop-in, HETCCL_STREAM_CHUNK_BYTES={c}: size, us, / whole calls, / torch face, issue us, wrong")
+    for name in variants:
+        cfg = f"dropin-1+1-{name}"
+        print(f"\n1+1 drop-in, variant {name}: size, us, / default drop-in, / torch face, issue us, wrong")
         for size in sorted(by.get(cfg, {})):
             r = by[cfg][size][0]
             w = by.get("dropin-1+1", {}).get(size, [{}])[0].get("time_us")

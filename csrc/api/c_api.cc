@@ -629,10 +629,6 @@ hetcclResult_t hetcclAllToAll(const void* sendbuff, void* recvbuff, size_t count
     k.in_bytes = total;
     k.out_off = total;
     k.out_bytes = total;
-    k.device_algo = [n](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r, const void*, const void*) {
-      ++cc.algo_runs["all_to_all_pairwise_device"];
-      hetccl::api::all_to_all_pairwise_device(cc, d, s, r, n);
-    };
     dispatch(c, stream, k);
   });
 }

@@ -199,7 +199,10 @@ void Comm::post_device(uint64_t tag_base, const std::vector<Item>& items, Device
   engine_->post(s, false);
 }
 
-void Comm::attach_device(std::shared_ptr<DeviceOps> ops) { engine_->set_device_ops(std::move(ops)); }
+void Comm::attach_device(std::shared_ptr<DeviceOps> ops, int device_index) {
+  engine_->set_device_ops(std::move(ops));
+  if (size > 1) engine_->prepare_device(device_index, {next(), prev()});
+}
 
 hetcclResult_t Comm::broken_code() {
   hetcclResult_t code = broken_code_.load(std::memory_order_acquire);

@@ -107,8 +107,9 @@ class Comm {
   // (receives on main, sends on side); it returns once enqueued. Never reduces: receives land
   // where the items say, and the algorithm reduces them with the route's kernels.
   void post_device(uint64_t tag_base, const std::vector<Item>& items, DeviceRoute& d);
-  // The device runtime the engine's device plans use (the stream path's), set once.
-  void attach_device(std::shared_ptr<DeviceOps> ops);
+  // The device runtime the engine's device plans use (the stream path's), set once, and the
+  // ring neighbours' links registered with it (device_route.h: on the issuing thread).
+  void attach_device(std::shared_ptr<DeviceOps> ops, int device_index);
   void wait(uint64_t plan);
   // A new collective: its sequence number (the high bits of every tag it uses).
   uint64_t begin() { return ++seq_; }

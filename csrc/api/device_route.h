@@ -22,6 +22,12 @@
 //  * The caller's buffers are read and written by the route's streams only between ready and
 //    done, so the caller's stream order (and torch's caching allocator) is kept as with NCCL.
 //  * Device scratch memory is stream-ordered (mem_alloc_async / mem_free_async on main).
+//  * Only the ring collectives take the route (all_reduce, reduce, reduce_scatter, all_gather,
+//    broadcast: their peers are the ring neighbours), and those two links are registered with
+//    the device runtime when the route is made, on the issuing thread, like the kernels: no
+//    registration ever runs while a stream of this process waits on an engine word (a driver
+//    call that waits for the device would deadlock there). all_to_all, whose peers are every
+//    rank, stays staged.
 //  * The kernels' arithmetic is reduce.cc's (reduce.h), so each block is reduced by one owner
 //    with the same operations the host route uses, and every rank ends with the same bits.
 // Trade-off: every plan's chunk is three stream operations (wait for a slot, copy, write a
@@ -67,7 +73,6 @@ void reduce_scatter_ring_device(Comm& c, DeviceRoute& d, const void* send, void*
 void all_gather_ring_device(Comm& c, DeviceRoute& d, const void* send, void* recv, size_t sendcount,
                             size_t esize);
 void broadcast_chain_device(Comm& c, DeviceRoute& d, const void* send, void* recv, size_t nbytes, int root);
-void all_to_all_pairwise_device(Comm& c, DeviceRoute& d, const void* send, void* recv, size_t blk);
 
 }  // namespace api
 }  // namespace hetccl

@@ -83,7 +83,7 @@ StreamPath::StreamPath(Comm& c, const std::string& runtime, const std::string& l
   if (ops_->device_route() && c_.settings.stream_device_bytes != SIZE_MAX) {
     try {
       route_ = std::make_unique<DeviceRoute>(*ops_);
-      c_.attach_device(ops_);
+      c_.attach_device(ops_, route_->device);
     } catch (const std::exception& e) {
       route_.reset();
       log_warn("capi", std::string("the device route is off for this communicator: ") + e.what());
