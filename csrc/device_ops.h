@@ -151,6 +151,9 @@ std::shared_ptr<DeviceOps> make_device_ops(const std::string& runtime, const std
 // The runtime a face opens when it is not told which (the C API's HETCCL_CAPI_DEVICE unset):
 // CUDA's (the drop-in RCCL sets HETCCL_CAPI_DEVICE for its own).
 const char* default_device_runtime();
+// Whether this process has already loaded the runtime's library (a GPU process), without
+// loading it; false for the emulated device and for unknown names.
+bool device_runtime_loaded(const std::string& runtime, const std::string& library);
 
 // The vendor declarations a runtime module uses, as data, for tests that check them against the
 // vendor's own definitions (tests/test_hip_api.py): constant name -> value, function name ->

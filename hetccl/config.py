@@ -136,7 +136,7 @@ _SETTINGS = [
             "the host collective of its neighbours (csrc/api/stream_path.h; at most 32 "
             "chunks). 0 (default): whole calls, the path the GPU suite has measured. Must be "
             "equal on every rank."),
-    Setting("HETCCL_STREAM_DEVICE_BYTES", str, "262144",
+    Setting("HETCCL_STREAM_DEVICE_BYTES", str, "1048576",
             "C API / drop-in only: stream-ordered collectives of at least this many bytes (the "
             "larger of input and output) take the device route: engine device plans on the "
             "communicator's own streams, reductions by hetccl's kernels, no staging copies "

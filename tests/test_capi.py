@@ -118,7 +118,7 @@ def test_stream_path(tmp_path, split, runtime, route):
     HIP's comparison rules: every collective case of the host test, on a stream, against the
     same references and with the same bits as the host path; 40 calls in flight; the default
     stream; host and stream ranks mixed; a group over two streams; a refusal reaching every
-    rank as its async error. auto: calls of 256 KiB and more take the device route
+    rank as its async error. auto: calls of 1 MiB and more take the device route
     (csrc/api/device_route.h), the others are staged; device: every stream call with data takes
     the device route (HETCCL_STREAM_DEVICE_BYTES=1): engine device plans and the runtime's
     kernels for every collective, dtype and op, the PreMulSum scalars, and a count mismatch

@@ -44,15 +44,23 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
                {"nconn", std::to_string(settings.tcp_nconn)},
                {"bind_addr", bind},
                {"threads", std::to_string(settings.reduce_threads)}};
-  // shm slots: the largest chunk the host table asks for (as the torch face), unless set
+  // shm geometry, unless set: a process whose device runtime is loaded (a GPU process: the
+  // drop-in's, a framework's) will move large calls through the rings on the device route
+  // (device_route.h), whose copy engines want few large chunks: slots of the device table's
+  // largest chunk and 64 MiB per rank, as the torch face's GPU builds; any other process carries
+  // host data only: the host table's largest chunk and 8 MiB. Both ends of a ring must agree
+  // (the transport refuses a peer of another geometry), as every process of a job is of one kind.
+  const bool device_process = device_runtime_loaded(settings.device_runtime, settings.device_library);
   size_t slot = settings.shm_slot_bytes;
   if (!slot)
-    for (auto& row : settings.host_chunks) slot = std::max<size_t>(slot, row.second);
+    for (auto& row : device_process ? settings.device_chunks : settings.host_chunks)
+      slot = std::max<size_t>(slot, row.second);
+  size_t budget = settings.shm_budget_bytes ? settings.shm_budget_bytes : size_t(device_process ? 64 : 8) << 20;
   topt["slot_bytes"] = std::to_string(slot);
   topt["nslots"] = std::to_string(settings.shm_nslots);
   // one outgoing segment per shm neighbour, at most two: the budget over two (over one for a
   // pair), the same on every rank so that both segments of a pair get one geometry
-  topt["seg_budget"] = std::to_string(settings.shm_budget_bytes / (size > 2 ? 2 : 1));
+  topt["seg_budget"] = std::to_string(budget / (size > 2 ? 2 : 1));
   tcp_ = std::shared_ptr<Transport>(make_transport("tcp", rank, size, topt));
   if (settings.shm && size > 1) shm_ = std::shared_ptr<Transport>(make_transport("shm", rank, size, topt));
   char hn[256] = {0};
@@ -61,6 +69,10 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
       {"host_id", host_id()}, {"hostname", hn}, {"pid", std::to_string(getpid())},
       {"vendor", settings.vendor}, {"tcp", tcp_->address()}};
   if (shm_) mine.emplace_back("shm", shm_->address());
+  // the rings' geometry as asked for (equal asks make equal rings): a neighbour that asked for
+  // another (one process with the device runtime loaded, the other without) is reached over tcp
+  const std::string geometry = topt["slot_bytes"] + "/" + topt["nslots"] + "/" + topt["seg_budget"];
+  mine.emplace_back("shm_geometry", geometry);
   int mail_fd = -1;
   std::vector<std::string> table = join(d, rank, size, encode_kv(mine), bind, settings.timeout_ms, &mail_fd, &listeners_);
   secret_ = d.secret;
@@ -84,7 +96,8 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
     if (p == rank) continue;
     bool neighbour = p == next() || p == prev();
     std::string sa = get(rows[p], "shm");
-    if (shm_ && neighbour && peers[p].host_id == peers[rank].host_id && !sa.empty()) {
+    if (shm_ && neighbour && peers[p].host_id == peers[rank].host_id && !sa.empty() &&
+        get(rows[p], "shm_geometry") == geometry) {
       shm_addr[p] = sa;
       links_[p] = shm_;
     } else {

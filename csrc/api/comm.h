@@ -38,8 +38,9 @@ struct Settings {
   size_t shm_slot_bytes = 0;    // HETCCL_SHM_SLOT_BYTES (0: the transport's default)
   int shm_nslots = 8;           // HETCCL_SHM_NSLOTS
   // HETCCL_SHM_BUDGET_BYTES: the shared memory one rank creates, both neighbours together
-  // (0: 8 MiB; the C API's shm carries host data only, the stream path stages separately)
-  size_t shm_budget_bytes = 8 << 20;
+  // (0: 8 MiB, or 64 MiB in a process that has the device runtime loaded, whose device route
+  // moves large chunks through the rings: comm.cc)
+  size_t shm_budget_bytes = 0;
   int reduce_threads = 0;       // HETCCL_REDUCE_THREADS
   bool check_args = true;       // HETCCL_CHECK_ARGS (off / on; async counts as on here)
   bool shm = true;              // HETCCL_CAPI_SHM: ring neighbours on one host through shm
@@ -59,7 +60,7 @@ struct Settings {
   // HETCCL_STREAM_DEVICE_BYTES: stream-ordered collectives of at least this many bytes (the
   // larger of input and output) take the device route (device_route.h) where the runtime has
   // one; "off" (SIZE_MAX) never
-  size_t stream_device_bytes = 256 << 10;
+  size_t stream_device_bytes = 1 << 20;
   // engine chunk tables: hetccl/tuning.py's HOST, MESSAGE and DEVICE rows (tests/test_capi.py
   // checks they are equal)
   EngineOptions::Table host_chunks, msg_chunks, device_chunks;

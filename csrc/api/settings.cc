@@ -52,8 +52,7 @@ Settings read_settings() {
   s.ifname = env("HETCCL_SOCKET_IFNAME");
   s.shm_slot_bytes = size_t(env_int("HETCCL_SHM_SLOT_BYTES", 0, 0, int64_t(1) << 32));
   s.shm_nslots = int(env_int("HETCCL_SHM_NSLOTS", 8, 2, 1024));
-  s.shm_budget_bytes = size_t(env_int("HETCCL_SHM_BUDGET_BYTES", 0, 0, int64_t(1) << 40));
-  if (!s.shm_budget_bytes) s.shm_budget_bytes = size_t(8) << 20;  // host memory only here
+  s.shm_budget_bytes = size_t(env_int("HETCCL_SHM_BUDGET_BYTES", 0, 0, int64_t(1) << 40));  // 0: comm.cc decides
   s.reduce_threads = int(env_int("HETCCL_REDUCE_THREADS", 0, 0, 1024));
   s.check_args = env_bool("HETCCL_CHECK_ARGS", true);
   s.shm = env_bool("HETCCL_CAPI_SHM", true);

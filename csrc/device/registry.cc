@@ -35,6 +35,16 @@ RuntimeApi runtime_api(const std::string& runtime) {
 
 const char* default_device_runtime() { return "cuda"; }
 
+bool device_runtime_loaded(const std::string& runtime, const std::string& library) {
+  std::string lib = library;
+  if (lib.empty() && runtime == "cuda") lib = "libcuda.so.1";
+  if (lib.empty() && runtime == "hip") lib = "libamdhip64.so";
+  if (lib.empty() || (runtime != "cuda" && runtime != "hip")) return false;
+  void* h = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  if (h) dlclose(h);  // NOLOAD took a reference of its own
+  return h != nullptr;
+}
+
 std::shared_ptr<DeviceOps> make_device_ops(const std::string& runtime, const std::string& library) {
   // library "": the runtime's usual name, the one a process that uses it has loaded
   if (runtime == "cuda") return device::make_cuda_ops(library.empty() ? "libcuda.so.1" : library);
