@@ -5,15 +5,23 @@
 // links' pinned slots, the stream waiting on flag words) and reduces with the device runtime's
 // kernels (device_ops.h, reduce_kernels.cu), all on two streams of the route's own:
 //
-//   caller's stream: write ready=seq | wait done>=seq | write freed=seq
+//   caller's stream: write ready=seq |                                  (then) wait done>=seq | write freed=seq
 //   route's main:                wait ready>=seq | plans' receives, kernels | write done=seq
 //   route's side:                                 plans' sends (forked from and joined into main)
 //   executor thread: argument check (host) -> posts the plans and kernels -> next call
+//   issuing thread:  enqueues write ready, hands the call over, waits until the executor has
+//                    enqueued it, then enqueues the wait for done
 //
 // Contracts:
-//  * The executor never waits for the device: it enqueues and moves on, so the caller's issue
-//    cost is the stream path's (a few stream operations) at any size, and the copies of every
-//    call overlap the enqueueing of the next.
+//  * No stream waits for work submitted after its wait. A stream memory wait blocks its
+//    hardware queue, and streams beyond the device's queues share one (CUDA: 8 per context by
+//    default): had the caller's wait for done been enqueued before the route's work that writes
+//    done, a shared queue deadlocked (seen on one H200: the drop-in's every-family test, three
+//    processes with many process groups). So the issuing thread enqueues its wait only after
+//    the executor has enqueued the call: the caller's issue cost includes the executor's turn
+//    (the argument check's round trip with the peers, and the earlier calls still queued: a
+//    staged call ahead of it waits for its stream's data). The executor never waits for the
+//    device itself.
 //  * Every rank decides the route alike from the call alone (collective, bytes, a stream given,
 //    the runtime's support, the setting); the argument check also compares it, and where a rank
 //    took the host route (a host call, or a runtime without the route) every rank runs the

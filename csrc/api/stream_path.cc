@@ -206,11 +206,11 @@ void StreamPath::issue(StreamJob j) {
   job.seq = seq;
   if (j.device) {
     // Device route: the caller's stream signals that its data is ready and waits until the
-    // route has written the call's results (no staging, no copies on this stream).
+    // route has written the call's results (no staging, no copies on this stream). The wait is
+    // enqueued only once the executor has enqueued the route's work (or refused the call), so
+    // in submission order every work a wait of ours depends on comes first (device_route.h).
     void* s = j.stream;
     ops_->write(s, page_dev_ + (seq % kSlots) * sizeof(uint64_t), seq);
-    ops_->wait_geq(s, done_addr_[seq % kSlots], seq);
-    ops_->write(s, page_dev_ + (kSlots + seq % kSlots) * sizeof(uint64_t), seq);
     ++jobs_;
     ++device_jobs_;
     job.j = std::move(j);
@@ -218,6 +218,12 @@ void StreamPath::issue(StreamJob j) {
     q_.push_back(std::move(job));
     g.unlock();
     cv_.notify_one();
+    {
+      std::unique_lock<std::mutex> w(mu_);
+      route_cv_.wait(w, [&] { return route_enqueued_ >= seq; });
+    }
+    ops_->wait_geq(s, done_addr_[seq % kSlots], seq);
+    ops_->write(s, page_dev_ + (kSlots + seq % kSlots) * sizeof(uint64_t), seq);
     return;
   }
   job.cap = round_cap(j.bytes);
@@ -325,16 +331,20 @@ void StreamPath::run_device_job(Job& job) {
       c_.note_failure(std::current_exception(), true);
     }
   }
+  bool written = false;
   if (enqueued) {
     try {
       ops_->write(d.main, done_addr_[q % kSlots], q);
       executed_.store(q);
-      return;
+      written = true;
     } catch (...) {
       c_.note_failure(std::current_exception(), true);
     }
   }
-  release_done(q);
+  if (!written) release_done(q);
+  std::lock_guard<std::mutex> g(mu_);
+  route_enqueued_ = q;
+  route_cv_.notify_all();
 }
 
 void StreamPath::staged_on(void* stream, const StreamJob& j) {
@@ -443,10 +453,12 @@ void StreamPath::finish(bool abort) {
   }
   cv_.notify_all();
   if (th_.joinable()) th_.join();
-  // Jobs never run (abort): release their streams.
+  // Jobs never run (abort): release their streams (and an issuing thread waiting for one).
   {
     std::lock_guard<std::mutex> g(mu_);
     for (uint64_t s = executed_.load() + 1; s <= issued_; ++s) release_done(s);
+    route_enqueued_ = issued_;
+    route_cv_.notify_all();
   }
   // The device route's streams: every plan they hold ends (or, on abort, is released by the
   // engine's close) before the communicator frees what they copy from.

@@ -154,6 +154,10 @@ class StreamPath {
   std::vector<uint64_t*> done_host_;  // host addresses of the done words
   std::mutex mu_;
   std::condition_variable cv_, host_cv_;
+  // device jobs: the last sequence number whose route work the executor has enqueued (or which
+  // it refused); issue() waits for its own before the caller's stream waits for done
+  std::condition_variable route_cv_;
+  uint64_t route_enqueued_ = 0;
   std::deque<Job> q_;
   uint64_t issued_ = 0;
   std::atomic<uint64_t> executed_{0};
