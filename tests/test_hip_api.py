@@ -2,11 +2,13 @@
 definitions, without an AMD GPU:
 
   * compiled against ROCm's HIP headers (Debian's libamdhip64-dev, ROCm 5.2; or a ROCm install):
-    tests/cpp/hip_api_check.cc static_asserts every constant, opaque type and function prototype;
-    a deliberately wrong constant or prototype must fail that compile (so the check can fail);
+    tests/cpp/hip_api_check.cc static_asserts every constant and opaque type and redeclares every
+    function (HIP's from hip_runtime_api.h, hiprtc's from hiprtc.h) with the table's type; a
+    deliberately wrong constant, prototype or type must fail that compile (so the check can fail);
   * compared with the generated bindings of a current ROCm (rocm-bindings-hip, ROCm 7.x): the
-    table as the compiled module exports it (hetccl._C.runtime_api("hip")) against the bindings' enum and
-    constant values and the prototypes of their cyhip.pxd;
+    table as the compiled module exports it (hetccl._C.runtime_api("hip")) against the bindings'
+    enum and constant values and the prototypes of their cyhip.pxd (HIP) and cyhiprtc.pxd
+    (hiprtc);
   * the HIP runtime module's own code run over tests/cpp/fake_hip.cc, a libamdhip64 stand-in
     built from the same headers that logs each call: the attribute it queries (10013), signal
     memory for wait words (8 bytes, hipMallocSignalMemory), 64-bit Gte waits with every mask bit
@@ -72,9 +74,10 @@ def test_declarations_compile_against_the_hip_headers(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     consts, funcs = _C.runtime_api("hip")
-    m = re.match(r"checked (\d+) constants 6 types (\d+) functions against HIP (\d+)\.(\d+)", out)
+    m = re.match(r"checked (\d+) constants (\d+) types (\d+) functions against HIP (\d+)\.(\d+)", out)
     assert m, out
-    assert (int(m[1]), int(m[2])) == (len(consts), len(funcs)), out  # all of the table
+    assert (int(m[1]), int(m[3])) == (len(consts), len(funcs)), out  # all of the tables
+    assert int(m[2]) >= 11, out  # every opaque type, hiprtc's included
 
 
 @pytest.mark.parametrize("mutation", [
@@ -85,6 +88,18 @@ def test_declarations_compile_against_the_hip_headers(tmp_path):
      "using StreamWaitValue64 = Error(Stream, void*, uint32_t, unsigned int, uint32_t);",
      "hipStreamWaitValue64"),
     ("using Event = void*;      // hipEvent_t", "using Event = int;      // hipEvent_t", "hipEvent_t"),
+    # hiprtc's: a prototype (from hiprtc.h) and an opaque type
+    ("using RtcCompileProgram = RtcResult(RtcProgram, int, Strings);",
+     "using RtcCompileProgram = RtcResult(RtcProgram, unsigned int, Strings);", "hiprtcCompileProgram"),
+    ("using RtcProgram = void*; // hiprtcProgram", "using RtcProgram = long; // hiprtcProgram",
+     "hiprtcProgram"),
+    # a function the C++ headers overload (template <class T> hipMallocAsync(T**, ...) would take
+    # int**): the C redeclaration still refuses it
+    ("using MallocAsync = Error(void**, Size, Stream);", "using MallocAsync = Error(int**, Size, Stream);",
+     "hipMallocAsync"),
+    # a pointer-valued macro's value
+    ("X(HIP_LAUNCH_PARAM_END, kLaunchParamEnd, 0x3)", "X(HIP_LAUNCH_PARAM_END, kLaunchParamEnd, 0x2)",
+     "kLaunchParamEnd"),
 ])
 def test_a_wrong_declaration_fails_the_compile(tmp_path, mutation):
     old, new, named = mutation
@@ -97,18 +112,24 @@ def test_a_wrong_declaration_fails_the_compile(tmp_path, mutation):
 
 _TYPES = {"hipError_t": "Error", "hipStream_t": "Stream", "hipEvent_t": "Event",
           "hipMemcpyKind": "MemcpyKind", "hipDeviceAttribute_t": "DeviceAttr",
-          "hipStreamCaptureStatus": "CaptureStatus",
+          "hipStreamCaptureStatus": "CaptureStatus", "hipModule_t": "Module",
+          "hipFunction_t": "Function", "hiprtcResult": "RtcResult", "hiprtcProgram": "RtcProgram",
           "unsigned": "unsigned int"}
 
 
 def _spell(decl: str, has_name: bool) -> str:
-    """'hipEvent_t * event' -> 'Event*' (hetccl's spelling, hip_api_table.cc)."""
+    """'hipEvent_t * event' -> 'Event*', 'const char *const * options' -> 'const char* const*'
+    (hetccl's spelling, hip_api_table.cc)."""
     t = decl.strip()
     if has_name:
         t = re.sub(r"\s*\b\w+$", "", t)  # drop the parameter name
-    stars = t.count("*")
-    base = " ".join(t.replace("*", " ").split())
-    return _TYPES.get(base, base) + "*" * stars
+    tokens = re.findall(r"\*|\w+", t)
+    first = tokens.index("*") if "*" in tokens else len(tokens)
+    base = " ".join(tokens[:first])
+    out = _TYPES.get(base, base)
+    for tok in tokens[first:]:  # '*', or a qualifier of the pointer before it
+        out += "*" if tok == "*" else " " + tok
+    return out
 
 
 def _pxd_prototypes(text: str) -> dict[str, list[str]]:
@@ -122,13 +143,14 @@ def _pxd_prototypes(text: str) -> dict[str, list[str]]:
 _VALUES = r"""
 import json, sys, enum
 sys.path.insert(0, sys.argv[1])
-from rocm.bindings import hip
+from rocm.bindings import hip, hiprtc
 names = json.loads(sys.argv[2])
 out = {"version": [hip.HIP_VERSION_MAJOR, hip.HIP_VERSION_MINOR]}
-enums = [v for v in vars(hip).values() if isinstance(v, type) and issubclass(v, enum.Enum)]
 for n in names:
-    if hasattr(hip, n) and isinstance(getattr(hip, n), int):
-        out[n] = int(getattr(hip, n))
+    mod = hiprtc if n.lower().startswith("hiprtc") else hip
+    enums = [v for v in vars(mod).values() if isinstance(v, type) and issubclass(v, enum.Enum)]
+    if hasattr(mod, n) and isinstance(getattr(mod, n), int):
+        out[n] = int(getattr(mod, n))
         continue
     for e in enums:
         if n in e.__members__:
@@ -139,10 +161,13 @@ print(json.dumps(out))
 
 
 def test_declarations_match_current_rocm_bindings():
+    """HIP's declarations against cyhip.pxd and the hip module's values, hiprtc's (named
+    hiprtc* / HIPRTC_*, as ROCm names them) against cyhiprtc.pxd and the hiprtc module's."""
     import json
 
     pxd = BINDINGS / "rocm" / "bindings" / "cyhip.pxd"
-    if not pxd.is_file():
+    rtc_pxd = BINDINGS / "rocm" / "bindings" / "cyhiprtc.pxd"
+    if not pxd.is_file() or not rtc_pxd.is_file():
         _missing(f"no ROCm bindings at {BINDINGS} (.ci/setup downloads rocm-bindings-hip)")
     consts, funcs = _C.runtime_api("hip")
     r = subprocess.run([sys.executable, "-c", _VALUES, str(BINDINGS), json.dumps(sorted(consts))],
@@ -153,9 +178,14 @@ def test_declarations_match_current_rocm_bindings():
     assert major >= 6, f"bindings of ROCm {major}.{minor} are not a current generation"
     wrong = {n: (v, values.get(n)) for n, v in consts.items() if values.get(n) != v}
     assert not wrong, f"constants differing from ROCm {major}.{minor} (ours, theirs): {wrong}"
+    assert any(n.startswith("HIPRTC") for n in consts), "no hiprtc constant was compared"
     protos = _pxd_prototypes(pxd.read_text())
+    rtc_protos = _pxd_prototypes(rtc_pxd.read_text())
     assert len(protos) > 300, "the prototype parser found too few functions in cyhip.pxd"
-    bad = {n: (sig, protos.get(n)) for n, sig in funcs.items() if protos.get(n) != sig}
+    assert len(rtc_protos) >= 10, "the prototype parser found too few functions in cyhiprtc.pxd"
+    theirs = {n: (rtc_protos if n.startswith("hiprtc") else protos).get(n) for n in funcs}
+    assert sum(n.startswith("hiprtc") for n in funcs) >= 8, "no hiprtc function was compared"
+    bad = {n: (sig, theirs[n]) for n, sig in funcs.items() if theirs[n] != sig}
     assert not bad, f"prototypes differing from ROCm {major}.{minor} (ours, theirs): {bad}"
 
 
@@ -259,3 +289,4 @@ def test_rocm_seam_opens_the_hip_module(fake_hip, monkeypatch):
     ops = RocmSeam().runtime()
     assert seen == [("libamdhip64.so",)]
     assert (ops.name, ops.memory_type) == ("hip", RocmSeam.memory_type)
+
