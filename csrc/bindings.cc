@@ -415,7 +415,42 @@ PYBIND11_MODULE(_C, m) {
            [](DeviceOps& d) { return reinterpret_cast<uintptr_t>(emulated_stream(d)); },
            "A new stream of the emulated device (tests).")
       .def("synchronize", [](DeviceOps& d, uintptr_t s) { d.sync(as_ptr(s)); }, py::arg("stream"),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      // the device route's calls (device_ops.h; tests drive a runtime module through them)
+      .def("device_route", &DeviceOps::device_route)
+      .def("prepare_kernels", &DeviceOps::prepare_kernels, py::call_guard<py::gil_scoped_release>())
+      .def("current_device", &DeviceOps::current_device)
+      .def("stream_create", [](DeviceOps& d) { return reinterpret_cast<uintptr_t>(d.stream_create()); })
+      .def("stream_destroy", [](DeviceOps& d, uintptr_t s) { d.stream_destroy(as_ptr(s)); }, py::arg("stream"))
+      .def("mem_alloc_async",
+           [](DeviceOps& d, size_t n, uintptr_t s) {
+             return reinterpret_cast<uintptr_t>(d.mem_alloc_async(n, as_ptr(s)));
+           },
+           py::arg("nbytes"), py::arg("stream"))
+      .def("mem_free_async", [](DeviceOps& d, uintptr_t p, uintptr_t s) { d.mem_free_async(as_ptr(p), as_ptr(s)); },
+           py::arg("ptr"), py::arg("stream"))
+      .def("reduce",
+           [](DeviceOps& d, uintptr_t dst, uintptr_t src, size_t count, const std::string& dtype,
+              const std::string& op, uintptr_t s) {
+             d.reduce(as_ptr(dst), as_ptr(src), count, parse_dtype(dtype), parse_op(op), as_ptr(s));
+           },
+           py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"))
+      .def("scale_div",
+           [](DeviceOps& d, uintptr_t p, size_t count, const std::string& dtype, int64_t n, uintptr_t s) {
+             d.scale_div(as_ptr(p), count, parse_dtype(dtype), n, as_ptr(s));
+           },
+           py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("n"), py::arg("stream"))
+      .def("scale_mul",
+           [](DeviceOps& d, uintptr_t p, size_t count, const std::string& dtype, uintptr_t scalar_dev,
+              const std::string& scalar_host, uintptr_t s) {
+             if (!scalar_dev && scalar_host.size() < dtype_size(parse_dtype(dtype)))
+               throw std::invalid_argument("scale_mul: scalar_host has fewer bytes than the dtype");
+             d.scale_mul(as_ptr(p), count, parse_dtype(dtype), as_ptr(scalar_dev),
+                         scalar_dev ? nullptr : scalar_host.data(), as_ptr(s));
+           },
+           py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("scalar_dev"), py::arg("scalar_host"),
+           py::arg("stream"),
+           "scalar_host: the scalar's bytes (used when scalar_dev is 0).");
   m.def("device_ops", &make_device_ops, py::arg("runtime"), py::arg("library") = "");
   m.def("runtime_api",
         [](const std::string& runtime) {

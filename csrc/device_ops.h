@@ -1,8 +1,9 @@
 // hetccl engine: the one seam for vendor device runtimes. One module per runtime, each holding
 // everything vendor-specific about it (csrc/device/):
 //   cuda_ops.cc      the CUDA driver API (NVIDIA), libcuda
-//   hip_ops.cc       the HIP runtime (AMD, ROCm), libamdhip64; declarations in hip_api.h, checked
-//                    against ROCm's own headers and bindings (tests/test_hip_api.py)
+//   hip_ops.cc       the HIP runtime (AMD, ROCm), libamdhip64, and hiprtc for the device route's
+//                    kernels; declarations in hip_api.h, checked against ROCm's own headers and
+//                    bindings (tests/test_hip_api.py)
 //   emulated_ops.cc  host threads as streams (tests: the engine's device protocol without a GPU,
 //                    with CUDA's or HIP's comparison rules)
 //   registry.cc      make_device_ops: runtime name -> module

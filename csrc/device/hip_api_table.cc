@@ -18,6 +18,10 @@ struct KindT {};
 struct AttrT {};
 struct SizeT {};
 struct CaptureT {};
+struct ModuleT {};
+struct FunctionT {};
+struct RtcResultT {};
+struct RtcProgramT {};
 struct Tagged {
   using Error = ErrorT;
   using Stream = StreamT;
@@ -26,6 +30,11 @@ struct Tagged {
   using DeviceAttr = AttrT;
   using Size = SizeT;
   using CaptureStatus = CaptureT;
+  using Module = ModuleT;
+  using Function = FunctionT;
+  using RtcResult = RtcResultT;
+  using RtcProgram = RtcProgramT;
+  using Strings = const char* const*;  // a C type: spelled as such
 };
 
 template <class T> struct Name;
@@ -35,6 +44,7 @@ HETCCL_NAME(ErrorT, "Error")
 HETCCL_NAME(StreamT, "Stream")
 HETCCL_NAME(EventT, "Event")
 HETCCL_NAME(KindT, "MemcpyKind")
+HETCCL_NAME(CaptureT, "CaptureStatus")
 HETCCL_NAME(AttrT, "DeviceAttr")
 HETCCL_NAME(int, "int")
 HETCCL_NAME(unsigned int, "unsigned int")
@@ -45,9 +55,14 @@ HETCCL_NAME(const void*, "const void*")
 HETCCL_NAME(void**, "void**")
 HETCCL_NAME(int*, "int*")
 HETCCL_NAME(const char*, "const char*")
+HETCCL_NAME(char*, "char*")
+HETCCL_NAME(const char* const*, "const char* const*")
+HETCCL_NAME(ModuleT, "Module")
+HETCCL_NAME(FunctionT, "Function")
+HETCCL_NAME(RtcResultT, "RtcResult")
+HETCCL_NAME(RtcProgramT, "RtcProgram")
 #undef HETCCL_NAME
-template <> struct Name<EventT*> { static std::string get() { return "Event*"; } };
-template <> struct Name<CaptureT*> { static std::string get() { return "CaptureStatus*"; } };
+template <class T> struct Name<T*> { static std::string get() { return Name<T>::get() + "*"; } };
 
 template <class F> struct Spell;
 template <class R, class... A>
@@ -63,6 +78,7 @@ std::map<std::string, long long> constants() {
   std::map<std::string, long long> m;
 #define HETCCL_HIP_CONSTANT_ENTRY(hip_name, name, value) m[#hip_name] = name;
   HETCCL_HIP_CONSTANTS(HETCCL_HIP_CONSTANT_ENTRY)
+  HETCCL_HIPRTC_CONSTANTS(HETCCL_HIP_CONSTANT_ENTRY)
 #undef HETCCL_HIP_CONSTANT_ENTRY
   return m;
 }
@@ -72,6 +88,8 @@ std::map<std::string, std::vector<std::string>> functions() {
 #define HETCCL_HIP_FUNCTION_ENTRY(hip_name, type) \
   m[#hip_name] = Spell<Api<Tagged>::type>::get();
   HETCCL_HIP_FUNCTIONS(HETCCL_HIP_FUNCTION_ENTRY)
+  HETCCL_HIP_ROUTE_FUNCTIONS(HETCCL_HIP_FUNCTION_ENTRY)
+  HETCCL_HIPRTC_FUNCTIONS(HETCCL_HIP_FUNCTION_ENTRY)
 #undef HETCCL_HIP_FUNCTION_ENTRY
   return m;
 }

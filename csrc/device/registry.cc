@@ -1,6 +1,7 @@
 // make_device_ops: a runtime's name -> its module (csrc/device/*_ops.cc), and the library
 // helpers the modules share.
 #include <dlfcn.h>
+#include <link.h>
 
 #include "errors.h"
 #include "hip_api.h"
@@ -23,6 +24,29 @@ void* must_symbol(void* lib, const std::string& library, const char* symbol) {
 }
 
 void* symbol_or_null(void* lib, const char* symbol) { return dlsym(lib, symbol); }
+
+void* loaded_library(const std::vector<std::string>& names) {
+  for (const auto& n : names)
+    if (void* lib = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)) return lib;
+  return nullptr;
+}
+
+void* load_first_library(const std::vector<std::string>& names, std::string* why) {
+  for (const auto& n : names) {
+    if (void* lib = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL)) return lib;
+    const char* e = dlerror();  // names the file itself
+    if (why) *why += (why->empty() ? "" : "; ") + (e ? std::string(e) : n + ": not found");
+  }
+  return nullptr;
+}
+
+std::string library_dir(void* lib) {
+  link_map* m = nullptr;
+  if (!lib || dlinfo(lib, RTLD_DI_LINKMAP, &m) != 0 || !m || !m->l_name) return "";
+  std::string path = m->l_name;
+  size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "" : path.substr(0, slash);
+}
 
 }  // namespace device
 
