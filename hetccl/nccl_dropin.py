@@ -71,3 +71,23 @@ def launch_env(flavour: str = "nccl", env: dict | None = None) -> dict:
     real = real_library(flavour)
     env.setdefault(REAL_ENV[flavour], real or "none")
     return env
+
+
+def default_launch(cuda_build: bool, gpus: int) -> tuple[bool, str]:
+    """Whether a launcher (`hetccl run`, `hetccl deepspeed`) puts the drop-in NCCL in front of its
+    workers when neither --dropin nor --torch-face is given, and why, in one line. The drop-in
+    when the machine runs a CUDA build of torch with a GPU, the drop-in is built and the real
+    NCCL is found (torch's nvidia-nccl wheel, or HETCCL_NCCL_LIBRARY): unchanged NCCL programs
+    then keep torch's own "nccl" process group, served across vendors by hetccl's core. The
+    torch face otherwise (CPU machines; ROCm builds, whose torch loads librccl: the RCCL drop-in
+    needs HETCCL_RCCL_LIBRARY and an explicit launch, docs/dropin.md)."""
+    if not cuda_build or gpus < 1:
+        return False, "no CUDA GPU: the torch face (init_process_group redirected to hetccl)"
+    try:
+        library_path("nccl")
+    except FileNotFoundError as e:
+        return False, f"the drop-in is not built ({e}): the torch face"
+    if not real_library("nccl"):
+        return False, ("no real libnccl.so.2 found (torch's nvidia-nccl wheel, or "
+                       "HETCCL_NCCL_LIBRARY): the torch face")
+    return True, "CUDA GPU: the drop-in NCCL in front of every worker (--torch-face for the torch face)"

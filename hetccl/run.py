@@ -51,18 +51,24 @@ def parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
-    p.add_argument("--dropin", action="store_true",
-                   help="hetccl: put the drop-in NCCL (hetccl/dropin/libnccl.so.2) in front of every "
-                        "worker (LD_PRELOAD, HETCCL_NCCL_LIBRARY = the real library) instead of "
-                        "redirecting init_process_group to the torch face: torch's own 'nccl' "
-                        "process group then runs across vendors (CUDA tensors; CPU tensors need "
-                        "gloo as with NCCL)")
+    face = p.add_mutually_exclusive_group()
+    face.add_argument("--dropin", action="store_true",
+                      help="hetccl: put the drop-in NCCL (hetccl/dropin/libnccl.so.2) in front of every "
+                           "worker (LD_PRELOAD, HETCCL_NCCL_LIBRARY = the real library) instead of "
+                           "redirecting init_process_group to the torch face: torch's own 'nccl' "
+                           "process group then runs across vendors (CUDA tensors; CPU tensors need "
+                           "gloo as with NCCL). The default on a machine with a CUDA GPU")
+    face.add_argument("--torch-face", action="store_true",
+                      help="hetccl: redirect init_process_group to the torch face (backend "
+                           "'hetccl') even on a machine with a CUDA GPU (the default elsewhere)")
     p.prog = "hetccl run"
     p.usage = ("hetccl run [--vendors SPLIT] [torchrun options] training_script "
                "[training_script_args ...]")
-    p.description = ("torchrun, with every worker over the hetccl backend: the script runs "
-                     "unchanged (init_process_group('nccl'/'gloo'/...) is redirected to "
-                     "'hetccl'). All torchrun options apply; hetccl adds --vendors.")
+    p.description = ("torchrun, with every worker over hetccl: the script runs unchanged. On a "
+                     "machine with a CUDA GPU the drop-in NCCL serves torch's own 'nccl' process "
+                     "group across vendors; elsewhere (or with --torch-face) "
+                     "init_process_group('nccl'/'gloo'/...) is redirected to 'hetccl'. All "
+                     "torchrun options apply; hetccl adds --vendors, --dropin, --torch-face.")
     return add_vendors_argument(p)
 
 
@@ -79,6 +85,20 @@ def _expected_world(args) -> int | None:
         return nproc * int(nnodes)
     except (TypeError, ValueError):
         return None
+
+
+def default_dropin(announce: bool = False) -> bool:
+    """The launchers' default face (nccl_dropin.default_launch) on this machine; announce: one
+    line on stderr saying which and why."""
+    import torch
+
+    from . import nccl_dropin
+
+    cuda = bool(torch.version.cuda) and torch.cuda.is_available()
+    dropin, why = nccl_dropin.default_launch(cuda, torch.cuda.device_count() if cuda else 0)
+    if announce:
+        print(f"hetccl: {why}", file=sys.stderr, flush=True)
+    return dropin
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,12 +120,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--vendors {args.vendors} covers {sum(split)} ranks, but torchrun starts "
                     f"{world} (--nnodes {args.nnodes} x --nproc-per-node {args.nproc_per_node})")
         os.environ["HETCCL_VENDOR_SPLIT"] = args.vendors
-    if args.dropin:
+    dropin = args.dropin or (not args.torch_face and default_dropin(announce=True))
+    if dropin:
         from . import nccl_dropin
 
         os.environ.update(nccl_dropin.launch_env("nccl"))
         os.environ["HETCCL_DROPIN"] = "1"
-    del args.dropin
+    del args.dropin, args.torch_face
     script = args.training_script
     args.module = True
     args.training_script = "hetccl.shim"

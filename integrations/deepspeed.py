@@ -347,11 +347,13 @@ Does NOT work: `deepspeed --comm_backend hetccl train.py`: the deepspeed launche
 hetccl options (read before user_script only; after it they belong to the script):
   --vendors SPLIT       EMULATION ONLY: vendor split such as 1+1 or 2+2; blocks of consecutive
                         ranks get labels v0, v1, ... (HETCCL_VENDOR). `--vendors=1+1` works too.
-  --comm_backend NAME   backend for the workers (default hetccl; others: DeepSpeed initialises
-                        them itself)
+  --comm_backend NAME   backend for the workers (default: nccl under the drop-in on a machine with
+                        a CUDA GPU, else hetccl; others: DeepSpeed initialises them itself)
   --dropin              the drop-in NCCL (libnccl.so.2) in front of every worker, and DeepSpeed's
                         own nccl backend (default with it) served across vendors by hetccl; with
-                        --vendors the ranks carry emulated vendor labels
+                        --vendors the ranks carry emulated vendor labels. The default on a
+                        machine with a CUDA GPU (and the real NCCL found)
+  --torch-face          the torch face (backend hetccl) even on a machine with a CUDA GPU
 All other options are the deepspeed launcher's (listed below, from `deepspeed --help`).
 """
 
@@ -382,8 +384,8 @@ def _split_wrapper_args(argv: list[str]) -> tuple[dict, list[str]]:
     while i < len(argv):
         tok = argv[i]
         name, eq, val = tok.partition("=")
-        if tok == "--dropin":
-            opts["dropin"] = "1"
+        if tok in ("--dropin", "--torch-face"):
+            opts[tok[2:]] = "1"
             i += 1
             continue
         if name in ("--comm_backend", "--vendors"):
@@ -400,6 +402,20 @@ def _split_wrapper_args(argv: list[str]) -> tuple[dict, list[str]]:
         kept.append(tok)
         i += 1
     return opts, kept
+
+
+def _use_dropin(opts: dict) -> bool:
+    """--dropin, or the launchers' default on this machine (hetccl.run.default_dropin: the drop-in
+    on a machine with a CUDA GPU) when neither --torch-face nor a --comm_backend is given."""
+    if "dropin" in opts and "torch-face" in opts:
+        raise SystemExit("hetccl deepspeed: --dropin and --torch-face exclude each other")
+    if "dropin" in opts:
+        return True
+    if "torch-face" in opts or "comm_backend" in opts:  # a backend named: as named
+        return False
+    from hetccl.run import default_dropin
+
+    return default_dropin()
 
 
 def _worker_module() -> str:
@@ -423,7 +439,7 @@ def launcher_argv(argv: list[str]) -> list[str]:
     if not any(not a.startswith("-") for a in argv):
         return argv
     opts, rest = _split_wrapper_args(argv)
-    dropin = "dropin" in opts
+    dropin = _use_dropin(opts)
     if dropin and opts.get("comm_backend", "nccl") != "nccl":
         raise SystemExit(f"hetccl deepspeed: --dropin serves DeepSpeed's own nccl backend; it "
                          f"cannot be combined with --comm_backend {opts['comm_backend']}")
@@ -518,7 +534,7 @@ def launcher_env(argv: list[str]) -> dict:
     nodes of a multi-node launch DeepSpeed forwards only the variables of .deepspeed_env: put
     these there (`hetccl doctor` prints the LD_PRELOAD line)."""
     opts, _ = _split_wrapper_args(argv) if argv else ({}, [])
-    if "dropin" not in opts:
+    if not _use_dropin(opts):
         return {}
     from hetccl import nccl_dropin
 

@@ -344,3 +344,25 @@ def test_no_deepspeed_segments_left_in_dev_shm(backend):
     for r in res:
         assert r["left"] == [], r
         assert r["sum"] == 1000 * 3, r
+
+
+def test_launcher_default_face(monkeypatch):
+    """Neither --dropin nor --torch-face: the drop-in on a machine with a CUDA GPU (as if
+    --dropin), the torch face elsewhere; --torch-face and a named --comm_backend keep the face
+    (or the named backend); --dropin with --torch-face is refused."""
+    import hetccl.run as hrun
+
+    mod = hds._worker_module()
+    argv = ["--vendors", "1+1", "--num_gpus", "2", "train.py"]
+    monkeypatch.setattr(hrun, "default_dropin", lambda announce=False: True)
+    assert hds.launcher_argv(argv)[5:8] == ["--comm_backend", "nccl", "--vendors"]
+    assert "--dropin" in hds.launcher_argv(argv) and hds.launcher_env(argv)["HETCCL_DROPIN"] == "1"
+    face = ["--torch-face", *argv]
+    assert hds.launcher_argv(face) == ["--num_gpus", "2", "--module", mod, "--hetccl_worker",
+                                       "--comm_backend", "hetccl", "--vendors", "1+1", "--", "train.py"]
+    assert hds.launcher_env(face) == {}
+    assert hds.launcher_env(["--comm_backend", "nccl", "--num_gpus", "2", "train.py"]) == {}
+    with pytest.raises(SystemExit, match="exclude each other"):
+        hds.launcher_argv(["--dropin", "--torch-face", "train.py"])
+    monkeypatch.setattr(hrun, "default_dropin", lambda announce=False: False)
+    assert "--dropin" not in hds.launcher_argv(argv) and hds.launcher_env(argv) == {}

@@ -416,7 +416,7 @@ def check_deepspeed_stage(runs: dict, stage: int, backend: str, name: str) -> No
 
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory):
-    return deepspeed_pair(str(tmp_path_factory.mktemp("ds")))
+    return deepspeed_pair(str(tmp_path_factory.mktemp("ds")), ["--torch-face"])
 
 
 @needs_ds

@@ -240,3 +240,25 @@ def test_listed_gpus_that_do_not_exist_are_dropped(monkeypatch):
     assert note and env["CUDA_VISIBLE_DEVICES"] == "0" and env["LOCAL_RANK"] == "0", env
     monkeypatch.setattr(seam, "count_devices", classmethod(lambda cls: -1))  # cannot count
     assert seam.visible_devices({"CUDA_VISIBLE_DEVICES": "0,1"}) == ["0", "1"]
+
+
+def test_default_face_follows_the_machine(monkeypatch, tmp_path):
+    """nccl_dropin.default_launch: the drop-in only with a CUDA build, a GPU, the built drop-in
+    and the real NCCL found, each missing piece named; `hetccl run` without --dropin /
+    --torch-face follows it (here: no CUDA, so the torch face)."""
+    from hetccl import nccl_dropin
+    import hetccl.run as hrun
+
+    real = tmp_path / "libnccl.so.2"
+    real.write_bytes(b"")
+    monkeypatch.setenv("HETCCL_NCCL_LIBRARY", str(real))
+    assert nccl_dropin.default_launch(True, 1)[0] is True
+    assert nccl_dropin.default_launch(False, 1) == (False, nccl_dropin.default_launch(True, 0)[1])
+    assert "no CUDA GPU" in nccl_dropin.default_launch(False, 0)[1]
+    monkeypatch.setenv("HETCCL_NCCL_LIBRARY", "none")
+    dropin, why = nccl_dropin.default_launch(True, 1)
+    assert not dropin and "no real libnccl.so.2" in why
+    monkeypatch.delenv("HETCCL_NCCL_LIBRARY")
+    assert hrun.default_dropin() is False  # this machine: no CUDA GPU
+    with pytest.raises(SystemExit):
+        hrun.parser().parse_args(["--dropin", "--torch-face", "x.py"])
