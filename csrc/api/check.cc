@@ -5,7 +5,8 @@
 //  1. summary (the common case): an all_reduce (MIN, int64) of 12 values per rank: each field,
 //     its bitwise complement (so the minimum of those is the complement of the maximum), the
 //     complement of the rank's refusal kind, and whether it took the device route (the minimum
-//     says whether every rank did: device_route.h; never a mismatch). Where every field's minimum equals its maximum
+//     says whether every rank did: device_route.h; never a mismatch). It travels on the
+//     transports' tagged path, beside the engine's rings (summary_min). Where every field's minimum equals its maximum
 //     and no rank refused, the call proceeds: O(1) bytes and the latency all_reduce's O(log n)
 //     steps and peers per rank, whatever n (recursive doubling, folded when n is not 2^m).
 //  2. headers (a mismatch or a refusal somewhere, every rank knows it from round 1): every rank's
@@ -19,6 +20,7 @@
 // Trade-off: one small all_reduce per collective (HETCCL_CHECK_ARGS=0 removes it; a rank's own
 // refusal then returns at once on that rank only, and its peers wait until the timeout, as with
 // NCCL).
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -38,6 +40,59 @@ struct Header {
 static_assert(sizeof(Header) == 256, "fixed-size header");
 
 const char* kFields[] = {"collective", "count", "dtype", "op", "root"};
+
+// The summary's all_reduce (MIN, int64): recursive doubling with MPICH's fold for n not a power
+// of two (coll_allreduce_rd.cc's steps), each step one exchange on the transports' tagged path
+// (Comm::post_tagged) rather than an engine plan: the check of a call must not wait for ring
+// slots that an earlier device-route call's chunks still hold until its stream runs
+// (device_route.h), or every call would wait for the one before it.
+void summary_min(Comm& c, int64_t* v, size_t count) {
+  const int n = c.size, r = c.rank;
+  uint64_t seq = c.begin();
+  if (n == 1) return;
+  const size_t nb = count * sizeof(int64_t);
+  std::vector<int64_t> theirs(count);
+  auto xchg = [&](uint32_t step, int peer, bool send, bool recv) {
+    RequestPtr rs, rr;
+    if (recv) rr = c.post_tagged(peer, false, theirs.data(), nb, Comm::tag(seq, step, true));
+    if (send) rs = c.post_tagged(peer, true, v, nb, Comm::tag(seq, step, true));
+    if (rr) rr->wait(c.settings.timeout_ms);
+    if (rs) rs->wait(c.settings.timeout_ms);
+    if (rr)
+      for (size_t i = 0; i < count; ++i) v[i] = std::min(v[i], theirs[i]);
+  };
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  const int rem = n - p;
+  const uint32_t out_step = 1 + uint32_t(__builtin_ctz(unsigned(p)));
+  int vr;
+  if (r < 2 * rem) {
+    if (r % 2 == 0) {
+      xchg(0, r + 1, true, false);
+      vr = -1;
+    } else {
+      xchg(0, r - 1, false, true);
+      vr = r / 2;
+    }
+  } else {
+    vr = r - rem;
+  }
+  if (vr >= 0) {
+    uint32_t st = 1;
+    for (int d = 1; d < p; d <<= 1, ++st) {
+      int pv = vr ^ d;
+      xchg(st, pv < rem ? 2 * pv + 1 : pv + rem, true, true);
+    }
+  }
+  if (r < 2 * rem) {
+    if (r % 2) {
+      xchg(out_step, r - 1, true, false);
+    } else {  // the result, as it is (no reduction into it)
+      RequestPtr rr = c.post_tagged(r + 1, false, v, nb, Comm::tag(seq, out_step, true));
+      rr->wait(c.settings.timeout_ms);
+    }
+  }
+}
 
 std::string value(int field, int64_t v) {
   return field == 0 ? coll_name(Coll(v)) : std::to_string(v);
@@ -75,7 +130,7 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
     v[10] = ~f[5];
     v[11] = device_route ? 1 : 0;  // its minimum: 1 only where every rank took the device route
     ++c.algo_runs["check_summary"];
-    all_reduce_recursive_doubling(c, v, v, 12, DType::INT64, sizeof(int64_t), ReduceOp::MIN);
+    summary_min(c, v, 12);
     bool agree = ~v[10] == 0;
     for (int i = 0; i < 5; ++i) agree = agree && v[i] == ~v[5 + i];
     if (all_device) *all_device = v[11] == 1;

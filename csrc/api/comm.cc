@@ -245,6 +245,11 @@ RequestPtr Comm::post_recv(int peer, void* buf, size_t nbytes) {
   return link(peer).irecv(peer, buf, nbytes, kP2PTag);
 }
 
+RequestPtr Comm::post_tagged(int peer, bool send, void* buf, size_t nbytes, uint64_t tag) {
+  const uint64_t t = kP2PTag | tag;
+  return send ? link(peer).isend(peer, buf, nbytes, t) : link(peer).irecv(peer, buf, nbytes, t);
+}
+
 void Comm::mark_broken(hetcclResult_t code, const std::string& text) {
   {
     std::lock_guard<std::mutex> g(broken_mu_);

@@ -121,6 +121,12 @@ class Comm {
   // Point to point (the transport's tagged path, tag space of its own: FIFO per pair).
   RequestPtr post_send(int peer, const void* buf, size_t nbytes);
   RequestPtr post_recv(int peer, void* buf, size_t nbytes);
+  // A small message of the communicator's own on the transport's tagged path, beside the
+  // engine's rings (shm: the tagged ring, not the zero-copy one), so it never queues behind
+  // plans that hold a link's ring slots (a device-route call's chunks wait there for the
+  // stream). tag: a Comm::tag of this call; the point-to-point bit keeps it apart from the
+  // engine's tags, and the low bits from the users' point-to-point messages.
+  RequestPtr post_tagged(int peer, bool send, void* buf, size_t nbytes, uint64_t tag);
 
   // Failure state: after a non-argument error every call fails at once with it. Thread-safe
   // (the stream path's executor breaks the communicator while the caller issues).
