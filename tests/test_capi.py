@@ -22,7 +22,9 @@ SPLITS = {"1": ["a"], "1+1": ["a", "b"], "2+1": ["a", "a", "b"], "1+1+1": ["a", 
           "3+2+2": ["a", "a", "a", "b", "b", "c", "c"]}
 
 
-def launch(tmp_path, split: str, mode: str, env=None, timeout=240, **extra):
+def launch(tmp_path, split: str, mode: str, env=None, timeout=240, worker="capi_worker.py", **extra):
+    """Every rank of `split` as a process running `worker` (tests/<worker> <job.json>), vendor
+    labels by HETCCL_VENDOR; returns ({rank: its JSON result}, processes, logs)."""
     labels = SPLITS[split]
     n = len(labels)
     uid = capi.unique_id().hex()
@@ -34,7 +36,7 @@ def launch(tmp_path, split: str, mode: str, env=None, timeout=240, **extra):
             json.dump({"uid": uid, "rank": r, "n": n, "mode": mode, "out": out, "labels": labels,
                        **extra}, f)
         e = {**os.environ, "HETCCL_VENDOR": lab, **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "capi_worker.py"), cfg],
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, worker), cfg],
                                       env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         outs.append(out)
     end = time.monotonic() + timeout

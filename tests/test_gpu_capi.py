@@ -6,17 +6,13 @@ every call with data) or the default switch point (staged below it, device above
 1+1+1 emulated vendors whose processes share the one GPU (tests/capi_cuda.py)."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from test_capi import launch
 
-from hetccl import capi  # noqa: E402
+torch = pytest.importorskip("torch")
 
 # HETCCL_GPU_SUITE_DEVICE=cpu runs the same harness on the CPU machine (CPU tensors, the
 # emulated runtime), as tests/test_gpu_suite.py does: a check of the harness, not of CUDA.
@@ -26,43 +22,18 @@ pytestmark = [
     pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA (the GPU box)"),
 ]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _launch(tmp_path, labels, env, timeout=300):
-    n = len(labels)
-    uid = capi.unique_id().hex()
-    procs, outs = [], []
-    for r, lab in enumerate(labels):
-        out, cfg = str(tmp_path / f"r{r}.json"), str(tmp_path / f"r{r}.cfg")
-        json.dump({"uid": uid, "rank": r, "n": n, "out": out, "labels": labels, "device": DEVICE},
-                  open(cfg, "w"))
-        e = {**os.environ, "HETCCL_VENDOR": lab, "HETCCL_TIMEOUT_S": "60", **env}
-        if DEVICE == "cpu":
-            e["HETCCL_CAPI_DEVICE"] = "emulated"
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "capi_cuda.py"), cfg], env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outs.append(out)
-    end = time.monotonic() + timeout
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=max(1, end - time.monotonic()))[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{labels}: ranks did not finish within {timeout} s")
-    res = {r: json.load(open(o)) for r, o in enumerate(outs) if os.path.exists(o)}
-    assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
-    return res
-
 
 @pytest.mark.parametrize("route", ["device", "auto"])
 @pytest.mark.parametrize("split", ["1+1", "1+1+1"])
 def test_capi_cases_on_cuda(tmp_path, split, route):
-    labels = [f"v{g}" for g, k in enumerate(split.split("+")) for _ in range(int(k))]
-    env = {"HETCCL_STREAM_DEVICE_BYTES": "1"} if route == "device" else {}
-    res = _launch(tmp_path, labels, env)
+    env = {"HETCCL_TIMEOUT_S": "60"}
+    if route == "device":
+        env["HETCCL_STREAM_DEVICE_BYTES"] = "1"
+    if DEVICE == "cpu":
+        env["HETCCL_CAPI_DEVICE"] = "emulated"
+    res, procs, logs = launch(tmp_path, split, "cuda", env=env, timeout=300, worker="capi_cuda.py",
+                              device=DEVICE)
+    assert sorted(res) == list(range(len(split.split("+")))), "\n".join(logs)[-4000:]
     bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
     assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
     assert len(res[0]["cases"]) > 200 and "cuda/burst40" in res[0]["cases"]

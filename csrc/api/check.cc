@@ -47,51 +47,18 @@ const char* kFields[] = {"collective", "count", "dtype", "op", "root"};
 // slots that an earlier device-route call's chunks still hold until its stream runs
 // (device_route.h), or every call would wait for the one before it.
 void summary_min(Comm& c, int64_t* v, size_t count) {
-  const int n = c.size, r = c.rank;
   uint64_t seq = c.begin();
-  if (n == 1) return;
   const size_t nb = count * sizeof(int64_t);
   std::vector<int64_t> theirs(count);
-  auto xchg = [&](uint32_t step, int peer, bool send, bool recv) {
+  recursive_doubling(c.size, c.rank, [&](uint32_t step, int peer, bool send, bool recv, bool combine) {
     RequestPtr rs, rr;
-    if (recv) rr = c.post_tagged(peer, false, theirs.data(), nb, Comm::tag(seq, step, true));
+    if (recv) rr = c.post_tagged(peer, false, combine ? theirs.data() : v, nb, Comm::tag(seq, step, true));
     if (send) rs = c.post_tagged(peer, true, v, nb, Comm::tag(seq, step, true));
     if (rr) rr->wait(c.settings.timeout_ms);
     if (rs) rs->wait(c.settings.timeout_ms);
-    if (rr)
+    if (recv && combine)
       for (size_t i = 0; i < count; ++i) v[i] = std::min(v[i], theirs[i]);
-  };
-  int p = 1;
-  while (p * 2 <= n) p *= 2;
-  const int rem = n - p;
-  const uint32_t out_step = 1 + uint32_t(__builtin_ctz(unsigned(p)));
-  int vr;
-  if (r < 2 * rem) {
-    if (r % 2 == 0) {
-      xchg(0, r + 1, true, false);
-      vr = -1;
-    } else {
-      xchg(0, r - 1, false, true);
-      vr = r / 2;
-    }
-  } else {
-    vr = r - rem;
-  }
-  if (vr >= 0) {
-    uint32_t st = 1;
-    for (int d = 1; d < p; d <<= 1, ++st) {
-      int pv = vr ^ d;
-      xchg(st, pv < rem ? 2 * pv + 1 : pv + rem, true, true);
-    }
-  }
-  if (r < 2 * rem) {
-    if (r % 2) {
-      xchg(out_step, r - 1, true, false);
-    } else {  // the result, as it is (no reduction into it)
-      RequestPtr rr = c.post_tagged(r + 1, false, v, nb, Comm::tag(seq, out_step, true));
-      rr->wait(c.settings.timeout_ms);
-    }
-  }
+  });
 }
 
 std::string value(int field, int64_t v) {

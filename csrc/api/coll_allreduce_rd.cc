@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "comm.h"
+#include "ring.h"
 
 namespace hetccl {
 namespace api {
@@ -29,36 +30,13 @@ void all_reduce_recursive_doubling(Comm& c, const void* send, void* recv, size_t
   const size_t nb = count * es;
   std::vector<char> theirs(nb);
   ReduceOp pairwise = op == ReduceOp::AVG ? ReduceOp::SUM : op;
-  int p = 1;
-  while (p * 2 <= n) p *= 2;
-  const int rem = n - p;
-  const uint32_t out_step = 1 + uint32_t(__builtin_ctz(unsigned(p)));  // after the doubling
-  int v;  // virtual rank among the p doubling ranks, -1: sits out
-  if (r < 2 * rem) {
-    if (r % 2 == 0) {
-      c.step(Comm::tag(seq, 0), {{r + 1, true, buf, nb}});
-      v = -1;
-    } else {
-      c.step(Comm::tag(seq, 0), {{r - 1, false, theirs.data(), nb}});
-      reduce_into(pairwise, dt, buf, theirs.data(), count, c.settings.reduce_threads);
-      v = r / 2;
-    }
-  } else {
-    v = r - rem;
-  }
-  if (v >= 0) {
-    uint32_t s = 1;
-    for (int d = 1; d < p; d <<= 1, ++s) {
-      int pv = v ^ d;
-      int peer = pv < rem ? 2 * pv + 1 : pv + rem;
-      c.step(Comm::tag(seq, s), {{peer, true, buf, nb}, {peer, false, theirs.data(), nb}});
-      reduce_into(pairwise, dt, buf, theirs.data(), count, c.settings.reduce_threads);
-    }
-  }
-  if (r < 2 * rem) {
-    if (r % 2) c.step(Comm::tag(seq, out_step), {{r - 1, true, buf, nb}});
-    else c.step(Comm::tag(seq, out_step), {{r + 1, false, buf, nb}});
-  }
+  recursive_doubling(n, r, [&](uint32_t s, int peer, bool send, bool recv, bool combine) {
+    std::vector<Comm::Item> items;
+    if (send) items.push_back({peer, true, buf, nb});
+    if (recv) items.push_back({peer, false, combine ? theirs.data() : buf, nb});
+    c.step(Comm::tag(seq, s), items);
+    if (recv && combine) reduce_into(pairwise, dt, buf, theirs.data(), count, c.settings.reduce_threads);
+  });
   if (op == ReduceOp::AVG) scale_div(dt, buf, count, n, c.settings.reduce_threads);
 }
 

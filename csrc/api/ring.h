@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 
 namespace hetccl {
 namespace api {
@@ -22,6 +23,44 @@ inline int binomial_span(int v, int n) {
   int top = 1;
   while (top < n) top <<= 1;
   return top;
+}
+
+// Recursive doubling among the largest power of two p <= n ranks, with MPICH's fold for the
+// rem = n - p others (coll_allreduce_rd.cc describes the steps): calls
+// xchg(step, peer, send, recv) for this rank's exchanges in order -- send: this rank sends its
+// buffer; recv: it receives the peer's and combines it into its own, except at the fold out,
+// where an even rank of the first 2*rem receives the result as it is (combine = false).
+// Shared by the all_reduce (engine plans) and the argument check's summary (tagged messages).
+template <class F>
+void recursive_doubling(int n, int r, F&& xchg) {
+  if (n == 1) return;
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  const int rem = n - p;
+  const uint32_t out_step = 1 + uint32_t(__builtin_ctz(unsigned(p)));
+  int v;  // virtual rank among the p doubling ranks, -1: sits out
+  if (r < 2 * rem) {
+    if (r % 2 == 0) {
+      xchg(0u, r + 1, true, false, true);
+      v = -1;
+    } else {
+      xchg(0u, r - 1, false, true, true);
+      v = r / 2;
+    }
+  } else {
+    v = r - rem;
+  }
+  if (v >= 0) {
+    uint32_t s = 1;
+    for (int d = 1; d < p; d <<= 1, ++s) {
+      int pv = v ^ d;
+      xchg(s, pv < rem ? 2 * pv + 1 : pv + rem, true, true, true);
+    }
+  }
+  if (r < 2 * rem) {
+    if (r % 2) xchg(out_step, r - 1, true, false, true);
+    else xchg(out_step, r + 1, false, true, false);
+  }
 }
 
 }  // namespace api
