@@ -802,6 +802,39 @@ def run_death_stream(comm, rank, n, args):
     return out
 
 
+def run_abort_hung(comm, rank, n, args):
+    """Rank 0 calls a collective that rank 1 never joins (rank 1 sleeps, alive), and another
+    thread of rank 0 aborts the communicator after 1 s, as torch's watchdog calls ncclCommAbort
+    while the main thread waits in NCCL: the call returns an error and the abort returns, both at
+    once, and nothing is touched after it was freed (the process exits cleanly)."""
+    if rank != 0:
+        time.sleep(args.get("sleep_s", 20))
+        os._exit(0)
+    out = {}
+
+    def aborter():
+        time.sleep(1.0)
+        t0 = time.time()
+        comm.abort()
+        out["abort_s"] = time.time() - t0
+    th = threading.Thread(target=aborter)
+    th.start()
+    x = np.ones(1 << 16, np.float32)
+    t0 = time.time()
+    try:
+        if args.get("stream"):
+            s = comm.stream_create()
+            comm.all_reduce(x, x, x.size, "float32", "sum", stream=s)
+        else:
+            comm.all_reduce(x, x, x.size, "float32", "sum")
+        out["call"] = "returned without an error"
+    except capi.HetcclError as e:
+        out["call"], out["code"] = e.text, e.code
+    out["call_s"] = time.time() - t0
+    th.join()
+    return out
+
+
 def main():
     global capi
     args = json.load(open(sys.argv[1]))
@@ -844,6 +877,8 @@ def main():
         res = run_death(comm, rank, n, args)
     elif args["mode"] == "death_stream":
         res = run_death_stream(comm, rank, n, args)
+    elif args["mode"] == "abort_hung":
+        res = run_abort_hung(comm, rank, n, args)
     elif args["mode"] == "shrink":
         res = run_shrink(comm, rank, n)
         comm.destroy()

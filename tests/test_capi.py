@@ -225,6 +225,23 @@ def test_killed_peer_during_stream_calls(tmp_path, route):
         assert (int(d["info"]["stream_device_jobs"]) > 0) == (route == "device"), d["info"]
 
 
+@pytest.mark.parametrize("call", ["host", "device_route"])
+def test_abort_from_another_thread_ends_a_hung_call(tmp_path, call):
+    """hetcclCommAbort on another thread while a call waits for a peer that never joins (alive,
+    not dead: nothing fails on its own before the timeout): the call returns an error at once
+    and the abort returns at once -- a host call waiting in the argument check, and a device
+    route call whose issuing thread waits for the executor -- and the communicator is freed only
+    after the call left it (the process exits cleanly)."""
+    env = {"HETCCL_TIMEOUT_S": "60", "HETCCL_CAPI_DEVICE": "emulated", "HETCCL_STREAM_DEVICE_BYTES": "1"}
+    res, procs, logs = launch(tmp_path, "1+1", "abort_hung", env=env, timeout=60,
+                              stream=call == "device_route", sleep_s=8)
+    assert procs[0].returncode == 0, "\n".join(logs)[-3000:]
+    d = res.get(0)
+    assert d is not None, "\n".join(logs)[-3000:]
+    assert "abort" in d["call"] and d["code"] != capi.SUCCESS, d
+    assert d["call_s"] < 4 and d["abort_s"] < 4, d
+
+
 @pytest.mark.parametrize("split", ["1+1+1", "2+2", "3+2+2"])
 def test_shrink(tmp_path, split):
     """hetcclCommShrink on a healthy communicator: the last rank left out, then the first (the

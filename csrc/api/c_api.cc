@@ -88,6 +88,7 @@ hetcclResult_t run(hetcclComm* comm, const char* what, const std::function<void(
   if (!comm || !comm->c)
     return fail(comm, hetcclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL");
   Comm& c = *comm->c;
+  Comm::CallGuard in_call(c);  // hetcclCommAbort from another thread waits for it to leave
   if (c.broken_code() != hetcclSuccess)
     return fail(comm, c.broken_code(), std::string("hetccl: ") + what +
                                            ": the communicator is unusable after an earlier failure: " +
@@ -393,7 +394,13 @@ hetcclResult_t hetcclCommDestroy(hetcclComm_t comm) {
 
 hetcclResult_t hetcclCommAbort(hetcclComm_t comm) {
   if (!comm) return fail(nullptr, hetcclInvalidArgument, "hetccl: hetcclCommAbort: comm is NULL");
-  if (comm->c) comm->c->abort();
+  if (comm->c) {
+    // Another thread may be inside a call on this communicator (torch's watchdog aborts while
+    // the main thread waits in a collective): end its waits first, let it return, then free.
+    comm->c->interrupt();
+    comm->c->wait_calls_left();
+    comm->c->abort();
+  }
   delete comm->c;
   delete comm;
   return hetcclSuccess;
@@ -807,7 +814,7 @@ void run_p2p(Comm& c, const std::vector<P2P>& ops, const std::vector<char*>& buf
     reqs.push_back(ops[i].send ? c.post_send(ops[i].peer, bufs[i], ops[i].nbytes)
                                : c.post_recv(ops[i].peer, bufs[i], ops[i].nbytes));
   for (size_t i = 0; i < ops.size(); ++i)
-    check_size(ops[i].send, ops[i].peer, reqs[i]->wait(c.settings.timeout_ms), ops[i].nbytes);
+    check_size(ops[i].send, ops[i].peer, c.wait_request(reqs[i]), ops[i].nbytes);
 }
 
 // Sends to and receives from this rank itself (NCCL allows them, in one group): matched in

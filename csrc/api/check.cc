@@ -54,8 +54,8 @@ void summary_min(Comm& c, int64_t* v, size_t count) {
     RequestPtr rs, rr;
     if (recv) rr = c.post_tagged(peer, false, combine ? theirs.data() : v, nb, Comm::tag(seq, step, true));
     if (send) rs = c.post_tagged(peer, true, v, nb, Comm::tag(seq, step, true));
-    if (rr) rr->wait(c.settings.timeout_ms);
-    if (rs) rs->wait(c.settings.timeout_ms);
+    if (rr) c.wait_request(rr);
+    if (rs) c.wait_request(rs);
     if (recv && combine)
       for (size_t i = 0; i < count; ++i) v[i] = std::min(v[i], theirs[i]);
   });

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "../common.h"
 #include "../crash.h"
@@ -160,9 +161,23 @@ std::string Comm::mail_from(int leader, uint64_t key) {
   return mailbox_->wait(key, settings.timeout_ms, "rank " + std::to_string(leader) + " (the shrink's leader) to send the new communicator's id");
 }
 
+void Comm::interrupt() {
+  aborting_.store(true);
+  if (stream_path_) stream_path_->request_abort();
+  if (engine_) engine_->close();  // fails what the executor and the issuing thread wait for
+}
+
+void Comm::wait_calls_left() {
+  // bounded: every wait of a call in progress ends at once after interrupt(); a call that does
+  // not return in time is reported, and the communicator freed anyway (as before)
+  for (int i = 0; i < 30000 && calls_.load() > 0; ++i) usleep(1000);
+  if (calls_.load() > 0) log_warn("capi", "hetcclCommAbort: a call on the communicator did not return in 30 s");
+}
+
 void Comm::abort() {
   if (closed_) return;
   closed_ = true;
+  aborting_.store(true);
   if (stream_path_) stream_path_->request_abort();
   if (engine_) engine_->close();  // fails what the executor is waiting for
   stream_path_.reset();           // joins it, releasing every stream
@@ -243,6 +258,22 @@ RequestPtr Comm::post_send(int peer, const void* buf, size_t nbytes) {
 
 RequestPtr Comm::post_recv(int peer, void* buf, size_t nbytes) {
   return link(peer).irecv(peer, buf, nbytes, kP2PTag);
+}
+
+size_t Comm::wait_request(const RequestPtr& req) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(settings.timeout_ms);
+  for (;;) {
+    if (aborting_.load()) throw CommError("hetccl: the communicator was aborted");
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now()).count();
+    try {
+      return req->wait(std::max<int64_t>(0, std::min<int64_t>(left, 50)));
+    } catch (const CommTimeout&) {
+      if (left <= 50)
+        throw CommTimeout("hetccl: Timed out after " + std::to_string(settings.timeout_ms) +
+                          " ms waiting for peer rank " + std::to_string(req->peer()) + " (" +
+                          std::to_string(req->posted_nbytes()) + " bytes)");
+    }
+  }
 }
 
 RequestPtr Comm::post_tagged(int peer, bool send, void* buf, size_t nbytes, uint64_t tag) {

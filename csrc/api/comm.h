@@ -127,6 +127,11 @@ class Comm {
   // stream). tag: a Comm::tag of this call; the point-to-point bit keeps it apart from the
   // engine's tags, and the low bits from the users' point-to-point messages.
   RequestPtr post_tagged(int peer, bool send, void* buf, size_t nbytes, uint64_t tag);
+  // Waits for a transport request of the communicator's own (the check's summary, host point to
+  // point) up to the timeout, in slices, so that an abort from another thread (torch's watchdog
+  // calling ncclCommAbort on a hung peer) ends the wait at once instead of after the timeout:
+  // throws CommError then. Returns the bytes transferred.
+  size_t wait_request(const RequestPtr& req);
 
   // Failure state: after a non-argument error every call fails at once with it. Thread-safe
   // (the stream path's executor breaks the communicator while the caller issues).
@@ -156,6 +161,17 @@ class Comm {
 
   std::string info();
   void abort();
+  // hetcclCommAbort from another thread than a call in progress: interrupt() ends every wait of
+  // the communicator at once (the executor's, the issuing thread's, the engine's plans: each
+  // fails with "aborted"), wait_calls_left() waits until every C API call that entered has
+  // returned, and only then is the communicator torn down and freed.
+  void interrupt();
+  void wait_calls_left();
+  struct CallGuard {  // one C API call in progress (c_api.cc run())
+    explicit CallGuard(Comm& c) : c_(c) { c_.calls_.fetch_add(1); }
+    ~CallGuard() { c_.calls_.fetch_sub(1); }
+    Comm& c_;
+  };
 
   // hetcclCommShrink (c_api.cc): the key of a shrink that excludes `excluded` (sorted): the
   // set and how many shrinks of this set this rank made before. Every survivor of a set takes
@@ -179,6 +195,8 @@ class Comm {
   std::string broken_text_;
   std::unique_ptr<StreamPath> stream_path_;
   bool closed_ = false;
+  std::atomic<bool> aborting_{false};  // set first by interrupt() / abort(): wait_request gives up
+  std::atomic<int> calls_{0};          // C API calls in progress (CallGuard)
   std::string secret_;                  // the unique id's: authenticates mail between ranks
   std::vector<std::string> listeners_;  // every rank's bootstrap listener (its mailbox)
   std::unique_ptr<Mailbox> mailbox_;    // this rank's, for the communicator's life

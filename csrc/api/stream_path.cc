@@ -220,7 +220,8 @@ void StreamPath::issue(StreamJob j) {
     cv_.notify_one();
     {
       std::unique_lock<std::mutex> w(mu_);
-      route_cv_.wait(w, [&] { return route_enqueued_ >= seq; });
+      route_cv_.wait(w, [&] { return route_enqueued_ >= seq || abort_.load(); });
+      if (route_enqueued_ < seq) throw CommError("hetccl: the communicator was aborted");
     }
     ops_->wait_geq(s, done_addr_[seq % kSlots], seq);
     ops_->write(s, page_dev_ + (kSlots + seq % kSlots) * sizeof(uint64_t), seq);
@@ -443,6 +444,14 @@ void StreamPath::loop() {
     }
     run_job(job);
   }
+}
+
+void StreamPath::request_abort() {
+  abort_.store(true);
+  std::lock_guard<std::mutex> g(mu_);
+  route_cv_.notify_all();
+  host_cv_.notify_all();
+  cv_.notify_all();
 }
 
 void StreamPath::finish(bool abort) {

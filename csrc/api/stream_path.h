@@ -96,7 +96,8 @@ class StreamPath {
   // none of them (their streams are released). Joins the executor.
   void finish(bool abort);
   // Abort from another thread: jobs not yet run are skipped (their streams released at finish).
-  void request_abort() { abort_.store(true); }
+  // (an issuing thread waiting for the executor then returns with an error)
+  void request_abort();
   // The runtime's default stream (HETCCL_STREAM_DEFAULT).
   void* default_stream() { return ops_->default_stream(); }
   // The device route, or nullptr where the runtime has none (or HETCCL_STREAM_DEVICE_BYTES=off,

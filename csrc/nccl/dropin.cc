@@ -251,8 +251,12 @@ void banner() {
   });
 }
 
-ncclResult_t from_het(hetcclResult_t r, hetcclComm_t comm) {
-  if (r != hetcclSuccess) t_error = hetcclGetLastError(comm);
+// The result of a hetccl call, its text (this thread's last hetccl error) kept for
+// ncclGetLastError. It reads nothing of the communicator: ncclCommAbort from another thread may
+// have freed it by the time a call in progress returns (hetcclCommAbort lets such a call leave
+// first, then frees).
+ncclResult_t from_het(hetcclResult_t r) {
+  if (r != hetcclSuccess) t_error = hetcclGetLastError(nullptr);
   return ncclResult_t(r);
 }
 
@@ -286,7 +290,7 @@ void* het_stream(cudaStream_t s) { return s ? s : HETCCL_STREAM_DEFAULT; }
 ncclResult_t settle(ncclComm* c, ncclConfig_t* config) {
   int groups = 0;
   hetcclResult_t r = hetcclCommVendorGroups(c->het, &groups, nullptr);
-  if (r != hetcclSuccess) return from_het(r, c->het);
+  if (r != hetcclSuccess) return from_het(r);
   bool native = groups == 1 && native_allowed();
   struct {
     int rc;
@@ -299,7 +303,7 @@ ncclResult_t settle(ncclComm* c, ncclConfig_t* config) {
     if (msg.have_real) msg.rc = REAL(ncclGetUniqueId)(&msg.id);
   }
   r = hetcclBroadcast(&msg, &msg, sizeof msg, hetcclUint8, 0, c->het, nullptr);
-  if (r != hetcclSuccess) return from_het(r, c->het);
+  if (r != hetcclSuccess) return from_het(r);
   if (!native || !msg.have_real) {
     if (info_log())
       fprintf(stderr, "hetccl: rank %d/%d: %d vendor group(s): hetccl serves this communicator%s\n", c->rank,
@@ -423,7 +427,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
   banner();
   hetcclUniqueId id;
   hetcclResult_t r = hetcclGetUniqueId(&id);
-  if (r != hetcclSuccess) return from_het(r, nullptr);
+  if (r != hetcclSuccess) return from_het(r);
   memcpy(uniqueId, &id, sizeof id);
   return ncclSuccess;
 }
@@ -480,7 +484,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     auto f = REAL(ncclCommDestroy);
     r = f ? f(comm->real) : no_real("ncclCommDestroy");
   } else {
-    r = from_het(hetcclCommDestroy(comm->het), nullptr);
+    r = from_het(hetcclCommDestroy(comm->het));
   }
   delete comm;
   return r;
@@ -494,7 +498,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
     auto f = REAL(ncclCommAbort);
     r = f ? f(comm->real) : no_real("ncclCommAbort");
   } else {
-    r = from_het(hetcclCommAbort(comm->het), nullptr);
+    r = from_het(hetcclCommAbort(comm->het));
   }
   delete comm;
   return r;
@@ -541,7 +545,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   }
   hetcclComm_t child = nullptr;
   hetcclResult_t hr = hetcclCommSplit(comm->het, color, key, &child);
-  if (hr != hetcclSuccess) return from_het(hr, comm->het);
+  if (hr != hetcclSuccess) return from_het(hr);
   if (!child) return ncclSuccess;  // NCCL_SPLIT_NOCOLOR
   return adopt(child, comm->device, config, newcomm);
 }
@@ -563,7 +567,7 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeR
   *newcomm = nullptr;
   hetcclComm_t child = nullptr;
   hetcclResult_t hr = hetcclCommShrink(comm->het, excludeRanksList, excludeRanksCount, &child, shrinkFlags);
-  if (hr != hetcclSuccess) return from_het(hr, comm->het);
+  if (hr != hetcclSuccess) return from_het(hr);
   return adopt(child, comm->device, config, newcomm);
 }
 
@@ -578,7 +582,7 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
   // NCCL's contract: after an async error, ncclGetLastError names it (torch's watchdog prints
   // ncclGetLastError(NULL) under "Last error:" from the thread that polled)
   if (r == hetcclSuccess && e != hetcclSuccess) t_error = hetcclGetLastError(nullptr);
-  return from_het(r, comm->het);
+  return from_het(r);
 }
 
 ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
@@ -678,14 +682,14 @@ ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataTyp
   hetcclRedOp_t hop = hetcclSum;
   hetcclResult_t r = hetcclRedOpCreatePreMulSum(&hop, scalar, dt, hetcclScalarResidence_t(residence), comm->het);
   if (op) *op = ncclRedOp_t(hop);
-  return from_het(r, comm->het);
+  return from_het(r);
 }
 
 ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
   FROM_REAL(ncclRedOpDestroy, op, comm);
   CHECK_COMM(comm, "ncclRedOpDestroy");
   if (comm->real) FORWARD(comm, ncclRedOpDestroy, op, comm->real);
-  return from_het(hetcclRedOpDestroy(hetcclRedOp_t(op), comm->het), comm->het);
+  return from_het(hetcclRedOpDestroy(hetcclRedOp_t(op), comm->het));
 }
 
 // ------------------------------------------------------------------ collectives
@@ -702,8 +706,7 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, n
   CHECK_COMM(comm, "ncclAllReduce");
   if (comm->real) FORWARD(comm, ncclAllReduce, sendbuff, recvbuff, count, datatype, op, comm->real, stream);
   HET_DTYPE(datatype, true);
-  return from_het(hetcclAllReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), comm->het, het_stream(stream)),
-                  comm->het);
+  return from_het(hetcclAllReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), comm->het, het_stream(stream)));
 }
 
 ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
@@ -712,8 +715,7 @@ ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, nccl
   CHECK_COMM(comm, "ncclReduce");
   if (comm->real) FORWARD(comm, ncclReduce, sendbuff, recvbuff, count, datatype, op, root, comm->real, stream);
   HET_DTYPE(datatype, true);
-  return from_het(hetcclReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), root, comm->het, het_stream(stream)),
-                  comm->het);
+  return from_het(hetcclReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), root, comm->het, het_stream(stream)));
 }
 
 ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
@@ -722,7 +724,7 @@ ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, n
   CHECK_COMM(comm, "ncclBroadcast");
   if (comm->real) FORWARD(comm, ncclBroadcast, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclBroadcast(sendbuff, recvbuff, count, hdt, root, comm->het, het_stream(stream)), comm->het);
+  return from_het(hetcclBroadcast(sendbuff, recvbuff, count, hdt, root, comm->het, het_stream(stream)));
 }
 
 ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
@@ -740,8 +742,7 @@ ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recv
   if (comm->real) FORWARD(comm, ncclReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm->real, stream);
   HET_DTYPE(datatype, true);
   return from_het(hetcclReduceScatter(sendbuff, recvbuff, recvcount, hdt, hetcclRedOp_t(op), comm->het,
-                                      het_stream(stream)),
-                  comm->het);
+                                      het_stream(stream)));
 }
 
 ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
@@ -750,7 +751,7 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
   CHECK_COMM(comm, "ncclAllGather");
   if (comm->real) FORWARD(comm, ncclAllGather, sendbuff, recvbuff, sendcount, datatype, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclAllGather(sendbuff, recvbuff, sendcount, hdt, comm->het, het_stream(stream)), comm->het);
+  return from_het(hetcclAllGather(sendbuff, recvbuff, sendcount, hdt, comm->het, het_stream(stream)));
 }
 
 ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
@@ -759,7 +760,7 @@ ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, nc
   CHECK_COMM(comm, "ncclAlltoAll");
   if (comm->real) FORWARD(comm, ncclAlltoAll, sendbuff, recvbuff, count, datatype, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclAllToAll(sendbuff, recvbuff, count, hdt, comm->het, het_stream(stream)), comm->het);
+  return from_het(hetcclAllToAll(sendbuff, recvbuff, count, hdt, comm->het, het_stream(stream)));
 }
 
 ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
@@ -768,7 +769,7 @@ ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatyp
   CHECK_COMM(comm, "ncclSend");
   if (comm->real) FORWARD(comm, ncclSend, sendbuff, count, datatype, peer, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclSend(sendbuff, count, hdt, peer, comm->het, het_stream(stream)), comm->het);
+  return from_het(hetcclSend(sendbuff, count, hdt, peer, comm->het, het_stream(stream)));
 }
 
 ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
@@ -777,7 +778,7 @@ ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int
   CHECK_COMM(comm, "ncclRecv");
   if (comm->real) FORWARD(comm, ncclRecv, recvbuff, count, datatype, peer, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclRecv(recvbuff, count, hdt, peer, comm->het, het_stream(stream)), comm->het);
+  return from_het(hetcclRecv(recvbuff, count, hdt, peer, comm->het, het_stream(stream)));
 }
 
 // Gather / scatter: as NCCL defines them, a group of sends and receives.
@@ -795,7 +796,7 @@ ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, nccl
     for (int p = 0; p < comm->nranks && r == hetcclSuccess; ++p)
       r = hetcclRecv(static_cast<char*>(recvbuff) + size_t(p) * count * es, count, hdt, p, comm->het, het_stream(stream));
   hetcclResult_t e = hetcclGroupEnd();
-  return from_het(r != hetcclSuccess ? r : e, comm->het);
+  return from_het(r != hetcclSuccess ? r : e);
 }
 
 ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
@@ -814,7 +815,7 @@ ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncc
                      het_stream(stream));
   if (r == hetcclSuccess) r = hetcclRecv(recvbuff, count, hdt, root, comm->het, het_stream(stream));
   hetcclResult_t e = hetcclGroupEnd();
-  return from_het(r != hetcclSuccess ? r : e, comm->het);
+  return from_het(r != hetcclSuccess ? r : e);
 }
 
 ncclResult_t ncclGroupStart(void) {
@@ -823,14 +824,14 @@ ncclResult_t ncclGroupStart(void) {
     ncclResult_t r = f();
     if (r != ncclSuccess) return r;
   }
-  return from_het(hetcclGroupStart(), nullptr);
+  return from_het(hetcclGroupStart());
 }
 
 ncclResult_t ncclGroupEnd(void) {
   FROM_REAL(ncclGroupEnd);
   ncclResult_t r = ncclSuccess;
   if (auto f = REAL(ncclGroupEnd)) r = f();
-  ncclResult_t h = from_het(hetcclGroupEnd(), nullptr);
+  ncclResult_t h = from_het(hetcclGroupEnd());
   return r != ncclSuccess ? r : h;
 }
 
@@ -840,7 +841,7 @@ ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
   // simulation), which keeps the group depth of both in step.
   ncclResult_t r = ncclSuccess;
   if (auto f = REAL(ncclGroupSimulateEnd)) r = f(simInfo);
-  ncclResult_t h = from_het(hetcclGroupEnd(), nullptr);
+  ncclResult_t h = from_het(hetcclGroupEnd());
   return r != ncclSuccess ? r : h;
 }
 
