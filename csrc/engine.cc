@@ -166,11 +166,9 @@ void Engine::set_device_ops(std::shared_ptr<DeviceOps> ops) {
 void Engine::prepare_device(int device_index, const std::vector<int>& peers) {
   std::lock_guard<std::mutex> g(mu_);
   if (!dev_) throw CommError("hetccl engine: prepare_device without a device runtime");
-  PlanSpec spec;
-  for (int p : peers)
-    if (links_.count(p)) spec.items.push_back(PlanItem{p, true, 0, 0});
   dev_->set_device(device_index);
-  ensure_device_state(spec);
+  for (int p : peers)
+    if (links_.count(p)) ensure_device_state(*links_.at(p));
 }
 
 void Engine::set_position_base(uint32_t base) {
@@ -464,7 +462,7 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
     }
     if (spec.device) {
       dev_->set_device(spec.device_index);
-      ensure_device_state(spec);
+      for (auto& it : spec.items) ensure_device_state(*links_.at(it.peer));
     }
     plans_[p->id] = p;
     start_locked(p);
@@ -589,61 +587,56 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
 }
 
 // ----------------------------------------------------------------------------- device plans
-void Engine::ensure_device_state(const PlanSpec& spec) {
+void Engine::ensure_device_state(Link& l) {
   // Flag words (and message-link staging slots) registered with the device runtime once per
-  // link, when the first device plan that uses the link is posted: a communicator of many
-  // peers pays only for the links its device plans use (the C API's rings: two).
-  for (auto& kv : links_) {
-    Link& l = *kv.second;
-    bool used = false;
-    for (auto& it : spec.items) used = used || it.peer == kv.first;
-    if (!used) continue;
-    if (!l.flags) {
-      void* page = nullptr;
-      if (posix_memalign(&page, 4096, 4096) != 0) throw CommError("hetccl engine: out of memory");
-      std::memset(page, 0, 4096);
-      l.flags = new (page) Flags();
-      flag_pages_.push_back(page);
-      if (!dev_->host_register(page, 4096))
-        throw CommError("hetccl engine: could not page-lock the device flag words");
-      registered_.push_back(page);
-      l.flags_dev = dev_->device_address(page);
-      l.freed_dev = l.flags_dev + offsetof(Flags, freed_here);
-      l.avail_dev = l.flags_dev + offsetof(Flags, avail_here);
-      if (void* w = dev_->wait_word_alloc()) {
-        wait_words_.push_back(w);
-        l.flags->freed = new (w) Word();
-        l.freed_dev = dev_->wait_word_address(w);
-      }
-      if (void* w = dev_->wait_word_alloc()) {
-        wait_words_.push_back(w);
-        l.flags->avail = new (w) Word();
-        l.avail_dev = dev_->wait_word_address(w);
-      }
-      // a ring that carried host plans before: its positions are already past 0
-      l.flags->freed->start(l.zc ? l.t->zc_send_counts(l.peer).second : l.send_pos);
-      l.flags->avail->start(l.recv_pos);
-      l.flags->sent.start(l.send_pos);
-      l.flags->consumed.start(l.recv_pos);
-      l.flags->ready.start(l.recv_pos);
-      l.freed_seen = l.flags->freed->pos();
+  // link, when the first device plan that uses the link is posted (or prepare_device asks): a
+  // communicator of many peers pays only for the links its device plans use (the C API's
+  // rings: two).
+  if (!l.flags) {
+    void* page = nullptr;
+    if (posix_memalign(&page, 4096, 4096) != 0) throw CommError("hetccl engine: out of memory");
+    std::memset(page, 0, 4096);
+    l.flags = new (page) Flags();
+    flag_pages_.push_back(page);
+    if (!dev_->host_register(page, 4096))
+      throw CommError("hetccl engine: could not page-lock the device flag words");
+    registered_.push_back(page);
+    l.flags_dev = dev_->device_address(page);
+    l.freed_dev = l.flags_dev + offsetof(Flags, freed_here);
+    l.avail_dev = l.flags_dev + offsetof(Flags, avail_here);
+    if (void* w = dev_->wait_word_alloc()) {
+      wait_words_.push_back(w);
+      l.flags->freed = new (w) Word();
+      l.freed_dev = dev_->wait_word_address(w);
     }
-    if (l.zc) {
-      if (!l.rings_registered) {
-        for (auto& r : l.t->zc_regions())
-          if (dev_->host_register(r.first, r.second)) registered_.push_back(r.first);
-        l.rings_registered = true;
-      }
-    } else if (l.stage_out.empty() && !l.direct) {  // direct links stage nothing
-      for (uint32_t i = 0; i < l.out_depth; ++i) {
-        for (auto* v : {&l.stage_out, &l.stage_in}) {
-          void* m = nullptr;
-          if (posix_memalign(&m, 4096, l.slot_bytes) != 0)
-            throw CommError("hetccl engine: out of memory for device staging slots");
-          flag_pages_.push_back(m);
-          if (dev_->host_register(m, l.slot_bytes)) registered_.push_back(m);
-          v->push_back(static_cast<char*>(m));
-        }
+    if (void* w = dev_->wait_word_alloc()) {
+      wait_words_.push_back(w);
+      l.flags->avail = new (w) Word();
+      l.avail_dev = dev_->wait_word_address(w);
+    }
+    // a ring that carried host plans before: its positions are already past 0
+    l.flags->freed->start(l.zc ? l.t->zc_send_counts(l.peer).second : l.send_pos);
+    l.flags->avail->start(l.recv_pos);
+    l.flags->sent.start(l.send_pos);
+    l.flags->consumed.start(l.recv_pos);
+    l.flags->ready.start(l.recv_pos);
+    l.freed_seen = l.flags->freed->pos();
+  }
+  if (l.zc) {
+    if (!l.rings_registered) {
+      for (auto& r : l.t->zc_regions())
+        if (dev_->host_register(r.first, r.second)) registered_.push_back(r.first);
+      l.rings_registered = true;
+    }
+  } else if (l.stage_out.empty() && !l.direct) {  // direct links stage nothing
+    for (uint32_t i = 0; i < l.out_depth; ++i) {
+      for (auto* v : {&l.stage_out, &l.stage_in}) {
+        void* m = nullptr;
+        if (posix_memalign(&m, 4096, l.slot_bytes) != 0)
+          throw CommError("hetccl engine: out of memory for device staging slots");
+        flag_pages_.push_back(m);
+        if (dev_->host_register(m, l.slot_bytes)) registered_.push_back(m);
+        v->push_back(static_cast<char*>(m));
       }
     }
   }

@@ -228,7 +228,7 @@ class Engine {
   void release_device_waits();
   void check_deadlines();
   void check_liveness();
-  void ensure_device_state(const PlanSpec& spec);  // the links spec uses
+  void ensure_device_state(Link& l);  // once per link (engine.cc)
   std::shared_ptr<Plan> find(uint64_t id);
   // point-to-point messages (engine_messages.cc)
   struct MessageCopy;

@@ -20,8 +20,7 @@ void broadcast_chain(Comm& c, const void* send, void* recv, size_t nbytes, int r
   if (r == root && send != recv && nbytes) std::memmove(buf, send, nbytes);
   if (n == 1 || nbytes == 0) return;
   const int d = mod(r - root, n);  // position in the chain
-  // Two ranks: one plan of the whole message (the engine pipelines its chunks itself).
-  size_t seg = n == 2 ? nbytes : std::max<size_t>(size_t(512) << 10, (nbytes + Comm::kMaxSteps - 2) / (Comm::kMaxSteps - 1));
+  size_t seg = chain_segment(nbytes, n, Comm::kMaxSteps);
   size_t k = (nbytes + seg - 1) / seg;
   auto part = [&](size_t i) { return std::make_pair(buf + i * seg, std::min(seg, nbytes - i * seg)); };
   for (size_t t = 0; t <= k; ++t) {

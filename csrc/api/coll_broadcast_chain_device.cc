@@ -18,7 +18,7 @@ void broadcast_chain_device(Comm& c, DeviceRoute& d, const void* send, void* rec
   if (r == root && send != recv && nbytes) d.ops.memcpy_async(buf, send, nbytes, d.main);
   if (n == 1 || nbytes == 0) return;
   const int pos = mod(r - root, n);  // position in the chain
-  size_t seg = n == 2 ? nbytes : std::max<size_t>(size_t(512) << 10, (nbytes + Comm::kMaxSteps - 2) / (Comm::kMaxSteps - 1));
+  size_t seg = chain_segment(nbytes, n, Comm::kMaxSteps);
   size_t k = (nbytes + seg - 1) / seg;
   auto part = [&](size_t i) { return std::make_pair(buf + i * seg, std::min(seg, nbytes - i * seg)); };
   for (size_t t = 0; t <= k; ++t) {

@@ -177,10 +177,8 @@ void Comm::wait_calls_left() {
 void Comm::abort() {
   if (closed_) return;
   closed_ = true;
-  aborting_.store(true);
-  if (stream_path_) stream_path_->request_abort();
-  if (engine_) engine_->close();  // fails what the executor is waiting for
-  stream_path_.reset();           // joins it, releasing every stream
+  interrupt();           // fails what the executor and any caller wait for
+  stream_path_.reset();  // joins the executor, releasing every stream
   if (shm_) shm_->close();
   if (tcp_) tcp_->close();
   engine_.reset();

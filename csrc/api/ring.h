@@ -25,6 +25,13 @@ inline int binomial_span(int v, int n) {
   return top;
 }
 
+// The pipelined chain's segment (broadcast_chain, host and device route): the whole message
+// for two ranks (one plan: the engine pipelines its chunks itself), else 512 KiB or more, so
+// that the segments' tags fit a call's Comm::kMaxSteps steps.
+inline size_t chain_segment(size_t nbytes, int n, size_t max_steps) {
+  return n == 2 ? nbytes : std::max<size_t>(size_t(512) << 10, (nbytes + max_steps - 2) / (max_steps - 1));
+}
+
 // Recursive doubling among the largest power of two p <= n ranks, with MPICH's fold for the
 // rem = n - p others (coll_allreduce_rd.cc describes the steps): calls
 // xchg(step, peer, send, recv) for this rank's exchanges in order -- send: this rank sends its
