@@ -143,11 +143,7 @@ def run(cfg):
     out = res["cases"]
 
     def case(name, fn):
-        try:
-            r = fn()
-            out[name] = "ok" if r is None else r
-        except Exception as e:  # noqa: BLE001
-            out[name] = f"{type(e).__name__}: {e}"
+        w.record_case(out, name, fn)
 
     def burst():
         """40 calls of 1 MiB in flight on one stream before one wait."""

@@ -454,6 +454,15 @@ def run_cases(comm, rank, n, stream=None):
     return {"cases": c.out, "digests": c.digests, "info": comm.info()}
 
 
+def record_case(out: dict, name: str, fn) -> None:
+    """out[name] = "ok" when fn() returns None, else what it returned or raised."""
+    try:
+        r = fn()
+        out[name] = "ok" if r is None else r
+    except Exception as e:  # noqa: BLE001
+        out[name] = f"{type(e).__name__}: {e}"
+
+
 def run_stream(comm, rank, n):
     """The stream path (HETCCL_CAPI_DEVICE=emulated): every case of run_cases on a stream, then
     what only streams have: many calls in flight before one wait, the default stream, ranks that
@@ -464,11 +473,7 @@ def run_stream(comm, rank, n):
     out = res["cases"]
 
     def case(name, fn):
-        try:
-            r = fn()
-            out[name] = "ok" if r is None else r
-        except Exception as e:  # noqa: BLE001
-            out[name] = f"{type(e).__name__}: {e}"
+        record_case(out, name, fn)
 
     def burst():
         xs = [np.full(4099, float(rank + k), np.float32) for k in range(40)]
