@@ -18,6 +18,7 @@ everywhere, `--vendors 2+2` and `--vendors=2+2` both accepted):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -87,16 +88,25 @@ def _expected_world(args) -> int | None:
         return None
 
 
-def default_dropin(announce: bool = False) -> bool:
-    """The launchers' default face (nccl_dropin.default_launch) on this machine; announce: one
-    line on stderr saying which and why."""
+@functools.lru_cache(maxsize=None)
+def _machine_default() -> tuple[bool, str]:
     import torch
 
     from . import nccl_dropin
 
     cuda = bool(torch.version.cuda) and torch.cuda.is_available()
-    dropin, why = nccl_dropin.default_launch(cuda, torch.cuda.device_count() if cuda else 0)
-    if announce:
+    return nccl_dropin.default_launch(cuda, torch.cuda.device_count() if cuda else 0)
+
+
+_announced: list[bool] = []
+
+
+def default_dropin(announce: bool = False) -> bool:
+    """The launchers' default face (nccl_dropin.default_launch) on this machine, worked out once
+    per process; announce: one line on stderr saying which and why (once per process)."""
+    dropin, why = _machine_default()
+    if announce and not _announced:
+        _announced.append(True)
         print(f"hetccl: {why}", file=sys.stderr, flush=True)
     return dropin
 

@@ -415,7 +415,7 @@ def _use_dropin(opts: dict) -> bool:
         return False
     from hetccl.run import default_dropin
 
-    return default_dropin()
+    return default_dropin(announce=True)
 
 
 def _worker_module() -> str:
