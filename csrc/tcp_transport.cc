@@ -950,7 +950,11 @@ void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::stri
   // whole, and an orderly close must not lose it.
   for (auto it = p.inmsgs.begin(); it != p.inmsgs.end();) {
     InMsg& m = *it->second;
-    if (keep_delivered && !m.has_op && m.complete()) {
+    // Whole here: either not yet received (kept for a later receive), or being copied to its
+    // receive's buffer right now (migrate, lock released), which completes it -- failing it
+    // here would lose a message that arrived whole (a race with the last connection's EOF).
+    const bool whole = m.have_total && m.received == m.total && m.heap_inflight == 0;
+    if (keep_delivered && whole && (!m.has_op || m.migrating)) {
       ++it;
       continue;
     }

@@ -511,12 +511,43 @@ def never_connects(ctx, name, st):
     return verdict
 
 
+def closed_while_copying(ctx, name, st):
+    """An orderly close that lands while the receiver copies the sender's last message out of
+    its early-arrival buffer: rank 0 sends 128 MiB whole and closes once rank 1 posts the
+    receive, so the close arrives during the copy (which takes tens of ms). The message arrived
+    whole before the close: it must be delivered, not failed with "closed the connection"."""
+    k = f"{name}/cwc"
+    rank, peer = ctx.rank, 1 - ctx.rank
+    n = 128 << 20
+    bad = []
+    for attempt in range(2):
+        t = _C.Transport(name, rank, 2, _opts())
+        _connect(t, st, f"{k}/{attempt}", rank)
+        if rank == 0:
+            src = _data(40 + attempt, n)
+            t.isend(peer, src.ctypes.data, n, 5).wait(30000)
+            st.wait([f"{k}/{attempt}/posting"])
+            t.close()
+            continue
+        dst = np.zeros(n, np.uint8)
+        time.sleep(1.5)  # the message is here whole, waiting for its receive
+        st.set(f"{k}/{attempt}/posting", "1")
+        try:
+            t.irecv(peer, dst.ctypes.data, n, 5).wait(30000)
+            if not np.array_equal(dst, _data(40 + attempt, n)):
+                bad.append(f"attempt {attempt}: the message arrived wrong")
+        except _C.CommError as e:
+            bad.append(f"attempt {attempt}: the receive failed: {e}")
+        t.close()
+    return "; ".join(bad) or "ok"
+
+
 def run_failures(ctx, names):
     """Rank body: the failure cases of every transport (one spawn for all)."""
     st = ctx.store()
     out = {}
     for name in names:
-        for case in (never_connects, killed_peer):
+        for case in (never_connects, killed_peer, closed_while_copying):
             try:
                 out[f"{name}/{case.__name__}"] = case(ctx, name, st)
             except BaseException:  # noqa: BLE001
@@ -621,3 +652,8 @@ def killed_peer(ctx, name, st):
 @pytest.mark.parametrize("name", NAMES)
 def test_peer_killed_mid_transfer(name):
     _check_failure(f"{name}/killed_peer")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_close_during_the_last_copy_keeps_the_message(name):
+    _check_failure(f"{name}/closed_while_copying")
