@@ -143,3 +143,47 @@ def test_deepspeed_under_the_dropin(tmp_path):
     assert "hetccl: serving NCCL calls (drop-in libnccl.so.2)" in het.stderr, het.stderr[-3000:]
     for stage in suite.DS_STAGES:
         suite.check_deepspeed_stage(runs, stage, "nccl", f"dropin/deepspeed/zero{stage}")
+
+
+@pytest.mark.skipif(not suite.HAVE_HF, reason="transformers/accelerate not installed")
+@pytest.mark.timeout(900)
+def test_hf_trainer_recipe_under_the_dropin(tmp_path):
+    """recipes/hf/finetune_tiny_lm.py, unchanged, as a user runs an NCCL script across vendors:
+    `hetccl run --dropin --vendors 1+1 --nproc-per-node 2 finetune_tiny_lm.py --backend nccl`
+    (the Trainer's own "nccl" group, served by the drop-in), against the recipe's single-vendor
+    run of one rank on the same global batch: per-step losses within the GPU suite's HF_RTOL,
+    get_backend() "nccl" on the mixed run, the drop-in's start-up line, and the loss falls."""
+    import json
+    import subprocess
+    import sys
+
+    common = ["--steps", "16", "--samples", "512", "--seq", "48", "--no-progress",
+              "--no-replan", "--timeout", "400"]
+    recipe = os.path.join(suite.REPO, "recipes", "hf", "finetune_tiny_lm.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([suite.REPO] + sys.path),
+               HETCCL_TIMEOUT_S="120")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    mixed_out, ref_out = tmp_path / "mixed", tmp_path / "ref"
+    cmd = [sys.executable, "-m", "hetccl.cli", "run", "--dropin", "--vendors", "1+1",
+           "--nproc-per-node", "2", "--master-port", str(suite._free_port()), recipe,
+           "--vendors", "1+1", "--backend", "nccl", *common, "--out", str(mixed_out)]
+    p = subprocess.run(cmd, cwd=suite.REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, " ".join(cmd) + "\n" + p.stdout[-3000:] + p.stderr[-6000:]
+    assert "hetccl: serving NCCL calls (drop-in libnccl.so.2)" in p.stderr, p.stderr[-3000:]
+    ref_cmd = [sys.executable, recipe, "--vendors", "1", "--no-reference", *common,
+               "--out", str(ref_out)]
+    r = subprocess.run(ref_cmd, cwd=suite.REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, " ".join(ref_cmd) + "\n" + r.stdout[-3000:] + r.stderr[-6000:]
+    mixed = json.loads((mixed_out / "metrics.json").read_text())["mixed"]
+    ref = list(json.loads((ref_out / "metrics.json").read_text())["runs"].values())[0]
+    assert mixed["world"] == 2 and ref["world"] == 1, (mixed["world"], ref["world"])
+    assert mixed["backend"] == "nccl", mixed["backend"]
+    assert len(mixed["losses"]) == len(ref["losses"]) == 16
+    diff = max(abs(u - v) / abs(v) for u, v in zip(mixed["losses"], ref["losses"]))
+    t = mixed["step_times"][5:] or mixed["step_times"]
+    suite.figure("dropin/hf_trainer", max_rel_loss_diff=diff,
+                 ms_per_step=1e3 * sorted(t)[len(t) // 2], vendors="1+1")
+    assert ref["losses"][-1] < ref["losses"][0] - 0.3, ref["losses"]
+    assert diff <= suite.HF_RTOL, (diff, mixed["losses"], ref["losses"])
