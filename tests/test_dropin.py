@@ -55,15 +55,17 @@ def _protos(text: str) -> dict[str, str]:
 
 def test_abi_matches_the_real_nccl_h():
     """Every prototype of nccl_abi.h against nccl.h of the real library (the nvidia-nccl wheel
-    beside torch on the GPU box; HETCCL_NCCL_H elsewhere)."""
+    beside torch on the GPU box; HETCCL_NCCL_H elsewhere: passed against 2.28.9 and 2.32.6)."""
     h = nccl_dropin.nccl_header()
     if not h:
         pytest.skip("no nccl.h here (the nvidia-nccl wheel is on the GPU box; or set HETCCL_NCCL_H)")
     ours = _protos(open(os.path.join(HERE, "..", "csrc", "nccl", "nccl_abi.h")).read().replace("HETCCL_NCCL_API", ""))
     real_text = open(h).read()
-    dev = os.path.join(os.path.dirname(h), "nccl_device", "core.h")
-    if os.path.exists(dev):
-        real_text += open(dev).read().replace("NCCL_EXTERN_C __host__", "")
+    # the device API's host functions: nccl_device/core.h (2.28), nccl_device/host.h (2.32)
+    for part in ("core.h", "host.h"):
+        dev = os.path.join(os.path.dirname(h), "nccl_device", part)
+        if os.path.exists(dev):
+            real_text += re.sub(r"NCCL_EXTERN_C(\s+__host__)?", "", open(dev).read())
     real = _protos(real_text)
     assert len(ours) == 42 and set(nccl_dropin.TORCH_IMPORTS) <= set(ours), sorted(ours)
     bad = {k: (v, real.get(k)) for k, v in ours.items() if real.get(k) != v}
