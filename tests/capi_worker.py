@@ -840,6 +840,34 @@ def run_abort_hung(comm, rank, n, args):
     return out
 
 
+def run_late_send(comm, rank, n, args):
+    """Rank 1's receive from rank 0 gives up (HETCCL_TIMEOUT_S=1); rank 0 sends 2.5 s later.
+    The message must not land in the buffer rank 1 gave the call that gave up: the receive is
+    withdrawn when its wait gives up (Comm::wait_request), as the caller may free that buffer
+    once the call returned."""
+    nbytes = 1 << 16
+    out = {}
+    if rank == 0:
+        time.sleep(2.5)
+        x = np.full(nbytes, 7, np.uint8)
+        try:
+            comm.send(x, nbytes, "uint8", 1)
+            out["send"] = "ok"
+        except capi.HetcclError as e:
+            out["send"] = e.text
+        time.sleep(3)
+        return out
+    buf = np.zeros(nbytes, np.uint8)
+    try:
+        comm.recv(buf, nbytes, "uint8", 0)
+        out["recv"] = "returned without an error"
+    except capi.HetcclError as e:
+        out["recv"], out["code"] = e.text, e.code
+    time.sleep(4)  # the late message arrives meanwhile
+    out["landed"] = int(np.count_nonzero(buf))
+    return out
+
+
 def main():
     global capi
     args = json.load(open(sys.argv[1]))
@@ -884,6 +912,9 @@ def main():
         res = run_death_stream(comm, rank, n, args)
     elif args["mode"] == "abort_hung":
         res = run_abort_hung(comm, rank, n, args)
+    elif args["mode"] == "late_send":
+        res = run_late_send(comm, rank, n, args)
+        comm.destroy()
     elif args["mode"] == "shrink":
         res = run_shrink(comm, rank, n)
         comm.destroy()

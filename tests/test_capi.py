@@ -242,6 +242,19 @@ def test_abort_from_another_thread_ends_a_hung_call(tmp_path, call):
     assert d["call_s"] < 4 and d["abort_s"] < 4, d
 
 
+@pytest.mark.parametrize("shm", ["on", "off"])
+def test_receive_given_up_is_withdrawn(tmp_path, shm):
+    """A receive whose wait timed out is withdrawn: the message its peer sends afterwards does not
+    land in the buffer of the call that returned (the caller may have freed it), over shared
+    memory and over tcp."""
+    env = {"HETCCL_TIMEOUT_S": "1", "HETCCL_CAPI_SHM": shm}
+    res, procs, logs = launch(tmp_path, "1+1", "late_send", env=env, timeout=60)
+    assert sorted(res) == [0, 1], "\n".join(logs)[-3000:]
+    d = res[1]
+    assert "Timed out" in d["recv"] and d["code"] == capi.REMOTE_ERROR, d
+    assert d["landed"] == 0, f"{d['landed']} bytes of the late message landed in the given-up buffer"
+
+
 @pytest.mark.parametrize("split", ["1+1+1", "2+2", "3+2+2"])
 def test_shrink(tmp_path, split):
     """hetcclCommShrink on a healthy communicator: the last rank left out, then the first (the

@@ -39,6 +39,20 @@ def test_exports_and_soname(flavour):
     assert names and all(n.startswith(("nccl", "hetccl")) for n in names), [n for n in names if not n.startswith(("nccl", "hetccl"))][:5]
 
 
+def test_destroy_and_abort_of_null_are_no_ops():
+    """NCCL's ncclCommDestroy(NULL) and ncclCommAbort(NULL) return ncclSuccess (init.cc), and
+    so do the drop-in's and the C API's: cleanup code calls them on a communicator that was never
+    made."""
+    from hetccl import capi
+
+    for path, prefix in ((DROPIN, "nccl"), (capi.library_path(), "hetccl")):
+        L = ctypes.CDLL(path)
+        for fn in ("CommDestroy", "CommAbort"):
+            f = getattr(L, prefix + fn)
+            f.argtypes = [ctypes.c_void_p]
+            assert f(None) == 0, f"{prefix}{fn}(NULL) returned {f(None)} in {path}"
+
+
 def _protos(text: str) -> dict[str, str]:
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     out = {}

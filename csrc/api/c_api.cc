@@ -89,6 +89,8 @@ hetcclResult_t run(hetcclComm* comm, const char* what, const std::function<void(
     return fail(comm, hetcclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL");
   Comm& c = *comm->c;
   Comm::CallGuard in_call(c);  // hetcclCommAbort from another thread waits for it to leave
+  if (c.aborting())  // entered while another thread aborts: nothing may start (NCCL: undefined)
+    return fail(comm, hetcclInvalidUsage, std::string("hetccl: ") + what + ": the communicator is being aborted");
   if (c.broken_code() != hetcclSuccess)
     return fail(comm, c.broken_code(), std::string("hetccl: ") + what +
                                            ": the communicator is unusable after an earlier failure: " +
@@ -386,19 +388,21 @@ hetcclResult_t hetcclCommInitRank(hetcclComm_t* comm, int nranks, hetcclUniqueId
 }
 
 hetcclResult_t hetcclCommDestroy(hetcclComm_t comm) {
-  if (!comm) return fail(nullptr, hetcclInvalidArgument, "hetccl: hetcclCommDestroy: comm is NULL");
+  if (!comm) return hetcclSuccess;  // as NCCL: destroying NULL is a no-op
   delete comm->c;  // every call is blocking: nothing is in flight
   delete comm;
   return hetcclSuccess;
 }
 
 hetcclResult_t hetcclCommAbort(hetcclComm_t comm) {
-  if (!comm) return fail(nullptr, hetcclInvalidArgument, "hetccl: hetcclCommAbort: comm is NULL");
+  if (!comm) return hetcclSuccess;  // as NCCL: aborting NULL is a no-op
   if (comm->c) {
     // Another thread may be inside a call on this communicator (torch's watchdog aborts while
     // the main thread waits in a collective): end its waits first, let it return, then free.
     comm->c->interrupt();
-    comm->c->wait_calls_left();
+    // a call still inside after the bound: nothing is torn down or freed under it (leaked;
+    // its waits were interrupted, the engine is closed)
+    if (!comm->c->wait_calls_left()) return hetcclSuccess;
     comm->c->abort();
   }
   delete comm->c;

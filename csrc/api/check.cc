@@ -49,16 +49,28 @@ const char* kFields[] = {"collective", "count", "dtype", "op", "root"};
 void summary_min(Comm& c, int64_t* v, size_t count) {
   uint64_t seq = c.begin();
   const size_t nb = count * sizeof(int64_t);
-  std::vector<int64_t> theirs(count);
-  recursive_doubling(c.size, c.rank, [&](uint32_t step, int peer, bool send, bool recv, bool combine) {
-    RequestPtr rs, rr;
-    if (recv) rr = c.post_tagged(peer, false, combine ? theirs.data() : v, nb, Comm::tag(seq, step, true));
-    if (send) rs = c.post_tagged(peer, true, v, nb, Comm::tag(seq, step, true));
-    if (rr) c.wait_request(rr);
-    if (rs) c.wait_request(rs);
-    if (recv && combine)
-      for (size_t i = 0; i < count; ++i) v[i] = std::min(v[i], theirs[i]);
-  });
+  // The exchange's buffers live on the heap: a step given up on (timeout, abort) may leave a
+  // request posted into them, so they then stay with the communicator (keep_until_closed)
+  // instead of dying with this frame while a late peer's message still lands in them.
+  auto buf = std::make_shared<std::vector<int64_t>>(2 * count);
+  int64_t* mine = buf->data();
+  int64_t* theirs = mine + count;
+  std::copy(v, v + count, mine);
+  try {
+    recursive_doubling(c.size, c.rank, [&](uint32_t step, int peer, bool send, bool recv, bool combine) {
+      RequestPtr rs, rr;
+      if (recv) rr = c.post_tagged(peer, false, combine ? theirs : mine, nb, Comm::tag(seq, step, true));
+      if (send) rs = c.post_tagged(peer, true, mine, nb, Comm::tag(seq, step, true));
+      if (rr) c.wait_request(rr);
+      if (rs) c.wait_request(rs);
+      if (recv && combine)
+        for (size_t i = 0; i < count; ++i) mine[i] = std::min(mine[i], theirs[i]);
+    });
+  } catch (...) {
+    c.keep_until_closed(buf);
+    throw;
+  }
+  std::copy(mine, mine + count, v);
 }
 
 std::string value(int field, int64_t v) {

@@ -162,16 +162,28 @@ std::string Comm::mail_from(int leader, uint64_t key) {
 }
 
 void Comm::interrupt() {
-  aborting_.store(true);
-  if (stream_path_) stream_path_->request_abort();
+  aborting_.store(true);  // run() refuses calls from now on; wait_request gives up
+  {
+    std::lock_guard<std::mutex> g(stream_path_mu_);
+    if (stream_path_) stream_path_->request_abort();
+  }
   if (engine_) engine_->close();  // fails what the executor and the issuing thread wait for
 }
 
-void Comm::wait_calls_left() {
-  // bounded: every wait of a call in progress ends at once after interrupt(); a call that does
-  // not return in time is reported, and the communicator freed anyway (as before)
+bool Comm::wait_calls_left() {
+  // bounded: every wait of a call in progress ends at once after interrupt(), but for waits no
+  // interrupt reaches (a split's bootstrap join, bounded by its own timeout): the caller then
+  // leaves the communicator allocated rather than free it under that call
   for (int i = 0; i < 30000 && calls_.load() > 0; ++i) usleep(1000);
-  if (calls_.load() > 0) log_warn("capi", "hetcclCommAbort: a call on the communicator did not return in 30 s");
+  if (calls_.load() == 0) return true;
+  log_warn("capi", "hetcclCommAbort: a call on the communicator did not return in 30 s: its memory is "
+                   "left allocated (not freed under the call)");
+  return false;
+}
+
+void Comm::keep_until_closed(std::shared_ptr<void> buf) {
+  std::lock_guard<std::mutex> g(kept_mu_);
+  kept_.push_back(std::move(buf));
 }
 
 void Comm::abort() {
@@ -260,16 +272,32 @@ RequestPtr Comm::post_recv(int peer, void* buf, size_t nbytes) {
 
 size_t Comm::wait_request(const RequestPtr& req) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(settings.timeout_ms);
+  // Giving up (abort, timeout) withdraws a receive that has not begun, so a late peer cannot
+  // write into the caller's buffer after the call returned; one already arriving stays posted
+  // (callers whose buffers die with the call keep them: keep_until_closed).
+  auto give_up = [&] {
+    if (req->peer() >= 0 && req->peer() < size && req->peer() != rank) {
+      try {
+        link(req->peer()).cancel(req);
+      } catch (...) {
+      }
+    }
+  };
   for (;;) {
-    if (aborting_.load()) throw CommError("hetccl: the communicator was aborted");
+    if (aborting_.load()) {
+      give_up();
+      throw CommError("hetccl: the communicator was aborted");
+    }
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now()).count();
     try {
       return req->wait(std::max<int64_t>(0, std::min<int64_t>(left, 50)));
     } catch (const CommTimeout&) {
-      if (left <= 50)
+      if (left <= 50) {
+        give_up();
         throw CommTimeout("hetccl: Timed out after " + std::to_string(settings.timeout_ms) +
                           " ms waiting for peer rank " + std::to_string(req->peer()) + " (" +
                           std::to_string(req->posted_nbytes()) + " bytes)");
+      }
     }
   }
 }
@@ -338,6 +366,7 @@ void Comm::note_failure(std::exception_ptr e, bool arguments_too) {
 
 StreamPath& Comm::streams() {
   // the runtime and its library by name, as the device registry knows them (device_ops.h)
+  std::lock_guard<std::mutex> g(stream_path_mu_);
   if (!stream_path_) stream_path_ = std::make_unique<StreamPath>(*this, settings.device_runtime, settings.device_library);
   return *stream_path_;
 }

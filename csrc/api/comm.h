@@ -146,7 +146,10 @@ class Comm {
   // The stream path, created on the first call with a stream (stream_path.h). has_streams():
   // whether it exists (host calls then run on its executor, in order).
   StreamPath& streams();
-  bool has_streams() const { return stream_path_ != nullptr; }
+  bool has_streams() const {
+    std::lock_guard<std::mutex> g(stream_path_mu_);
+    return stream_path_ != nullptr;
+  }
   std::string last_error;
   std::map<std::string, uint64_t> algo_runs;  // "all_reduce_ring", ... (info(): which ran)
   // PreMulSum operators (hetcclRedOpCreatePreMulSum): op value hetcclNumOps + index.
@@ -166,7 +169,13 @@ class Comm {
   // fails with "aborted"), wait_calls_left() waits until every C API call that entered has
   // returned, and only then is the communicator torn down and freed.
   void interrupt();
-  void wait_calls_left();
+  // true once every call left; false: one is still inside after 30 s (a wait that no interrupt
+  // reaches, e.g. a split's bootstrap join): the caller must not free the communicator then.
+  bool wait_calls_left();
+  bool aborting() const { return aborting_.load(); }
+  // A buffer that a request given up on (timeout, abort) may still be written into or read
+  // from by its transport: kept until the communicator's transports are closed (~Comm).
+  void keep_until_closed(std::shared_ptr<void> buf);
   struct CallGuard {  // one C API call in progress (c_api.cc run())
     explicit CallGuard(Comm& c) : c_(c) { c_.calls_.fetch_add(1); }
     ~CallGuard() { c_.calls_.fetch_sub(1); }
@@ -185,6 +194,9 @@ class Comm {
 
  private:
   Transport& link(int peer);
+  // Declared before the transports, so destroyed after them (keep_until_closed).
+  std::mutex kept_mu_;
+  std::vector<std::shared_ptr<void>> kept_;
   std::shared_ptr<Transport> tcp_, shm_;
   std::map<int, std::shared_ptr<Transport>> links_;
   std::unique_ptr<Engine> engine_;
@@ -193,6 +205,9 @@ class Comm {
   std::atomic<hetcclResult_t> broken_code_{hetcclSuccess};
   std::mutex broken_mu_;
   std::string broken_text_;
+  // Created by the first call with a stream (streams()), read by interrupt() on an aborting
+  // thread: both under stream_path_mu_.
+  mutable std::mutex stream_path_mu_;
   std::unique_ptr<StreamPath> stream_path_;
   bool closed_ = false;
   std::atomic<bool> aborting_{false};  // set first by interrupt() / abort(): wait_request gives up

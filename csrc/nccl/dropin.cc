@@ -478,6 +478,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   FROM_REAL(ncclCommDestroy, comm);
+  if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
   CHECK_COMM(comm, "ncclCommDestroy");
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
@@ -492,6 +493,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
   FROM_REAL(ncclCommAbort, comm);
+  if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
   CHECK_COMM(comm, "ncclCommAbort");
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
