@@ -163,10 +163,14 @@ std::string Comm::mail_from(int leader, uint64_t key) {
 
 void Comm::interrupt() {
   aborting_.store(true);  // run() refuses calls from now on; wait_request gives up
+  StreamPath* sp = nullptr;
   {
+    // only read under the lock (a call may be creating it); used outside it, so no lock of the
+    // stream path's is ever taken under this one (it is freed only by abort(), after this)
     std::lock_guard<std::mutex> g(stream_path_mu_);
-    if (stream_path_) stream_path_->request_abort();
+    sp = stream_path_.get();
   }
+  if (sp) sp->request_abort();
   if (engine_) engine_->close();  // fails what the executor and the issuing thread wait for
 }
 
