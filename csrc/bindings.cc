@@ -543,6 +543,4 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &Engine::stats)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
 
-  m.def("dtype_names", &dtype_names);
-  m.def("op_names", &op_names);
 }
