@@ -523,7 +523,7 @@ class EngineCtx:
         return pid
 
     def transfer(self, phase: int, sends, recvs, op: str | None = None) -> None:
-        """algorithms/transfer.py's primitive: one plan for the C++ engine."""
+        """CollCtx.transfer (algorithms/common.py): one plan for the C++ engine."""
         views = [v for *_, v in sends] + [v for *_, v in recvs]
         if not views:  # nothing crosses vendors from this rank: the check header still does
             self.flush()
