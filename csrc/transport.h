@@ -2,8 +2,11 @@
 //
 // Layering (see docs/architecture.md):
 //   transports (this interface; shm_transport.cc, tcp_transport.cc, ucx_transport.cc)
-//   <- bindings.cc (pybind11, hetccl._C) <- Python bridge/algorithms <- torch backend.
-// Algorithms never include a transport's file; they see only this interface through Python.
+//   <- the C++ engine (engine.cc: every collective's cross-vendor data, device point-to-point)
+//      <- bindings.cc (pybind11, hetccl._C) <- Python engine / algorithms <- torch backend;
+//   the Python bridge also hands host point-to-point to the transports directly (hetccl._C.
+//   Transport), and the C API's communicator (csrc/api/comm.cc) runs its own Engine over them.
+// Algorithms never include a transport's file: they hand plans to the engine.
 //
 // Contract of a Transport instance:
 //  * It serves one "world" of `size` ranks; this process is `rank`. Ranks are those of the

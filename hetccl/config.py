@@ -78,7 +78,8 @@ _SETTINGS = [
     Setting("HETCCL_TRANSPORT", str, "auto",
             "Bridge transport: auto (per peer, the most preferred transport of both ranks' "
             "capability tables that reaches it: shm on this host; ucx before tcp where UCX has "
-            "RDMA or device memory), or one name for every peer (shm, tcp, ucx)."),
+            "RDMA, or device memory with HETCCL_UCX_DEVICE=auto), or one name for every peer "
+            "(shm, tcp, ucx)."),
     Setting("HETCCL_TCP_NCONN", int, 4, "TCP connections per peer; large messages are striped."),
     Setting("HETCCL_TCP_LAZY", _bool, True,
             "tcp bridge connections made on first use (the first send to a peer dials its "
