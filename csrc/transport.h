@@ -291,7 +291,11 @@ class Transport {
 //
 //     HETCCL_REGISTER_TRANSPORT(tcp, tcp_caps, make_tcp_transport);
 //
-// Adding a transport is one file with that line (CMakeLists.txt compiles csrc/*_transport.cc).
+// Adding a transport is one file with that line (CMakeLists.txt compiles csrc/*_transport.cc):
+// the torch face's bridge and the engine go by its capabilities (hetccl/transports.py), never by
+// its name. Not covered by that: options of a transport's own (the bridge passes UCX's by name,
+// hetccl/bridge.py), and the C API's communicator, which links ring neighbours on one host by
+// "shm" and every other peer by "tcp" (csrc/api/comm.cc).
 // The Python bridge walks the table (transport_table(), sorted by preference) per peer, the way
 // NCCL asks each transport's canConnect; the C++ core never chooses on its own.
 struct TransportCaps {
