@@ -14,8 +14,9 @@ the group's torch store: no rendezvous of our own.
 
 The collectives' data does not go through this module: the C++ engine (engine.py,
 csrc/engine.h) drives these transports directly. isend/irecv here serve point-to-point
-operations on host tensors; device data crosses only through host memory, exactly as between
-real vendors, whose devices share nothing but the host.
+operations on host tensors; device data crosses through host memory, exactly as between real
+vendors, whose devices share nothing but the host, unless HETCCL_UCX_DEVICE=auto hands it to a
+UCX that takes the device's memory (Choice.device_direct; the engine's direct links).
 """
 from __future__ import annotations
 
