@@ -1,7 +1,7 @@
 // hetccl._C: pybind11 bindings of the bridge core. The Python API here is a contract with
 // hetccl's Python backend (see docs/transports.md): keep names and signatures stable.
-// Every call that may block (connect, close, wait, wait_all, reduce_into, scale_div, the zc
-// waits) releases the GIL. Pointers travel as Python ints (tensor.data_ptr()).
+// Every call that may block (connect, close, wait, wait_all, reduce_into, scale_div,
+// zc_wait) releases the GIL. Pointers travel as Python ints (tensor.data_ptr()).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -257,21 +257,9 @@ PYBIND11_MODULE(_C, m) {
              for (auto& r : s.t().zc_regions()) v.emplace_back(reinterpret_cast<uintptr_t>(r.first), r.second);
              return v;
            })
-      .def("zc_send_acquire",
-           [](PyTransport& s, int peer, int64_t timeout_ms) {
-             auto r = s.t().zc_send_acquire(peer, timeout_ms);
-             return std::make_pair(reinterpret_cast<uintptr_t>(r.first), r.second);
-           },
-           py::arg("peer"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
       .def("zc_send_commit",
            [](PyTransport& s, int peer, size_t nbytes, uint64_t tag) { s.t().zc_send_commit(peer, nbytes, tag); },
            py::arg("peer"), py::arg("nbytes"), py::arg("tag"))
-      .def("zc_recv_acquire",
-           [](PyTransport& s, int peer, int64_t timeout_ms) {
-             auto r = s.t().zc_recv_acquire(peer, timeout_ms);
-             return std::make_tuple(reinterpret_cast<uintptr_t>(std::get<0>(r)), std::get<1>(r), std::get<2>(r));
-           },
-           py::arg("peer"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
       .def("zc_recv_release", [](PyTransport& s, int peer) { s.t().zc_recv_release(peer); },
            py::arg("peer"))
       .def("zc_send_try",
@@ -555,6 +543,4 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &Engine::stats)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
 
-  m.def("dtype_names", &dtype_names);
-  m.def("op_names", &op_names);
 }

@@ -495,9 +495,8 @@ uint64_t Engine::post(const PlanSpec& spec, bool wait_check) {
 void Engine::start_locked(std::shared_ptr<Plan> pp) {
   Plan& p = *pp;
   const PlanSpec& s = p.spec;
-  if (!p.headers_done) {
-    // async check: headers are compared by the progress loop
-  }
+  // A plan whose headers are still outstanding (async check) starts all the same: the progress
+  // loop compares them as they arrive.
   // Cut each item into chunks, per peer in listed order (both ends do the same).
   std::map<int, uint32_t> send_k, recv_k;
   const uint64_t idx_mask = (uint64_t(1) << s.index_bits) - 1;

@@ -1,4 +1,6 @@
-// Host-side reductions used by the bridge (CPU tensors, staged GPU data, irecv_reduce).
+// Host-side reductions: the engine and the transports' irecv_reduce (host data, device data
+// staged through host memory), the C API's host collectives (scale_div for AVG, scale_mul for
+// PreMulSum) and the emulated device's kernels.
 //
 // Contract: reduce_into(op, dtype, dst, src, count) computes dst[i] = op(dst[i], src[i]) for
 // i < count; dst and src may not overlap partially (identical pointers are allowed).

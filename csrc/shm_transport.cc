@@ -256,9 +256,7 @@ class ShmTransport final : public Transport {
 
   bool zc_supported() const override { return true; }
   std::vector<std::pair<void*, size_t>> zc_regions() override;
-  std::pair<void*, size_t> zc_send_acquire(int peer, int64_t timeout_ms) override;
   void zc_send_commit(int peer, size_t nbytes, uint64_t tag) override;
-  std::tuple<void*, size_t, uint64_t> zc_recv_acquire(int peer, int64_t timeout_ms) override;
   void zc_recv_release(int peer) override;
   std::pair<void*, size_t> zc_send_try(int peer) override;
   std::tuple<void*, size_t, uint64_t> zc_recv_try(int peer) override;
@@ -887,21 +885,6 @@ std::vector<std::pair<void*, size_t>> ShmTransport::zc_regions() {
   return v;
 }
 
-std::pair<void*, size_t> ShmTransport::zc_send_acquire(int peer, int64_t timeout_ms) {
-  Peer& p = peer_ref(peer);
-  std::lock_guard<std::mutex> g(p.zmu);
-  if (!p.out.h) throw CommError("hetccl shm: transport closed");
-  SegHeader* h = p.out.h;
-  Deadline d(timeout_ms);
-  std::string err = wait_on(p, true, h->ztail, h->ztail_waiting, [&] { return zc_send_free(p); }, &d);
-  if (err == "timeout")
-    throw CommTimeout("hetccl shm: timed out after " + std::to_string(timeout_ms) +
-                      " ms waiting for a free zero-copy slot to peer rank " + std::to_string(peer));
-  if (stop_.load()) throw CommError("hetccl shm: transport closed");
-  if (!err.empty()) throw PeerFailure(err);
-  return zc_take_send(p);
-}
-
 void ShmTransport::zc_send_commit(int peer, size_t nbytes, uint64_t tag) {
   check_tag(tag);
   Peer& p = peer_ref(peer);
@@ -918,21 +901,6 @@ void ShmTransport::zc_send_commit(int peer, size_t nbytes, uint64_t tag) {
   ++p.zs_commit;
   h->zhead.v.store(p.zs_commit, std::memory_order_seq_cst);
   if (h->zhead_waiting.v.load(std::memory_order_seq_cst)) futex_wake(&h->zhead.v);
-}
-
-std::tuple<void*, size_t, uint64_t> ShmTransport::zc_recv_acquire(int peer, int64_t timeout_ms) {
-  Peer& p = peer_ref(peer);
-  std::lock_guard<std::mutex> g(p.zmu);
-  if (!p.in.h) throw CommError("hetccl shm: transport closed");
-  SegHeader* h = p.in.h;
-  Deadline d(timeout_ms);
-  std::string err = wait_on(p, false, h->zhead, h->zhead_waiting, [&] { return zc_recv_filled(p); }, &d);
-  if (err == "timeout")
-    throw CommTimeout("hetccl shm: timed out after " + std::to_string(timeout_ms) +
-                      " ms waiting for a zero-copy slot from peer rank " + std::to_string(peer));
-  if (stop_.load()) throw CommError("hetccl shm: transport closed");
-  if (!err.empty()) throw PeerFailure(err);
-  return zc_take_recv(p);
 }
 
 void ShmTransport::zc_recv_release(int peer) {

@@ -2,8 +2,11 @@
 //
 // Layering (see docs/architecture.md):
 //   transports (this interface; shm_transport.cc, tcp_transport.cc, ucx_transport.cc)
-//   <- bindings.cc (pybind11, hetccl._C) <- Python bridge/algorithms <- torch backend.
-// Algorithms never include a transport's file; they see only this interface through Python.
+//   <- the C++ engine (engine.cc: every collective's cross-vendor data, device point-to-point)
+//      <- bindings.cc (pybind11, hetccl._C) <- Python engine / algorithms <- torch backend;
+//   the Python bridge also hands host point-to-point to the transports directly (hetccl._C.
+//   Transport), and the C API's communicator (csrc/api/comm.cc) runs its own Engine over them.
+// Algorithms never include a transport's file: they hand plans to the engine.
 //
 // Contract of a Transport instance:
 //  * It serves one "world" of `size` ranks; this process is `rank`. Ranks are those of the
@@ -238,23 +241,14 @@ class Transport {
   }
 
   // Zero-copy ring (shm only; the defaults say "not supported"). A second strictly ordered ring
-  // per direction beside the tagged one, used by one caller at a time: the sender acquires the
-  // next free slot (page-aligned memory the caller fills, e.g. by a D2H copy), then commits it
-  // with its length and tag; the receiver acquires the next filled slot, consumes it in place and
-  // releases it. Up to nslots slots may be acquired before committing/releasing; commits and
-  // releases happen in acquisition order. zc_regions() lists all ring memory (for
-  // cudaHostRegister). Waits honour timeout_ms (CommTimeout) and peer failure (PeerFailure).
-  virtual bool zc_supported() const { return false; }
-  virtual std::vector<std::pair<void*, size_t>> zc_regions() { throw no_zc(); }
-  virtual std::pair<void*, size_t> zc_send_acquire(int peer, int64_t timeout_ms) { throw no_zc(); }
-  virtual void zc_send_commit(int peer, size_t nbytes, uint64_t tag) { throw no_zc(); }
-  virtual std::tuple<void*, size_t, uint64_t> zc_recv_acquire(int peer, int64_t timeout_ms) {
-    throw no_zc();
-  }
-  virtual void zc_recv_release(int peer) { throw no_zc(); }
-  // For a caller that drives both directions of one peer from one thread (engine.cc):
-  //  * zc_send_try / zc_recv_try never wait: {nullptr, 0} when no slot is free, {nullptr, 0, 0}
-  //    when nothing has arrived.
+  // per direction beside the tagged one, used by one caller at a time that drives both
+  // directions of a peer from one thread (engine.cc): the sender acquires the next free slot
+  // (page-aligned memory the caller fills, e.g. by a D2H copy), then commits it with its length
+  // and tag; the receiver acquires the next filled slot, consumes it in place and releases it.
+  // Up to nslots slots may be acquired before committing/releasing; commits and releases happen
+  // in acquisition order. zc_regions() lists all ring memory (for cudaHostRegister).
+  //  * zc_send_try / zc_recv_try acquire and never wait: {nullptr, 0} when no slot is free,
+  //    {nullptr, 0, 0} when nothing has arrived (zc_wait below is the wait).
   //  * Round trip: a receiver may write into a slot it holds (e.g. reduce into it in place), and
   //    the sender may read a slot back after the receiver released it, until it reacquires it.
   //    zc_send_counts(peer) returns {slots acquired by this side, slots the peer has released}
@@ -262,8 +256,12 @@ class Transport {
   //    zc_depth(peer) is the number of slots of the outgoing ring.
   //  * zc_wait sleeps until the peer moves either ring (commits a slot to us or releases one of
   //    ours) or timeout_ms passes (then it just returns); PeerFailure if the peer died or closed.
+  virtual bool zc_supported() const { return false; }
+  virtual std::vector<std::pair<void*, size_t>> zc_regions() { throw no_zc(); }
   virtual std::pair<void*, size_t> zc_send_try(int peer) { throw no_zc(); }
+  virtual void zc_send_commit(int peer, size_t nbytes, uint64_t tag) { throw no_zc(); }
   virtual std::tuple<void*, size_t, uint64_t> zc_recv_try(int peer) { throw no_zc(); }
+  virtual void zc_recv_release(int peer) { throw no_zc(); }
   virtual std::pair<uint32_t, uint32_t> zc_send_counts(int peer) { throw no_zc(); }
   virtual uint32_t zc_depth(int peer) { throw no_zc(); }
   // Slot capacity in bytes, and the address of the slot that carries ring position `pos` of the
@@ -293,7 +291,11 @@ class Transport {
 //
 //     HETCCL_REGISTER_TRANSPORT(tcp, tcp_caps, make_tcp_transport);
 //
-// Adding a transport is one file with that line (CMakeLists.txt compiles csrc/*_transport.cc).
+// Adding a transport is one file with that line (CMakeLists.txt compiles csrc/*_transport.cc):
+// the torch face's bridge and the engine go by its capabilities (hetccl/transports.py), never by
+// its name. Not covered by that: options of a transport's own (the bridge passes UCX's by name,
+// hetccl/bridge.py), and the C API's communicator, which links ring neighbours on one host by
+// "shm" and every other peer by "tcp" (csrc/api/comm.cc).
 // The Python bridge walks the table (transport_table(), sorted by preference) per peer, the way
 // NCCL asks each transport's canConnect; the C++ core never chooses on its own.
 struct TransportCaps {

@@ -11,11 +11,9 @@ try:  # optional: only builds with the UCX transport need it
 except Exception:  # noqa: BLE001 - absent or unloadable UCX simply means no UCX transport
     pass
 
-from . import _C  # noqa: E402
+from . import _C, config  # noqa: E402
 
-import os as _os
-
-if _os.environ.get("HETCCL_CRASH_BACKTRACE") == "1":  # debugging aid (csrc/bindings.cc)
+if config.get("HETCCL_CRASH_BACKTRACE"):  # debugging aid (csrc/bindings.cc)
     _C.enable_crash_backtrace()
 
 CommError = _C.CommError

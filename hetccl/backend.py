@@ -181,9 +181,6 @@ class HetcclProcessGroup(dist.ProcessGroup):
             self._coalescing.append(work)
         return work
 
-    def _check(self, ctx, coll, numel, dtype, op=None, root=-1, same_numel=True):
-        ctx.begin(coll, numel, dtype, op, root, same_numel)
-
     def _validate_reduce(self, t: torch.Tensor, op: str) -> None:
         if op in _BITWISE:
             if t.dtype not in _BITWISE_DTYPES:
@@ -219,7 +216,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         def body(ctx, algo):
             for (t, (f, copied)) in zip(tensors, flats):
-                self._check(ctx, "all_reduce", f.numel(), f.dtype, op)
+                ctx.begin("all_reduce", f.numel(), f.dtype, op)
                 if op in _BITWISE:
                     self._bitwise_all_reduce(ctx, f, op)
                     if copied:
@@ -289,7 +286,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             if t.dim() > max_dims:
                 raise ValueError(f"hetccl: sparse all_reduce supports up to {max_dims} "
                                  f"dimensions, got {t.dim()}")
-            self._check(ctx, "all_reduce", t.numel(), t.dtype, op)
+            ctx.begin("all_reduce", t.numel(), t.dtype, op)
             meta = hostmem.full((3 + max_dims,), -1, torch.int64)
             meta[0], meta[1], meta[2] = x._nnz(), x.sparse_dim(), x.dense_dim()
             meta[3:3 + t.dim()] = hostmem.tensor(list(t.shape), torch.int64)
@@ -334,7 +331,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         def body(ctx, algo):
             for t, (f, copied) in zip(tensors, flats):
-                self._check(ctx, "broadcast", f.numel(), f.dtype, None, root)
+                ctx.begin("broadcast", f.numel(), f.dtype, None, root)
                 algo(ctx, f, root)
                 if copied:
                     t.copy_(f.view_as(t))
@@ -352,7 +349,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         def body(ctx, algo):
             for t, (f, copied) in zip(tensors, flats):
-                self._check(ctx, "reduce", f.numel(), f.dtype, op, root)
+                ctx.begin("reduce", f.numel(), f.dtype, op, root)
                 self._reduce_to_root(ctx, algo, f, root, op)
                 if me == root and copied:
                     t.copy_(f.view_as(t))
@@ -377,7 +374,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         x, _ = _flat(inp)
 
         def body(ctx, algo):
-            self._check(ctx, "all_gather", x.numel(), x.dtype)
+            ctx.begin("all_gather", x.numel(), x.dtype)
             if out_flat.numel() != x.numel() * self.size():
                 raise ValueError(f"hetccl: all_gather output has {out_flat.numel()} elements, "
                                  f"expected {self.size()} x {x.numel()}")
@@ -429,7 +426,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         def body(ctx, algo):
             for k, (f, copied) in enumerate(flats):
-                self._check(ctx, "broadcast", f.numel(), f.dtype, None, k)
+                ctx.begin("broadcast", f.numel(), f.dtype, None, k)
                 algo(ctx, f, k)
                 if copied:
                     outs[k].copy_(f.view_as(outs[k]))
@@ -491,7 +488,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         world = self.size()
 
         def body(ctx, algo):
-            self._check(ctx, "reduce_scatter", o.numel(), o.dtype, op)
+            ctx.begin("reduce_scatter", o.numel(), o.dtype, op)
             if inp_flat.numel() != o.numel() * world:
                 raise ValueError(f"hetccl: reduce_scatter input has {inp_flat.numel()} elements,"
                                  f" expected {world} x {o.numel()}")
@@ -542,7 +539,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         def body(ctx, algo):
             for k, f in enumerate(parts):
-                self._check(ctx, "reduce", f.numel(), f.dtype, op, k)
+                ctx.begin("reduce", f.numel(), f.dtype, op, k)
                 self._reduce_to_root(ctx, algo, f, k, op)
                 if k == me:
                     out.copy_(f.view_as(out))
@@ -585,7 +582,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         o, copied = _flat(output)
 
         def body(ctx, algo):
-            self._check(ctx, "all_to_all", 0, x.dtype, same_numel=False)
+            ctx.begin("all_to_all", 0, x.dtype, same_numel=False)
             self._check_a2a_counts(ctx, in_counts, out_counts)
             algo(ctx, o, x, out_counts, in_counts)
             if copied:
@@ -622,7 +619,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         out_counts = [t.numel() for t in output_tensors]
 
         def body(ctx, algo):
-            self._check(ctx, "all_to_all", 0, inp.dtype, same_numel=False)
+            ctx.begin("all_to_all", 0, inp.dtype, same_numel=False)
             self._check_a2a_counts(ctx, in_counts, out_counts)
             algo(ctx, out, inp, out_counts, in_counts)
             pos = 0
@@ -648,7 +645,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             flats = []
 
         def body(ctx, algo):
-            self._check(ctx, "gather", x.numel(), x.dtype, None, root)
+            ctx.begin("gather", x.numel(), x.dtype, None, root)
             algo(ctx, [f for f, _ in flats] if flats else None, x, root)
             for o, (f, copied) in zip(outs or [], flats):
                 if copied:
@@ -670,7 +667,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             ins = [_flat(t)[0] for t in input_tensors[0]]
 
         def body(ctx, algo):
-            self._check(ctx, "scatter", o.numel(), o.dtype, None, root)
+            ctx.begin("scatter", o.numel(), o.dtype, None, root)
             algo(ctx, o, ins, root)
             if copied:
                 out.copy_(o.view_as(out))
@@ -682,7 +679,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         t = hostmem.zeros(1)
 
         def body(ctx, algo):
-            self._check(ctx, "barrier", 1, t.dtype, "sum")
+            ctx.begin("barrier", 1, t.dtype, "sum")
             algo(ctx, t, "sum")
 
         return self._submit("all_reduce", 4, body, [t], [t], opts)

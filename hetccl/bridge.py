@@ -14,8 +14,9 @@ the group's torch store: no rendezvous of our own.
 
 The collectives' data does not go through this module: the C++ engine (engine.py,
 csrc/engine.h) drives these transports directly. isend/irecv here serve point-to-point
-operations on host tensors; device data crosses only through host memory, exactly as between
-real vendors, whose devices share nothing but the host.
+operations on host tensors; device data crosses through host memory, exactly as between real
+vendors, whose devices share nothing but the host, unless HETCCL_UCX_DEVICE=auto hands it to a
+UCX that takes the device's memory (Choice.device_direct; the engine's direct links).
 """
 from __future__ import annotations
 
@@ -109,14 +110,15 @@ class Bridge:
         self.groups_linked = group_links(topo, caps)  # the same on every rank
         self.group_peers = [r for r in topo.groups[topo.my_group]
                             if r != topo.rank] if self.groups_linked else []
+        ring = transports.shared_ring(c["table"] for c in caps) if self.group_peers else None
         for p in self.group_peers:
-            self.kind_of[p] = "shm"
+            self.kind_of[p] = ring
         # Every pair of ranks on a shared-memory ring (engine.py: host collectives on the
         # engine alone): a property of the job, from tables every rank has, so the same on
         # every rank -- never from this rank's own links, which differ across ranks.
         self.all_linked = (topo.size >= 3
                            and (self.groups_linked or max(len(g) for g in topo.groups) == 1)
-                           and all(c.transport == "shm" for c in self.choices.values()))
+                           and all(c.zero_copy for c in self.choices.values()))
         self.device_direct: dict[int, bool] = {p: self.choices[(topo.rank, p)].device_direct
                                                for p in self.peers}
         # Shared memory per rank is bounded whatever the job size (shm_segment_budget): each
@@ -136,9 +138,10 @@ class Bridge:
             "threads": str(config.get("HETCCL_REDUCE_THREADS")),
         }
         kinds = sorted(set(self.kind_of.values()))
-        if any(k in ("tcp", "ucx") for k in kinds):
+        local = {t["name"]: t for t in transports.local_table()}
+        if any(local[k]["other_host"] for k in kinds):  # network transports listen on an address
             opts["bind_addr"] = _default_bind_addr(topo)
-        if "ucx" in kinds:
+        if "ucx" in kinds:  # UCX's own options (csrc/ucx_transport.cc)
             real_host = [i.host for i in topo.infos]
             opts["lanes"] = str(config.get("HETCCL_UCX_LANES"))
             opts["ucx_config"] = config.ucx_tuning()
@@ -149,8 +152,6 @@ class Bridge:
                 bool(config.get("HETCCL_EMULATE_HOSTS"))) + transports.ucx_copy_exclusions(
                 any(self.device_direct[p] for p in self.peers if self.kind_of[p] == "ucx")))
         self.transports: dict[str, object] = {}
-        if self.group_peers and "shm" not in kinds:
-            kinds.append("shm")
         try:
             for k in kinds:
                 self.transports[k] = _C.Transport(k, topo.rank, topo.size, opts)
@@ -239,7 +240,7 @@ def group_links(topo: Topology, caps: list[dict]) -> bool:
         return False
     if not all(topo.same_host(0, r) for r in range(topo.size)):
         return False
-    if not all("shm" in c["table"] and c["table"]["shm"].get("same_host") for c in caps):
+    if transports.shared_ring(c["table"] for c in caps) is None:
         return False
     from .checks import butterfly_masks
     return butterfly_masks(topo.groups) is None
@@ -255,7 +256,7 @@ def shm_segment_budget(topo: Topology, caps: list[dict], choices: dict,
     rank creates more than its budget: memory per rank stays bounded as the job grows (the
     rings get fewer, then smaller slots instead)."""
     host = [r for r in range(topo.size) if topo.same_host(topo.rank, r)]
-    shm = _links_per_rank(choices, lambda t: t == "shm")
+    shm = _links_per_rank(choices, lambda c: c.zero_copy)
 
     def shm_peers(r: int) -> int:
         return shm.get(r, 0) + (len(topo.groups[topo.group_of[r]]) - 1 if groups_linked else 0)
@@ -266,11 +267,11 @@ def shm_segment_budget(topo: Topology, caps: list[dict], choices: dict,
 
 
 def _links_per_rank(choices: dict, which) -> dict[int, int]:
-    """rank -> how many cross-vendor peers it reaches over a transport `which(name)` accepts
+    """rank -> how many cross-vendor peers it reaches over a link `which(choice)` accepts
     (one pass over the pairs of choose_all)."""
     out: dict[int, int] = {}
     for (a, _), c in choices.items():
-        if which(c.transport):
+        if which(c):
             out[a] = out.get(a, 0) + 1
     return out
 
@@ -282,7 +283,7 @@ def staging_depth(topo: Topology, caps: list[dict], choices: dict, slot_bytes: i
     smallest published budget (HETCCL_SHM_BUDGET_BYTES) over the most message links any rank
     of the job has, between 2 (copies overlap the transfer) and `most` (HETCCL_SHM_NSLOTS). The
     same on every rank."""
-    links = max(_links_per_rank(choices, lambda t: t != "shm").values(), default=0)
+    links = max(_links_per_rank(choices, lambda c: not c.zero_copy).values(), default=0)
     if not links:
         return max(2, most)
     budget = min(int(c["shm_budget"]) for c in caps)

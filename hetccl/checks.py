@@ -1,12 +1,20 @@
 """Argument checks: every rank must call the same collective with matching tensors.
 
 A check header is six integers -- collective, element count, dtype, reduction op, root, device
-type. The engine carries it to every cross-vendor peer with the collective's first transfer
-(csrc/engine.h: no extra round trip) and compares what it receives; inside a vendor group, where
-data moves on the native library, the headers are all-gathered natively first (one tiny native
-collective) so that a call that is wrong inside one group is refused before any native call and
-the verdict travels to the other groups in the header's error text. Every rank thus raises the
-same ValueError, and an error raised this way leaves the group usable.
+type. How the headers travel depends on the topology (engine.py EngineCtx.begin, the same
+choice on every rank):
+  * in general the engine carries this rank's header to every cross-vendor peer with the
+    collective's first transfer (csrc/engine.h: no extra round trip) and compares what it
+    receives; inside a vendor group, where data moves on the native library, the headers are
+    all-gathered natively first (one tiny native collective) so that a call that is wrong inside
+    one group is refused before any native call, and the verdict travels to the other groups in
+    the header's error text;
+  * two groups of equal size 2^m, when the check waits: m + 1 small exchanges through the bridge
+    leave every rank with every header (all_headers_over_bridge), before any data;
+  * every pair of ranks linked (engine.check_linked), when the check waits: one exchange of
+    every rank's header row over the links, before any data.
+Every rank thus raises the same ValueError, and an error raised this way leaves the group
+usable.
 
 HETCCL_CHECK_ARGS:
   on   (default) every call, host and device tensors, is checked before data moves: the calling

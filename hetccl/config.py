@@ -1,8 +1,12 @@
 """The one place where hetccl reads environment settings.
 
 Every knob is declared here once (name, type, default, meaning), in the spirit of NCCL_PARAM.
-Other modules call ``config.get("NAME")``; nothing else in the package touches ``os.environ``
-for HETCCL_* settings. ``hetccl doctor`` prints this table with the values in force.
+Other modules call ``config.get("NAME")``; nothing else in the package reads ``os.environ``
+for HETCCL_* settings, except the two modules that must import nothing of hetccl (harnesses load
+them without torch): capi.py (HETCCL_CAPI_LIB) and nccl_dropin.py (HETCCL_NCCL_LIBRARY,
+HETCCL_RCCL_LIBRARY, HETCCL_NCCL_H) read theirs directly, and they are declared here all the
+same. Launchers write settings for their children (run.py, bench/). ``hetccl doctor`` prints
+this table with the values in force.
 """
 from __future__ import annotations
 
@@ -74,7 +78,8 @@ _SETTINGS = [
     Setting("HETCCL_TRANSPORT", str, "auto",
             "Bridge transport: auto (per peer, the most preferred transport of both ranks' "
             "capability tables that reaches it: shm on this host; ucx before tcp where UCX has "
-            "RDMA or device memory), or one name for every peer (shm, tcp, ucx)."),
+            "RDMA, or device memory with HETCCL_UCX_DEVICE=auto), or one name for every peer "
+            "(shm, tcp, ucx)."),
     Setting("HETCCL_TCP_NCONN", int, 4, "TCP connections per peer; large messages are striped."),
     Setting("HETCCL_TCP_LAZY", _bool, True,
             "tcp bridge connections made on first use (the first send to a peer dials its "
@@ -110,8 +115,8 @@ _SETTINGS = [
     Setting("HETCCL_CRASH_BACKTRACE", _bool, False,
             "Debugging aid: on SIGSEGV/SIGBUS/SIGFPE print the native frames as "
             "'hetccl-frame <object> +<offset>' lines (addr2line names them; csrc/crash.h). "
-            "Read by hetccl/_core.py before anything else loads and by the C API's "
-            "communicator."),
+            "Read when hetccl/_core.py loads the core (before any transport starts) and by the C "
+            "API's communicator."),
     Setting("HETCCL_DROPIN", _bool, False,
             "Set by `hetccl run --dropin` for its workers: the drop-in NCCL is preloaded, so "
             "hetccl.shim leaves init_process_group as the script wrote it."),
@@ -121,6 +126,14 @@ _SETTINGS = [
             "`hetccl run --dropin` sets torch's (the nvidia-nccl wheel)."),
     Setting("HETCCL_RCCL_LIBRARY", str, "",
             "The drop-in RCCL's (librccl.so.1) real library, as HETCCL_NCCL_LIBRARY."),
+    Setting("HETCCL_NCCL_H", str, "",
+            "nccl.h to check the drop-in's ABI against (tests/test_dropin.py) where the real "
+            "library found has none beside it (the nvidia-nccl wheel ships one). Read by "
+            "hetccl/nccl_dropin.py, which imports nothing of hetccl."),
+    Setting("HETCCL_CAPI_LIB", str, "",
+            "The C API library (libhetccl.so) that hetccl/capi.py loads (default: the one built "
+            "beside the package); harnesses point it at the drop-in too. Read by hetccl/capi.py, "
+            "which imports nothing of hetccl."),
     Setting("HETCCL_DROPIN_NATIVE", _bool, True,
             "Drop-in: a communicator of one vendor is the real library's (0: hetccl serves it "
             "too, for tests and comparisons)."),
@@ -222,6 +235,10 @@ _SETTINGS = [
             "(hetccl.launch.share_gpus): auto (default: under vendor emulation each worker sees "
             "one GPU, local rank % GPUs, as its GPU 0, and LOCAL_RANK=0), on (also without "
             "emulation), off (leave CUDA_VISIBLE_DEVICES and LOCAL_RANK as launched)."),
+    Setting("HETCCL_DS_COMM_BACKEND", str, "",
+            "hetccl.integrations.deepspeed.init_distributed: the backend when neither its "
+            "comm_backend argument nor args.comm_backend names one (hetccl, nccl, gloo, ccl, "
+            "mpi, hccl, xccl); empty: the accelerator's default."),
     Setting("HETCCL_SLOWDOWN", float, 1.0,
             "TEST ONLY: emulate a slower device; hetccl.balance.emulate multiplies this rank's "
             "compute time by this factor."),

@@ -3,8 +3,10 @@
 An Engine belongs to one multi-vendor process group. It owns the group's topology, the native
 communicator of this rank's vendor group, the bridge (the C++ transports to the other vendor
 groups) and the C++ progress engine (hetccl._C.Engine, csrc/engine.h) that moves every
-cross-vendor byte: the algorithms (hetccl/algorithms) decide what crosses vendors and hand each
-cross-vendor step to it as one plan; no Python runs per chunk.
+cross-vendor byte of a collective and the point-to-point messages of device tensors (host
+point-to-point goes to the bridge's transports directly, backend.py): the algorithms
+(hetccl/algorithms) decide what crosses vendors and hand each cross-vendor step to it as one
+plan; no Python runs per chunk.
 
 Ordering contract: the collectives of a group run in issue order on every rank, so sequence
 numbers -- and therefore tags (tags.py) and ring positions -- agree without negotiation.
@@ -523,7 +525,7 @@ class EngineCtx:
         return pid
 
     def transfer(self, phase: int, sends, recvs, op: str | None = None) -> None:
-        """algorithms/transfer.py's primitive: one plan for the C++ engine."""
+        """CollCtx.transfer (algorithms/common.py): one plan for the C++ engine."""
         views = [v for *_, v in sends] + [v for *_, v in recvs]
         if not views:  # nothing crosses vendors from this rank: the check header still does
             self.flush()

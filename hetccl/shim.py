@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import hetccl  # noqa: F401 - registers the backend
-from hetccl import backend as _backend
+from hetccl import backend as _backend, config
 
 log = logging.getLogger("hetccl")
 
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     note = share_gpus(argv=argv)  # before anything initialises the GPU runtime
     if note and os.environ.get("RANK", "0") == "0":
         log.warning("%s", note)
-    if os.environ.get("HETCCL_DROPIN") == "1":
+    if config.get("HETCCL_DROPIN"):
         # `hetccl run --dropin`: the preloaded libnccl.so.2 serves torch's own NCCL process
         # group, so init_process_group keeps the script's backend
         if os.environ.get("RANK", "0") == "0":

@@ -62,14 +62,31 @@ def publishable(table) -> dict[str, dict]:
     """The part of a table other ranks need, keyed by transport name (JSON-able)."""
     return {t["name"]: {"preference": int(t["preference"]), "same_host": bool(t["same_host"]),
                         "other_host": bool(t["other_host"]), "memory": list(t["memory"]),
-                        "rdma": bool(t.get("rdma", False))}
+                        "rdma": bool(t.get("rdma", False)),
+                        "zero_copy": bool(t.get("zero_copy", False))}
             for t in table}
+
+
+def shared_ring(tables) -> str | None:
+    """The transport with a zero-copy ring that reaches peers on this host in every one of the
+    given (publishable) tables, the most preferred such one (ties by name); None when the tables
+    share none. What links same-vendor ranks of one host (bridge.group_links)."""
+    tables = list(tables)
+    names = [n for n in (tables[0] if tables else {})
+             if all(n in t and t[n].get("zero_copy", False) and t[n]["same_host"]
+                    for t in tables)]
+    if not names:
+        return None
+    return min(names, key=lambda n: (max(t[n]["preference"] for t in tables), n))
 
 
 @dataclass(frozen=True)
 class Choice:
     transport: str
     device_direct: bool  # device memory handed to the transport (else host-staged by the engine)
+    # the transport has a zero-copy ring (TransportCaps::zero_copy: both tables say so): the
+    # engine's link to the peer is then a ring link, else a message link (docs/engine.md)
+    zero_copy: bool = False
 
     def describe(self) -> str:
         return f"{self.transport}" + (" (device memory direct)" if self.device_direct else "")
@@ -79,14 +96,21 @@ def _where(same_host: bool) -> str:
     return "on this host" if same_host else "on another host"
 
 
-def _preference(name: str, entry: dict, device: str) -> int:
-    """A transport's rank for the automatic choice. UCX publishes 20 (before tcp) when it brings
-    RDMA or device memory; device memory is worth nothing while the direct device path is off
-    (HETCCL_UCX_DEVICE=off, the default): staged through host memory, UCX without RDMA is UCX's
-    tcp against hetccl's striped tcp (1.5 against 4.4 GB/s at 64 MiB on the H200 box,
-    docs/benchmarks.md), so it then ranks after tcp (40). ``entry``: a publishable() entry."""
-    if name == "ucx" and device == "off" and not entry.get("rdma", False):
-        return max(entry["preference"], 40)
+# Where a transport whose published preference rests on device memory ranks while that memory
+# is not handed to it: after tcp (30), where UCX ranks without RDMA or device memory.
+_NO_DEVICE_EDGE_PREFERENCE = 40
+
+
+def _preference(entry: dict, device: str) -> int:
+    """A transport's rank for the automatic choice. A transport that takes device memory
+    (UCX: 20, before tcp, when it brings RDMA or device memory) gains nothing from it while the
+    direct device path is off (HETCCL_UCX_DEVICE=off, the default): staged through host memory,
+    UCX without RDMA is UCX's tcp against hetccl's striped tcp (1.5 against 4.4 GB/s at 64 MiB
+    on the H200 box, docs/benchmarks.md), so without RDMA it then ranks after tcp.
+    ``entry``: a publishable() entry."""
+    takes_device_memory = any(m != "host" for m in entry["memory"])
+    if device == "off" and takes_device_memory and not entry.get("rdma", False):
+        return max(entry["preference"], _NO_DEVICE_EDGE_PREFERENCE)
     return entry["preference"]
 
 
@@ -118,11 +142,12 @@ def choose(a: int, b: int, table_a: dict, table_b: dict, same_host: bool, forced
             raise ValueError(
                 f"hetccl: no bridge transport reaches rank {b} from rank {a} ({_where(same_host)}): "
                 f"rank {a} has {sorted(table_a)}, rank {b} has {sorted(table_b)}")
-        name = min(both, key=lambda n: (max(_preference(n, table_a[n], device),
-                                            _preference(n, table_b[n], device)), n))
+        name = min(both, key=lambda n: (max(_preference(table_a[n], device),
+                                            _preference(table_b[n], device)), n))
     direct = (device != "off" and kind_a in table_a[name]["memory"]
               and kind_b in table_b[name]["memory"])
-    return Choice(name, direct)
+    zero_copy = table_a[name].get("zero_copy", False) and table_b[name].get("zero_copy", False)
+    return Choice(name, direct, zero_copy)
 
 
 def ucx_exclusions(my_host: str, peer_hosts: list[str], emulate_hosts: bool) -> list[str]:

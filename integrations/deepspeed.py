@@ -100,8 +100,8 @@ def init_distributed(args: argparse.Namespace | None = None, *, comm_backend: st
                      world_size: int = -1) -> str:
     """Initialise torch.distributed and deepspeed.comm; return the backend in use.
 
-    Backend choice: ``comm_backend`` > ``args.comm_backend`` > env HETCCL_DS_COMM_BACKEND (set by
-    the launcher wrapper) > the accelerator's default. For "hetccl" the default group is created
+    Backend choice: ``comm_backend`` > ``args.comm_backend`` > env HETCCL_DS_COMM_BACKEND
+    (hetccl/config.py) > the accelerator's default. For "hetccl" the default group is created
     here, before DeepSpeed sees it: DeepSpeed would otherwise pass ``device_id`` on CUDA, which a
     Python process group cannot take. DeepSpeed then wraps the group (deepspeed.comm keeps
     using torch.distributed for every training collective). Idempotent: a second call returns
@@ -114,7 +114,8 @@ def init_distributed(args: argparse.Namespace | None = None, *, comm_backend: st
     if comm_backend is None and args is not None:
         comm_backend = getattr(args, "comm_backend", None)
     if comm_backend is None:
-        comm_backend = os.environ.get("HETCCL_DS_COMM_BACKEND") or None
+        from hetccl import config
+        comm_backend = config.get("HETCCL_DS_COMM_BACKEND") or None
     if vendors is None and args is not None:
         vendors = getattr(args, "hetccl_vendors", None)
     if comm_backend is not None and comm_backend not in COMM_BACKENDS:

@@ -578,7 +578,7 @@ def run(rec: dict, sess, *, iters: int | None = None, out: str | None = None,
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from hetccl.balance.emulate import slow_down_modules
-    from hetccl import compat
+    from hetccl import compat, config
 
     device = sess.device
     h = rec["hetccl"]
@@ -724,7 +724,7 @@ def run(rec: dict, sess, *, iters: int | None = None, out: str | None = None,
                    tp=ps.get_tensor_model_parallel_world_size(), pp=pp, dp=dp,
                    vendors=sess.layout.vendors, placement=sess.layout.placement,
                    megatron_core=compat.megatron_core_version(), recipe=rec["name"],
-                   tag=rec.get("tag"), slowdown=float(os.environ.get("HETCCL_SLOWDOWN", "1")),
+                   tag=rec.get("tag"), slowdown=float(config.get("HETCCL_SLOWDOWN")),
                    params=param_count(rec))
         if plan_report is not None and it == start_it:
             row["stage_plan"] = plan_report

@@ -11,9 +11,12 @@ arithmetic on full-range random values.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from hetccl import _core
 from hetccl._core import _C
 
 DTYPES = {
@@ -139,15 +142,25 @@ def test_avg_is_sum_then_scale_div():
     assert a.tolist() == [2.0, 3.0, 4.5]
 
 
+def _known(err) -> list[str]:
+    """The names a parse error lists ("... (known: a, b, c)")."""
+    m = re.search(r"\(known: ([^)]*)\)", str(err.value))
+    assert m, str(err.value)
+    return m.group(1).split(", ")
+
+
 def test_bad_names_are_named():
+    """An unknown op or dtype is named, with every name the core knows: the ops in the C API's
+    order, the dtypes exactly this file's and the torch face's (_core.HOST_REDUCE_DTYPES)."""
     x = torch.zeros(4)
-    with pytest.raises(_C.CommError, match="median"):
+    with pytest.raises(_C.CommError, match="median") as err:
         _C.reduce_into("median", "float32", x.data_ptr(), x.data_ptr(), 4)
-    with pytest.raises(_C.CommError, match="complex64"):
+    assert _known(err) == ["sum", "prod", "min", "max", "avg"]
+    with pytest.raises(_C.CommError, match="complex64") as err:
         _C.reduce_into("sum", "complex64", x.data_ptr(), x.data_ptr(), 4)
+    assert sorted(_known(err)) == sorted(DTYPES)
+    assert set(_known(err)) == _core.HOST_REDUCE_DTYPES
     with pytest.raises(_C.CommError, match="complex64"):
         _C.scale_div("complex64", x.data_ptr(), 4, 2)
     with pytest.raises(_C.CommError, match="zero"):
         _C.scale_div("float32", x.data_ptr(), 4, 0)
-    assert _C.op_names() == ["sum", "prod", "min", "max", "avg"]
-    assert sorted(_C.dtype_names()) == sorted(DTYPES)

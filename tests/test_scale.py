@@ -151,11 +151,14 @@ class _Topo:
 
 
 def _choices(topo, transport_of_pair):
-    from types import SimpleNamespace
+    """transports.Choice per cross-vendor pair, zero_copy as this build's table declares it."""
+    from hetccl import transports
 
-    return {(a, b): SimpleNamespace(transport=transport_of_pair(a, b))
+    zc = {t["name"] for t in transports.local_table() if t["zero_copy"]}
+    return {(a, b): transports.Choice(t, False, t in zc)
             for a in range(topo.size) for b in range(topo.size)
-            if topo.group_of[a] != topo.group_of[b]}
+            if topo.group_of[a] != topo.group_of[b]
+            for t in [transport_of_pair(a, b)]}
 
 
 def test_budget_shares_are_per_host_and_symmetric():

@@ -226,53 +226,75 @@ def sc_bad_args(t, st, rank, peer, name):
     r.wait(30000)
 
 
+def _zc_take(t, peer, acquire, timeout_s=10.0):
+    """A zero-copy slot acquired the engine's way: zc_send_try / zc_recv_try, sleeping in
+    zc_wait while the ring is full / empty (it returns when the peer moves either ring)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = acquire(peer)
+        if got[0]:
+            return got
+        assert time.monotonic() < deadline, "the peer never moved the zero-copy ring"
+        t.zc_wait(peer, 100)
+
+
 def sc_zero_copy(t, st, rank, peer, name):
-    """shm: the zero-copy ring (page-aligned slots, strict order, nslots acquirable before
-    commit, ring-full and ring-empty timeouts, misuse errors). Others: not supported."""
+    """shm: the zero-copy ring through the API the engine drives (page-aligned slots, strict
+    order, nslots acquirable before commit, a full ring and an empty one answered at once,
+    the acquire/release counters, zc_wait woken by the peer, misuse errors). Others: not
+    supported."""
     if not t.zc_supported:
         with pytest.raises(_C.CommError):
-            t.zc_send_acquire(peer, 100)
+            t.zc_send_try(peer)
+        with pytest.raises(_C.CommError):
+            t.zc_recv_try(peer)
         with pytest.raises(_C.CommError):
             t.zc_regions()
         return
     nslots, slot = 8, 1 << 20
     regions = t.zc_regions()
     assert len(regions) == 2 and all(p % 4096 == 0 and n == nslots * slot for p, n in regions)
+    assert t.zc_depth(peer) == nslots
     if rank == 0:
         with pytest.raises(_C.CommError, match="without an acquired slot"):
             t.zc_send_commit(peer, 1, 1)
-        slots = [t.zc_send_acquire(peer, 1000) for _ in range(nslots)]
+        acq0, rel0 = t.zc_send_counts(peer)
+        slots = [t.zc_send_try(peer) for _ in range(nslots)]
         for k, (p, cap) in enumerate(slots):
-            assert cap == slot and p % 4096 == 0
+            assert p and cap == slot and p % 4096 == 0
             assert any(rp <= p and p + cap <= rp + rn for rp, rn in regions)
             _view(p, cap)[: cap - k] = (k * 11) % 256
+        assert t.zc_send_counts(peer) == (acq0 + nslots, rel0)
         for k in range(nslots):
             t.zc_send_commit(peer, slot - k, 500 + k)
         t0 = time.monotonic()
-        with pytest.raises(_C.CommTimeout):
-            t.zc_send_acquire(peer, 200)  # ring full until the peer releases
+        assert t.zc_send_try(peer) == (0, 0)  # ring full until the peer releases
+        t.zc_wait(peer, 200)  # the peer moves nothing yet: returns after the timeout
         assert time.monotonic() - t0 < 2.0
+        assert t.zc_send_try(peer) == (0, 0)
         st.set("zc/full", "1")
         for k in range(3):  # wraps around the ring once the peer released
-            p, cap = t.zc_send_acquire(peer, 10000)
+            p, cap = _zc_take(t, peer, t.zc_send_try)
             _view(p, 100)[:] = 200 + k
             t.zc_send_commit(peer, 100, 600 + k)
+        acq, rel = t.zc_send_counts(peer)
+        assert acq == acq0 + nslots + 3 and rel0 + 3 <= rel <= acq
     else:
         with pytest.raises(_C.CommError, match="without an acquired slot"):
             t.zc_recv_release(peer)
         st.wait(["zc/full"])
-        got = [t.zc_recv_acquire(peer, 1000) for _ in range(nslots)]
+        got = [t.zc_recv_try(peer) for _ in range(nslots)]
         for k, (p, n, tag) in enumerate(got):
-            assert (n, tag) == (slot - k, 500 + k) and p % 4096 == 0
+            assert p and (n, tag) == (slot - k, 500 + k) and p % 4096 == 0
             assert (_view(p, n) == (k * 11) % 256).all()
+        assert t.zc_recv_try(peer) == (0, 0, 0)  # every committed slot is held
         for _ in range(nslots):
             t.zc_recv_release(peer)
         for k in range(3):
-            p, n, tag = t.zc_recv_acquire(peer, 10000)
+            p, n, tag = _zc_take(t, peer, t.zc_recv_try)
             assert (n, tag) == (100, 600 + k) and (_view(p, n) == 200 + k).all()
             t.zc_recv_release(peer)
-        with pytest.raises(_C.CommTimeout):
-            t.zc_recv_acquire(peer, 100)  # nothing more committed
+        assert t.zc_recv_try(peer) == (0, 0, 0)  # nothing more committed
     _barrier(st, "zc/done", rank)
 
 

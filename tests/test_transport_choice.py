@@ -135,6 +135,33 @@ def test_adding_a_transport_is_a_table_row():
     assert transports.choose(0, 1, rdma, rdma, True).transport == "shm"
 
 
+def test_capabilities_not_names_decide_links_and_rank():
+    """What the bridge and the engine read off a choice comes from the capability tables, not
+    from a transport's name: the zero-copy ring (ring link or message link), the transport that
+    links same-vendor ranks of one host (bridge.group_links), and the rank of a transport whose
+    edge is device memory while the direct device path is off."""
+    pub = transports.publishable(transports.local_table())
+    assert all(pub[n]["zero_copy"] == (n == "shm") for n in pub), pub
+    assert transports.choose(0, 1, pub, pub, True) == transports.Choice("shm", False, True)
+    assert transports.choose(0, 1, pub, pub, False).zero_copy is False
+    assert transports.shared_ring([pub, pub]) == "shm"
+    assert transports.shared_ring([pub, {k: v for k, v in pub.items() if k != "shm"}]) is None
+    assert transports.shared_ring([]) is None
+    # a second same-host ring transport, preferred: it links the group, and carries pairs on
+    # one host as a ring link
+    ring = {**pub, "xpmem": {**pub["shm"], "preference": 5}}
+    assert transports.shared_ring([ring, ring]) == "xpmem"
+    assert transports.choose(0, 1, ring, ring, True) == transports.Choice("xpmem", False, True)
+    # a ring listed by one table only is no ring for the pair
+    assert transports.choose(0, 1, ring, pub, True) == transports.Choice("shm", False, True)
+    # any transport that takes device memory without RDMA ranks after tcp while device="off"
+    dev = {**CPU, "gpunet": _t(20, memory=("host", "rocm"))}
+    assert transports.choose(0, 1, dev, dev, False, kind_a="rocm", kind_b="rocm",
+                             device="off") == transports.Choice("tcp", False)
+    assert transports.choose(0, 1, dev, dev, False, kind_a="rocm", kind_b="rocm") == \
+        transports.Choice("gpunet", True)
+
+
 # ------------------------------------------------------------------ the override
 def test_override_forces_one_transport():
     assert transports.choose(0, 1, CPU, CPU, True, forced="tcp").transport == "tcp"

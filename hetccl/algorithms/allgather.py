@@ -27,7 +27,6 @@ import torch
 from .common import CollCtx, copy
 from .layout import intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
 from .linked import all_gather_linked, linked_applies
-from .transfer import transfer
 
 
 def all_gather_pairs(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int = 0) -> None:
@@ -51,7 +50,7 @@ def all_gather_pairs(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: in
         theirs = pair_set(topo, 1 - g, peer_li, k)
         sends = [(peer, r * n, (r + 1) * n, out[r * n:(r + 1) * n]) for r in mine]
         recvs = [(peer, r * n, (r + 1) * n, out[r * n:(r + 1) * n]) for r in theirs]
-        transfer(ctx, phase + k, sends, recvs)
+        ctx.transfer(phase + k, sends, recvs)
     ctx.count("all_gather_pairs")
 
 
@@ -93,7 +92,7 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
             rng = intersect(my_rng, padded_ranges(ng * n, nh)[j])
             if rng:
                 sends.append((r, rng[0], rng[1], x[rng[0] - li * n:rng[1] - li * n]))
-    transfer(ctx, phase, sends, recvs)
+    ctx.transfer(phase, sends, recvs)
     if native is not None:
         ctx.wait_native(native)
         for i, r in enumerate(topo.groups[g]):
@@ -138,7 +137,7 @@ def broadcast_hier(ctx: CollCtx, x: torch.Tensor, root: int) -> None:
         mine = padded_ranges(n, ng)[li]
         others = [r for h, r in enumerate(topo.groups) if h != g0]
         sends = [(p, lo, hi, x[lo:hi]) for p, lo, hi in peer_pieces(mine, n, others)]
-        transfer(ctx, 0, sends, [])
+        ctx.transfer(0, sends, [])
         return
     senders = topo.groups[g0]
     mine = padded_ranges(n, ng)[li]
@@ -147,7 +146,7 @@ def broadcast_hier(ctx: CollCtx, x: torch.Tensor, root: int) -> None:
     shard = full[li * s:li * s + (mine[1] - mine[0])] if ng > 1 else x
     recvs = [(p, lo, hi, shard[lo - mine[0]:hi - mine[0]])
              for p, lo, hi in peer_pieces(mine, n, [senders])]
-    transfer(ctx, 0, [], recvs)
+    ctx.transfer(0, [], recvs)
     if ng > 1:
         mine_shard = full[li * s:(li + 1) * s].clone()
         ctx.wait_native(ctx.local.all_gather(full, mine_shard))

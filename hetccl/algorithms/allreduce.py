@@ -44,7 +44,6 @@ import torch
 from .common import CollCtx, copy, pad_to
 from .layout import padded_ranges, padded_shard, pairs_masks, peer_pieces
 from .linked import all_reduce_linked, linked_applies
-from .transfer import transfer
 
 
 def all_reduce_hier(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
@@ -106,8 +105,8 @@ def _exchange_pairwise_ring(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: st
         a_r.append((peer, own[0], own[1], v_own))
         b_s.append((peer, own[0], own[1], v_own))
         b_r.append((peer, other[0], other[1], v_other))
-    transfer(ctx, 0, a_s, a_r, op)
-    transfer(ctx, 1, b_s, b_r)
+    ctx.transfer(0, a_s, a_r, op)
+    ctx.transfer(1, b_s, b_r)
 
 
 def _exchange_direct(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: str) -> None:
@@ -116,7 +115,7 @@ def _exchange_direct(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: str) -> N
     pieces = list(peer_pieces(mine, n, others))
     sends = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
     recvs = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
-    transfer(ctx, 0, sends, recvs, op)
+    ctx.transfer(0, sends, recvs, op)
 
 
 def _split_applies(ctx: CollCtx, x: torch.Tensor) -> bool:
@@ -173,15 +172,15 @@ def all_reduce_split(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     own, other = ((0, mid), (mid, n)) if topo.rank < peer else ((mid, n), (0, mid))
     v_own, v_other = x[own[0]:own[1]], x[other[0]:other[1]]
     if not ctx.pair_allreduce(peer, v_other, v_own, op):
-        transfer(ctx, 0, [(peer, other[0], other[1], v_other)], [(peer, own[0], own[1], v_own)], op)
-        transfer(ctx, 1, [(peer, own[0], own[1], v_own)], [(peer, other[0], other[1], v_other)])
+        ctx.transfer(0, [(peer, other[0], other[1], v_other)], [(peer, own[0], own[1], v_own)], op)
+        ctx.transfer(1, [(peer, own[0], own[1], v_own)], [(peer, other[0], other[1], v_other)])
     # 2. this group's half, summed over the group's pairs by the native library
     lo, hi = (0, mid) if g == 0 else (mid, n)
     if ctx.local is not None and hi > lo:
         ctx.wait_native(ctx.local.all_reduce(x[lo:hi], op))
     # 3. swap halves with the pair
     olo, ohi = (mid, n) if g == 0 else (0, mid)
-    transfer(ctx, 2, [(peer, lo, hi, x[lo:hi])], [(peer, olo, ohi, x[olo:ohi])])
+    ctx.transfer(2, [(peer, lo, hi, x[lo:hi])], [(peer, olo, ohi, x[olo:ohi])])
     ctx.count("all_reduce_split")
 
 
@@ -216,6 +215,6 @@ def all_reduce_flat(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     # Received sums land in separate buffers, reduced after the transfer: every peer gets
     # this group's sum, not a partly reduced one.
     bufs = [torch.empty_like(x) for _ in recvs]
-    transfer(ctx, 0, sends, [(p, lo, hi, b) for (p, lo, hi, _), b in zip(recvs, bufs)])
+    ctx.transfer(0, sends, [(p, lo, hi, b) for (p, lo, hi, _), b in zip(recvs, bufs)])
     for b in bufs:
         ctx.reduce_into(x, b, op)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from .common import CollCtx, copy
-from .transfer import transfer
 
 
 def all_to_all_direct(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor,
@@ -36,7 +35,7 @@ def all_to_all_direct(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor,
              for r in range(topo.size) if topo.group_of[r] != topo.my_group and in_counts[r]]
     recvs = [(r, 0, out_counts[r], out[out_off[r]:out_off[r + 1]])
              for r in range(topo.size) if topo.group_of[r] != topo.my_group and out_counts[r]]
-    transfer(ctx, 0, sends, recvs)
+    ctx.transfer(0, sends, recvs)
     if native is not None:
         ctx.wait_native(native)
         pos = 0
@@ -52,7 +51,7 @@ def gather_direct(ctx: CollCtx, outs: list[torch.Tensor] | None, x: torch.Tensor
     g0 = topo.group_of[root]
     n = x.numel()
     if topo.my_group != g0:
-        transfer(ctx, 0, [(root, 0, n, x)], [])
+        ctx.transfer(0, [(root, 0, n, x)], [])
         return
     native = None
     if topo.local_size > 1:
@@ -62,7 +61,7 @@ def gather_direct(ctx: CollCtx, outs: list[torch.Tensor] | None, x: torch.Tensor
         copy(outs[root], x)
     if topo.rank == root:
         recvs = [(r, 0, n, outs[r]) for r in range(topo.size) if topo.group_of[r] != g0]
-        transfer(ctx, 0, [], recvs)
+        ctx.transfer(0, [], recvs)
     if native is not None:
         ctx.wait_native(native)
 
@@ -73,11 +72,11 @@ def scatter_direct(ctx: CollCtx, out: torch.Tensor, ins: list[torch.Tensor] | No
     g0 = topo.group_of[root]
     n = out.numel()
     if topo.my_group != g0:
-        transfer(ctx, 0, [], [(root, 0, n, out)])
+        ctx.transfer(0, [], [(root, 0, n, out)])
         return
     if topo.rank == root:
         sends = [(r, 0, n, ins[r]) for r in range(topo.size) if topo.group_of[r] != g0]
-        transfer(ctx, 0, sends, [])
+        ctx.transfer(0, sends, [])
     if topo.local_size > 1:
         lins = [ins[r] for r in topo.local_ranks] if topo.rank == root else []
         ctx.wait_native(ctx.local.scatter(out, lins, topo.local_rank_of[root]))

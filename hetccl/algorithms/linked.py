@@ -21,7 +21,6 @@ import torch
 
 from .common import CollCtx, copy
 from .layout import padded_ranges
-from .transfer import transfer
 
 
 def linked_applies(ctx: CollCtx, x: torch.Tensor) -> bool:
@@ -48,7 +47,7 @@ def _reduce_scatter_into(ctx: CollCtx, dst: torch.Tensor, src: torch.Tensor,
     sends = [(r, ranges[r][0], ranges[r][1], src[ranges[r][0]:ranges[r][1]]) for r in others
              if ranges[r][1] > ranges[r][0]]
     recvs = [(r, lo, hi, dst) for r in others if hi > lo]
-    transfer(ctx, phase, sends, recvs, op)
+    ctx.transfer(phase, sends, recvs, op)
 
 
 def all_reduce_linked(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
@@ -61,7 +60,7 @@ def all_reduce_linked(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
     sends = [(r, lo, hi, x[lo:hi]) for r in others if hi > lo]
     recvs = [(r, ranges[r][0], ranges[r][1], x[ranges[r][0]:ranges[r][1]]) for r in others
              if ranges[r][1] > ranges[r][0]]
-    transfer(ctx, 1, sends, recvs)
+    ctx.transfer(1, sends, recvs)
     ctx.count("all_reduce_linked")
 
 
@@ -72,10 +71,10 @@ def all_gather_linked(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: i
     mine = out[me * n:(me + 1) * n]
     copy(mine, x)
     if n:
-        transfer(ctx, phase, [(r, me * n, (me + 1) * n, mine) for r in others],
+        ctx.transfer(phase, [(r, me * n, (me + 1) * n, mine) for r in others],
                  [(r, r * n, (r + 1) * n, out[r * n:(r + 1) * n]) for r in others])
     else:
-        transfer(ctx, phase, [], [])  # the argument header still travels
+        ctx.transfer(phase, [], [])  # the argument header still travels
     ctx.count("all_gather_linked")
 
 

@@ -19,7 +19,6 @@ import torch
 from .common import CollCtx, copy, pad_to
 from .layout import intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
 from .linked import linked_applies, reduce_scatter_linked
-from .transfer import transfer
 
 
 def reduce_scatter_pairs(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
@@ -44,7 +43,7 @@ def reduce_scatter_pairs(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op:
                  for r in pair_set(topo, 1 - g, peer_li, k)]
         recvs = [(peer, r * n, (r + 1) * n, work[r * n:(r + 1) * n])
                  for r in pair_set(topo, g, li, k)]
-        transfer(ctx, k, sends, recvs, op)
+        ctx.transfer(k, sends, recvs, op)
     copy(out, work[me * n:(me + 1) * n])
     ctx.count("reduce_scatter_pairs")
 
@@ -104,7 +103,7 @@ def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: 
             x = intersect(padded_ranges(len(oh) * n, len(ranks))[i2], (idx * n, (idx + 1) * n))
             if x:
                 recvs.append((r2, x[0], x[1], own[x[0] - idx * n:x[1] - idx * n]))
-    transfer(ctx, 0, sends, recvs, op)
+    ctx.transfer(0, sends, recvs, op)
     if own is not out:
         copy(out, own)
 
@@ -126,11 +125,11 @@ def reduce_hier(ctx: CollCtx, x: torch.Tensor, root: int, op: str) -> None:
     if g != g0:
         sends = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]])
                  for p, lo, hi in peer_pieces(mine, n, [topo.groups[g0]])]
-        transfer(ctx, 0, sends, [])
+        ctx.transfer(0, sends, [])
         return
     others = [r for h, r in enumerate(topo.groups) if h != g0]
     recvs = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in peer_pieces(mine, n, others)]
-    transfer(ctx, 0, [], recvs, op)
+    ctx.transfer(0, [], recvs, op)
     if ng > 1:
         lroot = topo.local_rank_of[root]
         outs = [torch.empty(s, dtype=x.dtype, device=x.device) for _ in range(ng)] \

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+from .. import config
 from .report import hardware, today
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_worker.py")
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.ranks.split(",") if x.strip()]
-    print(f"# hetccl bench scale: C API, ranks {ns}, 1 KiB float32 all_reduce, HETCCL_CAPI_ALGO={os.environ.get('HETCCL_CAPI_ALGO', 'auto')}, {a.iters} "
+    print(f"# hetccl bench scale: C API, ranks {ns}, 1 KiB float32 all_reduce, HETCCL_CAPI_ALGO={config.get('HETCCL_CAPI_ALGO')}, {a.iters} "
           f"later iters, {today()}, {hardware()}")
     print("# " + " ".join(f"{k:>{len(f.format(0))}}" for k, f in COLUMNS))
     bar = None

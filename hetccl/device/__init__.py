@@ -59,10 +59,6 @@ def seam(device_type: str):
     return cls()
 
 
-def of(t: torch.Tensor):
-    return seam(t.device.type)
-
-
 def device_types() -> list[str]:
     """torch device types hetccl serves (what the backend registers for)."""
     return list(SEAMS)
