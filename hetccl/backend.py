@@ -117,8 +117,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
         # Receives posted for recv_anysource and not consumed yet, per (peer, tag), oldest
         # first. Transports match FIFO per (peer, tag), so the oldest posted receive holds the
         # next message of that pair: a later recv from that peer and tag must take it first.
+        # receives of our own posted for (peer, tag) (recv_anysource and what waits behind it),
+        # and the open receive works wanting a message of (peer, tag), in posting order: the
+        # oldest one takes the oldest posted receive (_progress_receives)
         self._posted: dict[tuple[int, int], collections.deque] = {}
-        self._anysource_open: dict[int, int] = {}  # tag -> any-source receives not yet complete
+        self._wanting: dict[tuple[int, int], collections.deque] = {}
+        self._recv_lock = threading.RLock()
         log.info("hetccl: group %r rank %d/%d vendors %s", group_id, rank, size, topo.describe())
 
     # ------------------------------------------------------------------ identity
@@ -717,8 +721,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if src == self.rank():
             return self._track(self._self_p2p.post("recv", t, tag))
         topo = self.topo
-        pending = self._posted.get((src, tag))
-        if pending:  # an any-source receive already holds the next message of (src, tag)
+        with self._recv_lock:
+            # an any-source receive is open for (src, tag) or holds its next message: this
+            # receive queues behind it (matching in posting order, as gloo and MPI)
+            behind = bool(self._posted.get((src, tag)) or self._wanting.get((src, tag)))
+        if behind:
             return self._track(_AnySourceWork(self, t, tag, [src]))
         if self._native_p2p(src, t):
             f, copied = _flat(t)
@@ -735,9 +742,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         Contract: a receive of the tensor's size is posted to every other rank that has none
         pending for this tag; the first to complete wins (lowest rank first among those already
-        complete). Once no any-source receive of this tag is left waiting, the other posted
-        receives are withdrawn where the transport can do so as if they had never been posted
-        (cross-vendor peers: Transport::cancel with unpost). A receive that cannot be withdrawn
+        complete). Receives match messages in posting order per (peer, tag): a recv(src=...)
+        posted while an any-source receive is open queues behind it (_progress_receives). Once
+        no receive waits for a peer any more, its other posted receives are withdrawn where
+        the transport can do so as if they had never been posted (cross-vendor peers:
+        Transport::cancel with unpost). A receive that cannot be withdrawn
         stays posted: one to a same-vendor peer (the native library cannot cancel), or one whose
         message is already arriving. Later receives from that rank with that tag
         (recv(src=...) or recv_anysource) consume it, oldest first. So until it is consumed,
@@ -749,15 +758,58 @@ class HetcclProcessGroup(dist.ProcessGroup):
         peers = [r for r in range(self.size()) if r != self.rank()]
         return self._track(_AnySourceWork(self, t, tag, peers, anysource=True))
 
-    def _withdraw_speculative(self, tag: int, peers: list[int]) -> None:
-        """No any-source receive of `tag` waits any more: withdraw the posted receives nobody
-        needs, newest first per peer, as if never posted (bridge peers; see recv_anysource)."""
-        for p in peers:
-            q = self._posted.get((p, tag))
-            while q and q[-1].bridge is not None and not q[-1].done() and q[-1].bridge.unpost():
-                q.pop()
-            if not q:
-                self._posted.pop((p, tag), None)
+    def _progress_receives(self, tag: int) -> None:
+        """Completes, in posting order, the open receive works of `tag` whose message is here.
+
+        Contract: per (peer, tag) the open works wanting that peer form a line in posting
+        order; only the head of a line takes the oldest posted receive of that peer, so
+        messages match receives in posting order whichever work is waited first (a later
+        work's wait completes the earlier ones it finds ready). An any-source work stands in
+        the line of every peer and completes from the lowest-ranked peer whose message is
+        ready. A line's head gets a posted receive where the peer has none. Called by every
+        wait and is_completed of these works (no background progress)."""
+        with self._recv_lock:
+            moved = True
+            while moved:
+                moved = False
+                for key in sorted(k for k in self._wanting if k[1] == tag):
+                    line = self._wanting.get(key)
+                    if not line:
+                        continue
+                    head = line[0]
+                    q = self._posted.get(key)
+                    if not q:
+                        self._post_recv(key[0], tag, head.nbytes, head.t.device)
+                        continue
+                    if q[0].done():
+                        head._complete(q.popleft())
+                        self._close_receive(head)
+                        moved = True
+                        break  # the lines changed
+
+    def _close_receive(self, work) -> None:
+        """`work` completed or gave up: it leaves every line; a peer nobody waits for any more
+        has its posted receives withdrawn, newest first, as if never posted (bridge peers; see
+        recv_anysource)."""
+        with self._recv_lock:
+            for p in work.peers:
+                key = (p, work.tag)
+                line = self._wanting.get(key)
+                if line is None:
+                    continue
+                try:
+                    line.remove(work)
+                except ValueError:
+                    pass
+                if line:
+                    continue
+                self._wanting.pop(key, None)
+                q = self._posted.get(key)
+                while q and q[-1].bridge is not None and not q[-1].done() and \
+                        q[-1].bridge.unpost():
+                    q.pop()
+                if not q:
+                    self._posted.pop(key, None)
 
     def _post_recv(self, peer: int, tag: int, nbytes: int, device) -> "_PostedRecv":
         """Post a receive of nbytes from peer with tag into a buffer of our own."""
@@ -892,8 +944,9 @@ class _PostedRecv:
 
 @outside_autograd
 class _AnySourceWork(HetcclWork):
-    """recv from any of `peers` (recv_anysource), or from one peer whose next message an
-    earlier any-source receive already holds. Completed by wait() (or is_completed())."""
+    """recv from any of `peers` (recv_anysource), or from one peer (a recv(src=...) queued
+    behind an open any-source receive of its tag). Completed in posting order by the group's
+    _progress_receives, driven by wait(), is_completed() and get_future()'s waiter."""
 
     def __init__(self, pg: HetcclProcessGroup, t: torch.Tensor, tag: int, peers: list[int],
                  anysource: bool = False):
@@ -902,72 +955,59 @@ class _AnySourceWork(HetcclWork):
         self.nbytes = t.numel() * t.element_size()
         self.src = -1
         self.anysource = anysource
-        if anysource:
-            pg._anysource_open[tag] = pg._anysource_open.get(tag, 0) + 1
-        self._post_missing()
-
-    def _post_missing(self) -> None:
-        # every peer has a posted receive while this one waits (an earlier any-source receive
-        # of the tag may have taken the one it shared)
-        for p in self.peers:
-            if not self.pg._posted.get((p, self.tag)):
-                self.pg._post_recv(p, self.tag, self.nbytes, self.t.device)
-
-    def _closed(self) -> None:
-        if not self.anysource:
-            return
-        self.anysource = False
-        left = self.pg._anysource_open.get(self.tag, 1) - 1
-        if left > 0:
-            self.pg._anysource_open[self.tag] = left
-            return
-        self.pg._anysource_open.pop(self.tag, None)
-        self.pg._withdraw_speculative(self.tag, self.peers)
+        self._waiter: threading.Thread | None = None
+        with pg._recv_lock:
+            for p in peers:
+                pg._wanting.setdefault((p, tag), collections.deque()).append(self)
+        pg._progress_receives(tag)  # posts the receives this work heads
 
     def _take(self, block_until: float | None) -> bool:
-        """Complete from the first finished oldest posted receive; False if none finished
-        (block_until None: do not wait; else poll until that monotonic time, then raise)."""
+        """Progress the tag's receives until this one completed; False if it has not (block_until
+        None: do not wait; else poll until that monotonic time, then give up with a timeout)."""
         pause = 1e-5
         while True:
-            if self.anysource:
-                self._post_missing()
-            for p in self.peers:
-                q = self.pg._posted.get((p, self.tag))
-                if q and q[0].done():
-                    try:
-                        self._complete(q.popleft())
-                    finally:
-                        self._closed()
-                    return True
+            self.pg._progress_receives(self.tag)
+            if self.fut.done():
+                return True
             if block_until is None:
                 return False
             if time.monotonic() >= block_until:
-                self._closed()
-                raise CommTimeout(
+                err = CommTimeout(
                     f"hetccl: Timed out after {self.pg.engine.timeout.total_seconds():.0f} s "
-                    f"waiting for a message with tag {self.tag} from any of ranks {self.peers}")
+                    f"waiting for a message with tag {self.tag} from any of ranks {self.peers}"
+                    if self.anysource else
+                    f"hetccl: Timed out after {self.pg.engine.timeout.total_seconds():.0f} s "
+                    f"waiting for a message with tag {self.tag} from rank {self.peers[0]}")
+                with self.pg._recv_lock:
+                    if self.fut.done():
+                        return True
+                    self.fut.set_exception(err)
+                    self.pg._close_receive(self)
+                raise err
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
     def _complete(self, posted: _PostedRecv) -> None:
+        """Under the group's receive lock, posted being done: the data into t, or the error
+        into the future (wait() raises it)."""
         try:
             got = posted.finish(time.monotonic() + self.pg.engine.timeout.total_seconds())
             if got != self.nbytes:
                 raise ValueError(f"hetccl: point-to-point message from rank {posted.peer} "
                                  f"carried {got} bytes, the receiving tensor has {self.nbytes}")
-            self.t.view(-1).view(torch.uint8).copy_(posted.buf[:got].to(self.t.device))
+            data = posted.buf[:got].to(self.t.device).view(self.t.dtype).view(self.t.shape)
+            self.t.copy_(data)  # t may be non-contiguous (a named recv queued behind)
             self.src = posted.peer
             self.fut.set_result([self.t])
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - the work's outcome
             self.fut.set_exception(e)
-            raise
 
     def wait(self, timeout=None):
         if not self.fut.done():
             limit = timeout.total_seconds() if timeout else \
                 self.pg.engine.timeout.total_seconds()
             self._take(time.monotonic() + limit)
-        self.fut.wait()
+        self.fut.wait()  # raises the work's error
         return True
 
     def is_completed(self):
@@ -977,7 +1017,19 @@ class _AnySourceWork(HetcclWork):
         self.wait()
         return self.src
 
+    def _wait_quietly(self) -> None:
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - the future holds it
+            pass
+
     def get_future(self):
+        # completes without the caller's wait (as _WaitOnce.get_future)
+        with self.pg._recv_lock:
+            if self._waiter is None and not self.fut.done():
+                self._waiter = threading.Thread(target=self._wait_quietly, daemon=True,
+                                                name="hetccl-recv-future")
+                self._waiter.start()
         return self.fut
 
 
@@ -1065,28 +1117,74 @@ class _SelfWork(HetcclWork):
 @outside_autograd
 class _WaitOnce(HetcclWork):
     """A work completed by its first successful wait(): the subclass's _complete(timeout)
-    waits (and copies back); its outcome becomes the future's, and later waits return at once."""
+    waits (and copies back); its outcome becomes the future's, and later waits return at once.
+
+    Contract, as ProcessGroupNCCL's and gloo's works: is_completed() is True only once the data
+    is in the caller's tensor (a finished transfer is completed, copy-back included, by the
+    call that sees it: _ready()), and get_future()'s future completes without anyone calling
+    wait(): a daemon thread waits for it, bounded by the group's timeout (an error or a timeout
+    becomes the future's exception). One lock orders the waits, so the copy-back and the future
+    happen once."""
 
     def __init__(self, tensor: torch.Tensor):
         super().__init__(torch.futures.Future(), [tensor])
         self._done = False
+        self._lock = threading.Lock()
+        self._waiter: threading.Thread | None = None
 
     def _complete(self, timeout) -> None:
         raise NotImplementedError
 
+    def _ready(self) -> bool:
+        """True once _complete would not block (the transfer finished or failed)."""
+        raise NotImplementedError
+
+    def _finish_locked(self, timeout) -> None:
+        if self._done:
+            return
+        try:
+            self._complete(timeout)
+            self._done = True
+            self.fut.set_result(self.outputs)
+        except BaseException as e:
+            if not self.fut.done():
+                self.fut.set_exception(e)
+            raise
+
     def wait(self, timeout=None):
-        if not self._done:
-            try:
-                self._complete(timeout)
-                self._done = True
-                self.fut.set_result(self.outputs)
-            except BaseException as e:
-                if not self.fut.done():
-                    self.fut.set_exception(e)
-                raise
+        with self._lock:
+            self._finish_locked(timeout)
         return True
 
+    def is_completed(self):
+        if self._done or self.fut.done():
+            return True
+        try:
+            ready = self._ready()
+        except Exception:  # noqa: BLE001 - failed: completing it raises, into the future
+            ready = True
+        if not ready or not self._lock.acquire(blocking=False):
+            return False  # not finished, or another thread is completing it right now
+        try:
+            self._finish_locked(None)
+        except Exception:  # noqa: BLE001 - the future holds it; wait() raises it again
+            pass
+        finally:
+            self._lock.release()
+        return True
+
+    def _wait_quietly(self) -> None:
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - set on the future by wait()
+            pass
+
     def get_future(self):
+        with self._lock:
+            if self._waiter is None and not self.fut.done():
+                self._waiter = threading.Thread(target=self._wait_quietly, daemon=True,
+                                                name="hetccl-p2p-future")
+                self._waiter.start()
         return self.fut
 
 
@@ -1104,8 +1202,8 @@ class _CopyBackWork(_WaitOnce):
         self.native.wait() if timeout is None else self.native.wait(timeout)
         self.t.copy_(self.staged.view_as(self.t))
 
-    def is_completed(self):
-        return self._done or self.native.is_completed()
+    def _ready(self) -> bool:
+        return self.native.is_completed()
 
 
 @outside_autograd
@@ -1145,8 +1243,8 @@ class _P2PWork(_WaitOnce):
         if self._finish is not None:
             self._finish()
 
-    def is_completed(self):
-        return self._done or self.req.req.test()
+    def _ready(self) -> bool:
+        return bool(self.req.req.test())
 
 
 # ---------------------------------------------------------------------- registration

@@ -390,6 +390,12 @@ class _Req:
     def withdraw(self) -> None:
         if self.finished():
             return
+        # As if never posted first: point-to-point tags are posted again (the next recv from
+        # that peer with that tag must get the message this one gave up on; a plain cancel on
+        # tcp keeps the message's sequence number and discards it on arrival). Else a plain
+        # cancel: the message is dropped when it comes.
+        if self.unpost():
+            return
         try:
             if self.transport is not None and self.transport.cancel(self.req):
                 return

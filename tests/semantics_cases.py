@@ -257,6 +257,86 @@ class Cases:
             res = expect_error(lambda: dist.recv(t, src=other, tag=tag), ValueError, "bytes")
             return res
 
+    # ---------------------------------------------------------------- p2p works
+    def any_source_open_then_named(self, tag: int):
+        """Rank 0 posts an any-source receive, then a named receive from the last rank (of
+        another vendor) into a non-contiguous tensor, and waits them in the opposite order:
+        posting order decides (the any-source one gets the first message, the named one the
+        second), whichever is waited first (gloo and MPI match in posting order)."""
+        me, last = self.rank, self.world - 1
+        if me == 0:
+            a = torch.empty(3)
+            r = torch.empty(6)[::2]
+            wa = dist.irecv(a, src=None, tag=tag)
+            wr = dist.irecv(r, src=last, tag=tag)
+            wr.wait()
+            wa.wait()
+            bad = []
+            if not torch.equal(a, torch.full((3,), 1.0)):
+                bad.append(f"the any-source receive got {a.tolist()}")
+            if not torch.equal(r, torch.full((3,), 2.0)):
+                bad.append(f"the named receive got {r.tolist()}")
+            if wa._source_rank() != last:
+                bad.append(f"source {wa._source_rank()}")
+            return "; ".join(bad) or None
+        if me == last:
+            dist.send(torch.full((3,), 1.0), 0, tag=tag)
+            dist.send(torch.full((3,), 2.0), 0, tag=tag)
+
+    def p2p_future_and_is_completed(self, tag: int):
+        """A point-to-point work's future completes without wait() (isend and irecv), and
+        is_completed() turns True only with the data in the caller's (non-contiguous) tensor."""
+        me, last = self.rank, self.world - 1
+
+        def poll(cond, what):
+            end = time.monotonic() + 20
+            while not cond():
+                if time.monotonic() > end:
+                    raise AssertionError(f"{what} not done after 20 s")
+                time.sleep(0.01)
+
+        if me == 0:
+            t = torch.empty(5)
+            fut = dist.irecv(t, src=last, tag=tag).get_future()
+            poll(fut.done, "the irecv's future")
+            u = torch.empty(10)[::2]
+            w = dist.irecv(u, src=last, tag=tag + 1)
+            poll(w.is_completed, "the irecv's is_completed")
+            bad = []
+            if not torch.equal(t, torch.arange(5.0)):
+                bad.append(f"future: {t.tolist()}")
+            if not torch.equal(u, torch.arange(5.0) + 10):
+                bad.append(f"is_completed: {u.tolist()}")
+            return "; ".join(bad) or None
+        if me == last:
+            fut = dist.isend(torch.arange(5.0), 0, tag=tag).get_future()
+            poll(fut.done, "the isend's future")
+            dist.send(torch.arange(5.0) + 10, 0, tag=tag + 1)
+
+    def p2p_timeout_then_recv(self, tag: int):
+        """A receive whose wait times out is withdrawn as if never posted: the message its peer
+        sends afterwards goes to the next receive from that peer with that tag."""
+        me, last = self.rank, self.world - 1
+        verdict = None
+        if me == 0:
+            t = torch.zeros(4)
+            w = dist.irecv(t, src=last, tag=tag)
+            try:
+                w.wait(timeout=timedelta(seconds=1))
+                verdict = "the wait did not time out"
+            except Exception as e:  # noqa: BLE001
+                if "imed out" not in str(e):
+                    verdict = f"not a timeout: {type(e).__name__}: {e}"
+        dist.barrier()  # the peer sends only now
+        if me == last:
+            dist.send(torch.full((4,), 3.0), 0, tag=tag)
+        if me == 0:
+            t2 = torch.zeros(4)
+            dist.recv(t2, src=last, tag=tag)
+            if not torch.equal(t2, torch.full((4,), 3.0)):
+                verdict = (verdict + "; " if verdict else "") + f"the next recv got {t2.tolist()}"
+        return verdict
+
     # ---------------------------------------------------------------- timeouts
     def timeout_wording(self):
         """A collective only rank 0 joins times out with torch's wording (' Timed out ')."""
@@ -340,6 +420,21 @@ class Cases:
                 hetccl.monitored_barrier(sub, timeout=5)  # the native gloo backend's
         dist.barrier()
         return res
+
+
+def run_p2p(ctx) -> dict[str, str]:
+    """The point-to-point cases alone (test_semantics runs them over shm and over tcp)."""
+    os.environ.pop("RANK", None)
+    dist.init_process_group("hetccl", store=ctx.store(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=30))
+    import hetccl
+
+    c = Cases(ctx.rank, ctx.world_size, hetccl.vendor_of_ranks())
+    c.run("p2p/any_source_open_then_named", c.any_source_open_then_named, 21)
+    c.run("p2p/future_and_is_completed", c.p2p_future_and_is_completed, 22)
+    c.run("p2p/timeout_then_recv", c.p2p_timeout_then_recv, 24)
+    dist.destroy_process_group()
+    return c.out
 
 
 def run_all(ctx, start_lines: list | None = None) -> dict[str, str]:
