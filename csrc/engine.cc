@@ -145,6 +145,15 @@ Engine::Engine(std::map<int, std::shared_ptr<Transport>> links, EngineOptions op
 
 Engine::~Engine() {
   close();
+  if (dev_) {
+    std::lock_guard<std::mutex> g(issue_mu_);
+    for (void* e : events_) dev_->event_destroy(e);
+    if (join_event_) dev_->event_destroy(join_event_);
+    for (void* r : registered_) dev_->host_unregister(r);
+  }
+  events_.clear();
+  join_event_ = nullptr;
+  registered_.clear();
   // Drop the links (and the transports they hold) first: a transport this engine held the
   // last reference to closes now, before the slots its receives may target are freed.
   // Transports still owned elsewhere must be closed by their owner before it drops the
@@ -1535,17 +1544,14 @@ void Engine::close() {
     kv.second->back.clear();
   }
   drop_messages();
-  if (dev_) {
-    for (void* e : events_) dev_->event_destroy(e);
-    if (join_event_) dev_->event_destroy(join_event_);
-    for (void* r : registered_) dev_->host_unregister(r);
-  }
-  events_.clear();
-  registered_.clear();
   // graveyard_ and flag_pages_ (flag words and the message links' staging slots) stay until
   // the destructor: the transports close after the engine, and a receive still posted in one
   // (a failed or broken plan's, e.g. into a staging slot) may complete until then. Freeing the
-  // slots here corrupted the heap when UCX's close progressed such a receive.
+  // slots here corrupted the heap when UCX's close progressed such a receive. Their
+  // registrations and the events stay too: streams released above (release_device_waits) run
+  // the rest of their plans' copies and flag writes after this returns, and the issuing thread
+  // may be enqueueing under issue_mu_ right now (an abort from another thread); the C API's
+  // communicator syncs its route's streams before it drops the engine (Comm::abort).
 }
 
 }  // namespace hetccl

@@ -156,6 +156,10 @@ _SETTINGS = [
             "(csrc/api/device_route.h); smaller ones are staged through host memory, whose "
             "latency is lower. 'off': every call staged. Must be equal on every rank (where "
             "ranks differ, the argument check runs the call staged on all of them)."),
+    Setting("HETCCL_EMULATED_STRICT", _bool, False,
+            "Tests only: the emulated device (csrc/device/emulated_ops.cc) aborts the process "
+            "on a stream operation that touches registered host memory after it was "
+            "unregistered (default: the operation is skipped and reported once on stderr)."),
     Setting("HETCCL_CAPI_SHM", _bool, True,
             "C API only: ring neighbours on one host reach each other through shared memory; "
             "0: tcp for every peer."),

@@ -840,6 +840,26 @@ def run_abort_hung(comm, rank, n, args):
     return out
 
 
+def run_abort_queued(comm, rank, n, args):
+    """Rank 0 queues many stream calls on one stream while rank 1 stays silent (the first call's
+    host collective hangs, the rest wait behind it on the stream), then aborts. The abort
+    releases the stream, which then runs every queued call's copies out of staging and its
+    flag writes: the staging buffers and flag pages must outlive them (under
+    HETCCL_EMULATED_STRICT=1 the emulated device aborts the process on a stream operation that
+    touches host memory after it was unregistered)."""
+    if rank != 0:
+        time.sleep(args.get("sleep_s", 8))
+        os._exit(0)
+    s = comm.stream_create()
+    bufs = [np.full(1 << 16, float(i), np.float32) for i in range(args.get("calls", 24))]
+    for x in bufs:
+        comm.all_reduce(x, x, x.size, "float32", "sum", stream=s)
+    time.sleep(0.5)
+    t0 = time.time()
+    comm.abort()
+    return {"abort_s": time.time() - t0, "calls": len(bufs)}
+
+
 def run_late_send(comm, rank, n, args):
     """Rank 1's receive from rank 0 gives up (HETCCL_TIMEOUT_S=1); rank 0 sends 2.5 s later.
     The message must not land in the buffer rank 1 gave the call that gave up: the receive is
@@ -912,6 +932,8 @@ def main():
         res = run_death_stream(comm, rank, n, args)
     elif args["mode"] == "abort_hung":
         res = run_abort_hung(comm, rank, n, args)
+    elif args["mode"] == "abort_queued":
+        res = run_abort_queued(comm, rank, n, args)
     elif args["mode"] == "late_send":
         res = run_late_send(comm, rank, n, args)
         comm.destroy()

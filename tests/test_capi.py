@@ -242,6 +242,22 @@ def test_abort_from_another_thread_ends_a_hung_call(tmp_path, call):
     assert d["call_s"] < 4 and d["abort_s"] < 4, d
 
 
+@pytest.mark.parametrize("route", ["staged", "device_route"])
+def test_abort_keeps_memory_queued_stream_work_uses(tmp_path, route):
+    """An abort with stream calls still queued on the caller's stream (the peer silent): the
+    stream runs their copies and flag writes once released, and no operation may touch host
+    memory the communicator unregistered or freed (the emulated device's lifetime check,
+    strict: the process aborts on the first). The abort returns within a few seconds."""
+    env = {"HETCCL_TIMEOUT_S": "60", "HETCCL_CAPI_DEVICE": "emulated", "HETCCL_CHECK_ARGS": "off",
+           "HETCCL_EMULATED_STRICT": "1",
+           "HETCCL_STREAM_DEVICE_BYTES": "1" if route == "device_route" else "off"}
+    res, procs, logs = launch(tmp_path, "1+1", "abort_queued", env=env, timeout=90, sleep_s=10)
+    out = "\n".join(logs)
+    assert "use after unregister" not in out, out[-3000:]
+    assert procs[0].returncode == 0 and 0 in res, out[-3000:]
+    assert res[0]["abort_s"] < 8, res[0]
+
+
 @pytest.mark.parametrize("shm", ["on", "off"])
 def test_receive_given_up_is_withdrawn(tmp_path, shm):
     """A receive whose wait timed out is withdrawn: the message its peer sends afterwards does not

@@ -95,6 +95,19 @@ StreamPath::StreamPath(Comm& c, const std::string& runtime, const std::string& l
 StreamPath::~StreamPath() {
   finish(true);
   route_.reset();  // waits for the route's streams (their plans ended or were released)
+  // The callers' streams run the calls' copies out of staging and their flag writes once
+  // finish released them, possibly after this point (an abort with calls queued behind a hung
+  // one): what they touch is freed only once every call's freed word is written. A stream that
+  // does not get there in time (blocked by other work) leaves it all allocated and registered:
+  // leaked, never freed under a stream (tests/test_capi.py
+  // test_abort_keeps_memory_queued_stream_work_uses).
+  constexpr int64_t kDrainMs = 5000;
+  if (!drained(kDrainMs)) {
+    log_warn("capi", "the streams of calls issued on this communicator did not finish within " +
+                         std::to_string(kDrainMs / 1000) + " s of its end: its staging memory (" +
+                         std::to_string(pooled_ >> 20) + " MiB) and flag words are left allocated");
+    return;
+  }
   for (auto& b : all_) {
     ops_->host_unregister(b.first);
     std::free(b.first);
@@ -130,6 +143,25 @@ void StreamPath::wait_slot_free(uint64_t seq) {
     ++waits_;
     pause(spins);
   }
+}
+
+bool StreamPath::drained(int64_t within_ms) {
+  uint64_t last;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    last = issued_;
+  }
+  // calls older than the last kSlots ones wrote theirs before their slot was reused
+  uint64_t first = last > kSlots ? last - kSlots + 1 : 1;
+  int64_t deadline = now_ms() + within_ms;
+  int spins = 0;
+  for (uint64_t q = first; q <= last; ++q) {
+    while (!reached(page_ + kSlots + q % kSlots, q)) {
+      if (now_ms() > deadline) return false;
+      pause(spins);
+    }
+  }
+  return true;
 }
 
 void StreamPath::reclaim_locked() {
@@ -218,13 +250,19 @@ void StreamPath::issue(StreamJob j) {
     q_.push_back(std::move(job));
     g.unlock();
     cv_.notify_one();
+    bool aborted;
     {
       std::unique_lock<std::mutex> w(mu_);
       route_cv_.wait(w, [&] { return route_enqueued_ >= seq || abort_.load(); });
-      if (route_enqueued_ < seq) throw CommError("hetccl: the communicator was aborted");
+      aborted = route_enqueued_ < seq;
     }
+    // Aborted: the wait and the freed word are enqueued all the same (finish() writes the
+    // done word of every call the executor did not run, and one it ran writes its own on the
+    // route's stream, enqueued before), so the caller's stream stays ordered after the route's
+    // use of its buffers and the path sees the call drained before it frees its flag words.
     ops_->wait_geq(s, done_addr_[seq % kSlots], seq);
     ops_->write(s, page_dev_ + (kSlots + seq % kSlots) * sizeof(uint64_t), seq);
+    if (aborted) throw CommError("hetccl: the communicator was aborted");
     return;
   }
   job.cap = round_cap(j.bytes);

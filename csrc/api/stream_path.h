@@ -137,6 +137,9 @@ class StreamPath {
   bool reached(const uint64_t* word, uint64_t seq) const;
   bool wait_ready(uint64_t seq);  // executor: the stream's copies in of seq are done (false: abort/timeout)
   void wait_slot_free(uint64_t seq);
+  // Whether every issued call's stream has written its freed word (its last use of staging
+  // and of the flag page), waiting at most within_ms.
+  bool drained(int64_t within_ms);
   void reclaim_locked();
   char* take(size_t cap);
   bool drop_free_locked();  // frees one unused pooled buffer; false if none

@@ -8,7 +8,14 @@
 //   "hip":            64-bit waits (*word >= counter, unsigned, as hipStreamWaitValueGte) and
 //                     writes, and the words streams wait on allocated apart from the flag page
 //                     (as HIP's signal memory), so the engine's separate-word path runs too.
+//
+// Lifetime check: host memory registered with host_register is what real streams reach by DMA.
+// An operation enqueued on such memory that runs after it was unregistered (a use after
+// unregister: on a GPU an MMU fault or a write into memory malloc handed out again) is not
+// run; it is reported on stderr (the first one), and with
+// HETCCL_EMULATED_STRICT=1 the process aborts, so a test that covers the path fails.
 #include <sched.h>
+#include <stdio.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -17,7 +24,9 @@
 #include <new>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +37,25 @@
 namespace hetccl {
 namespace device {
 namespace {
+
+std::atomic<uint64_t> g_violations{0};
+
+bool strict_lifetime() {
+  const char* v = getenv("HETCCL_EMULATED_STRICT");  // tests only (hetccl/config.py)
+  if (!v) return false;
+  std::string s(v);
+  return s == "1" || s == "on" || s == "true" || s == "yes";
+}
+
+void report_violation(const char* what, const void* addr) {
+  const bool strict = strict_lifetime();
+  if (g_violations.fetch_add(1) == 0 || strict)
+    fprintf(stderr,
+            "hetccl emulated device: a stream operation (%s) enqueued on registered host memory at %p "
+            "ran after that memory was unregistered: not run (use after unregister)\n",
+            what, addr);
+  if (strict) abort();
+}
 
 class EmulatedOps final : public DeviceOps {
   struct Stream {
@@ -87,34 +115,47 @@ class EmulatedOps final : public DeviceOps {
   }
   void wait_geq(void* stream, uint64_t word, uint64_t counter) override {
     auto* w = reinterpret_cast<uint64_t*>(uintptr_t(word));
+    uint64_t r = reg_of(w);
     if (hip_) {
-      enqueue(stream, [w, counter] {
+      enqueue(stream, [this, w, counter, r] {
         int spins = 0;
-        while (__atomic_load_n(w, __ATOMIC_ACQUIRE) < counter)
+        while (__atomic_load_n(w, __ATOMIC_ACQUIRE) < counter) {
+          if (!live(r, "wait", w)) return;
           if (++spins > 64) sched_yield();
+        }
       });
     } else {
       auto* low = reinterpret_cast<uint32_t*>(w);  // little-endian: the low half comes first
       uint32_t value = uint32_t(counter);
-      enqueue(stream, [low, value] {
+      enqueue(stream, [this, low, value, r] {
         int spins = 0;
-        while (int32_t(__atomic_load_n(low, __ATOMIC_ACQUIRE) - value) < 0)
+        while (int32_t(__atomic_load_n(low, __ATOMIC_ACQUIRE) - value) < 0) {
+          if (!live(r, "wait", low)) return;
           if (++spins > 64) sched_yield();
+        }
       });
     }
   }
   void write(void* stream, uint64_t word, uint64_t counter) override {
     auto* w = reinterpret_cast<uint64_t*>(uintptr_t(word));
+    uint64_t r = reg_of(w);
     if (hip_) {
-      enqueue(stream, [w, counter] { __atomic_store_n(w, counter, __ATOMIC_RELEASE); });
+      enqueue(stream, [this, w, counter, r] {
+        if (live(r, "write", w)) __atomic_store_n(w, counter, __ATOMIC_RELEASE);
+      });
     } else {
       auto* low = reinterpret_cast<uint32_t*>(w);
       uint32_t value = uint32_t(counter);
-      enqueue(stream, [low, value] { __atomic_store_n(low, value, __ATOMIC_RELEASE); });
+      enqueue(stream, [this, low, value, r] {
+        if (live(r, "write", low)) __atomic_store_n(low, value, __ATOMIC_RELEASE);
+      });
     }
   }
   void memcpy_async(void* dst, const void* src, size_t nbytes, void* stream) override {
-    enqueue(stream, [dst, src, nbytes] { std::memcpy(dst, src, nbytes); });
+    uint64_t rd = nbytes ? reg_of(dst) : 0, rs = nbytes ? reg_of(src) : 0;
+    enqueue(stream, [this, dst, src, nbytes, rd, rs] {
+      if (live(rd, "copy to", dst) && live(rs, "copy from", src)) std::memcpy(dst, src, nbytes);
+    });
   }
   void sync(void* stream) override {
     auto* s = static_cast<Stream*>(stream);
@@ -139,8 +180,20 @@ class EmulatedOps final : public DeviceOps {
     });
   }
   void event_destroy(void* event) override { delete static_cast<Event*>(event); }
-  bool host_register(void*, size_t) override { return true; }
-  void host_unregister(void*) override {}
+  bool host_register(void* p, size_t n) override {
+    std::lock_guard<std::mutex> g(reg_mu_);
+    uint64_t id = ++next_reg_;
+    regs_[reinterpret_cast<uintptr_t>(p)] = {n, id};
+    live_.insert(id);
+    return true;
+  }
+  void host_unregister(void* p) override {
+    std::lock_guard<std::mutex> g(reg_mu_);
+    auto it = regs_.find(reinterpret_cast<uintptr_t>(p));
+    if (it == regs_.end()) return;
+    live_.erase(it->second.id);
+    regs_.erase(it);
+  }
   uint64_t device_address(void* host) override { return uint64_t(reinterpret_cast<uintptr_t>(host)); }
   void* wait_word_alloc() override {
     if (!hip_) return nullptr;
@@ -176,6 +229,25 @@ class EmulatedOps final : public DeviceOps {
   }
 
  private:
+  // The registration holding address a (its id), or 0 (not registered memory).
+  uint64_t reg_of(const void* a) {
+    auto x = reinterpret_cast<uintptr_t>(a);
+    std::lock_guard<std::mutex> g(reg_mu_);
+    auto it = regs_.upper_bound(x);
+    if (it == regs_.begin()) return 0;
+    --it;
+    return x < it->first + it->second.n ? it->second.id : 0;
+  }
+  // Whether registration r (0: none) is still live when the operation runs; reports if not.
+  bool live(uint64_t r, const char* what, const void* addr) {
+    if (!r) return true;
+    {
+      std::lock_guard<std::mutex> g(reg_mu_);
+      if (live_.count(r)) return true;
+    }
+    report_violation(what, addr);
+    return false;
+  }
   void enqueue(void* stream, std::function<void()> op) {
     auto* s = static_cast<Stream*>(stream);
     {
@@ -190,6 +262,14 @@ class EmulatedOps final : public DeviceOps {
   void* default_ = nullptr;
   std::mutex mu_;
   std::vector<Stream*> streams_;
+  struct Reg {
+    size_t n;
+    uint64_t id;
+  };
+  std::mutex reg_mu_;
+  std::map<uintptr_t, Reg> regs_;  // registered host ranges by start
+  std::set<uint64_t> live_;        // ids of the registrations still in force
+  uint64_t next_reg_ = 0;
 };
 
 }  // namespace
