@@ -31,6 +31,28 @@ def _detached(e: BaseException) -> BaseException:
     return copy
 
 
+def _wait_done(done, timeout: timedelta | None) -> None:
+    """c10d's Work::wait(timeout): a timeout of None or zero (kNoTimeout) waits as long as the
+    operation takes (the group's timeout bounds it); a positive one raises "Operation timed
+    out!" (torch's wording) once it passes with the operation unfinished. The operation itself
+    goes on (as in c10d): its outputs are undefined until it completes."""
+    secs = timeout.total_seconds() if timeout else 0.0
+    if secs <= 0 or done():
+        return
+    import time
+
+    from ._core import CommTimeout
+
+    end = time.monotonic() + secs
+    pause = 1e-5
+    while not done():
+        if time.monotonic() >= end:
+            raise CommTimeout(f"hetccl: Operation timed out! (wait(timeout={secs:g} s) passed "
+                              f"with the operation unfinished; it continues)")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
 class HetcclWork(dist.Work):
     """Work backed by a torch Future that the engine completes (or fails)."""
 
@@ -40,7 +62,8 @@ class HetcclWork(dist.Work):
         self.outputs = outputs
         self._engine = engine  # device works: asks the engine whether it broke meanwhile
 
-    def wait(self, timeout: timedelta | None = None) -> bool:  # noqa: ARG002 - group timeout applies
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        _wait_done(self.fut.done, timeout)
         try:
             self.fut.wait()
         except Exception as e:  # noqa: BLE001
@@ -87,6 +110,8 @@ class AllWork(HetcclWork):
         self.works = works
 
     def wait(self, timeout=None):
+        if timeout:
+            _wait_done(self.is_completed, timeout)
         for w in self.works:
             w.wait()
         return True

@@ -313,6 +313,30 @@ class Cases:
             poll(fut.done, "the isend's future")
             dist.send(torch.arange(5.0) + 10, 0, tag=tag + 1)
 
+    def wait_with_timeout(self):
+        """Work.wait(timeout) as c10d's: a collective whose peer is late raises "timed out"
+        once the timeout passes; the collective goes on, and a later wait() returns with the
+        right result."""
+        import time as _time
+
+        x = torch.full((1000,), float(self.rank + 1))
+        if self.rank == self.world - 1:
+            _time.sleep(2.0)
+        w = dist.all_reduce(x, async_op=True)
+        verdict = None
+        if self.rank == 0:
+            try:
+                w.wait(timeout=timedelta(seconds=0.3))
+                verdict = "wait(timeout=0.3 s) returned although a peer came 2 s late"
+            except Exception as e:  # noqa: BLE001
+                if "imed out" not in str(e):
+                    verdict = f"not a timeout: {type(e).__name__}: {e}"
+        w.wait()
+        want = float(sum(range(1, self.world + 1)))
+        if not torch.equal(x, torch.full((1000,), want)):
+            verdict = (verdict + "; " if verdict else "") + f"result {x[:3].tolist()}"
+        return verdict
+
     def p2p_timeout_then_recv(self, tag: int):
         """A receive whose wait times out is withdrawn as if never posted: the message its peer
         sends afterwards goes to the next receive from that peer with that tag."""
@@ -423,7 +447,8 @@ class Cases:
 
 
 def run_p2p(ctx) -> dict[str, str]:
-    """The point-to-point cases alone (test_semantics runs them over shm and over tcp)."""
+    """The point-to-point cases and Work.wait's timeout (test_semantics runs them over shm and
+    over tcp)."""
     os.environ.pop("RANK", None)
     dist.init_process_group("hetccl", store=ctx.store(), rank=ctx.rank,
                             world_size=ctx.world_size, timeout=timedelta(seconds=30))
@@ -433,6 +458,7 @@ def run_p2p(ctx) -> dict[str, str]:
     c.run("p2p/any_source_open_then_named", c.any_source_open_then_named, 21)
     c.run("p2p/future_and_is_completed", c.p2p_future_and_is_completed, 22)
     c.run("p2p/timeout_then_recv", c.p2p_timeout_then_recv, 24)
+    c.run("work/wait_with_timeout", c.wait_with_timeout)
     dist.destroy_process_group()
     return c.out
 

@@ -47,12 +47,13 @@ def test_p2p_semantics(split, hosts):
     """Point-to-point works as torch documents them, across vendors (shared memory; with
     hosts emulated, tcp): posting order decides which receive gets which message whatever is
     waited first; futures complete without wait(); is_completed() means the data is there; a
-    receive that timed out does not swallow the next message (semantics_cases.py)."""
+    receive that timed out does not swallow the next message; Work.wait(timeout) raises once
+    the timeout passes and the collective still completes (semantics_cases.py)."""
     world = sum(int(x) for x in split.split("+"))
     env = {"HETCCL_VENDOR_SPLIT": split, **({"HETCCL_EMULATE_HOSTS": hosts} if hosts else {})}
     per_rank = spawn(semantics_cases.run_p2p, world, env=env, timeout=180)
     assert set(per_rank[0]) == {"p2p/any_source_open_then_named", "p2p/future_and_is_completed",
-                                "p2p/timeout_then_recv"}
+                                "p2p/timeout_then_recv", "work/wait_with_timeout"}
     bad = {(r, k): v for r, res in enumerate(per_rank) for k, v in res.items() if v != "ok"}
     assert not bad, "\n".join(f"rank {r} {k}: {v}" for (r, k), v in sorted(bad.items()))
 
