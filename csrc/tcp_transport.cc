@@ -73,6 +73,13 @@ constexpr size_t kBudget = size_t(4) << 20;      // bytes per connection per tur
 constexpr int kMaxPendingHandshakes = 64;
 
 
+// A failure that waits for the threads still using a request's buffer (Held below).
+struct PendingFail {
+  bool set = false;
+  Request::ErrorKind kind = Request::ErrorKind::Generic;
+  std::string msg;
+};
+
 struct SendMsg {
   RequestPtr req;
   const char* buf;
@@ -81,6 +88,10 @@ struct SendMsg {
   size_t assigned = 0;  // bytes handed to connections
   bool assigned_all = false;
   size_t done = 0;      // bytes fully written
+  // Held: connections whose current frame reads from buf (under the peer's mu). The request
+  // fails (pending) only once none does: the caller may free buf as soon as it fails.
+  int holders = 0;
+  PendingFail pending;
 };
 
 // One incoming message, known from its receive being posted and/or its first frame arriving.
@@ -93,6 +104,11 @@ struct InMsg {
   std::vector<std::pair<size_t, size_t>> heap_ranges;
   int heap_inflight = 0;  // frames being read into heap right now
   bool migrating = false; // heap contents being copied to the user buffer
+  // Held: connections whose current frame writes into the receive's buffer (Direct, Stage)
+  // plus a migrate in progress (under the peer's mu). The receive fails (pending) only once
+  // none does: the caller may free its buffer as soon as it fails.
+  int holders = 0;
+  PendingFail pending;
   bool complete() const { return have_total && received == total && !migrating && heap_inflight == 0; }
 };
 
@@ -213,7 +229,16 @@ int write_full(int fd, const void* buf, size_t n, const Deadline& d) {
 class TcpTransport final : public Transport {
  public:
   TcpTransport(int rank, int size, const Options& opts);
-  ~TcpTransport() override { close(); }
+  ~TcpTransport() override {
+    close();
+    // the workers' epoll and event descriptors stay open until now: an isend racing close()
+    // may still wake the (stopped) workers, which must not write into a descriptor number
+    // that close() released and something else reused
+    for (auto& w : workers_) {
+      ::close(w->epfd);
+      ::close(w->evfd);
+    }
+  }
   std::string name() const override { return "tcp"; }
   std::string address() override { return address_; }
   void connect(const std::vector<std::string>& addresses, int64_t timeout_ms) override;
@@ -264,6 +289,8 @@ class TcpTransport final : public Transport {
   void end_frame(Conn& c);
   void migrate(Peer& p, std::shared_ptr<InMsg> m, std::unique_lock<std::mutex>& g);
   void fail_peer(Peer& p, const std::string& msg);
+  // A connection the worker stops serving (dead): what its current frames held is let go.
+  void abandon(Conn& c);
   // keep_delivered: an orderly close by the peer (every connection at EOF between messages):
   // messages that arrived whole and were not received yet stay deliverable (post_recv)
   void fail_locked(Peer& p, Request::ErrorKind kind, const std::string& msg,
@@ -920,11 +947,16 @@ void TcpTransport::migrate(Peer& p, std::shared_ptr<InMsg> m, std::unique_lock<s
   m->heap_ranges.clear();
   std::unique_ptr<char[]> heap = std::move(m->heap);
   m->migrating = true;
+  ++m->holders;
   g.unlock();
   for (auto& r : ranges) deliver(m->op, r.first, heap.get() + r.first, r.second);
   heap.reset();
   g.lock();
   m->migrating = false;
+  if (--m->holders == 0 && m->pending.set) {
+    m->op.req->fail(m->pending.kind, m->pending.msg);
+    return;
+  }
   if (m->complete()) {
     for (auto it = p.inmsgs.begin(); it != p.inmsgs.end(); ++it)
       if (it->second == m) {
@@ -942,7 +974,12 @@ void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::stri
     p.failed = msg;
     p.failed_kind = kind;
   }
-  for (auto& m : p.active) m->req->fail(kind, msg);
+  for (auto& m : p.active) {
+    if (m->holders > 0)
+      m->pending = {true, kind, msg};  // a connection still reads its buffer: fails when it lets go
+    else
+      m->req->fail(kind, msg);
+  }
   p.active.clear();
   p.sendq.clear();
   // A peer that finished its part of a collective and closed (destroy_process_group) may do so
@@ -958,10 +995,33 @@ void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::stri
       ++it;
       continue;
     }
-    if (m.has_op && !m.op_failed) m.op.req->fail(kind, msg);
+    if (m.has_op && !m.op_failed) {
+      if (m.holders > 0)
+        m.pending = {true, kind, msg};  // a connection or migrate still writes its buffer
+      else
+        m.op.req->fail(kind, msg);
+    }
     it = p.inmsgs.erase(it);
   }
   for (auto& c : p.conns) c->dead.store(true);
+  wake_workers();  // they let go of the dead connections' frames (abandon)
+}
+
+void TcpTransport::abandon(Conn& c) {
+  if (!c.msg && !c.tx) return;
+  Peer& p = *c.peer;
+  std::lock_guard<std::mutex> g(p.mu);
+  if (c.msg && c.in_payload && (c.mode == Conn::Mode::Direct || c.mode == Conn::Mode::Stage)) {
+    InMsg& m = *c.msg;
+    if (--m.holders == 0 && m.pending.set) m.op.req->fail(m.pending.kind, m.pending.msg);
+  }
+  c.msg.reset();
+  c.in_payload = false;
+  if (c.tx) {
+    SendMsg& m = *c.tx;
+    if (--m.holders == 0 && m.pending.set) m.req->fail(m.pending.kind, m.pending.msg);
+    c.tx.reset();
+  }
 }
 
 void TcpTransport::fail_peer(Peer& p, const std::string& msg) {
@@ -997,7 +1057,10 @@ void TcpTransport::worker_loop(Worker* w) {
       busy = true;
     }
     for (Conn* c : w->conns) {
-      if (c->dead.load()) continue;
+      if (c->dead.load()) {
+        abandon(*c);
+        continue;
+      }
       if (c->readable && !c->eof && do_read(*c)) busy = true;
       if (c->dead.load()) continue;
       if (c->writable) {
@@ -1017,6 +1080,7 @@ bool TcpTransport::do_read(Conn& c) {
     return false;
   };
   while (budget > 0) {
+    if (c.dead.load()) return false;  // failed meanwhile: the worker abandons its frame
     ssize_t r;
     if (!c.in_payload) {
       r = ::recv(c.fd, c.hdr + c.hdr_got, kHdr - c.hdr_got, 0);
@@ -1122,6 +1186,7 @@ bool TcpTransport::begin_frame(Conn& c, std::string* err) {
         c.mode = Conn::Mode::Direct;
         c.dst = m->op.buf + c.f_off;
       }
+      ++m->holders;  // let go in end_frame (or abandon)
     } else {
       if (!m->heap) m->heap.reset(new (std::nothrow) char[std::max<size_t>(m->total, 1)]);
       if (!m->heap) {
@@ -1143,8 +1208,15 @@ bool TcpTransport::begin_frame(Conn& c, std::string* err) {
 void TcpTransport::end_frame(Conn& c) {
   Peer& p = *c.peer;
   std::shared_ptr<InMsg> m = std::move(c.msg);
+  // (a holder: its receive does not fail before this frame let go, so the buffer is alive)
   if (c.mode == Conn::Mode::Stage) deliver(m->op, c.f_off, c.stage.data(), c.f_len);
   std::unique_lock<std::mutex> g(p.mu);
+  if (c.mode == Conn::Mode::Direct || c.mode == Conn::Mode::Stage) {
+    if (--m->holders == 0 && m->pending.set) {
+      m->op.req->fail(m->pending.kind, m->pending.msg);
+      return;
+    }
+  }
   if (!p.failed.empty()) return;
   m->received += c.f_len;
   if (c.mode == Conn::Mode::Heap) {
@@ -1169,12 +1241,14 @@ int TcpTransport::do_write(Conn& c) {
   Peer& p = *c.peer;
   size_t budget = kBudget;
   while (budget > 0) {
+    if (c.dead.load()) return -1;  // failed meanwhile: the worker abandons its frame
     if (!c.tx) {
       std::lock_guard<std::mutex> g(p.mu);
       while (!p.sendq.empty() && p.sendq.front()->assigned_all) p.sendq.pop_front();
       if (p.sendq.empty() || !p.failed.empty()) return 1;
       auto m = p.sendq.front();
       c.tx = m;
+      ++m->holders;  // let go when the frame is written (or abandon)
       c.tx_off = m->assigned;
       c.tx_len = std::min(chunk_, m->total - m->assigned);
       m->assigned += c.tx_len;
@@ -1220,6 +1294,10 @@ int TcpTransport::do_write(Conn& c) {
       {
         std::lock_guard<std::mutex> g(p.mu);
         m->done += c.tx_len;
+        if (--m->holders == 0 && m->pending.set) {
+          m->req->fail(m->pending.kind, m->pending.msg);
+          continue;
+        }
         done = m->assigned_all && m->done == m->total && p.active.erase(m) > 0;
       }
       if (done) m->req->complete(m->total);
@@ -1244,6 +1322,9 @@ void TcpTransport::close() {
     if (w->th.joinable()) w->th.join();
   for (auto& pp : peers_) {
     if (!pp) continue;
+    // the workers are stopped: what their connections' frames held is let go first, so every
+    // request fails now
+    for (auto& c : pp->conns) abandon(*c);
     std::lock_guard<std::mutex> g(pp->mu);
     fail_locked(*pp, Request::ErrorKind::Generic, "hetccl tcp: transport closed");
     for (auto& c : pp->conns)
@@ -1251,10 +1332,6 @@ void TcpTransport::close() {
         ::close(c->fd);
         c->fd = -1;
       }
-  }
-  for (auto& w : workers_) {
-    ::close(w->epfd);
-    ::close(w->evfd);
   }
   {
     std::lock_guard<std::mutex> g(acc_mu_);

@@ -646,9 +646,17 @@ def killed_peer(ctx, name, st):
         except _C.CommError as e:
             err = e
     failed_at = time.time()
+    # the caller may reuse (or free) the buffer of a receive that failed at once: nothing of the
+    # dead peer's last message may land in it afterwards (a progress thread still reading
+    # another connection's frame into it, say)
+    buf[:] = 0xAB
+    time.sleep(0.3)
+    stale = int(np.count_nonzero(buf != 0xAB))
     killed_at = float(st.get(f"{k}/killed"))
     verdict = "ok"
-    if not isinstance(err, _C.PeerFailure):
+    if stale:
+        verdict = f"{stale} bytes were written into the receive's buffer after it failed"
+    elif not isinstance(err, _C.PeerFailure):
         verdict = f"expected PeerFailure, got {type(err).__name__}: {err}"
     elif "rank 1" not in str(err) or (name == "shm" and victim_pid not in str(err)):
         verdict = f"error does not name the peer (rank 1, pid {victim_pid}): {err}"
