@@ -32,7 +32,7 @@
 // Flag words and positions (the contract every runtime implements alike). A flag word is a
 // 64-bit counter in host memory, 8-byte aligned, whose low 32 bits are the engine's free-running
 // 32-bit position; the engine extends a position to the counter value nearest the word's current
-// counter (engine.cc: Word::counter), so counter and position agree as long as the two are within
+// counter (engine_internal.h: Word::counter), so counter and position agree as long as the two are within
 // 2^31 positions of each other (the engine keeps far fewer in flight). Comparisons:
 //   CUDA: cuStreamWaitValue32 with CU_STREAM_WAIT_VALUE_GEQ on the low 32 bits, which the CUDA
 //         driver API documents as (int32_t)(*addr - value) >= 0: wrap-aware; writes are 32-bit

@@ -22,7 +22,7 @@
 //    staging slots -- or, on links the caller marks direct (EngineOptions::device_direct_peers:
 //    the transport takes this device's memory itself, e.g. UCX with cuda_copy), straight from and
 //    into device memory with isend_device/irecv_device, the stream only signalling when the data
-//    is ready and waiting until it has arrived (engine.cc, "direct device path").
+//    is ready and waiting until it has arrived (engine_device.cc, engine_link.cc: "direct device path").
 // Ring positions are assigned in post order, so plans of one engine (host or device) use each
 // link's slots strictly in the order every rank posts them; both ends cut a peer's data into
 // chunks of the plan's chunk_bytes in the order the items are listed, so chunk k of a plan has
@@ -161,7 +161,7 @@ class Engine {
   void set_device_ops(std::shared_ptr<DeviceOps> ops);
   // Registers the flag words (and message links' staging slots) of the links to `peers` with
   // the device runtime now, on the calling thread, instead of at the first device plan that
-  // uses them (for a caller whose later posts may run while a stream waits: engine.cc).
+  // uses them (for a caller whose later posts may run while a stream waits: engine_device.cc).
   void prepare_device(int device_index, const std::vector<int>& peers);
   // Tests: message links start their positions at `base` instead of 0, so a short run crosses
   // 2^32 (the wrap-around of free-running positions). Only before the first plan; zero-copy
@@ -222,13 +222,13 @@ class Engine {
   void finish_chunk(Plan& p);
   void mark_done(Plan& p);
   void bury(const std::shared_ptr<Plan>& p);
-  void withdraw_host_requests();  // break_engine: see engine.cc
+  void withdraw_host_requests();  // break_engine: see engine_failure.cc
   void fail_plan(Plan& p, const std::string& msg, int kind);
   void break_engine(const std::string& msg, int kind);
   void release_device_waits();
   void check_deadlines();
   void check_liveness();
-  void ensure_device_state(Link& l);  // once per link (engine.cc)
+  void ensure_device_state(Link& l);  // once per link (engine_device.cc)
   std::shared_ptr<Plan> find(uint64_t id);
   // point-to-point messages (engine_messages.cc)
   struct MessageCopy;

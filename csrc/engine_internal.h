@@ -1,10 +1,14 @@
-// Internals shared by the engine's files (engine.cc: plans, links, device enqueueing, the proxy;
-// engine_messages.cc: point-to-point messages). Not part of the engine's interface (engine.h).
+// Internals shared by the engine's files (engine.cc lists them: engine_plan.cc, engine_check.cc,
+// engine_device.cc, engine_ring.cc, engine_link.cc, engine_failure.cc, engine_proxy.cc,
+// engine_messages.cc): plans, links and their chunks, flag words. Not part of the engine's
+// interface (engine.h).
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -53,6 +57,33 @@ inline int64_t to_ms_left(int64_t deadline_ms) {
   return deadline_ms < 0 ? -1 : std::max<int64_t>(0, deadline_ms - now_ms());
 }
 
+// One cache line per word: the GPU writes three of them, the proxy the other two. The two words
+// streams wait on (freed, avail) live here unless the runtime requires its own memory for them
+// (DeviceOps::wait_word_alloc: HIP's signal memory); `freed` / `avail` point at them.
+struct Flags {
+  alignas(64) Word sent;  // stream: data of position p is in the outgoing slot  -> p + 1
+                          //   (direct links: the device data of position p is ready to send)
+  alignas(64) Word freed_here;  // proxy: the peer released our outgoing slots up to -> count
+                                //   (message links: the send of position p completed -> p + 1)
+  alignas(64) Word avail_here;  // proxy: incoming slot of position p is ready         -> p + 1
+                                //   (direct links: the data of position p has landed in device
+                                //   memory)
+  alignas(64) Word consumed;  // stream: incoming slot of position p has been copied -> p + 1
+                              //   (direct links: the stream is past position p)
+  alignas(64) Word ready;  // stream, direct links only: the stream reached receive position p, so
+                           //   its destination may be written                   -> p + 1
+  Word* freed = &freed_here;
+  Word* avail = &avail_here;
+};
+static_assert(sizeof(Flags) <= 4096, "flags fit one page");
+
+// A host receive may touch its memory once every send of its plan that reads it has left.
+inline bool sends_left(const std::vector<uint8_t>& send_done, const std::vector<uint32_t>& after) {
+  for (uint32_t i : after)
+    if (!send_done[i]) return false;
+  return true;
+}
+
 }  // namespace engine_detail
 
 struct Engine::Plan {
@@ -78,6 +109,57 @@ struct Engine::Plan {
   std::vector<RequestPtr> hdr_out;
   std::vector<uint8_t> send_done;  // per send chunk
   size_t nbytes_moved = 0;
+};
+
+// ----------------------------------------------------------------------------- data structures
+struct Engine::SendChunk {
+  std::shared_ptr<Plan> plan;
+  const char* src;
+  size_t len;
+  uint64_t tag;
+  uint32_t pos;  // ring position (zero-copy links; device staging on message links)
+  uint32_t idx;  // index among the plan's send chunks (reduce-after-send ordering)
+  bool device;
+  bool direct = false;  // device data handed to the transport (isend_device)
+  bool issued = false;
+  RequestPtr req;
+  char* slot = nullptr;  // round trip: the slot to copy the sum back from
+};
+
+struct Engine::RecvChunk {
+  std::shared_ptr<Plan> plan;
+  char* dst;
+  size_t len;
+  uint64_t tag;
+  uint32_t pos;
+  bool device;
+  bool direct = false;  // received straight into device memory (irecv_device)
+  std::vector<uint32_t> after;  // send chunks (idx) that read this memory: they go first
+  bool issued = false;
+  RequestPtr req;
+};
+
+struct Engine::Link {
+  int peer;
+  std::shared_ptr<Transport> t;
+  bool zc;
+  bool direct = false;  // message link whose device data goes to the transport directly
+  int bound_device = -1;  // device index the transport was bound to (Transport::bind_device)
+  uint32_t out_depth = 0;  // zero-copy: outgoing ring slots; message links: staging slots
+  size_t slot_bytes = 0;
+  uint32_t send_pos = 0, recv_pos = 0;  // next positions to assign (post order)
+  std::deque<SendChunk> sq;
+  std::deque<RecvChunk> rq;
+  std::deque<SendChunk> back;   // round-trip sends committed, waiting for the peer's sums
+  std::deque<RecvChunk> held;   // device receives handed to the stream, waiting for `consumed`
+  std::deque<SendChunk> inflight_dev;  // message links: device sends issued, in order
+  engine_detail::Flags* flags = nullptr;
+  uint64_t flags_dev = 0;  // device address of *flags
+  uint64_t freed_dev = 0, avail_dev = 0;  // device addresses of *flags->freed, *flags->avail
+  bool rings_registered = false;
+  std::vector<char*> stage_out, stage_in;  // message links: staging slots for device data
+  uint32_t freed_seen = 0;
+  int64_t checked_ms = 0;
 };
 
 // A point-to-point message's flag words and the message itself (engine_messages.cc).

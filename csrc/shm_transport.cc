@@ -209,7 +209,7 @@ class ShmTransport final : public Transport {
   // every rank of a host, so both segments of a pair get one geometry): first fewer slots
   // (down to 2, the least that overlaps the two ends' copies), then smaller slots (page
   // multiples, down to one page). slot_bytes/nslots are the caps. Trade-off: fewer slots
-  // pipeline less; slots smaller than the engine's chunk cut it smaller (engine.cc clamps
+  // pipeline less; slots smaller than the engine's chunk cut it smaller (engine_plan.cc clamps
   // chunks to the slot).
   void fit_budget(size_t budget) {
     if (!budget) return;

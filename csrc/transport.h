@@ -2,7 +2,7 @@
 //
 // Layering (see docs/architecture.md):
 //   transports (this interface; shm_transport.cc, tcp_transport.cc, ucx_transport.cc)
-//   <- the C++ engine (engine.cc: every collective's cross-vendor data, device point-to-point)
+//   <- the C++ engine (engine*.cc: every collective's cross-vendor data, device point-to-point)
 //      <- bindings.cc (pybind11, hetccl._C) <- Python engine / algorithms <- torch backend;
 //   the Python bridge also hands host point-to-point to the transports directly (hetccl._C.
 //   Transport), and the C API's communicator (csrc/api/comm.cc) runs its own Engine over them.
@@ -181,7 +181,7 @@ class Transport {
   // write into its buffer -- and false when it cannot (a send, a receive already matched or
   // finished, data arriving, or a transport without cancel): the request then completes or
   // fails as before, and the caller keeps the buffer until it does. For the callers of a
-  // collective that failed (engine.cc bury), so that its buffers need not live until close().
+  // collective that failed (engine_plan.cc bury), so that its buffers need not live until close().
   // The message the withdrawn receive would have taken is not delivered to it; whether a later
   // receive of the same (peer, tag) takes it (shm, UCX) or it is dropped on arrival (tcp, whose
   // matching is by sequence number) is the transport's: callers cancel only receives whose tag
@@ -207,7 +207,7 @@ class Transport {
   // completion contract: a device send may complete only once the peer has posted the matching
   // irecv_device (no unexpected device message is buffered on the host, where the transport
   // could not copy it into device memory). Callers must therefore post every device receive
-  // without waiting for their own device sends to complete (engine.cc's direct path does).
+  // without waiting for their own device sends to complete (engine_link.cc's direct path does).
   virtual bool device_direct() const { return false; }
   virtual RequestPtr isend_device(int peer, const void* buf, size_t nbytes, uint64_t tag) {
     throw no_device();
@@ -242,7 +242,7 @@ class Transport {
 
   // Zero-copy ring (shm only; the defaults say "not supported"). A second strictly ordered ring
   // per direction beside the tagged one, used by one caller at a time that drives both
-  // directions of a peer from one thread (engine.cc): the sender acquires the next free slot
+  // directions of a peer from one thread (engine_ring.cc): the sender acquires the next free slot
   // (page-aligned memory the caller fills, e.g. by a D2H copy), then commits it with its length
   // and tag; the receiver acquires the next filled slot, consumes it in place and releases it.
   // Up to nslots slots may be acquired before committing/releasing; commits and releases happen
@@ -266,7 +266,7 @@ class Transport {
   virtual uint32_t zc_depth(int peer) { throw no_zc(); }
   // Slot capacity in bytes, and the address of the slot that carries ring position `pos` of the
   // outgoing (or incoming) ring: position i lives in slot i % depth. For callers that let a
-  // device fill or drain slots ahead of the host-side protocol (engine.cc).
+  // device fill or drain slots ahead of the host-side protocol (engine_device.cc).
   virtual size_t zc_slot_bytes(int peer) { throw no_zc(); }
   // Positions already taken from the incoming ring (slots acquired so far).
   virtual uint32_t zc_recv_pos(int peer) { throw no_zc(); }

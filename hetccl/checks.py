@@ -80,7 +80,7 @@ def header(coll: str, numel: int, dtype: torch.dtype, op: str | None, root: int,
 
 def mismatch_text(coll: str, table: dict[int, list[int]], mask: int) -> str | None:
     """The error every rank prints when headers differ (first differing field, ranks grouped by
-    value in order of their lowest rank), or None. Same wording as the engine's (engine.cc)."""
+    value in order of their lowest rank), or None. Same wording as the engine's (engine_check.cc)."""
     for f, what in enumerate(FIELDS):
         if not mask & (1 << f):
             continue

@@ -14,7 +14,7 @@ Collectives of one group run one after another in the same order on every rank, 
 sequence window of 1024 cannot match a stale message: matching is FIFO per (peer, tag), and
 a tag comes back only 1024 collectives later. Both ends of a transfer derive (phase, index)
 from the same shard intersection, so they agree without negotiation; the engine numbers
-chunks (csrc/engine.cc) with the index bits.
+chunks (csrc/engine_plan.cc) with the index bits.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ ends of the link, so both cut alike) to the chunk size the engine pipelines with
 to the first row's size travels as one chunk: one copy in, one handshake, one copy out -- the
 latency path. Larger messages are cut so that the copies into the ring, the peer's copies out
 of it and (for host data) the reductions overlap -- the bandwidth path. Chunks never exceed a
-ring slot (csrc/engine.cc clamps them).
+ring slot (csrc/engine_plan.cc clamps them).
 
 How the rows were chosen: `hetccl bench collectives --chunk-sweep` (docs/benchmarks.md,
 "engine chunk sizes") on the machines named there; re-measure before changing a row.

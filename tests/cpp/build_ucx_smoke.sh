@@ -1,6 +1,6 @@
 #!/bin/sh
 # Builds tests/cpp/ucx_smoke (no Python) against the libucx wheel, or a UCX at $UCX_PREFIX.
-# Output: build/ucx_smoke. Links the core's C++ files except bindings.cc, engine.cc and csrc/device/.
+# Output: build/ucx_smoke. Links the core's C++ files except bindings.cc, engine*.cc and csrc/device/.
 set -e
 cd "$(dirname "$0")/../.."
 UCX_PREFIX=${UCX_PREFIX:-$(python -c "import libucx, os; print(os.path.dirname(libucx.__file__))")}
