@@ -378,13 +378,15 @@ class HetcclProcessGroup(dist.ProcessGroup):
         x, _ = _flat(inp)
 
         def body(ctx, algo):
-            ctx.begin("all_gather", x.numel(), x.dtype)
+            refusal = None
             if out_flat.numel() != x.numel() * self.size():
-                raise ValueError(f"hetccl: all_gather output has {out_flat.numel()} elements, "
-                                 f"expected {self.size()} x {x.numel()}")
-            if out_flat.dtype != x.dtype:
-                raise TypeError(f"hetccl: all_gather output dtype {out_flat.dtype} differs "
-                                f"from input dtype {x.dtype}")
+                refusal = ValueError(f"hetccl: all_gather output has {out_flat.numel()} "
+                                     f"elements, expected {self.size()} x {x.numel()}")
+            elif out_flat.dtype != x.dtype:
+                refusal = TypeError(f"hetccl: all_gather output dtype {out_flat.dtype} differs "
+                                    f"from input dtype {x.dtype}")
+            # a refusal travels in the check: every rank raises, none waits for this one's data
+            ctx.begin("all_gather", x.numel(), x.dtype, refusal=refusal)
             algo(ctx, out_flat, x)
             if after is not None:
                 after()
@@ -492,10 +494,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
         world = self.size()
 
         def body(ctx, algo):
-            ctx.begin("reduce_scatter", o.numel(), o.dtype, op)
+            refusal = None
             if inp_flat.numel() != o.numel() * world:
-                raise ValueError(f"hetccl: reduce_scatter input has {inp_flat.numel()} elements,"
-                                 f" expected {world} x {o.numel()}")
+                refusal = ValueError(f"hetccl: reduce_scatter input has {inp_flat.numel()} "
+                                     f"elements, expected {world} x {o.numel()}")
+            # a refusal travels in the check: every rank raises, none waits for this one's data
+            ctx.begin("reduce_scatter", o.numel(), o.dtype, op, refusal=refusal)
             if op in _BITWISE:
                 if o.numel():
                     o.copy_(self._bitwise_reduce_scatter(ctx, inp_flat, o.numel(), op))

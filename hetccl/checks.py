@@ -61,10 +61,15 @@ FIELDS = ["collective", "number of elements", "dtype", "reduction op", "root", "
 MASK_ALL = 0x3F
 MASK_NO_NUMEL = MASK_ALL & ~(1 << 1)
 
+# The element count a rank puts in its header when it refuses the call on its own (an output
+# of the wrong size, say: EngineCtx.begin's refusal): every other rank's check then fails
+# naming that rank, instead of waiting for data that never comes.
+REFUSED = -1
+
 # code -> name per field, for messages (the C++ engine formats with the same table)
 FIELD_NAMES: list[dict[int, str]] = [
     {v: k for k, v in COLL_CODES.items()},
-    {},
+    {REFUSED: "none: the call was refused on that rank (its error names why)"},
     {v: str(k) for k, v in DTYPE_CODES.items()},
     {v: str(k) for k, v in OP_CODES.items()},
     {},

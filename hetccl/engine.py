@@ -387,11 +387,35 @@ class EngineCtx:
 
     # ------------------------------------------------------------------ argument checks
     def begin(self, coll: str, numel: int, dtype: torch.dtype, op: str | None = None,
-              root: int = -1, same_numel: bool = True) -> None:
+              root: int = -1, same_numel: bool = True,
+              refusal: BaseException | None = None) -> None:
         """Checks this collective's arguments across ranks (checks.py). Raises ValueError on
-        every rank when they differ and the check waits for the headers."""
+        every rank when they differ and the check waits for the headers.
+
+        refusal: this rank's own verdict on arguments only it can see (an output of the wrong
+        size): its header then carries checks.REFUSED as the element count, so every other
+        rank's check fails naming this rank (same_numel collectives), and this rank raises
+        `refusal` itself -- no rank goes on to wait for data that never comes."""
         e = self.engine
         self.what = coll
+        if refusal is not None:
+            numel = checks.REFUSED
+        try:
+            self._begin(coll, numel, dtype, op, root, same_numel)
+        except (ValueError, TypeError):
+            if refusal is not None:
+                raise refusal from None
+            raise
+        if refusal is not None:
+            try:
+                self.flush()  # a header still pending (it rides with data elsewhere): sent now
+            except (ValueError, TypeError):
+                pass  # the mismatch the refusal caused: this rank raises its own reason
+            raise refusal
+
+    def _begin(self, coll: str, numel: int, dtype: torch.dtype, op: str | None,
+               root: int, same_numel: bool) -> None:
+        e = self.engine
         if e.check_mode == "off":
             return
         if self._header is not None:

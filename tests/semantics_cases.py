@@ -257,6 +257,32 @@ class Cases:
             res = expect_error(lambda: dist.recv(t, src=other, tag=tag), ValueError, "bytes")
             return res
 
+    # ---------------------------------------------------------------- one rank's bad output
+    def refused_on_one_rank(self):
+        """One rank passes an all_gather output (then a reduce_scatter input) of the wrong size,
+        which only it can see: it raises naming its sizes, every other rank raises naming that
+        rank (no rank waits for data that never comes), and the group stays usable."""
+        w, me = self.world, self.rank
+        bad = []
+        x = torch.full((4,), float(me))
+        out = torch.empty(4 * w - (1 if me == 0 else 0))
+        want = ("all_gather output has",) if me == 0 else ("refused on that rank", "[0]")
+        v = expect_error(lambda: dist.all_gather_into_tensor(out, x), ValueError, *want)
+        if v != "ok":
+            bad.append(f"all_gather: {v}")
+        last = w - 1
+        inp = torch.ones(3 * w + (2 if me == last else 0))
+        o = torch.empty(3)
+        want = ("reduce_scatter input has",) if me == last else ("refused on that rank", f"[{last}]")
+        v = expect_error(lambda: dist.reduce_scatter_tensor(o, inp), ValueError, *want)
+        if v != "ok":
+            bad.append(f"reduce_scatter: {v}")
+        y = torch.full((5,), 1.0)
+        dist.all_reduce(y)
+        if not torch.equal(y, torch.full((5,), float(w))):
+            bad.append(f"group unusable after: {y.tolist()}")
+        return "; ".join(bad) or None
+
     # ---------------------------------------------------------------- p2p works
     def any_source_open_then_named(self, tag: int):
         """Rank 0 posts an any-source receive, then a named receive from the last rank (of
@@ -503,6 +529,7 @@ def run_all(ctx, start_lines: list | None = None) -> dict[str, str]:
     c.run("any_source/all_to_all", c.any_source, 11)
     c.run("any_source/then_named", c.any_source_then_named, 12)
     c.run("any_source/size_error", c.any_source_size_error, 13)
+    c.run("refusal/one_rank", c.refused_on_one_rank)
     c.run("timeout/wording", c.timeout_wording)
     c.run("monitored_barrier", c.monitored_barrier)
     c.run("passthrough/identity", c.passthrough_identity)
