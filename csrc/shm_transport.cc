@@ -174,6 +174,11 @@ struct Peer {
   std::unordered_map<uint64_t, std::deque<std::shared_ptr<Unexpected>>> unexpected;
   std::string failed;  // non-empty once the peer has failed
   Request::ErrorKind failed_kind = Request::ErrorKind::Peer;
+  // The send the send thread is copying from its caller's buffer right now: a failure leaves
+  // it to that thread, which fails it once it stopped reading the buffer (the caller may free
+  // the buffer as soon as the send fails). failed_flag: `failed` is set (read while copying).
+  RequestPtr sending;
+  std::atomic<bool> failed_flag{false};
 
   uint32_t send_head = 0;  // tagged ring slots published; written by the send thread, or by
                            // isend inline while the send queue is empty (both under the rules
@@ -560,7 +565,9 @@ void ShmTransport::fail_all_locked(Peer& p, Request::ErrorKind kind, const std::
     p.failed = msg;
     p.failed_kind = kind;
   }
-  for (auto& s : p.sendq) s.req->fail(kind, msg);
+  p.failed_flag.store(true);
+  for (auto& s : p.sendq)
+    if (s.req != p.sending) s.req->fail(kind, msg);  // the one being copied: send_loop fails it
   p.sendq.clear();
   for (auto& kv : p.posted)
     for (auto& r : kv.second) r.req->fail(kind, msg);
@@ -687,13 +694,14 @@ void ShmTransport::send_loop(Peer* pp) {
       if (stop_.load()) return;
       op = p.sendq.front();
       head = p.send_head;
+      p.sending = op.req;
     }
     size_t off = 0;
     std::string err;
     do {
       err = wait_on(p, true, h->tail, h->tail_waiting,
                     [&] { return head - h->tail.v.load(std::memory_order_acquire) < n; }, nullptr);
-      if (!err.empty()) break;
+      if (!err.empty() || p.failed_flag.load()) break;
       uint32_t slot = head % n;
       size_t len = std::min(sb, op.nbytes - off);
       if (len) std::memcpy(p.out.data + size_t(slot) * sb, op.buf + off, len);
@@ -704,6 +712,15 @@ void ShmTransport::send_loop(Peer* pp) {
       h->head.v.store(head, std::memory_order_seq_cst);
       if (h->head_waiting.v.load(std::memory_order_seq_cst)) futex_wake(&h->head.v);
     } while (off < op.nbytes);
+    {
+      // its buffer is no longer read: a failure that came meanwhile is now its own
+      std::lock_guard<std::mutex> g(p.mu);
+      p.sending.reset();
+      if (!p.failed.empty()) {
+        op.req->fail(p.failed_kind, p.failed);
+        continue;
+      }
+    }
     if (!err.empty()) {
       if (stop_.load()) return;
       fail_peer(p, Request::ErrorKind::Peer, err);

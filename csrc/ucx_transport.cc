@@ -810,9 +810,14 @@ class UcxTransport final : public Transport {
   // and the op is gone); anything else -- a receive waiting for a stashed message still arriving,
   // one UCX has matched (a rendezvous in flight), a send -- is left to finish as before.
   // UCX matches a message arriving after the cancel to a later receive: unpost or not.
+  // With several lanes a receive is never withdrawn: the k-th send and the k-th receive of a
+  // (peer, tag) meet on lane (tag + k) % lanes, so a withdrawn k-th receive would leave the
+  // k-th message unmatched on its lane, where the receive `lanes` posts later would take it
+  // instead of its own (wrong data). Refused, the receive stays posted and takes the k-th
+  // message (callers then park it, or hand it to the next receive of the tag: backend.py).
   bool cancel(const RequestPtr& req, bool /*unpost*/ = false) override {
     std::lock_guard<std::mutex> g(mu_);
-    if (closed_ || !req) return false;
+    if (closed_ || !req || lanes_ > 1) return false;
     Op* found = nullptr;
     for (Op* op : pending_)
       if (op->req == req) found = op;
