@@ -220,6 +220,10 @@ void Engine::close() {
     }
     stop_.store(true);
     for (auto& kv : plans_) fail_plan(*kv.second, broken_, broken_kind_);
+    // as break_engine: the callers see their plans fail only after this (they need mu_), and
+    // may then free their memory, so issued host receives no data reached are withdrawn first
+    // (an abort from another thread closes the engine while a call waits in a host plan)
+    withdraw_host_requests();
     release_device_waits();
   }
   cv_.notify_all();
