@@ -266,6 +266,23 @@ class Cases:
         sub.destroy()
         return None if np.all(x == sum(members)) else f"split all_reduce: {x[0]} != {sum(members)}"
 
+    def split_bad_color(self, case):
+        """The last rank passes color -5: every rank is refused (invalid argument, naming that
+        rank) at once, none waits in the split's gather, and the communicator stays usable."""
+        n, r = self.n, self.rank
+        t0 = time.time()
+        try:
+            self.c.split(-5 if r == n - 1 else 0, r)
+            return "split with a bad color was not refused"
+        except capi.HetcclError as e:
+            if e.code != capi.INVALID_ARGUMENT or f"rank {n - 1}'s color -5" not in e.text:
+                return f"{e.code}: {e.text}"
+        if time.time() - t0 > 5:
+            return f"the refusal took {time.time() - t0:.1f} s"
+        x = np.full(4, 1.0, np.float64)
+        self.c.all_reduce(x, x, 4, "float64", "sum")
+        return None if np.all(x == n) else f"communicator unusable after the refusal: {x[0]}"
+
     def broadcast(self, case, dt, count, root, inplace):
         x = data(case, root, count, dt, "sum")
         recv = x.copy() if (inplace and self.rank == root) else np.full(count, 7, dtype=NP[dt])
@@ -352,6 +369,38 @@ class Cases:
             return f"wrong error: {e}"
         return "no error for a receive larger than the message"
 
+    def p2p_group_failed_leaves_nothing(self, case):
+        """Rank 0 receives from ranks 1 and 2 in one group; rank 1's message is too short, so
+        the group fails while the receive from rank 2 is still posted. That receive must be
+        withdrawn (its buffer is never written once the call returned), and rank 2's message,
+        sent later, goes to rank 0's next receive from it."""
+        n, r = self.n, self.rank
+        if n < 3 or r > 2:
+            return None
+        if r == 1:
+            self.c.send(np.ones(2, np.float32), 2, "float32", 0)
+            return None
+        if r == 2:
+            time.sleep(0.5)
+            self.c.send(np.full(4, 5.0, np.float32), 4, "float32", 0)
+            return None
+        a, b = np.zeros(4, np.float32), np.zeros(4, np.float32)
+        try:
+            group_start()
+            self.c.recv(a, 4, "float32", 1)
+            self.c.recv(b, 4, "float32", 2)
+            group_end()
+            return "a group with a short message did not fail"
+        except capi.HetcclError as e:
+            if e.code != capi.INVALID_ARGUMENT:
+                return f"wrong error: {e}"
+        time.sleep(1.0)  # rank 2's message arrives meanwhile
+        if b.any():
+            return f"the withdrawn receive's buffer was written: {b.tolist()}"
+        c = np.zeros(4, np.float32)
+        self.c.recv(c, 4, "float32", 2)
+        return None if np.all(c == 5.0) else f"the next receive from rank 2 got {c.tolist()}"
+
     # ------------------------------------------------------------------ bad input
     def expect_all(self, case, fn, code, *words):
         try:
@@ -413,6 +462,7 @@ def run_cases(comm, rank, n, stream=None):
                 c.run(f"premul/{dt}/{coll}/{'device' if device else 'host'}", c.premul, dt, coll, device)
     if not stream:
         c.run("split", c.split)
+        c.run("split/bad_color", c.split_bad_color)
         groups, mine = comm.vendor_groups()
         if LABELS and (groups, mine) != (len(set(LABELS)), LABELS.count(os.environ.get("HETCCL_VENDOR", ""))):
             c.out["vendor_groups"] = f"{groups}, {mine} for labels {LABELS}"
@@ -423,6 +473,7 @@ def run_cases(comm, rank, n, stream=None):
     c.run("p2p/batch_with_self", c.p2p_batch_with_self)
     if not stream:  # on a stream, a size mismatch breaks the communicator (an async error)
         c.run("p2p/size_mismatch", c.p2p_size_mismatch)
+        c.run("p2p/group_failed_leaves_nothing", c.p2p_group_failed_leaves_nothing)
     if stream:
         return {"cases": c.out, "digests": c.digests, "info": comm.info()}
     # bad input: every rank returns the error, the communicator stays usable

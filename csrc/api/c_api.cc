@@ -89,12 +89,12 @@ hetcclResult_t run(hetcclComm* comm, const char* what, const std::function<void(
     return fail(comm, hetcclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL");
   Comm& c = *comm->c;
   Comm::CallGuard in_call(c);  // hetcclCommAbort from another thread waits for it to leave
-  if (c.aborting())  // entered while another thread aborts: nothing may start (NCCL: undefined)
-    return fail(comm, hetcclInvalidUsage, std::string("hetccl: ") + what + ": the communicator is being aborted");
   if (c.broken_code() != hetcclSuccess)
     return fail(comm, c.broken_code(), std::string("hetccl: ") + what +
                                            ": the communicator is unusable after an earlier failure: " +
                                            c.broken_text());
+  if (c.aborting())  // entered while another thread aborts: nothing may start (NCCL: undefined)
+    return fail(comm, hetcclInvalidUsage, std::string("hetccl: ") + what + ": the communicator is being aborted");
   try {
     fn(c);
     return hetcclSuccess;
@@ -663,15 +663,19 @@ hetcclResult_t hetcclCommSplit(hetcclComm_t comm, int color, int key, hetcclComm
   *newcomm = nullptr;
   Comm* made = nullptr;
   hetcclResult_t r = run(comm, "comm_split", [&](Comm& c) {
-    if (color < HETCCL_SPLIT_NOCOLOR)
-      throw hetccl::ArgMismatch("hetccl: comm_split: color " + std::to_string(color) +
-                                " is negative (only HETCCL_SPLIT_NOCOLOR = -1 is allowed)");
     // 1: every rank's (color, key); 2: each color's first rank makes a unique id, every rank
     // gathers the ids; 3: the members of a color join with their place in (key, rank) order.
+    // A bad color is refused after step 1, on every rank alike (naming the rank): refusing it
+    // before would leave the other ranks waiting in the gather until their timeout.
     const int n = c.size;
     std::vector<int64_t> ck(2 * size_t(n));
     int64_t mine[2] = {color, key};
     host_call(c, [&](Comm& cc) { all_gather_any(cc, mine, ck.data(), 2, sizeof(int64_t)); });
+    for (int p = 0; p < n; ++p)
+      if (ck[2 * size_t(p)] < HETCCL_SPLIT_NOCOLOR)
+        throw hetccl::ArgMismatch("hetccl: comm_split: rank " + std::to_string(p) + "'s color " +
+                                  std::to_string(ck[2 * size_t(p)]) +
+                                  " is negative (only HETCCL_SPLIT_NOCOLOR = -1 is allowed)");
     int leader = -1, place = 0, members = 0;
     std::vector<std::pair<int64_t, int>> order;
     for (int p = 0; p < n; ++p)
@@ -703,6 +707,7 @@ hetcclResult_t hetcclCommShrink(hetcclComm_t comm, const int* exclude, int nexcl
   if (!newcomm) return fail(comm, hetcclInvalidArgument, "hetccl: comm_shrink: newcomm is NULL");
   *newcomm = nullptr;
   Comm& c = *comm->c;
+  Comm::CallGuard in_call(c);  // a concurrent hetcclCommAbort waits for the shrink to leave
   try {
     if (flags != HETCCL_SHRINK_DEFAULT && flags != HETCCL_SHRINK_ABORT)
       throw hetccl::ArgMismatch("hetccl: comm_shrink: unknown flags " + std::to_string(flags) +
@@ -733,8 +738,13 @@ hetcclResult_t hetcclCommShrink(hetcclComm_t comm, const int* exclude, int nexcl
       keep.push_back(p);
     }
     if (flags == HETCCL_SHRINK_ABORT) {
-      // calls in flight end now (their streams are released); comm stays broken
+      // calls in flight on other threads end now and leave before the parent is torn down (as
+      // hetcclCommAbort); comm stays broken
       c.mark_broken(hetcclInvalidUsage, "hetccl: the communicator was shrunk with HETCCL_SHRINK_ABORT");
+      c.interrupt();
+      if (!c.wait_calls_left(/*own=*/1))
+        throw hetccl::CommError("hetccl: comm_shrink: a call on the communicator did not return after "
+                                "HETCCL_SHRINK_ABORT interrupted it");
       c.abort();
     }
     uint64_t key = c.next_shrink(gone);
@@ -817,8 +827,21 @@ void run_p2p(Comm& c, const std::vector<P2P>& ops, const std::vector<char*>& buf
   for (size_t i = 0; i < ops.size(); ++i)
     reqs.push_back(ops[i].send ? c.post_send(ops[i].peer, bufs[i], ops[i].nbytes)
                                : c.post_recv(ops[i].peer, bufs[i], ops[i].nbytes));
-  for (size_t i = 0; i < ops.size(); ++i)
-    check_size(ops[i].send, ops[i].peer, c.wait_request(reqs[i]), ops[i].nbytes);
+  size_t i = 0;
+  try {
+    for (; i < ops.size(); ++i) check_size(ops[i].send, ops[i].peer, c.wait_request(reqs[i]), ops[i].nbytes);
+  } catch (...) {
+    // The rest are still posted into the caller's buffers, which it may free once the call
+    // returns: receives no data reached are withdrawn as if never posted (their messages go to
+    // later receives), the others get a moment to finish; one that does not leaves the
+    // communicator broken (it must not be used with a request still in flight).
+    bool settled = true;
+    for (size_t j = i + 1; j < ops.size(); ++j) settled = c.settle(reqs[j], !ops[j].send, 1000) && settled;
+    if (!settled)
+      c.mark_broken(hetcclInternalError, "hetccl: a failed group of sends and receives left an operation in "
+                                         "flight; the communicator cannot be used any more");
+    throw;
+  }
 }
 
 // Sends to and receives from this rank itself (NCCL allows them, in one group): matched in

@@ -174,12 +174,12 @@ void Comm::interrupt() {
   if (engine_) engine_->close();  // fails what the executor and the issuing thread wait for
 }
 
-bool Comm::wait_calls_left() {
+bool Comm::wait_calls_left(int own) {
   // bounded: every wait of a call in progress ends at once after interrupt(), but for waits no
   // interrupt reaches (a split's bootstrap join, bounded by its own timeout): the caller then
   // leaves the communicator allocated rather than free it under that call
-  for (int i = 0; i < 30000 && calls_.load() > 0; ++i) usleep(1000);
-  if (calls_.load() == 0) return true;
+  for (int i = 0; i < 30000 && calls_.load() > own; ++i) usleep(1000);
+  if (calls_.load() <= own) return true;
   log_warn("capi", "hetcclCommAbort: a call on the communicator did not return in 30 s: its memory is "
                    "left allocated (not freed under the call)");
   return false;
@@ -194,9 +194,14 @@ void Comm::abort() {
   if (closed_) return;
   closed_ = true;
   interrupt();           // fails what the executor and any caller wait for
-  stream_path_.reset();  // joins the executor, releasing every stream
+  // The executor joined and the route's streams synced first (they copy into the shm rings'
+  // slots, which closing the transports unmaps); then the transports, so that a request a
+  // failed job left posted into the stream path's staging ends before that memory is freed
+  // (reset(): once the callers' streams drained too).
+  if (stream_path_) stream_path_->finish(true);
   if (shm_) shm_->close();
   if (tcp_) tcp_->close();
+  stream_path_.reset();
   engine_.reset();
   links_.clear();
 }
@@ -304,6 +309,19 @@ size_t Comm::wait_request(const RequestPtr& req) {
       }
     }
   }
+}
+
+bool Comm::settle(const RequestPtr& req, bool recv, int64_t within_ms) {
+  if (!req || req->test_nothrow()) return true;
+  if (recv && req->peer() >= 0 && req->peer() < size && req->peer() != rank) {
+    try {
+      if (link(req->peer()).cancel(req, /*unpost=*/true) || link(req->peer()).cancel(req)) return true;
+    } catch (...) {
+    }
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(within_ms);
+  while (!req->test_nothrow() && std::chrono::steady_clock::now() < until) usleep(200);
+  return req->test_nothrow();
 }
 
 RequestPtr Comm::post_tagged(int peer, bool send, void* buf, size_t nbytes, uint64_t tag) {

@@ -132,6 +132,10 @@ class Comm {
   // calling ncclCommAbort on a hung peer) ends the wait at once instead of after the timeout:
   // throws CommError then. Returns the bytes transferred.
   size_t wait_request(const RequestPtr& req);
+  // A request a failed call leaves behind (its group failed before waiting for it): a receive
+  // no data reached is withdrawn as if never posted; anything else gets within_ms to finish.
+  // True once the transport is done with its buffer.
+  bool settle(const RequestPtr& req, bool recv, int64_t within_ms);
 
   // Failure state: after a non-argument error every call fails at once with it. Thread-safe
   // (the stream path's executor breaks the communicator while the caller issues).
@@ -171,7 +175,7 @@ class Comm {
   void interrupt();
   // true once every call left; false: one is still inside after 30 s (a wait that no interrupt
   // reaches, e.g. a split's bootstrap join): the caller must not free the communicator then.
-  bool wait_calls_left();
+  bool wait_calls_left(int own = 0);  // own: calls the caller itself is inside (CallGuard)
   bool aborting() const { return aborting_.load(); }
   // A buffer that a request given up on (timeout, abort) may still be written into or read
   // from by its transport: kept until the communicator's transports are closed (~Comm).

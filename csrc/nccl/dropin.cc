@@ -292,6 +292,17 @@ ncclResult_t settle(ncclComm* c, ncclConfig_t* config) {
   hetcclResult_t r = hetcclCommVendorGroups(c->het, &groups, nullptr);
   if (r != hetcclSuccess) return from_het(r);
   bool native = groups == 1 && native_allowed();
+  // Every rank must be able to take the real library's way (allowed, found, with the entry
+  // points this init needs), or none does: ranks that disagreed called a missing entry point or
+  // waited in the real init for ranks that kept hetccl's communicator.
+  int32_t can = native && real() && REAL(ncclGetUniqueId) &&
+                        (config ? REAL(ncclCommInitRankConfig) != nullptr : REAL(ncclCommInitRank) != nullptr)
+                    ? 1
+                    : 0;
+  if (groups == 1) {
+    r = hetcclAllReduce(&can, &can, 1, hetcclInt32, hetcclMin, c->het, nullptr);
+    if (r != hetcclSuccess) return from_het(r);
+  }
   struct {
     int rc;
     int have_real;
@@ -299,7 +310,7 @@ ncclResult_t settle(ncclComm* c, ncclConfig_t* config) {
   } msg;
   memset(&msg, 0, sizeof msg);
   if (c->rank == 0) {
-    msg.have_real = native && real() && REAL(ncclGetUniqueId) ? 1 : 0;
+    msg.have_real = can;
     if (msg.have_real) msg.rc = REAL(ncclGetUniqueId)(&msg.id);
   }
   r = hetcclBroadcast(&msg, &msg, sizeof msg, hetcclUint8, 0, c->het, nullptr);
@@ -307,7 +318,7 @@ ncclResult_t settle(ncclComm* c, ncclConfig_t* config) {
   if (!native || !msg.have_real) {
     if (info_log())
       fprintf(stderr, "hetccl: rank %d/%d: %d vendor group(s): hetccl serves this communicator%s\n", c->rank,
-              c->nranks, groups, native ? " (no real library on rank 0)" : "");
+              c->nranks, groups, native ? " (the real library is not usable on every rank)" : "");
     return ncclSuccess;
   }
   if (msg.rc != ncclSuccess) return fail(ncclResult_t(msg.rc), "hetccl: rank 0's real ncclGetUniqueId failed");
@@ -411,11 +422,13 @@ const char* ncclGetLastError(ncclComm_t comm) {
   if (comm && comm->real) {
     if (auto f = REAL(ncclGetLastError)) return f(comm->real);
   }
+  // this thread's newest failure first (as NCCL: a thread-local text): every failing return of
+  // the drop-in sets it, its own refusals included, which the communicator's text does not see
+  if (!t_error.empty()) return t_error.c_str();
   if (comm && comm->het) {
     out = hetcclGetLastError(comm->het);
     if (!out.empty()) return out.c_str();
   }
-  if (!t_error.empty()) return t_error.c_str();
   if (auto f = REAL(ncclGetLastError)) return f(nullptr);
   return "";
 }
