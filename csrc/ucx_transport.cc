@@ -1387,6 +1387,11 @@ class UcxTransport final : public Transport {
       if (!gone) gone = proc_start(watch[i].second, &zombie) != starts[i] || zombie;
       if (gone) {
         std::lock_guard<std::mutex> g(mu_);
+        // what it sent before it exited may still wait in UCX's queues: taken first (progress
+        // until idle, bounded), so a receive whose message is here is not failed with it
+        for (unsigned n, rounds = 0; (n = progress_all_locked()) != 0 && rounds < 4096; ++rounds) {
+        }
+        drain_unexpected_locked();
         on_peer_error(peers_[watch[i].first], "its process has exited");
       }
     }
