@@ -200,8 +200,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if op == "avg" and t.dtype in _INT_DTYPES:
             raise NotImplementedError(f"hetccl: ReduceOp.AVG is not supported for integer dtype "
                                       f"{t.dtype} (use SUM and divide)")
-        if t.is_complex() and op in ("min", "max"):
-            raise NotImplementedError(f"hetccl: {op} is not defined for complex dtype {t.dtype}")
+        if t.is_complex() and op in ("min", "max", "prod"):
+            # (torch refuses these for all_reduce on complex tensors, supports_complex; the
+            # native libraries' complex products are not all defined, so a product across
+            # groups would work or fail depending on the topology)
+            raise NotImplementedError(f"hetccl: ReduceOp.{op.upper()} is not supported for "
+                                      f"complex dtype {t.dtype}")
 
     def _validate_root(self, root: int, what: str = "root") -> None:
         if not 0 <= root < self.size():
@@ -374,12 +378,16 @@ class HetcclProcessGroup(dist.ProcessGroup):
             f.div_(self.size())
 
     # ------------------------------------------------------------------ all-gather
-    def _all_gather_flat(self, out_flat: torch.Tensor, inp: torch.Tensor, after=None):
+    def _all_gather_flat(self, out_flat: torch.Tensor, inp: torch.Tensor, after=None,
+                         refusal: BaseException | None = None):
         x, _ = _flat(inp)
+        given = refusal
 
         def body(ctx, algo):
-            refusal = None
-            if out_flat.numel() != x.numel() * self.size():
+            refusal = given
+            if refusal is not None:
+                pass
+            elif out_flat.numel() != x.numel() * self.size():
                 refusal = ValueError(f"hetccl: all_gather output has {out_flat.numel()} "
                                      f"elements, expected {self.size()} x {x.numel()}")
             elif out_flat.dtype != x.dtype:
@@ -398,15 +406,16 @@ class HetcclProcessGroup(dist.ProcessGroup):
             raise ValueError("hetccl: allgather takes exactly one input tensor per rank")
         inp = input_tensors[0]
         outs = output_tensors[0]
+        # what only this rank can see is refused through the check (every rank raises)
+        refusal = None
         if len(outs) != self.size():
-            raise ValueError(f"hetccl: all_gather needs {self.size()} output tensors, got "
-                             f"{len(outs)}")
-        if len({o.numel() for o in outs}) > 1:
+            refusal = ValueError(f"hetccl: all_gather needs {self.size()} output tensors, got "
+                                 f"{len(outs)}")
+        elif len({o.numel() for o in outs}) > 1:
             return self._uneven_all_gather(output_tensors, outs, inp)
-        for o in outs:
-            if o.numel() != inp.numel():
-                raise ValueError(f"hetccl: all_gather output tensor has {o.numel()} elements, "
-                                 f"input has {inp.numel()}")
+        elif outs and outs[0].numel() != inp.numel():
+            refusal = ValueError(f"hetccl: all_gather output tensor has {outs[0].numel()} "
+                                 f"elements, input has {inp.numel()}")
         buf = torch.empty(inp.numel() * self.size(), dtype=inp.dtype, device=inp.device)
         n = inp.numel()
 
@@ -414,7 +423,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
             for r, o in enumerate(outs):
                 o.copy_(buf[r * n:(r + 1) * n].view_as(o))
 
-        return self._submit("all_gather", 0, self._all_gather_flat(buf, inp, scatter_out),
+        return self._submit("all_gather", 0,
+                            self._all_gather_flat(buf, inp, scatter_out, refusal=refusal),
                             output_tensors, [inp, *outs])
 
     def _uneven_all_gather(self, output_tensors, outs, inp):
@@ -489,15 +499,24 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return _AllWork(works, outputs)
 
     # ------------------------------------------------------------------ reduce-scatter
-    def _reduce_scatter_flat(self, out: torch.Tensor, inp_flat: torch.Tensor, op: str):
+    def _reduce_scatter_flat(self, out: torch.Tensor, inp_flat: torch.Tensor, op: str,
+                             refusal: BaseException | None = None):
         o, copied = _flat(out)
         world = self.size()
+        given = refusal
 
         def body(ctx, algo):
-            refusal = None
-            if inp_flat.numel() != o.numel() * world:
+            refusal = given
+            if refusal is not None:
+                pass
+            elif inp_flat.numel() != o.numel() * world:
                 refusal = ValueError(f"hetccl: reduce_scatter input has {inp_flat.numel()} "
                                      f"elements, expected {world} x {o.numel()}")
+            elif inp_flat.dtype != o.dtype:
+                # (torch's reduce_scatter_tensor does not check; gloo and NCCL refuse: reduced
+                # as they are, one dtype's values land in the other's bits)
+                refusal = TypeError(f"hetccl: reduce_scatter input dtype {inp_flat.dtype} "
+                                    f"differs from output dtype {o.dtype}")
             # a refusal travels in the check: every rank raises, none waits for this one's data
             ctx.begin("reduce_scatter", o.numel(), o.dtype, op, refusal=refusal)
             if op in _BITWISE:
@@ -519,13 +538,15 @@ class HetcclProcessGroup(dist.ProcessGroup):
         out = output_tensors[0]
         ins = input_tensors[0]
         self._validate_reduce(out, op)
+        refusal = None  # what only this rank can see: refused through the check (every rank)
         if len(ins) != self.size():
-            raise ValueError(f"hetccl: reduce_scatter needs {self.size()} input tensors, got "
-                             f"{len(ins)}")
-        if any(t.numel() != out.numel() for t in ins):
+            refusal = ValueError(f"hetccl: reduce_scatter needs {self.size()} input tensors, "
+                                 f"got {len(ins)}")
+        elif any(t.numel() != out.numel() for t in ins):
             return self._uneven_reduce_scatter(output_tensors, out, ins, op)
-        inp = torch.cat([t.reshape(-1) for t in ins])
-        return self._submit("reduce_scatter", 0, self._reduce_scatter_flat(out, inp, op),
+        inp = torch.cat([t.reshape(-1) for t in ins]) if ins else out.new_empty(0)
+        return self._submit("reduce_scatter", 0,
+                            self._reduce_scatter_flat(out, inp, op, refusal=refusal),
                             output_tensors, [out, inp])
 
     def _uneven_reduce_scatter(self, output_tensors, out, ins, op: str):
@@ -569,28 +590,30 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def _hc_all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                               opts=None):
         w = self.size()
-        if input.dtype != output.dtype:
-            raise TypeError(f"hetccl: all_to_all input dtype {input.dtype} != output dtype "
-                            f"{output.dtype}")
         row_in = input[0].numel() if input.dim() and input.shape[0] else 0
         row_out = output[0].numel() if output.dim() and output.shape[0] else 0
         ins = list(input_split_sizes) or ([input.shape[0] // w] * w if input.dim() else [0] * w)
         outs = list(output_split_sizes) or ([output.shape[0] // w] * w if output.dim() else [0] * w)
-        if len(ins) != w or len(outs) != w:
-            raise ValueError(f"hetccl: all_to_all split sizes must have {w} entries")
-        if input.dim() and sum(ins) != input.shape[0]:
-            raise ValueError(f"hetccl: all_to_all input split sizes {ins} do not add up to the "
-                             f"input's first dimension {input.shape[0]}")
-        if output.dim() and sum(outs) != output.shape[0]:
-            raise ValueError(f"hetccl: all_to_all output split sizes {outs} do not add up to "
-                             f"the output's first dimension {output.shape[0]}")
+        # what only this rank can see is refused through the check (every rank raises)
+        refusal = None
+        if input.dtype != output.dtype:
+            refusal = TypeError(f"hetccl: all_to_all input dtype {input.dtype} != output dtype "
+                                f"{output.dtype}")
+        elif len(ins) != w or len(outs) != w:
+            refusal = ValueError(f"hetccl: all_to_all split sizes must have {w} entries")
+        elif input.dim() and sum(ins) != input.shape[0]:
+            refusal = ValueError(f"hetccl: all_to_all input split sizes {ins} do not add up to "
+                                 f"the input's first dimension {input.shape[0]}")
+        elif output.dim() and sum(outs) != output.shape[0]:
+            refusal = ValueError(f"hetccl: all_to_all output split sizes {outs} do not add up "
+                                 f"to the output's first dimension {output.shape[0]}")
         in_counts = [s * row_in for s in ins]
         out_counts = [s * row_out for s in outs]
         x, _ = _flat(input)
         o, copied = _flat(output)
 
         def body(ctx, algo):
-            ctx.begin("all_to_all", 0, x.dtype, same_numel=False)
+            ctx.begin("all_to_all", 0, x.dtype, same_numel=False, refusal=refusal)
             self._check_a2a_counts(ctx, in_counts, out_counts)
             algo(ctx, o, x, out_counts, in_counts)
             if copied:
@@ -618,16 +641,19 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         w = self.size()
+        refusal = None  # what only this rank can see: refused through the check (every rank)
         if len(output_tensors) != w or len(input_tensors) != w:
-            raise ValueError(f"hetccl: all_to_all needs {w} input and output tensors")
-        inp = torch.cat([t.reshape(-1) for t in input_tensors])
+            refusal = ValueError(f"hetccl: all_to_all needs {w} input and output tensors, got "
+                                 f"{len(input_tensors)} and {len(output_tensors)}")
+        inp = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else \
+            torch.empty(0)
         out = torch.empty(sum(t.numel() for t in output_tensors), dtype=inp.dtype,
                           device=inp.device)
         in_counts = [t.numel() for t in input_tensors]
         out_counts = [t.numel() for t in output_tensors]
 
         def body(ctx, algo):
-            ctx.begin("all_to_all", 0, inp.dtype, same_numel=False)
+            ctx.begin("all_to_all", 0, inp.dtype, same_numel=False, refusal=refusal)
             self._check_a2a_counts(ctx, in_counts, out_counts)
             algo(ctx, out, inp, out_counts, in_counts)
             pos = 0
@@ -645,15 +671,24 @@ class HetcclProcessGroup(dist.ProcessGroup):
         x, _ = _flat(input_tensors[0])
         me = self.rank()
         outs = output_tensors[0] if me == root and output_tensors else None
+        refusal = None  # the root's own verdict on its list: raised on every rank (begin)
+        flats = []
         if me == root:
             if outs is None or len(outs) != self.size():
-                raise ValueError(f"hetccl: gather root needs {self.size()} output tensors")
-            flats = [_flat(o) for o in outs]
-        else:
-            flats = []
+                refusal = ValueError(f"hetccl: gather root needs {self.size()} output tensors, "
+                                     f"got {0 if outs is None else len(outs)}")
+            else:
+                bad = [k for k, o in enumerate(outs)
+                       if o.numel() != x.numel() or o.dtype != x.dtype]
+                if bad:
+                    refusal = ValueError(
+                        f"hetccl: gather root's output tensor {bad[0]} has {outs[bad[0]].numel()} "
+                        f"elements of {outs[bad[0]].dtype}, the input {x.numel()} of {x.dtype}")
+                else:
+                    flats = [_flat(o) for o in outs]
 
         def body(ctx, algo):
-            ctx.begin("gather", x.numel(), x.dtype, None, root)
+            ctx.begin("gather", x.numel(), x.dtype, None, root, refusal=refusal)
             algo(ctx, [f for f, _ in flats] if flats else None, x, root)
             for o, (f, copied) in zip(outs or [], flats):
                 if copied:
@@ -669,13 +704,23 @@ class HetcclProcessGroup(dist.ProcessGroup):
         o, copied = _flat(out)
         me = self.rank()
         ins = None
+        refusal = None  # the root's own verdict on its list: raised on every rank (begin)
         if me == root:
-            if not input_tensors or len(input_tensors[0]) != self.size():
-                raise ValueError(f"hetccl: scatter root needs {self.size()} input tensors")
-            ins = [_flat(t)[0] for t in input_tensors[0]]
+            lst = input_tensors[0] if input_tensors else None
+            if lst is None or len(lst) != self.size():
+                refusal = ValueError(f"hetccl: scatter root needs {self.size()} input tensors, "
+                                     f"got {0 if lst is None else len(lst)}")
+            else:
+                bad = [k for k, t in enumerate(lst) if t.numel() != o.numel() or t.dtype != o.dtype]
+                if bad:
+                    refusal = ValueError(
+                        f"hetccl: scatter root's input tensor {bad[0]} has {lst[bad[0]].numel()} "
+                        f"elements of {lst[bad[0]].dtype}, the output {o.numel()} of {o.dtype}")
+                else:
+                    ins = [_flat(t)[0] for t in lst]
 
         def body(ctx, algo):
-            ctx.begin("scatter", o.numel(), o.dtype, None, root)
+            ctx.begin("scatter", o.numel(), o.dtype, None, root, refusal=refusal)
             algo(ctx, o, ins, root)
             if copied:
                 out.copy_(o.view_as(out))

@@ -61,26 +61,30 @@ FIELDS = ["collective", "number of elements", "dtype", "reduction op", "root", "
 MASK_ALL = 0x3F
 MASK_NO_NUMEL = MASK_ALL & ~(1 << 1)
 
-# The element count a rank puts in its header when it refuses the call on its own (an output
-# of the wrong size, say: EngineCtx.begin's refusal): every other rank's check then fails
-# naming that rank, instead of waiting for data that never comes.
+# The element count (or, where counts are not compared, the dtype code) a rank puts in its
+# header when it refuses the call on its own (an output of the wrong size, say:
+# EngineCtx.begin's refusal): every other rank's check then fails naming that rank, instead of
+# waiting for data that never comes.
 REFUSED = -1
 
 # code -> name per field, for messages (the C++ engine formats with the same table)
 FIELD_NAMES: list[dict[int, str]] = [
     {v: k for k, v in COLL_CODES.items()},
     {REFUSED: "none: the call was refused on that rank (its error names why)"},
-    {v: str(k) for k, v in DTYPE_CODES.items()},
+    {**{v: str(k) for k, v in DTYPE_CODES.items()},
+     REFUSED: "none: the call was refused on that rank (its error names why)"},
     {v: str(k) for k, v in OP_CODES.items()},
     {},
     {v: k for k, v in DEVICE_CODES.items()},
 ]
 
 
-def header(coll: str, numel: int, dtype: torch.dtype, op: str | None, root: int,
+def header(coll: str, numel: int, dtype: torch.dtype | None, op: str | None, root: int,
            device: torch.device) -> list[int]:
-    return [COLL_CODES[coll], int(numel), DTYPE_CODES.get(dtype, 0), OP_CODES[op], int(root),
-            DEVICE_CODES.get(device.type, 3)]
+    """dtype None: the call refused on this rank (REFUSED in the dtype field, for collectives
+    whose element counts differ by design and are not compared)."""
+    return [COLL_CODES[coll], int(numel), REFUSED if dtype is None else DTYPE_CODES.get(dtype, 0),
+            OP_CODES[op], int(root), DEVICE_CODES.get(device.type, 3)]
 
 
 def mismatch_text(coll: str, table: dict[int, list[int]], mask: int) -> str | None:

@@ -393,13 +393,17 @@ class EngineCtx:
         every rank when they differ and the check waits for the headers.
 
         refusal: this rank's own verdict on arguments only it can see (an output of the wrong
-        size): its header then carries checks.REFUSED as the element count, so every other
-        rank's check fails naming this rank (same_numel collectives), and this rank raises
-        `refusal` itself -- no rank goes on to wait for data that never comes."""
+        size): its header then carries checks.REFUSED as the element count (as the dtype where
+        counts are not compared: all_to_all), so every other rank's check fails naming this
+        rank, and this rank raises `refusal` itself -- no rank goes on to wait for data that
+        never comes."""
         e = self.engine
         self.what = coll
         if refusal is not None:
-            numel = checks.REFUSED
+            if same_numel:
+                numel = checks.REFUSED
+            else:
+                dtype = None
         try:
             self._begin(coll, numel, dtype, op, root, same_numel)
         except (ValueError, TypeError):

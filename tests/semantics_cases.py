@@ -277,6 +277,52 @@ class Cases:
         v = expect_error(lambda: dist.reduce_scatter_tensor(o, inp), ValueError, *want)
         if v != "ok":
             bad.append(f"reduce_scatter: {v}")
+        # all_to_all_single whose input split sizes do not add up, on rank 0 only (counts
+        # differ by design here: the refusal travels in the dtype field)
+        a_in = torch.ones(2 * w)
+        splits = [2] * w
+        if me == 0:
+            splits[0] = 3
+        want = ("split sizes",) if me == 0 else ("refused on that rank", "[0]")
+        v = expect_error(lambda: dist.all_to_all_single(torch.empty(2 * w), a_in, None, splits),
+                         ValueError, *want)
+        if v != "ok":
+            bad.append(f"all_to_all: {v}")
+        # the list form of all_gather with one output too few, on the last rank only
+        outs = [torch.empty(4) for _ in range(w - (1 if me == last else 0))]
+        want = ("output tensors",) if me == last else ("refused on that rank", f"[{last}]")
+        v = expect_error(lambda: dist.all_gather(outs, torch.ones(4)), ValueError, *want)
+        if v != "ok":
+            bad.append(f"all_gather list: {v}")
+        # the root's gather list / scatter list with an entry of the wrong size
+        gl = [torch.empty(4) for _ in range(w)]
+        gl[w - 1] = torch.empty(5)
+        want = ("gather root's output tensor",) if me == 0 else ("refused on that rank", "[0]")
+        v = expect_error(lambda: dist.gather(torch.ones(4), gl if me == 0 else None, dst=0),
+                         ValueError, *want)
+        if v != "ok":
+            bad.append(f"gather: {v}")
+        sl = [torch.ones(3) for _ in range(w)]
+        sl[0] = torch.ones(2)
+        want = ("scatter root's input tensor",) if me == last else ("refused on that rank",
+                                                                    f"[{last}]")
+        v = expect_error(lambda: dist.scatter(torch.empty(3), sl if me == last else None,
+                                              src=last), ValueError, *want)
+        if v != "ok":
+            bad.append(f"scatter: {v}")
+        # every rank: reduce_scatter with the input's dtype differing from the output's (torch
+        # does not check it; reduced as they were, float bits landed in the int32 output), and
+        # a complex PRODUCT reduce (it worked or failed depending on the topology)
+        v = expect_error(lambda: dist.reduce_scatter_tensor(torch.zeros(4, dtype=torch.int32),
+                                                            torch.ones(4 * w)),
+                         TypeError, "dtype", "int32")
+        if v != "ok":
+            bad.append(f"reduce_scatter dtypes: {v}")
+        v = expect_error(lambda: dist.reduce(torch.full((4,), 1 + 1j, dtype=torch.complex64), 0,
+                                             op=dist.ReduceOp.PRODUCT),
+                         NotImplementedError, "PROD", "complex")
+        if v != "ok":
+            bad.append(f"complex product: {v}")
         y = torch.full((5,), 1.0)
         dist.all_reduce(y)
         if not torch.equal(y, torch.full((5,), float(w))):
