@@ -35,7 +35,6 @@ import functools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import zlib
@@ -291,7 +290,9 @@ def _probe_once(rec: dict, k: int, device: str, iters: int) -> float:
             times.append(time.perf_counter() - t0)
     slow.remove()
     del model
-    return statistics.median(times)
+    # the fastest repetition: other work on the machine only ever adds to a timing, and the
+    # per-layer time is a difference of two of these (a load spike in one skewed the plan)
+    return min(times)
 
 
 def _bytes_per(rec: dict, dp: int, tp: int) -> dict:
@@ -319,7 +320,7 @@ def _bytes_per(rec: dict, dp: int, tp: int) -> dict:
 
 
 def measure_stage_costs(rec: dict, sess, device: str) -> dict:
-    """Per-layer time and memory of this rank's device, for the stage planner: the median
+    """Per-layer time and memory of this rank's device, for the stage planner: the fastest
     forward+backward time of a 1-layer and a 3-layer GPT (one micro-batch); layer time =
     (t3 - t1) / 2, and t1 - layer time is the embedding + output layer + loss (given to the
     last stage). Memory: the vendor's memory_gib, else the device's free memory (CUDA) or
