@@ -583,3 +583,24 @@ def run_all(ctx, start_lines: list | None = None) -> dict[str, str]:
     c.run("lifetime/sync_released", c.released_after_wait, False)
     dist.destroy_process_group()
     return c.out
+
+
+def run_bitwise_agreement(ctx) -> dict:
+    """Three vendor groups off the all-linked path: an all_reduce whose float sums depend on
+    the order of additions gives every rank the same bits (small: flat, large: hier)."""
+    os.environ.pop("RANK", None)
+    dist.init_process_group("hetccl", store=ctx.store(), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=60))
+    out = {}
+    for n in (4, 1 << 18):
+        vals = [1e8, 1.0, -1e8, 3.0]
+        x = torch.full((n,), vals[ctx.rank % len(vals)], dtype=torch.float32)
+        g = torch.Generator().manual_seed(ctx.rank)
+        x += torch.randn(n, generator=g) * 1e3
+        dist.all_reduce(x)
+        everyone = [torch.empty_like(x) for _ in range(ctx.world_size)]
+        dist.all_gather(everyone, x)
+        out[str(n)] = "ok" if all(torch.equal(e, everyone[0]) for e in everyone) else \
+            f"ranks differ: {[e[:2].tolist() for e in everyone]}"
+    dist.destroy_process_group()
+    return out

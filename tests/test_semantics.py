@@ -58,6 +58,18 @@ def test_p2p_semantics(split, hosts):
     assert not bad, "\n".join(f"rank {r} {k}: {v}" for (r, k), v in sorted(bad.items()))
 
 
+@pytest.mark.parametrize("split", ["1+1+1", "2+1+1"])
+def test_three_groups_agree_bit_for_bit(split):
+    """With three or more vendor groups off the all-linked path (hosts emulated: tcp), every
+    rank's all_reduce result has the same bits (the groups' sums are folded in group order),
+    small (flat) and large (hier) tensors alike."""
+    world = sum(int(x) for x in split.split("+"))
+    per_rank = spawn(semantics_cases.run_bitwise_agreement, world,
+                     env={"HETCCL_VENDOR_SPLIT": split, "HETCCL_EMULATE_HOSTS": "1"}, timeout=180)
+    bad = {(r, k): v for r, res in enumerate(per_rank) for k, v in res.items() if v != "ok"}
+    assert per_rank[0] and not bad, bad
+
+
 def test_vendor_split_needs_a_rank(monkeypatch):
     """HETCCL_VENDOR_SPLIT without RANK and without a rank from the backend: a clear error, not
     a silent 'rank 0' that would put every process in one vendor group."""

@@ -114,8 +114,31 @@ def _exchange_direct(ctx: CollCtx, my: torch.Tensor, mine, n: int, op: str) -> N
     others = [r for g, r in enumerate(topo.groups) if g != topo.my_group]
     pieces = list(peer_pieces(mine, n, others))
     sends = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
-    recvs = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
-    ctx.transfer(0, sends, recvs, op)
+    if topo.num_groups <= 2:
+        # two groups: a + b is b + a, so reducing each arrival into place gives every rank
+        # the same bits
+        recvs = [(p, lo, hi, my[lo - mine[0]:hi - mine[0]]) for p, lo, hi in pieces]
+        ctx.transfer(0, sends, recvs, op)
+        return
+    # Three or more: the arrival order differs between ranks and floating point does not
+    # associate, so the groups' sums land in buffers of their own and are reduced in group
+    # order, the same fold on every rank (ranks of a group then agree bit for bit with the
+    # other groups', as DDP replicas must).
+    bufs = {g: torch.empty_like(my) for g in range(topo.num_groups) if g != topo.my_group}
+    recvs = [(p, lo, hi, bufs[topo.group_of[p]][lo - mine[0]:hi - mine[0]])
+             for p, lo, hi in pieces]
+    ctx.transfer(0, sends, recvs)
+    _fold_in_group_order(ctx, my, bufs, op)
+
+
+def _fold_in_group_order(ctx: CollCtx, mine: torch.Tensor, others: dict, op: str) -> None:
+    """mine = others[0] op others[1] op ... op others[G-1], mine standing at this group's index:
+    the same order of operations on every rank."""
+    g = ctx.topo.my_group
+    order = [mine.clone() if h == g else others[h] for h in range(ctx.topo.num_groups)]
+    mine.copy_(order[0])
+    for t in order[1:]:
+        ctx.reduce_into(mine, t, op)
 
 
 def _split_applies(ctx: CollCtx, x: torch.Tensor) -> bool:
@@ -213,8 +236,10 @@ def all_reduce_flat(ctx: CollCtx, x: torch.Tensor, op: str) -> None:
             if j % ng == li:
                 sends.append((ranks[j], 0, n, x))
     # Received sums land in separate buffers, reduced after the transfer: every peer gets
-    # this group's sum, not a partly reduced one.
+    # this group's sum, not a partly reduced one; then folded in group order, the same order
+    # of operations on every rank (floating point does not associate: with three or more
+    # groups, each group starting from its own sum gave each group other bits).
     bufs = [torch.empty_like(x) for _ in recvs]
     ctx.transfer(0, sends, [(p, lo, hi, b) for (p, lo, hi, _), b in zip(recvs, bufs)])
-    for b in bufs:
-        ctx.reduce_into(x, b, op)
+    others = [h for h in range(len(topo.groups)) if h != topo.my_group]
+    _fold_in_group_order(ctx, x, dict(zip(others, bufs)), op)
