@@ -646,7 +646,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             refusal = ValueError(f"hetccl: all_to_all needs {w} input and output tensors, got "
                                  f"{len(input_tensors)} and {len(output_tensors)}")
         inp = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else \
-            torch.empty(0)
+            torch.empty(0, device=output_tensors[0].device if output_tensors else "cpu")
         out = torch.empty(sum(t.numel() for t in output_tensors), dtype=inp.dtype,
                           device=inp.device)
         in_counts = [t.numel() for t in input_tensors]
