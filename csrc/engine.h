@@ -228,6 +228,9 @@ class Engine {
   void release_device_waits();
   void check_deadlines();
   void check_liveness();
+  // check_liveness at most every 100 ms (one clock for the waiters and the proxy); a peer
+  // found dead or a transport error breaks the engine. Caller holds mu_.
+  void check_liveness_due();
   void ensure_device_state(Link& l);  // once per link (engine_device.cc)
   std::shared_ptr<Plan> find(uint64_t id);
   // point-to-point messages (engine_messages.cc)

@@ -54,6 +54,18 @@ void Engine::check_deadlines() {
   }
 }
 
+void Engine::check_liveness_due() {
+  if (now_ms() - last_liveness_ms_ <= 100) return;
+  last_liveness_ms_ = now_ms();
+  try {
+    check_liveness();
+  } catch (const PeerFailure& e) {
+    break_engine(e.what(), kPeer);
+  } catch (const CommError& e) {
+    break_engine(e.what(), kGeneric);
+  }
+}
+
 void Engine::check_liveness() {
   // zc_wait(peer, 0) checks that the peer's process is alive (at most every 100 ms per peer)
   // and throws PeerFailure otherwise; message links fail their requests by themselves.

@@ -94,16 +94,7 @@ void Engine::wait(uint64_t id) {
       if (p->state == Plan::Pending && !moved) {
         if (++idle % 64 == 0) {
           check_deadlines();
-          if (now_ms() - last_liveness_ms_ > 100) {
-            last_liveness_ms_ = now_ms();
-            try {
-              check_liveness();
-            } catch (const PeerFailure& e) {
-              break_engine(e.what(), kPeer);
-            } catch (const CommError& e) {
-              break_engine(e.what(), kGeneric);
-            }
-          }
+          check_liveness_due();
         }
       } else {
         idle = 0;
@@ -181,16 +172,7 @@ void Engine::proxy_loop() {
       if (now_ms() - last_check > 20) {
         last_check = now_ms();
         check_deadlines();
-        if (now_ms() - last_liveness_ms_ > 100) {
-          last_liveness_ms_ = now_ms();
-          try {
-            check_liveness();
-          } catch (const PeerFailure& e) {
-            break_engine(e.what(), kPeer);
-          } catch (const CommError& e) {
-            break_engine(e.what(), kGeneric);
-          }
-        }
+        check_liveness_due();
       }
     }
     if (moved) {

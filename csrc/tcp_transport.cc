@@ -73,11 +73,31 @@ constexpr size_t kBudget = size_t(4) << 20;      // bytes per connection per tur
 constexpr int kMaxPendingHandshakes = 64;
 
 
-// A failure that waits for the threads still using a request's buffer (Held below).
-struct PendingFail {
-  bool set = false;
+// The threads using a request's buffer right now, and a failure that waits for them (under the
+// peer's mu): the request fails only once none uses its buffer, since the caller may free the
+// buffer as soon as the request fails.
+struct Holds {
+  int n = 0;
+  bool pending = false;
   Request::ErrorKind kind = Request::ErrorKind::Generic;
   std::string msg;
+  void hold() { ++n; }
+  // fails req now, or when the last holder lets go
+  void fail(const RequestPtr& req, Request::ErrorKind k, const std::string& m) {
+    if (n == 0) {
+      req->fail(k, m);
+      return;
+    }
+    pending = true;
+    kind = k;
+    msg = m;
+  }
+  // one holder lets go; true when that let a pending failure through (req has failed)
+  bool let_go(const RequestPtr& req) {
+    if (--n > 0 || !pending) return false;
+    req->fail(kind, msg);
+    return true;
+  }
 };
 
 struct SendMsg {
@@ -88,10 +108,7 @@ struct SendMsg {
   size_t assigned = 0;  // bytes handed to connections
   bool assigned_all = false;
   size_t done = 0;      // bytes fully written
-  // Held: connections whose current frame reads from buf (under the peer's mu). The request
-  // fails (pending) only once none does: the caller may free buf as soon as it fails.
-  int holders = 0;
-  PendingFail pending;
+  Holds holds;  // connections whose current frame reads from buf
 };
 
 // One incoming message, known from its receive being posted and/or its first frame arriving.
@@ -104,11 +121,9 @@ struct InMsg {
   std::vector<std::pair<size_t, size_t>> heap_ranges;
   int heap_inflight = 0;  // frames being read into heap right now
   bool migrating = false; // heap contents being copied to the user buffer
-  // Held: connections whose current frame writes into the receive's buffer (Direct, Stage)
-  // plus a migrate in progress (under the peer's mu). The receive fails (pending) only once
-  // none does: the caller may free its buffer as soon as it fails.
-  int holders = 0;
-  PendingFail pending;
+  // connections whose current frame writes into the receive's buffer (Direct, Stage), and a
+  // migrate in progress
+  Holds holds;
   bool complete() const { return have_total && received == total && !migrating && heap_inflight == 0; }
 };
 
@@ -947,16 +962,13 @@ void TcpTransport::migrate(Peer& p, std::shared_ptr<InMsg> m, std::unique_lock<s
   m->heap_ranges.clear();
   std::unique_ptr<char[]> heap = std::move(m->heap);
   m->migrating = true;
-  ++m->holders;
+  m->holds.hold();
   g.unlock();
   for (auto& r : ranges) deliver(m->op, r.first, heap.get() + r.first, r.second);
   heap.reset();
   g.lock();
   m->migrating = false;
-  if (--m->holders == 0 && m->pending.set) {
-    m->op.req->fail(m->pending.kind, m->pending.msg);
-    return;
-  }
+  if (m->holds.let_go(m->op.req)) return;
   if (m->complete()) {
     for (auto it = p.inmsgs.begin(); it != p.inmsgs.end(); ++it)
       if (it->second == m) {
@@ -974,12 +986,7 @@ void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::stri
     p.failed = msg;
     p.failed_kind = kind;
   }
-  for (auto& m : p.active) {
-    if (m->holders > 0)
-      m->pending = {true, kind, msg};  // a connection still reads its buffer: fails when it lets go
-    else
-      m->req->fail(kind, msg);
-  }
+  for (auto& m : p.active) m->holds.fail(m->req, kind, msg);
   p.active.clear();
   p.sendq.clear();
   // A peer that finished its part of a collective and closed (destroy_process_group) may do so
@@ -995,12 +1002,7 @@ void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::stri
       ++it;
       continue;
     }
-    if (m.has_op && !m.op_failed) {
-      if (m.holders > 0)
-        m.pending = {true, kind, msg};  // a connection or migrate still writes its buffer
-      else
-        m.op.req->fail(kind, msg);
-    }
+    if (m.has_op && !m.op_failed) m.holds.fail(m.op.req, kind, msg);
     it = p.inmsgs.erase(it);
   }
   for (auto& c : p.conns) c->dead.store(true);
@@ -1012,14 +1014,12 @@ void TcpTransport::abandon(Conn& c) {
   Peer& p = *c.peer;
   std::lock_guard<std::mutex> g(p.mu);
   if (c.msg && c.in_payload && (c.mode == Conn::Mode::Direct || c.mode == Conn::Mode::Stage)) {
-    InMsg& m = *c.msg;
-    if (--m.holders == 0 && m.pending.set) m.op.req->fail(m.pending.kind, m.pending.msg);
+    c.msg->holds.let_go(c.msg->op.req);
   }
   c.msg.reset();
   c.in_payload = false;
   if (c.tx) {
-    SendMsg& m = *c.tx;
-    if (--m.holders == 0 && m.pending.set) m.req->fail(m.pending.kind, m.pending.msg);
+    c.tx->holds.let_go(c.tx->req);
     c.tx.reset();
   }
 }
@@ -1186,7 +1186,7 @@ bool TcpTransport::begin_frame(Conn& c, std::string* err) {
         c.mode = Conn::Mode::Direct;
         c.dst = m->op.buf + c.f_off;
       }
-      ++m->holders;  // let go in end_frame (or abandon)
+      m->holds.hold();  // let go in end_frame (or abandon)
     } else {
       if (!m->heap) m->heap.reset(new (std::nothrow) char[std::max<size_t>(m->total, 1)]);
       if (!m->heap) {
@@ -1211,12 +1211,7 @@ void TcpTransport::end_frame(Conn& c) {
   // (a holder: its receive does not fail before this frame let go, so the buffer is alive)
   if (c.mode == Conn::Mode::Stage) deliver(m->op, c.f_off, c.stage.data(), c.f_len);
   std::unique_lock<std::mutex> g(p.mu);
-  if (c.mode == Conn::Mode::Direct || c.mode == Conn::Mode::Stage) {
-    if (--m->holders == 0 && m->pending.set) {
-      m->op.req->fail(m->pending.kind, m->pending.msg);
-      return;
-    }
-  }
+  if ((c.mode == Conn::Mode::Direct || c.mode == Conn::Mode::Stage) && m->holds.let_go(m->op.req)) return;
   if (!p.failed.empty()) return;
   m->received += c.f_len;
   if (c.mode == Conn::Mode::Heap) {
@@ -1248,7 +1243,7 @@ int TcpTransport::do_write(Conn& c) {
       if (p.sendq.empty() || !p.failed.empty()) return 1;
       auto m = p.sendq.front();
       c.tx = m;
-      ++m->holders;  // let go when the frame is written (or abandon)
+      m->holds.hold();  // let go when the frame is written (or abandon)
       c.tx_off = m->assigned;
       c.tx_len = std::min(chunk_, m->total - m->assigned);
       m->assigned += c.tx_len;
@@ -1294,10 +1289,7 @@ int TcpTransport::do_write(Conn& c) {
       {
         std::lock_guard<std::mutex> g(p.mu);
         m->done += c.tx_len;
-        if (--m->holders == 0 && m->pending.set) {
-          m->req->fail(m->pending.kind, m->pending.msg);
-          continue;
-        }
+        if (m->holds.let_go(m->req)) continue;
         done = m->assigned_all && m->done == m->total && p.active.erase(m) > 0;
       }
       if (done) m->req->complete(m->total);

@@ -381,18 +381,16 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def _all_gather_flat(self, out_flat: torch.Tensor, inp: torch.Tensor, after=None,
                          refusal: BaseException | None = None):
         x, _ = _flat(inp)
-        given = refusal
+        if refusal is not None:
+            pass  # the caller's (list forms)
+        elif out_flat.numel() != x.numel() * self.size():
+            refusal = ValueError(f"hetccl: all_gather output has {out_flat.numel()} "
+                                 f"elements, expected {self.size()} x {x.numel()}")
+        elif out_flat.dtype != x.dtype:
+            refusal = TypeError(f"hetccl: all_gather output dtype {out_flat.dtype} differs "
+                                f"from input dtype {x.dtype}")
 
         def body(ctx, algo):
-            refusal = given
-            if refusal is not None:
-                pass
-            elif out_flat.numel() != x.numel() * self.size():
-                refusal = ValueError(f"hetccl: all_gather output has {out_flat.numel()} "
-                                     f"elements, expected {self.size()} x {x.numel()}")
-            elif out_flat.dtype != x.dtype:
-                refusal = TypeError(f"hetccl: all_gather output dtype {out_flat.dtype} differs "
-                                    f"from input dtype {x.dtype}")
             # a refusal travels in the check: every rank raises, none waits for this one's data
             ctx.begin("all_gather", x.numel(), x.dtype, refusal=refusal)
             algo(ctx, out_flat, x)
@@ -503,20 +501,18 @@ class HetcclProcessGroup(dist.ProcessGroup):
                              refusal: BaseException | None = None):
         o, copied = _flat(out)
         world = self.size()
-        given = refusal
+        if refusal is not None:
+            pass  # the caller's (the list form)
+        elif inp_flat.numel() != o.numel() * world:
+            refusal = ValueError(f"hetccl: reduce_scatter input has {inp_flat.numel()} "
+                                 f"elements, expected {world} x {o.numel()}")
+        elif inp_flat.dtype != o.dtype:
+            # (torch's reduce_scatter_tensor does not check; gloo and NCCL refuse: reduced as
+            # they are, one dtype's values land in the other's bits)
+            refusal = TypeError(f"hetccl: reduce_scatter input dtype {inp_flat.dtype} "
+                                f"differs from output dtype {o.dtype}")
 
         def body(ctx, algo):
-            refusal = given
-            if refusal is not None:
-                pass
-            elif inp_flat.numel() != o.numel() * world:
-                refusal = ValueError(f"hetccl: reduce_scatter input has {inp_flat.numel()} "
-                                     f"elements, expected {world} x {o.numel()}")
-            elif inp_flat.dtype != o.dtype:
-                # (torch's reduce_scatter_tensor does not check; gloo and NCCL refuse: reduced
-                # as they are, one dtype's values land in the other's bits)
-                refusal = TypeError(f"hetccl: reduce_scatter input dtype {inp_flat.dtype} "
-                                    f"differs from output dtype {o.dtype}")
             # a refusal travels in the check: every rank raises, none waits for this one's data
             ctx.begin("reduce_scatter", o.numel(), o.dtype, op, refusal=refusal)
             if op in _BITWISE:
@@ -1066,20 +1062,25 @@ class _AnySourceWork(HetcclWork):
         self.wait()
         return self.src
 
-    def _wait_quietly(self) -> None:
+    def get_future(self):
+        return _future_on_its_own(self, self.pg._recv_lock, "hetccl-recv-future")
+
+
+def _future_on_its_own(work, lock, name: str) -> torch.futures.Future:
+    """work.fut, completed without the caller's wait() (as ProcessGroupNCCL's futures): a daemon
+    thread, started once (under `lock`), waits for the work, bounded by the group's timeout; an
+    error or a timeout becomes the future's exception (work.wait sets it)."""
+    def wait_quietly():
         try:
-            self.wait()
+            work.wait()
         except BaseException:  # noqa: BLE001 - the future holds it
             pass
 
-    def get_future(self):
-        # completes without the caller's wait (as _WaitOnce.get_future)
-        with self.pg._recv_lock:
-            if self._waiter is None and not self.fut.done():
-                self._waiter = threading.Thread(target=self._wait_quietly, daemon=True,
-                                                name="hetccl-recv-future")
-                self._waiter.start()
-        return self.fut
+    with lock:
+        if work._waiter is None and not work.fut.done():
+            work._waiter = threading.Thread(target=wait_quietly, daemon=True, name=name)
+            work._waiter.start()
+    return work.fut
 
 
 class _SelfMailbox:
@@ -1222,19 +1223,8 @@ class _WaitOnce(HetcclWork):
             self._lock.release()
         return True
 
-    def _wait_quietly(self) -> None:
-        try:
-            self.wait()
-        except BaseException:  # noqa: BLE001 - set on the future by wait()
-            pass
-
     def get_future(self):
-        with self._lock:
-            if self._waiter is None and not self.fut.done():
-                self._waiter = threading.Thread(target=self._wait_quietly, daemon=True,
-                                                name="hetccl-p2p-future")
-                self._waiter.start()
-        return self.fut
+        return _future_on_its_own(self, self._lock, "hetccl-p2p-future")
 
 
 @outside_autograd

@@ -66,13 +66,14 @@ MASK_NO_NUMEL = MASK_ALL & ~(1 << 1)
 # EngineCtx.begin's refusal): every other rank's check then fails naming that rank, instead of
 # waiting for data that never comes.
 REFUSED = -1
+REFUSED_TEXT = "none: the call was refused on that rank (its error names why)"
 
 # code -> name per field, for messages (the C++ engine formats with the same table)
 FIELD_NAMES: list[dict[int, str]] = [
     {v: k for k, v in COLL_CODES.items()},
-    {REFUSED: "none: the call was refused on that rank (its error names why)"},
+    {REFUSED: REFUSED_TEXT},
     {**{v: str(k) for k, v in DTYPE_CODES.items()},
-     REFUSED: "none: the call was refused on that rank (its error names why)"},
+     REFUSED: REFUSED_TEXT},
     {v: str(k) for k, v in OP_CODES.items()},
     {},
     {v: k for k, v in DEVICE_CODES.items()},

@@ -43,6 +43,16 @@ def expect_error(fn, exc, *words) -> str:
     return "no error raised"
 
 
+def times_out(work, seconds: float, returned: str) -> str | None:
+    """None when work.wait(timeout=seconds) raises a timeout; else what went wrong (`returned`
+    when it returned)."""
+    try:
+        work.wait(timeout=timedelta(seconds=seconds))
+        return returned
+    except Exception as e:  # noqa: BLE001
+        return None if "imed out" in str(e) else f"not a timeout: {type(e).__name__}: {e}"
+
+
 class Cases:
     def __init__(self, rank: int, world: int, labels: list[str]):
         self.rank, self.world, self.labels = rank, world, labels
@@ -397,12 +407,7 @@ class Cases:
         w = dist.all_reduce(x, async_op=True)
         verdict = None
         if self.rank == 0:
-            try:
-                w.wait(timeout=timedelta(seconds=0.3))
-                verdict = "wait(timeout=0.3 s) returned although a peer came 2 s late"
-            except Exception as e:  # noqa: BLE001
-                if "imed out" not in str(e):
-                    verdict = f"not a timeout: {type(e).__name__}: {e}"
+            verdict = times_out(w, 0.3, "wait(timeout=0.3 s) returned although a peer came 2 s late")
         w.wait()
         want = float(sum(range(1, self.world + 1)))
         if not torch.equal(x, torch.full((1000,), want)):
@@ -417,12 +422,7 @@ class Cases:
         if me == 0:
             t = torch.zeros(4)
             w = dist.irecv(t, src=last, tag=tag)
-            try:
-                w.wait(timeout=timedelta(seconds=1))
-                verdict = "the wait did not time out"
-            except Exception as e:  # noqa: BLE001
-                if "imed out" not in str(e):
-                    verdict = f"not a timeout: {type(e).__name__}: {e}"
+            verdict = times_out(w, 1, "the wait did not time out")
         dist.barrier()  # the peer sends only now
         if me == last:
             dist.send(torch.full((4,), 3.0), 0, tag=tag)

@@ -284,17 +284,9 @@ size_t Comm::wait_request(const RequestPtr& req) {
   // Giving up (abort, timeout) withdraws a receive that has not begun, so a late peer cannot
   // write into the caller's buffer after the call returned; one already arriving stays posted
   // (callers whose buffers die with the call keep them: keep_until_closed).
-  auto give_up = [&] {
-    if (req->peer() >= 0 && req->peer() < size && req->peer() != rank) {
-      try {
-        link(req->peer()).cancel(req);
-      } catch (...) {
-      }
-    }
-  };
   for (;;) {
     if (aborting_.load()) {
-      give_up();
+      withdraw(req, /*unpost=*/false);
       throw CommError("hetccl: the communicator was aborted");
     }
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now()).count();
@@ -302,7 +294,7 @@ size_t Comm::wait_request(const RequestPtr& req) {
       return req->wait(std::max<int64_t>(0, std::min<int64_t>(left, 50)));
     } catch (const CommTimeout&) {
       if (left <= 50) {
-        give_up();
+        withdraw(req, /*unpost=*/false);
         throw CommTimeout("hetccl: Timed out after " + std::to_string(settings.timeout_ms) +
                           " ms waiting for peer rank " + std::to_string(req->peer()) + " (" +
                           std::to_string(req->posted_nbytes()) + " bytes)");
@@ -311,14 +303,18 @@ size_t Comm::wait_request(const RequestPtr& req) {
   }
 }
 
+bool Comm::withdraw(const RequestPtr& req, bool unpost) {
+  if (req->peer() < 0 || req->peer() >= size || req->peer() == rank) return false;
+  try {
+    return link(req->peer()).cancel(req, unpost);
+  } catch (...) {
+    return false;  // a closed transport: nothing to withdraw
+  }
+}
+
 bool Comm::settle(const RequestPtr& req, bool recv, int64_t within_ms) {
   if (!req || req->test_nothrow()) return true;
-  if (recv && req->peer() >= 0 && req->peer() < size && req->peer() != rank) {
-    try {
-      if (link(req->peer()).cancel(req, /*unpost=*/true) || link(req->peer()).cancel(req)) return true;
-    } catch (...) {
-    }
-  }
+  if (recv && (withdraw(req, /*unpost=*/true) || withdraw(req, /*unpost=*/false))) return true;
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(within_ms);
   while (!req->test_nothrow() && std::chrono::steady_clock::now() < until) usleep(200);
   return req->test_nothrow();

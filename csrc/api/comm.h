@@ -136,6 +136,9 @@ class Comm {
   // no data reached is withdrawn as if never posted; anything else gets within_ms to finish.
   // True once the transport is done with its buffer.
   bool settle(const RequestPtr& req, bool recv, int64_t within_ms);
+  // Transport::cancel of a posted receive on its peer's link (unpost: as if never posted);
+  // false for a request of no link or a closed transport.
+  bool withdraw(const RequestPtr& req, bool unpost);
 
   // Failure state: after a non-argument error every call fails at once with it. Thread-safe
   // (the stream path's executor breaks the communicator while the caller issues).
