@@ -222,3 +222,53 @@ def test_shrink_to_one_vendor_is_the_real_library(tmp_path, fake_nccl):
         d = res.get(r)
         assert d is not None, "\n".join(logs)[-3000:]
         assert d["child_real"] and d["child_y"] == [1001.0 + r] * 8, d
+
+
+@pytest.fixture(scope="module")
+def group_init_program(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.fail("no C compiler to build tests/cpp/dropin_group_init.c (the build of hetccl needs one too)")
+    d = tmp_path_factory.mktemp("group_init")
+    out = d / "group_init"
+    lib = os.path.dirname(DROPIN)
+    subprocess.run([cc, "-O1", "-Wall", "-Werror", "-o", str(out), os.path.join(HERE, "cpp", "dropin_group_init.c"),
+                    "-I", os.path.join(HERE, "..", "csrc"), "-L", lib, "-l:libnccl.so.2", f"-Wl,-rpath,{lib}"],
+                   check=True)
+    return str(out)
+
+
+@pytest.mark.parametrize("layout", ["2+1", "2+2", "one vendor 2", "1+1+1 from one process"])
+def test_inits_inside_a_group_from_one_thread(tmp_path, group_init_program, layout):
+    """NCCL's one-thread-several-devices pattern (nccl-tests -g N): each process makes several
+    ranks inside one ncclGroupStart/End, whose inits the outermost ncclGroupEnd runs together,
+    then all_reduces on all of them in one group (tests/cpp/dropin_group_init.c). Before the
+    inits were deferred, the first init waited for ranks its thread had not made yet and timed
+    out."""
+    # (vendor label, how many ranks) per process
+    procs_of = {"2+1": [("a", 2), ("b", 1)], "2+2": [("a", 2), ("b", 2)], "one vendor 2": [("a", 2)],
+                "1+1+1 from one process": [("a", 1), ("b", 1), ("c", 1)]}[layout]
+    if layout == "1+1+1 from one process":  # one process, three vendors: HETCCL_VENDOR_SPLIT labels ranks
+        procs_of = [(None, 3)]
+    nranks = sum(k for _, k in procs_of)
+    idfile = str(tmp_path / "id")
+    procs, first = [], 0
+    for label, k in procs_of:
+        env = {**os.environ, **nccl_env(HETCCL_TIMEOUT_S="30")}
+        if label is None:
+            env["HETCCL_VENDOR_SPLIT"] = "1+1+1"
+        else:
+            env["HETCCL_VENDOR"] = label
+        procs.append(subprocess.Popen([group_init_program, idfile, str(nranks), str(first), str(k)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        first += k
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{layout}: the job did not finish within 120 s")
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0 and o.strip().endswith("ok"), o[-3000:]

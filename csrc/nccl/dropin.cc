@@ -16,7 +16,10 @@
 //    communicator); a shrink needs no collective over the parent (NCCL_SHRINK_ABORT after a
 //    dead peer: csrc/hetccl.h).
 //  * Groups: ncclGroupStart/End go to both the real library and hetccl, so a group may hold
-//    calls of both kinds of communicator.
+//    calls of both kinds of communicator. Inits inside a group (one thread making several
+//    communicators, as nccl-tests -g N and NCCL's docs do) are deferred to the outermost
+//    ncclGroupEnd, which runs them concurrently, one thread each on its caller's device, and
+//    returns the first failure; a communicator is usable once that ncclGroupEnd returned.
 //  * What has no cross-vendor meaning is refused on a hetccl communicator with
 //    ncclInvalidUsage and a message in ncclGetLastError: windows (symmetric memory), device
 //    communicators and ncclCommRevoke; ncclCommRegister is accepted as the hint it
@@ -37,6 +40,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../hetccl.h"
@@ -62,6 +66,11 @@ struct ncclComm {
   ncclComm_t real = nullptr;    // the real library's communicator (one vendor)
   hetcclComm_t het = nullptr;   // hetccl's (across vendors)
   int rank = 0, nranks = 0, device = 0;
+  // An init called inside ncclGroupStart/End runs at the outermost ncclGroupEnd (NCCL's
+  // one-thread-several-devices pattern): until then the communicator is WAITING; if that init
+  // failed it is FAILED, and only destroy or abort are accepted.
+  enum State { READY, WAITING, FAILED } state = READY;
+  ncclResult_t init_error = ncclSuccess;  // FAILED: what the init returned
 };
 
 extern "C" HETCCL_NCCL_API const char* hetcclDropinInfo(void);
@@ -229,6 +238,25 @@ int current_device() {
 #endif
 }
 
+// Make `device` current on this (new) thread, as the init's caller had it: the real library and
+// hetccl's device runtime take the device of the calling thread.
+void set_device(int device) {
+#ifdef HETCCL_DROPIN_RCCL
+  void* h = dlopen("libamdhip64.so", RTLD_NOW | RTLD_NOLOAD);
+  auto set = h ? reinterpret_cast<int (*)(int)>(dlsym(h, "hipSetDevice")) : nullptr;
+  if (set) set(device);
+#else
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!h) return;  // no CUDA in this process (the emulated device of the tests)
+  auto get = reinterpret_cast<int (*)(int*, int)>(dlsym(h, "cuDeviceGet"));
+  auto retain = reinterpret_cast<int (*)(void**, int)>(dlsym(h, "cuDevicePrimaryCtxRetain"));
+  auto set = reinterpret_cast<int (*)(void*)>(dlsym(h, "cuCtxSetCurrent"));
+  int dev = 0;
+  void* ctx = nullptr;  // retained for the process's life, as the runtime's own primary context
+  if (get && retain && set && get(&dev, device) == 0 && retain(&ctx, dev) == 0) set(ctx);
+#endif
+}
+
 bool quiet() {
   const char* v = getenv("HETCCL_LOG_LEVEL");
   if (!v) return false;
@@ -332,9 +360,42 @@ ncclResult_t settle(ncclComm* c, ncclConfig_t* config) {
   return rr;
 }
 
+// The init proper: hetccl's bootstrap, then settle. On failure nothing of c's is left open.
+ncclResult_t init_now(ncclComm* c, const ncclUniqueId& id, ncclConfig_t* config) {
+  hetcclUniqueId hid;
+  static_assert(sizeof hid == sizeof id, "unique ids of one size");
+  memcpy(&hid, &id, sizeof hid);
+  hetcclResult_t r = hetcclCommInitRank(&c->het, c->nranks, hid, c->rank);
+  if (r != hetcclSuccess) {
+    c->het = nullptr;
+    t_error = hetcclGetLastError(nullptr);
+    return ncclResult_t(r);
+  }
+  ncclResult_t s = settle(c, config);
+  if (s != ncclSuccess && s != ncclInProgress) {
+    if (c->het) hetcclCommAbort(c->het);
+    if (c->real && REAL(ncclCommAbort)) REAL(ncclCommAbort)(c->real);
+    c->het = nullptr;
+    c->real = nullptr;
+  }
+  return s;
+}
+
+// This thread's ncclGroupStart depth and the inits waiting for its outermost ncclGroupEnd.
+struct DeferredInit {
+  ncclComm* c;
+  ncclUniqueId id;
+  std::vector<char> config;  // a copy of the caller's ncclConfig_t (its first field is its size)
+};
+thread_local int t_group_depth = 0;
+thread_local std::vector<DeferredInit> t_inits;
+
 ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank, ncclConfig_t* config) {
   if (!out) return fail(ncclInvalidArgument, "hetccl: ncclCommInitRank: comm is NULL");
   *out = nullptr;
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    return fail(ncclInvalidArgument, "hetccl: ncclCommInitRank: rank " + std::to_string(rank) +
+                                         " is not in [0, nranks) for nranks " + std::to_string(nranks));
   defaults();
   banner();
   auto* c = new (std::nothrow) ncclComm();
@@ -342,19 +403,24 @@ ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank,
   c->rank = rank;
   c->nranks = nranks;
   c->device = current_device();
-  hetcclUniqueId hid;
-  static_assert(sizeof hid == sizeof id, "unique ids of one size");
-  memcpy(&hid, &id, sizeof hid);
-  hetcclResult_t r = hetcclCommInitRank(&c->het, nranks, hid, rank);
-  if (r != hetcclSuccess) {
-    t_error = hetcclGetLastError(nullptr);
-    delete c;
-    return ncclResult_t(r);
+  if (t_group_depth > 0) {  // runs at the outermost ncclGroupEnd
+    DeferredInit d{c, id, {}};
+    if (config) {
+      size_t n = *reinterpret_cast<const size_t*>(config);
+      if (n < sizeof(size_t) || n > 4096) {
+        delete c;
+        return fail(ncclInvalidArgument, "hetccl: ncclCommInitRankConfig: config->size " + std::to_string(n) +
+                                             " is not that of an ncclConfig_t (use NCCL_CONFIG_INITIALIZER)");
+      }
+      d.config.assign(reinterpret_cast<const char*>(config), reinterpret_cast<const char*>(config) + n);
+    }
+    c->state = ncclComm::WAITING;
+    t_inits.push_back(std::move(d));
+    *out = c;
+    return ncclSuccess;
   }
-  ncclResult_t s = settle(c, config);
+  ncclResult_t s = init_now(c, id, config);
   if (s != ncclSuccess && s != ncclInProgress) {
-    if (c->het) hetcclCommAbort(c->het);
-    if (c->real && REAL(ncclCommAbort)) REAL(ncclCommAbort)(c->real);
     delete c;
     return s;
   }
@@ -362,8 +428,70 @@ ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank,
   return s;
 }
 
-#define CHECK_COMM(c, what) \
-  if (!(c) || (!(c)->real && !(c)->het)) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL")
+// The outermost ncclGroupEnd's inits: each on a thread of its own (each bootstrap waits for
+// the ranks the others make), on the device its caller had. The first failure is returned with
+// its text; a failed communicator is left FAILED for the caller's destroy or abort.
+ncclResult_t run_deferred_inits() {
+  std::vector<DeferredInit> inits;
+  inits.swap(t_inits);
+  if (inits.empty()) return ncclSuccess;
+  std::vector<ncclResult_t> rc(inits.size(), ncclSuccess);
+  std::vector<std::string> text(inits.size());
+  auto one = [&](size_t i) {
+    DeferredInit& d = inits[i];
+    set_device(d.c->device);
+    rc[i] = init_now(d.c, d.id, d.config.empty() ? nullptr : reinterpret_cast<ncclConfig_t*>(d.config.data()));
+    if (rc[i] != ncclSuccess && rc[i] != ncclInProgress) text[i] = t_error;
+    d.c->state = (rc[i] == ncclSuccess || rc[i] == ncclInProgress) ? ncclComm::READY : ncclComm::FAILED;
+    d.c->init_error = rc[i];
+  };
+  if (inits.size() == 1) {
+    one(0);
+  } else {
+    std::vector<std::thread> th;
+    for (size_t i = 0; i < inits.size(); ++i) th.emplace_back(one, i);
+    for (auto& t : th) t.join();
+  }
+  ncclResult_t first = ncclSuccess;
+  for (size_t i = 0; i < inits.size(); ++i) {
+    if (rc[i] == ncclSuccess || rc[i] == ncclInProgress) {
+      if (first == ncclSuccess) first = rc[i];
+      continue;
+    }
+    if (first == ncclSuccess || first == ncclInProgress) {
+      first = rc[i];
+      t_error = "hetccl: ncclGroupEnd: the init of rank " + std::to_string(inits[i].c->rank) + " of " +
+                std::to_string(inits[i].c->nranks) + " failed: " + text[i];
+    }
+  }
+  return first;
+}
+
+// A communicator whose init waits for ncclGroupEnd, or failed there.
+ncclResult_t not_ready(const ncclComm* c, const std::string& what) {
+  if (c->state == ncclComm::WAITING)
+    return fail(ncclInvalidUsage, "hetccl: " + what + ": the communicator's init waits for ncclGroupEnd (it was "
+                                                      "called inside ncclGroupStart/End)");
+  return fail(ncclInvalidUsage, "hetccl: " + what + ": the communicator's init failed at ncclGroupEnd; only "
+                                                    "ncclCommDestroy or ncclCommAbort are left");
+}
+
+// Destroy or abort of a communicator that never became ready: nothing of hetccl's or the real
+// library's is open; a waiting init is dropped from the group.
+ncclResult_t drop_unready(ncclComm* c) {
+  for (auto it = t_inits.begin(); it != t_inits.end(); ++it)
+    if (it->c == c) {
+      t_inits.erase(it);
+      break;
+    }
+  delete c;
+  return ncclSuccess;
+}
+
+#define CHECK_COMM(c, what)                                                                   \
+  if (!(c)) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL"); \
+  if ((c)->state != ncclComm::READY) return not_ready(c, what);                                 \
+  if (!(c)->real && !(c)->het) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL")
 #define FORWARD(c, fn, ...)                                            \
   do {                                                                 \
     auto f = REAL(fn);                                                 \
@@ -492,6 +620,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   FROM_REAL(ncclCommDestroy, comm);
   if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
+  if (comm->state != ncclComm::READY) return drop_unready(comm);
   CHECK_COMM(comm, "ncclCommDestroy");
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
@@ -507,6 +636,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
   FROM_REAL(ncclCommAbort, comm);
   if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
+  if (comm->state != ncclComm::READY) return drop_unready(comm);
   CHECK_COMM(comm, "ncclCommAbort");
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
@@ -588,6 +718,10 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeR
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
   FROM_REAL(ncclCommGetAsyncError, comm, asyncError);
+  if (comm && asyncError && comm->state != ncclComm::READY) {  // as NCCL's: in progress, or the init's error
+    *asyncError = comm->state == ncclComm::WAITING ? ncclInProgress : comm->init_error;
+    return ncclSuccess;
+  }
   CHECK_COMM(comm, "ncclCommGetAsyncError");
   if (comm->real) FORWARD(comm, ncclCommGetAsyncError, comm->real, asyncError);
   if (!asyncError) return fail(ncclInvalidArgument, "hetccl: ncclCommGetAsyncError: asyncError is NULL");
@@ -839,6 +973,7 @@ ncclResult_t ncclGroupStart(void) {
     ncclResult_t r = f();
     if (r != ncclSuccess) return r;
   }
+  ++t_group_depth;
   return from_het(hetcclGroupStart());
 }
 
@@ -847,7 +982,10 @@ ncclResult_t ncclGroupEnd(void) {
   ncclResult_t r = ncclSuccess;
   if (auto f = REAL(ncclGroupEnd)) r = f();
   ncclResult_t h = from_het(hetcclGroupEnd());
-  return r != ncclSuccess ? r : h;
+  // the deferred inits run once both groups are closed: theirs run outside any group
+  ncclResult_t i = ncclSuccess;
+  if (t_group_depth > 0 && --t_group_depth == 0) i = run_deferred_inits();
+  return r != ncclSuccess ? r : h != ncclSuccess ? h : i;
 }
 
 ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
@@ -857,7 +995,9 @@ ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
   ncclResult_t r = ncclSuccess;
   if (auto f = REAL(ncclGroupSimulateEnd)) r = f(simInfo);
   ncclResult_t h = from_het(hetcclGroupEnd());
-  return r != ncclSuccess ? r : h;
+  ncclResult_t i = ncclSuccess;
+  if (t_group_depth > 0 && --t_group_depth == 0) i = run_deferred_inits();
+  return r != ncclSuccess ? r : h != ncclSuccess ? h : i;
 }
 
 }  // extern "C"

@@ -1,0 +1,114 @@
+/* One process of an nccl-tests-style job through the drop-in NCCL (tests/test_dropin.py):
+ * this process makes its `local` ranks [first, first+local) of an `nranks` job from ONE thread
+ * inside ncclGroupStart/End (NCCL's one-thread-several-devices pattern, nccl-tests -g N), then
+ * runs an all_reduce on every one of them inside one group, each on a stream of its own (the
+ * emulated device's streams: HETCCL_CAPI_DEVICE=emulated), and checks the sums exactly.
+ * It also checks that a communicator whose init waits for ncclGroupEnd refuses a call with a
+ * clear error, and that a bad rank inside a group fails at once.
+ * argv: id-file nranks first local. Rank 0's process writes the unique id to id-file.
+ * Prints "ok" and exits 0, or names what went wrong and exits 1. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "hetccl.h"
+#include "nccl/nccl_abi.h"
+
+HETCCL_NCCL_API hetcclComm_t hetcclDropinComm(ncclComm_t comm);
+
+#define FAIL(...)                  \
+  do {                             \
+    fprintf(stderr, __VA_ARGS__);  \
+    fprintf(stderr, "\n");         \
+    return 1;                      \
+  } while (0)
+#define NCCL(call)                                                                               \
+  do {                                                                                           \
+    ncclResult_t r_ = (call);                                                                    \
+    if (r_ != ncclSuccess) FAIL("%s: %d: %s", #call, (int)r_, ncclGetLastError(NULL));            \
+  } while (0)
+
+enum { COUNT = 1000, MAXLOCAL = 8 };
+
+int main(int argc, char** argv) {
+  if (argc != 5) FAIL("usage: %s id-file nranks first local", argv[0]);
+  const char* idfile = argv[1];
+  int nranks = atoi(argv[2]), first = atoi(argv[3]), local = atoi(argv[4]);
+  if (local < 1 || local > MAXLOCAL) FAIL("local must be 1..%d", MAXLOCAL);
+  ncclUniqueId id;
+  if (first == 0) {
+    NCCL(ncclGetUniqueId(&id));
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", idfile);
+    FILE* f = fopen(tmp, "wb");
+    if (!f || fwrite(&id, sizeof id, 1, f) != 1 || fclose(f) != 0) FAIL("cannot write %s", tmp);
+    if (rename(tmp, idfile) != 0) FAIL("cannot rename %s", tmp);
+  } else {
+    FILE* f = NULL;
+    for (int i = 0; i < 6000 && !(f = fopen(idfile, "rb")); ++i) usleep(10000);
+    if (!f || fread(&id, sizeof id, 1, f) != 1) FAIL("no unique id in %s", idfile);
+    fclose(f);
+  }
+
+  /* a bad rank inside a group fails at once, and leaves the group usable */
+  ncclComm_t bad = (ncclComm_t)1;
+  NCCL(ncclGroupStart());
+  ncclResult_t br = ncclCommInitRank(&bad, nranks, id, nranks);
+  NCCL(ncclGroupEnd());
+  if (br != ncclInvalidArgument || bad != NULL || !strstr(ncclGetLastError(NULL), "not in [0, nranks)"))
+    FAIL("a bad rank in a group: %d %p '%s'", (int)br, (void*)bad, ncclGetLastError(NULL));
+
+  ncclComm_t comms[MAXLOCAL];
+  NCCL(ncclGroupStart());
+  for (int i = 0; i < local; ++i) NCCL(ncclCommInitRank(&comms[i], nranks, id, first + i));
+  /* waiting for ncclGroupEnd: refused with a clear error, not a hang or a crash */
+  float one = 1, out = 0;
+  ncclResult_t early = ncclAllReduce(&one, &out, 1, ncclFloat, ncclSum, comms[0], NULL);
+  if (early != ncclInvalidUsage || !strstr(ncclGetLastError(NULL), "waits for ncclGroupEnd"))
+    FAIL("a call before ncclGroupEnd: %d '%s'", (int)early, ncclGetLastError(NULL));
+  ncclResult_t pending = ncclSuccess;
+  NCCL(ncclCommGetAsyncError(comms[0], &pending));
+  if (pending != ncclInProgress) FAIL("async error of a waiting init: %d, not ncclInProgress", (int)pending);
+  NCCL(ncclGroupEnd());
+
+  void* streams[MAXLOCAL];
+  float* send[MAXLOCAL];
+  float* recv[MAXLOCAL];
+  for (int i = 0; i < local; ++i) {
+    int count = 0, rank = -1;
+    ncclResult_t ae = ncclInternalError;
+    NCCL(ncclCommCount(comms[i], &count));
+    NCCL(ncclCommUserRank(comms[i], &rank));
+    NCCL(ncclCommGetAsyncError(comms[i], &ae));
+    if (count != nranks || rank != first + i || ae != ncclSuccess)
+      FAIL("communicator %d: count %d rank %d async %d", i, count, rank, (int)ae);
+    if (hetcclTestStreamCreate(hetcclDropinComm(comms[i]), &streams[i]) != hetcclSuccess)
+      FAIL("no test stream: %s", hetcclGetLastError(NULL));
+    send[i] = malloc(COUNT * sizeof(float));
+    recv[i] = malloc(COUNT * sizeof(float));
+    for (int k = 0; k < COUNT; ++k) send[i][k] = (float)((first + i + 1) * (k % 97 + 1));
+  }
+  for (int rep = 0; rep < 3; ++rep) {
+    NCCL(ncclGroupStart());
+    for (int i = 0; i < local; ++i)
+      NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
+    NCCL(ncclGroupEnd());
+    for (int i = 0; i < local; ++i) {
+      if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
+        FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
+      for (int k = 0; k < COUNT; ++k) {
+        float want = (float)(nranks * (nranks + 1) / 2 * (k % 97 + 1));  /* exact in float32 */
+        if (recv[i][k] != want) FAIL("rank %d element %d: %g, not %g", first + i, k, recv[i][k], want);
+      }
+    }
+  }
+  for (int i = 0; i < local; ++i) {
+    NCCL(ncclCommDestroy(comms[i]));
+    free(send[i]);
+    free(recv[i]);
+  }
+  printf("ok\n");
+  return 0;
+}
