@@ -497,6 +497,15 @@ def run_cases(comm, rank, n, stream=None):
               capi.INVALID_USAGE, "stream", "cannot open")
     c.run("error/unsigned_max", c.expect_all,
           lambda: comm.all_reduce(x, x, 2, "uint32", "max"), capi.INVALID_ARGUMENT, "uint32")
+    # a count that is a negative int cast to size_t, or whose bytes overflow: refused, not wrapped
+    c.run("error/count_overflows", c.expect_all,
+          lambda: comm.all_reduce(x, x, 2**64 - 1, "float32", "sum"), capi.INVALID_ARGUMENT, "address space")
+    if n > 1:
+        c.run("error/count_overflows_one_rank", c.expect_all,
+              lambda: comm.all_gather(x, np.zeros(16 * n, np.float32), 2**62 if rank == n - 1 else 4, "float32"),
+              capi.INVALID_ARGUMENT, f"rank {n - 1}")
+        c.run("error/send_count_overflows", c.expect_all,
+              lambda: comm.send(x, 2**63, "float64", (rank + 1) % n), capi.INVALID_ARGUMENT, "address space")
     c.run("error/unknown_dtype", c.expect_all,
           lambda: comm.all_reduce(x, x, 2, 42, "sum"), capi.INVALID_ARGUMENT, "datatype 42")
     c.run("error/usable_after", c.usable_after)

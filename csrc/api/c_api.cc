@@ -14,6 +14,7 @@
 //    hetcclSystemError; the communicator is then broken: every later call returns that code at
 //    once, and hetcclCommGetAsyncError reports it.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <new>
@@ -128,8 +129,17 @@ void checked(Comm& c, hetccl::api::Coll coll, size_t count, int dtype, int op, i
   }
 }
 
-Refusal common_refusal(const char* what, const DT& dt, int dtype) {
+// The datatype known, and the bytes the call spans (count elements, `blocks` times: one per rank
+// for all_gather, reduce_scatter and all_to_all) within an address space: a count that is a
+// negative int cast to size_t is refused, never wrapped into a small size.
+Refusal common_refusal(const char* what, const DT& dt, int dtype, size_t count, size_t blocks = 1) {
   if (!dt.ok) return {std::string("hetccl: ") + what + ": unknown datatype " + std::to_string(dtype)};
+  size_t b = 0;
+  if (__builtin_mul_overflow(count, dt.size, &b) || __builtin_mul_overflow(b, blocks, &b) ||
+      b > size_t(PTRDIFF_MAX))
+    return {std::string("hetccl: ") + what + ": count " + std::to_string(count) + " of " + std::to_string(dt.size) +
+            "-byte elements" + (blocks > 1 ? " times " + std::to_string(blocks) + " ranks" : "") +
+            " is more bytes than an address space holds"};
   return {};
 }
 
@@ -494,7 +504,7 @@ hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t coun
   return run(comm, "all_reduce", [&](Comm& c) {
     DT dt = dtype_of(datatype);
     hetccl::ReduceOp rop = hetccl::ReduceOp::SUM;
-    Refusal why = common_refusal("all_reduce", dt, datatype);
+    Refusal why = common_refusal("all_reduce", dt, datatype, count);
     if (why.empty()) why = reduce_refusal(c, "all_reduce", dt, op, &rop);
     if (why.empty() && count && (!sendbuff || !recvbuff)) why = {"hetccl: all_reduce: a NULL buffer"};
     size_t n = count * dt.size;
@@ -517,7 +527,7 @@ hetcclResult_t hetcclReduce(const void* sendbuff, void* recvbuff, size_t count, 
   return run(comm, "reduce", [&](Comm& c) {
     DT dt = dtype_of(datatype);
     hetccl::ReduceOp rop = hetccl::ReduceOp::SUM;
-    Refusal why = common_refusal("reduce", dt, datatype);
+    Refusal why = common_refusal("reduce", dt, datatype, count);
     if (why.empty()) why = reduce_refusal(c, "reduce", dt, op, &rop);
     if (why.empty() && (root < 0 || root >= c.size))
       why = {"hetccl: reduce: root " + std::to_string(root) + " is out of range for " + std::to_string(c.size) + " ranks"};
@@ -553,7 +563,7 @@ hetcclResult_t hetcclBroadcast(const void* sendbuff, void* recvbuff, size_t coun
                                int root, hetcclComm_t comm, void* stream) {
   return run(comm, "broadcast", [&](Comm& c) {
     DT dt = dtype_of(datatype);
-    Refusal why = common_refusal("broadcast", dt, datatype);
+    Refusal why = common_refusal("broadcast", dt, datatype, count);
     if (why.empty() && (root < 0 || root >= c.size))
       why = {"hetccl: broadcast: root " + std::to_string(root) + " is out of range for " +
              std::to_string(c.size) + " ranks"};
@@ -576,7 +586,7 @@ hetcclResult_t hetcclAllGather(const void* sendbuff, void* recvbuff, size_t send
                                hetcclComm_t comm, void* stream) {
   return run(comm, "all_gather", [&](Comm& c) {
     DT dt = dtype_of(datatype);
-    Refusal why = common_refusal("all_gather", dt, datatype);
+    Refusal why = common_refusal("all_gather", dt, datatype, sendcount, size_t(c.size));
     if (why.empty() && sendcount && (!sendbuff || !recvbuff)) why = {"hetccl: all_gather: a NULL buffer"};
     size_t n = sendcount * dt.size;
     Call k{hetccl::api::Coll::AllGather, sendcount, datatype, -1, -1, why,
@@ -599,7 +609,7 @@ hetcclResult_t hetcclReduceScatter(const void* sendbuff, void* recvbuff, size_t 
   return run(comm, "reduce_scatter", [&](Comm& c) {
     DT dt = dtype_of(datatype);
     hetccl::ReduceOp rop = hetccl::ReduceOp::SUM;
-    Refusal why = common_refusal("reduce_scatter", dt, datatype);
+    Refusal why = common_refusal("reduce_scatter", dt, datatype, recvcount, size_t(c.size));
     if (why.empty()) why = reduce_refusal(c, "reduce_scatter", dt, op, &rop);
     if (why.empty() && recvcount && (!sendbuff || !recvbuff)) why = {"hetccl: reduce_scatter: a NULL buffer"};
     size_t n = recvcount * dt.size;
@@ -625,7 +635,7 @@ hetcclResult_t hetcclAllToAll(const void* sendbuff, void* recvbuff, size_t count
                               hetcclComm_t comm, void* stream) {
   return run(comm, "all_to_all", [&](Comm& c) {
     DT dt = dtype_of(datatype);
-    Refusal why = common_refusal("all_to_all", dt, datatype);
+    Refusal why = common_refusal("all_to_all", dt, datatype, count, size_t(c.size));
     if (why.empty() && count && (!sendbuff || !recvbuff)) why = {"hetccl: all_to_all: a NULL buffer"};
     size_t n = count * dt.size, total = n * size_t(c.size);
     if (why.empty() && count && sendbuff != recvbuff) {
@@ -927,7 +937,7 @@ hetcclResult_t p2p(bool send, void* buf, size_t count, hetcclDataType_t datatype
   const char* what = send ? "send" : "recv";
   return run(comm, what, [&](Comm& c) {
     DT dt = dtype_of(datatype);
-    Refusal why = common_refusal(what, dt, datatype);
+    Refusal why = common_refusal(what, dt, datatype, count);
     if (!why.empty()) refuse(why);
     if (peer < 0 || peer >= c.size)
       throw hetccl::ArgMismatch(std::string("hetccl: ") + what + ": peer " + std::to_string(peer) +
