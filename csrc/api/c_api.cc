@@ -551,9 +551,10 @@ hetcclResult_t hetcclReduce(const void* sendbuff, void* recvbuff, size_t count, 
     k.premul = premul_of(c, op);
     k.device_algo = [count, dt, rop, is_root, n](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
                                                  const void* sdev, const void* shost) {
-      void* out = is_root ? r : d.ops.mem_alloc_async(n, d.main);
-      all_reduce_device(cc, d, s, out, count, dt, rop, sdev, shost);
-      if (!is_root) d.ops.mem_free_async(out, d.main);
+      if (is_root) return all_reduce_device(cc, d, s, r, count, dt, rop, sdev, shost);
+      hetccl::api::RouteScratch out(d, n);  // the other ranks' result goes nowhere
+      all_reduce_device(cc, d, s, out.get(), count, dt, rop, sdev, shost);
+      out.release();
     };
     dispatch(c, stream, k);
   });

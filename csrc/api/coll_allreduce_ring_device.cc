@@ -25,7 +25,8 @@ void all_reduce_ring_device(Comm& c, DeviceRoute& d, const void* send, void* rec
     return Comm::Item{peer, s, buf + block_lo(count, n, b) * es, block_len(count, n, b) * es};
   };
   size_t most = block_len(count, n, 0);  // block 0 is the largest
-  char* scratch = static_cast<char*>(d.ops.mem_alloc_async(most * es, d.main));
+  RouteScratch held(d, most * es);
+  char* scratch = held.get();
   uint32_t s = 0;
   for (int k = 0; k < n - 1; ++k, ++s) {
     int in = mod(r - k - 1, n);
@@ -33,7 +34,7 @@ void all_reduce_ring_device(Comm& c, DeviceRoute& d, const void* send, void* rec
     c.post_device(Comm::tag(seq, s), {item(c.next(), true, mod(r - k, n)), {c.prev(), false, scratch, len * es}}, d);
     d.ops.reduce(buf + block_lo(count, n, in) * es, scratch, len, dt, op, d.main);
   }
-  d.ops.mem_free_async(scratch, d.main);
+  held.release();
   int own = mod(r + 1, n);
   if (op == ReduceOp::AVG)
     d.ops.scale_div(buf + block_lo(count, n, own) * es, block_len(count, n, own), dt, n, d.main);

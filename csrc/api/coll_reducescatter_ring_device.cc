@@ -25,7 +25,8 @@ void reduce_scatter_ring_device(Comm& c, DeviceRoute& d, const void* send, void*
     if (scaled) d.ops.scale_mul(recv, recvcount, dt, scalar_dev, scalar_host, d.main);
     return;
   }
-  char* acc = static_cast<char*>(d.ops.mem_alloc_async(blk * size_t(n + 1), d.main));
+  RouteScratch held(d, blk * size_t(n + 1));
+  char* acc = held.get();
   char* in = acc + blk * size_t(n);
   d.ops.memcpy_async(acc, send, blk * size_t(n), d.main);
   if (scaled) d.ops.scale_mul(acc, recvcount * size_t(n), dt, scalar_dev, scalar_host, d.main);
@@ -36,7 +37,7 @@ void reduce_scatter_ring_device(Comm& c, DeviceRoute& d, const void* send, void*
     d.ops.reduce(acc + size_t(b) * blk, in, recvcount, dt, op, d.main);
   }
   d.ops.memcpy_async(recv, acc + size_t(r) * blk, blk, d.main);
-  d.ops.mem_free_async(acc, d.main);
+  held.release();
   if (op == ReduceOp::AVG) d.ops.scale_div(recv, recvcount, dt, n, d.main);
 }
 

@@ -16,11 +16,19 @@ DeviceRoute::DeviceRoute(DeviceOps& o) : ops(o) {
 }
 
 DeviceRoute::~DeviceRoute() {
+  try {
+    ops.set_device(device);
+    for (void* s : {main, side})
+      if (s) ops.sync(s);
+    // nothing on either stream uses a failed call's scratch now
+    for (void* p : orphans) ops.mem_free_async(p, main);
+    if (!orphans.empty()) ops.sync(main);
+  } catch (const std::exception& e) {
+    log_warn("capi", std::string("draining the device route's streams: ") + e.what());
+  }
   for (void* s : {main, side}) {
     if (!s) continue;
     try {
-      ops.set_device(device);
-      ops.sync(s);
       ops.stream_destroy(s);
     } catch (const std::exception& e) {
       log_warn("capi", std::string("closing the device route's streams: ") + e.what());

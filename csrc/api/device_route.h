@@ -29,7 +29,9 @@
 //    so routes never meet on the wire.
 //  * The caller's buffers are read and written by the route's streams only between ready and
 //    done, so the caller's stream order (and torch's caching allocator) is kept as with NCCL.
-//  * Device scratch memory is stream-ordered (mem_alloc_async / mem_free_async on main).
+//  * Device scratch memory is stream-ordered (mem_alloc_async / mem_free_async on main, through
+//    RouteScratch); a call that fails before freeing it leaves it to the route, which frees it
+//    once its streams drained.
 //  * Only the ring collectives take the route (all_reduce, reduce, reduce_scatter, all_gather,
 //    broadcast: their peers are the ring neighbours), and those two links are registered with
 //    the device runtime when the route is made, on the issuing thread, like the kernels: no
@@ -46,6 +48,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "../device_ops.h"
 #include "../reduce.h"
@@ -67,6 +70,31 @@ struct DeviceRoute {
   int device = 0;
   void* main = nullptr;
   void* side = nullptr;
+  // Scratch of calls that threw before freeing it (a failed step): a stream may still write
+  // into it, so it is freed only once both streams drained (~DeviceRoute). The executor's
+  // thread only.
+  std::vector<void*> orphans;
+};
+
+// One call's stream-ordered scratch on main: release() frees it in stream order after the
+// call's last use; a call that throws first hands it to the route's orphans instead.
+class RouteScratch {
+ public:
+  RouteScratch(DeviceRoute& d, size_t nbytes) : d_(d), p_(d.ops.mem_alloc_async(nbytes, d.main)) {}
+  ~RouteScratch() {
+    if (p_) d_.orphans.push_back(p_);
+  }
+  RouteScratch(const RouteScratch&) = delete;
+  RouteScratch& operator=(const RouteScratch&) = delete;
+  char* get() const { return static_cast<char*>(p_); }
+  void release() {
+    d_.ops.mem_free_async(p_, d_.main);
+    p_ = nullptr;
+  }
+
+ private:
+  DeviceRoute& d_;
+  void* p_;
 };
 
 // The collectives on device memory (coll_*_device.cc): the same steps as their host twins,
