@@ -40,7 +40,15 @@ _OPS = {
     dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor",
 }
 SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
-_INT_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool}
+
+
+def _divide_avg(f: torch.Tensor, world: int) -> None:
+    """AVG after the SUM: floats divided; integers as NCCL's ncclAvg (FuncSumPostDiv): the
+    sum, wrapped in the dtype, divided by the group size and truncated toward zero."""
+    if f.is_floating_point() or f.is_complex():
+        f.div_(world)
+    else:
+        f.copy_(torch.div(f, world, rounding_mode="trunc"))
 # Bitwise reductions: integer and bool dtypes only (as gloo). They move data with copy-type
 # collectives (all-to-all, all-gather) and reduce with torch's kernels, so they need nothing
 # from the native libraries' or the bridge's reduction kernels (see _bitwise_reduce_scatter).
@@ -197,9 +205,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
             raise NotImplementedError(
                 f"hetccl: reductions of dtype {t.dtype} on {t.device.type} tensors are not "
                 f"supported (supported: {', '.join(sorted(str(d)[6:] for d in ok))})")
-        if op == "avg" and t.dtype in _INT_DTYPES:
-            raise NotImplementedError(f"hetccl: ReduceOp.AVG is not supported for integer dtype "
-                                      f"{t.dtype} (use SUM and divide)")
+        if op == "avg" and t.dtype == torch.bool:
+            raise TypeError("hetccl: Cannot use ReduceOp.AVG with boolean inputs (as "
+                            "ProcessGroupNCCL)")
         if t.is_complex() and op in ("min", "max", "prod"):
             # (torch refuses these for all_reduce on complex tensors, supports_complex; the
             # native libraries' complex products are not all defined, so a product across
@@ -234,7 +242,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                                self.engine.algo_overrides)
                 fn(ctx, f, "sum" if op == "avg" else op)
                 if op == "avg":
-                    f.div_(world) if f.is_floating_point() or f.is_complex() else None
+                    _divide_avg(f, world)
                 if copied:
                     t.copy_(f.view_as(t))
 
@@ -375,7 +383,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             return
         algo(ctx, f, root, "sum" if op == "avg" else op)
         if self.rank() == root and op == "avg":
-            f.div_(self.size())
+            _divide_avg(f, self.size())
 
     # ------------------------------------------------------------------ all-gather
     def _all_gather_flat(self, out_flat: torch.Tensor, inp: torch.Tensor, after=None,
@@ -523,7 +531,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 return
             algo(ctx, o, inp_flat, "sum" if op == "avg" else op)
             if op == "avg":
-                o.div_(world)
+                _divide_avg(o, world)
             if copied:
                 out.copy_(o.view_as(out))
 

@@ -78,6 +78,10 @@ def reference(inputs: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.
         xs = torch.stack([x.to(torch.float64) for x in inputs])
     else:
         xs = torch.stack([x.to(torch.int64) for x in inputs])
+    if op == "avg" and not dtype.is_floating_point:
+        # NCCL's ncclAvg on integers: the sum wrapped in the dtype, divided, truncated to zero
+        r = _wrap(xs.sum(0), dtype)
+        return torch.div(r, len(inputs), rounding_mode="trunc")
     if op in ("sum", "avg"):
         r = xs.sum(0)
         if op == "avg":
@@ -88,9 +92,13 @@ def reference(inputs: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.
         r = xs.min(0).values if xs.numel() else xs.sum(0)
     else:
         r = xs.max(0).values if xs.numel() else xs.sum(0)
-    if not dtype.is_floating_point and dtype != torch.int64:
+    return _wrap(r, dtype)
+
+
+def _wrap(r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Integer results wrap around like the dtype does (int64 wraps by itself)."""
+    if not dtype.is_floating_point and dtype not in (torch.int64, torch.bool):
         info = torch.iinfo(dtype)
-        # integer results wrap around like the dtype does
         r = ((r - info.min) % (info.max - info.min + 1)) + info.min
     return r
 
@@ -177,8 +185,8 @@ def _all_reduce_matrix(c: Cases, rank: int, W: int, dev: torch.device = CPU) -> 
     """all_reduce: every op x dtype (bitwise ops on integer and bool dtypes), several sizes."""
     for dtype in REDUCE_DTYPES:
         for opn, op in OPS.items():
-            if opn == "avg" and not dtype.is_floating_point:
-                continue
+            if opn == "avg" and dtype == torch.bool:
+                continue  # refused (error_cases: avg_on_bool)
             for n in (SIZES if dtype == torch.float32 and opn == "sum" else [0, 7, 70001]):
                 def f(case, dtype=dtype, opn=opn, op=op, n=n):
                     x = data(rank, case, n, dtype, opn).to(dev)
@@ -375,7 +383,7 @@ def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
 
     # reduce_scatter (list and tensor)
     for dtype in REDUCE_DTYPES:
-        for opn in ("sum", "max", "min", "prod") + (("avg",) if dtype.is_floating_point else ()):
+        for opn in ("sum", "max", "min", "prod") + (("avg",) if dtype != torch.bool else ()):
             for n in (0, 5, 20001):
                 def f(case, dtype=dtype, opn=opn, n=n):
                     full = [put(data(rank, case, W * n, dtype, opn))]

@@ -44,9 +44,9 @@ def run(ctx) -> dict[str, str]:
     out["sparse_non_sum"] = _expect(
         lambda: dist.all_reduce(torch.ones(4).to_sparse(), op=dist.ReduceOp.MAX),
         ValueError, "sparse", "SUM")
-    out["avg_on_int"] = _expect(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32),
-                                                        op=dist.ReduceOp.AVG),
-                                NotImplementedError, "AVG", "int32")
+    out["avg_on_bool"] = _expect(lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool),
+                                                         op=dist.ReduceOp.AVG),
+                                 TypeError, "AVG", "boolean")
     out["invalid_root"] = _expect(lambda: dist.broadcast(torch.ones(3), src=world + 5),
                                   (ValueError, RuntimeError), "rank")
     # uneven all_gather (list): rank 1's input does not match outs[1], which every rank
