@@ -193,6 +193,23 @@ class HetcclProcessGroup(dist.ProcessGroup):
             self._coalescing.append(work)
         return work
 
+    def _refused_here(self, err: BaseException, coll: str, t: torch.Tensor, op: str | None = None,
+                      root: int = -1) -> BaseException:
+        """This rank's own verdict on its arguments (a dtype or op it cannot reduce, a root out
+        of range), raised at the call as torch's native groups raise it. The same verdict goes
+        to the peers in the check of the call they are making (EngineCtx.begin's refusal, on a
+        work of its own), so they raise naming this rank instead of waiting for its data --
+        whatever each rank passed. Returns err, for the caller to raise."""
+        if self.size() > 1 and self.engine.check_mode != "off":
+            def body(ctx, algo):
+                try:
+                    ctx.begin(coll, t.numel(), t.dtype, op, root, refusal=err)
+                except BaseException:  # noqa: BLE001 -- raised to the caller already
+                    pass
+
+            self._submit(coll, 0, body, [], [t])
+        return err
+
     def _validate_reduce(self, t: torch.Tensor, op: str) -> None:
         if op in _BITWISE:
             if t.dtype not in _BITWISE_DTYPES:
@@ -225,8 +242,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
         op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
-        for t in tensors:
-            self._validate_reduce(t, op)
+        try:
+            for t in tensors:
+                self._validate_reduce(t, op)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise self._refused_here(e, "all_reduce", tensors[0], op)
         flats = [_flat(t) for t in tensors]
         world = self.size()
 
@@ -342,7 +362,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ broadcast / reduce
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        self._validate_root(root)
+        try:
+            self._validate_root(root)
+        except ValueError as e:
+            raise self._refused_here(e, "broadcast", tensors[0], None, 0)
         flats = [_flat(t) for t in tensors]
 
         def body(ctx, algo):
@@ -356,10 +379,13 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        self._validate_root(root)
         op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        for t in tensors:
-            self._validate_reduce(t, op)
+        try:
+            self._validate_root(root)
+            for t in tensors:
+                self._validate_reduce(t, op)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise self._refused_here(e, "reduce", tensors[0], op, root if 0 <= root < self.size() else 0)
         flats = [_flat(t) for t in tensors]
         me = self.rank()
 
@@ -541,7 +567,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
         op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         out = output_tensors[0]
         ins = input_tensors[0]
-        self._validate_reduce(out, op)
+        try:
+            self._validate_reduce(out, op)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise self._refused_here(e, "reduce_scatter", out, op)
         refusal = None  # what only this rank can see: refused through the check (every rank)
         if len(ins) != self.size():
             refusal = ValueError(f"hetccl: reduce_scatter needs {self.size()} input tensors, "
@@ -581,7 +610,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     def _hc_reduce_scatter_single(self, output, input, opts=None):
         op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        self._validate_reduce(output, op)
+        try:
+            self._validate_reduce(output, op)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise self._refused_here(e, "reduce_scatter", output, op)
         inp, _ = _flat(input)
         return self._submit("reduce_scatter", 0, self._reduce_scatter_flat(output, inp, op),
                             [output], [output, inp], opts)

@@ -339,6 +339,44 @@ class Cases:
             bad.append(f"group unusable after: {y.tolist()}")
         return "; ".join(bad) or None
 
+    def refused_at_the_call_on_one_rank(self):
+        """What one rank refuses at the call (a dtype or op it cannot reduce, a root out of
+        range) raises there at once, as torch's groups do, and also reaches the peers' check:
+        they raise naming that rank instead of waiting for its data; the group stays usable."""
+        w, me = self.world, self.rank
+        last = w - 1
+        bad = []
+        # rank 0: int16, which it cannot reduce (torch passes it on), the others int32
+        x = torch.ones(4, dtype=torch.int16 if me == 0 else torch.int32)
+        want = (NotImplementedError, "int16") if me == 0 else (ValueError, "refused on that rank", "[0]")
+        v = expect_error(lambda: dist.all_reduce(x), *want)
+        if v != "ok":
+            bad.append(f"all_reduce int16: {v}")
+        # the last rank: a broadcast root out of range
+        y = torch.ones(3)
+        want = (ValueError, "rank", str(w + 5)) if me == last else (ValueError, "refused on that rank", f"[{last}]")
+        v = expect_error(lambda: dist.broadcast(y, src=w + 5 if me == last else 0), *want)
+        if v != "ok":
+            bad.append(f"broadcast root: {v}")
+        # rank 0: BAND on a float output (refused), the others on int32
+        dt = torch.float32 if me == 0 else torch.int32
+        want = (ValueError, "BAND") if me == 0 else (ValueError, "refused on that rank", "[0]")
+        v = expect_error(lambda: dist.reduce_scatter_tensor(torch.zeros(2, dtype=dt), torch.ones(2 * w, dtype=dt),
+                                                            op=dist.ReduceOp.BAND), *want)
+        if v != "ok":
+            bad.append(f"reduce_scatter band: {v}")
+        # the last rank: AVG on bool (refused), the others float32, into a reduce to rank 0
+        z = torch.ones(4, dtype=torch.bool) if me == last else torch.ones(4)
+        want = (TypeError, "boolean") if me == last else (ValueError, "refused on that rank", f"[{last}]")
+        v = expect_error(lambda: dist.reduce(z, 0, op=dist.ReduceOp.AVG), *want)
+        if v != "ok":
+            bad.append(f"reduce avg bool: {v}")
+        y = torch.full((5,), 1.0)
+        dist.all_reduce(y)
+        if not torch.equal(y, torch.full((5,), float(w))):
+            bad.append(f"group unusable after: {y.tolist()}")
+        return "; ".join(bad) or None
+
     # ---------------------------------------------------------------- p2p works
     def any_source_open_then_named(self, tag: int):
         """Rank 0 posts an any-source receive, then a named receive from the last rank (of
@@ -576,6 +614,7 @@ def run_all(ctx, start_lines: list | None = None) -> dict[str, str]:
     c.run("any_source/then_named", c.any_source_then_named, 12)
     c.run("any_source/size_error", c.any_source_size_error, 13)
     c.run("refusal/one_rank", c.refused_on_one_rank)
+    c.run("refusal/at_the_call_on_one_rank", c.refused_at_the_call_on_one_rank)
     c.run("timeout/wording", c.timeout_wording)
     c.run("monitored_barrier", c.monitored_barrier)
     c.run("passthrough/identity", c.passthrough_identity)
