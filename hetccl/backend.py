@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import compat, device as devices, hostmem, tags, vendor
+from . import checks, compat, device as devices, hostmem, tags, vendor
 from ._core import CommTimeout
 from .algorithms import select
 from .engine import Engine
@@ -194,20 +194,30 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return work
 
     def _refused_here(self, err: BaseException, coll: str, t: torch.Tensor, op: str | None = None,
-                      root: int = -1) -> BaseException:
+                      root: int = -1, calls: int = 1) -> BaseException:
         """This rank's own verdict on its arguments (a dtype or op it cannot reduce, a root out
         of range), raised at the call as torch's native groups raise it. The same verdict goes
         to the peers in the check of the call they are making (EngineCtx.begin's refusal, on a
         work of its own), so they raise naming this rank instead of waiting for its data --
-        whatever each rank passed. Returns err, for the caller to raise."""
+        whatever each rank passed. `calls`: how many collectives the peers make for this one
+        (a coalesced list: one per element), so that every rank stays at the same sequence
+        number. Returns err, for the caller to raise.
+        Contract: a call refused at the call takes part in exactly the collectives its peers
+        make for it, whether this rank or another one refuses it.
+        On CUDA tensors with HETCCL_CHECK_ARGS=on the check round trip runs inline, so the
+        refusing rank raises once its peers' headers are in."""
         if self.size() > 1 and self.engine.check_mode != "off":
+            told = type(err)(*err.args)  # the worker's own copy: its traceback stays there
+
             def body(ctx, algo):
                 try:
-                    ctx.begin(coll, t.numel(), t.dtype, op, root, refusal=err)
-                except BaseException:  # noqa: BLE001 -- raised to the caller already
-                    pass
+                    ctx.begin(coll, t.numel(), t.dtype, op if op in checks.OP_CODES else None,
+                              root, refusal=told)
+                except (ValueError, TypeError, NotImplementedError):
+                    pass  # raised to the caller already; a failure of the exchange itself is not
 
-            self._submit(coll, 0, body, [], [t])
+            for _ in range(calls):
+                self._submit(coll, 0, body, [], [t])
         return err
 
     def _validate_reduce(self, t: torch.Tensor, op: str) -> None:
@@ -239,10 +249,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all-reduce
     def allreduce(self, tensors, opts=None):
-        op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        if any(t.is_sparse for t in tensors):
-            return self._sparse_allreduce(tensors, op)
+        if any(t.is_sparse for t in tensors):  # its own protocol, its own checks
+            return self._sparse_allreduce(tensors, op_name(opts.reduceOp if opts is not None
+                                                           else dist.ReduceOp.SUM))
+        op = None
         try:
+            op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
             for t in tensors:
                 self._validate_reduce(t, op)
         except (ValueError, TypeError, NotImplementedError) as e:
@@ -379,8 +391,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = None
         try:
+            op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
             self._validate_root(root)
             for t in tensors:
                 self._validate_reduce(t, op)
@@ -564,10 +577,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return body
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         out = output_tensors[0]
         ins = input_tensors[0]
+        op = None
         try:
+            op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
             self._validate_reduce(out, op)
         except (ValueError, TypeError, NotImplementedError) as e:
             raise self._refused_here(e, "reduce_scatter", out, op)
@@ -590,8 +604,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
         me = self.rank()
         for t in ins:
             if t.dtype != out.dtype:
-                raise TypeError(f"hetccl: reduce_scatter input dtype {t.dtype} != output "
-                                f"dtype {out.dtype}")
+                raise self._refused_here(
+                    TypeError(f"hetccl: reduce_scatter input dtype {t.dtype} != output "
+                              f"dtype {out.dtype}"), "reduce", out, op, 0, calls=len(ins))
         parts = []
         for k, t in enumerate(ins):
             if k == me and t.numel() != out.numel():
@@ -609,16 +624,26 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return self._submit("reduce", 0, body, output_tensors, [out, *ins])
 
     def _hc_reduce_scatter_single(self, output, input, opts=None):
-        op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        try:
-            self._validate_reduce(output, op)
-        except (ValueError, TypeError, NotImplementedError) as e:
-            raise self._refused_here(e, "reduce_scatter", output, op)
+        op = self._reduce_scatter_op([output], opts)
         inp, _ = _flat(input)
         return self._submit("reduce_scatter", 0, self._reduce_scatter_flat(output, inp, op),
                             [output], [output, inp], opts)
 
+    def _reduce_scatter_op(self, outputs, opts) -> str:
+        """The op of reduce_scatter_tensor over `outputs` (one collective each), every output
+        validated before any is submitted: a refusal stands for all of them (_refused_here)."""
+        op = None
+        try:
+            op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+            for o in outputs:
+                self._validate_reduce(o, op)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise self._refused_here(e, "reduce_scatter", outputs[0], op, calls=len(outputs))
+        return op
+
     def _hc_reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        if outputs:
+            self._reduce_scatter_op(list(outputs), opts)
         works = [self._hc_reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return _AllWork(works, outputs)
 
@@ -703,7 +728,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ gather / scatter
     def gather(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        self._validate_root(root)
+        try:
+            self._validate_root(root)
+        except ValueError as e:
+            raise self._refused_here(e, "gather", input_tensors[0], None, 0)
         x, _ = _flat(input_tensors[0])
         me = self.rank()
         outs = output_tensors[0] if me == root and output_tensors else None
@@ -735,7 +763,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        self._validate_root(root)
+        try:
+            self._validate_root(root)
+        except ValueError as e:
+            raise self._refused_here(e, "scatter", output_tensors[0], None, 0)
         out = output_tensors[0]
         o, copied = _flat(out)
         me = self.rank()

@@ -371,6 +371,26 @@ class Cases:
         v = expect_error(lambda: dist.reduce(z, 0, op=dist.ReduceOp.AVG), *want)
         if v != "ok":
             bad.append(f"reduce avg bool: {v}")
+        # rank 0: the second of three coalesced reduce_scatters in int16 (refused); every
+        # rank's three collectives pair up, so the next calls still meet their peers' own
+        outs = [torch.zeros(2, dtype=torch.int16 if (me == 0 and k == 1) else torch.int32) for k in range(3)]
+        ins = [torch.ones(2 * w, dtype=o.dtype) for o in outs]
+
+        def coalesced():
+            with dist._coalescing_manager(async_ops=True) as cm:
+                for o, i in zip(outs, ins):
+                    dist.reduce_scatter_tensor(o, i)
+            cm.wait()
+        want = (NotImplementedError, "int16") if me == 0 else ((ValueError, RuntimeError), "refused on that rank")
+        v = expect_error(coalesced, *want)
+        if v != "ok":
+            bad.append(f"coalesced reduce_scatter: {v}")
+        # the last rank: a gather root out of range
+        want = (ValueError, "rank") if me == last else (ValueError, "refused on that rank", f"[{last}]")
+        v = expect_error(lambda: dist.gather(torch.ones(2), [torch.empty(2) for _ in range(w)] if me == 0 else None,
+                                             dst=w + 3 if me == last else 0), *want)
+        if v != "ok":
+            bad.append(f"gather root: {v}")
         y = torch.full((5,), 1.0)
         dist.all_reduce(y)
         if not torch.equal(y, torch.full((5,), float(w))):

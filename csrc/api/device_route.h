@@ -88,8 +88,9 @@ class RouteScratch {
   RouteScratch& operator=(const RouteScratch&) = delete;
   char* get() const { return static_cast<char*>(p_); }
   void release() {
-    d_.ops.mem_free_async(p_, d_.main);
-    p_ = nullptr;
+    void* p = p_;
+    p_ = nullptr;  // a free that throws does not leave it to the orphans as well
+    d_.ops.mem_free_async(p, d_.main);
   }
 
  private:

@@ -36,6 +36,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <mutex>
 #include <new>
@@ -68,9 +70,16 @@ struct ncclComm {
   int rank = 0, nranks = 0, device = 0;
   // An init called inside ncclGroupStart/End runs at the outermost ncclGroupEnd (NCCL's
   // one-thread-several-devices pattern): until then the communicator is WAITING; if that init
-  // failed it is FAILED, and only destroy or abort are accepted.
-  enum State { READY, WAITING, FAILED } state = READY;
-  ncclResult_t init_error = ncclSuccess;  // FAILED: what the init returned
+  // failed it is FAILED, and only destroy or abort are accepted. init_error is stored before
+  // state (release), so a thread that reads FAILED reads the error too.
+  enum State : int { READY, WAITING, FAILED };
+  std::atomic<int> state{READY};
+  std::atomic<int> init_error{0};  // FAILED: what the init returned
+  // A deferred init's ownership, under mu: `running` once its ncclGroupEnd started it;
+  // `abandoned` when ncclCommDestroy/Abort (from any thread) came first: whoever sees the init
+  // end frees the communicator then.
+  std::mutex mu;
+  bool running = false, abandoned = false;
 };
 
 extern "C" HETCCL_NCCL_API const char* hetcclDropinInfo(void);
@@ -222,10 +231,21 @@ bool native_allowed() {
   return !(v && (std::string(v) == "0" || std::string(v) == "off"));
 }
 
+#ifdef HETCCL_DROPIN_RCCL
+// A HIP runtime entry point of the process's loaded runtime: the global scope first, then the
+// loaded library by its versioned and unversioned names (never loads one).
+void* hip_fn(const char* name) {
+  if (void* f = dlsym(RTLD_DEFAULT, name)) return f;
+  for (const char* lib : {"libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so"})
+    if (void* h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD))
+      if (void* f = dlsym(h, name)) return f;
+  return nullptr;
+}
+#endif
+
 int current_device() {
 #ifdef HETCCL_DROPIN_RCCL
-  void* h = dlopen("libamdhip64.so", RTLD_NOW | RTLD_NOLOAD);
-  auto get = h ? reinterpret_cast<int (*)(int*)>(dlsym(h, "hipGetDevice")) : nullptr;
+  auto get = reinterpret_cast<int (*)(int*)>(hip_fn("hipGetDevice"));
   int d = 0;
   if (get && get(&d) == 0) return d;
   return 0;
@@ -242,8 +262,7 @@ int current_device() {
 // hetccl's device runtime take the device of the calling thread.
 void set_device(int device) {
 #ifdef HETCCL_DROPIN_RCCL
-  void* h = dlopen("libamdhip64.so", RTLD_NOW | RTLD_NOLOAD);
-  auto set = h ? reinterpret_cast<int (*)(int)>(dlsym(h, "hipSetDevice")) : nullptr;
+  auto set = reinterpret_cast<int (*)(int)>(hip_fn("hipSetDevice"));
   if (set) set(device);
 #else
   void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
@@ -414,7 +433,7 @@ ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank,
       }
       d.config.assign(reinterpret_cast<const char*>(config), reinterpret_cast<const char*>(config) + n);
     }
-    c->state = ncclComm::WAITING;
+    c->state.store(ncclComm::WAITING, std::memory_order_release);
     t_inits.push_back(std::move(d));
     *out = c;
     return ncclSuccess;
@@ -429,39 +448,82 @@ ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank,
 }
 
 // The outermost ncclGroupEnd's inits: each on a thread of its own (each bootstrap waits for
-// the ranks the others make), on the device its caller had. The first failure is returned with
-// its text; a failed communicator is left FAILED for the caller's destroy or abort.
+// the ranks the others make; the caller's own current device stays as it was), on the device
+// its caller had. The first failure is returned with its text; a failed communicator is left
+// FAILED for the caller's destroy or abort; one abandoned meanwhile is freed here.
 ncclResult_t run_deferred_inits() {
   std::vector<DeferredInit> inits;
   inits.swap(t_inits);
   if (inits.empty()) return ncclSuccess;
-  std::vector<ncclResult_t> rc(inits.size(), ncclSuccess);
-  std::vector<std::string> text(inits.size());
+  const size_t n = inits.size();
+  std::vector<ncclResult_t> rc(n, ncclSuccess);
+  std::vector<std::string> text(n);
+  std::vector<int> ranks(n), sizes(n);
+  std::vector<bool> start(n, true);
+  for (size_t i = 0; i < n; ++i) {
+    ncclComm* c = inits[i].c;
+    ranks[i] = c->rank;
+    sizes[i] = c->nranks;
+    std::lock_guard<std::mutex> g(c->mu);
+    if (c->abandoned) start[i] = false;  // destroyed before its group ended (by another thread)
+    else c->running = true;
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (!start[i]) delete inits[i].c;
+  // the init's end: FAILED or READY, or freed when it was abandoned while it ran
+  auto settle_one = [&](size_t i) {
+    ncclComm* c = inits[i].c;
+    bool ok = rc[i] == ncclSuccess || rc[i] == ncclInProgress;
+    std::unique_lock<std::mutex> g(c->mu);
+    c->running = false;
+    if (c->abandoned) {
+      g.unlock();
+      if (c->het) hetcclCommAbort(c->het);
+      if (c->real && REAL(ncclCommAbort)) REAL(ncclCommAbort)(c->real);
+      delete c;
+      return;
+    }
+    c->init_error.store(rc[i], std::memory_order_relaxed);
+    c->state.store(ok ? ncclComm::READY : ncclComm::FAILED, std::memory_order_release);
+  };
   auto one = [&](size_t i) {
     DeferredInit& d = inits[i];
-    set_device(d.c->device);
-    rc[i] = init_now(d.c, d.id, d.config.empty() ? nullptr : reinterpret_cast<ncclConfig_t*>(d.config.data()));
-    if (rc[i] != ncclSuccess && rc[i] != ncclInProgress) text[i] = t_error;
-    d.c->state = (rc[i] == ncclSuccess || rc[i] == ncclInProgress) ? ncclComm::READY : ncclComm::FAILED;
-    d.c->init_error = rc[i];
+    try {
+      set_device(d.c->device);
+      rc[i] = init_now(d.c, d.id, d.config.empty() ? nullptr : reinterpret_cast<ncclConfig_t*>(d.config.data()));
+      if (rc[i] != ncclSuccess && rc[i] != ncclInProgress) {
+        text[i] = t_error;
+        if (text[i].empty() && REAL(ncclGetLastError)) text[i] = REAL(ncclGetLastError)(nullptr);  // the real init's
+      }
+    } catch (const std::exception& e) {
+      rc[i] = ncclInternalError;
+      text[i] = e.what();
+    }
+    settle_one(i);
   };
-  if (inits.size() == 1) {
-    one(0);
-  } else {
-    std::vector<std::thread> th;
-    for (size_t i = 0; i < inits.size(); ++i) th.emplace_back(one, i);
-    for (auto& t : th) t.join();
+  std::vector<std::thread> th;
+  for (size_t i = 0; i < n; ++i) {
+    if (!start[i]) continue;
+    try {
+      th.emplace_back(one, i);
+    } catch (const std::exception& e) {  // no thread: this init fails (its peers time out)
+      rc[i] = ncclSystemError;
+      text[i] = std::string("cannot start the init's thread: ") + e.what();
+      settle_one(i);
+    }
   }
+  for (auto& t : th) t.join();
   ncclResult_t first = ncclSuccess;
-  for (size_t i = 0; i < inits.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!start[i]) continue;
     if (rc[i] == ncclSuccess || rc[i] == ncclInProgress) {
       if (first == ncclSuccess) first = rc[i];
       continue;
     }
     if (first == ncclSuccess || first == ncclInProgress) {
       first = rc[i];
-      t_error = "hetccl: ncclGroupEnd: the init of rank " + std::to_string(inits[i].c->rank) + " of " +
-                std::to_string(inits[i].c->nranks) + " failed: " + text[i];
+      t_error = "hetccl: ncclGroupEnd: the init of rank " + std::to_string(ranks[i]) + " of " +
+                std::to_string(sizes[i]) + " failed: " + text[i];
     }
   }
   return first;
@@ -469,28 +531,38 @@ ncclResult_t run_deferred_inits() {
 
 // A communicator whose init waits for ncclGroupEnd, or failed there.
 ncclResult_t not_ready(const ncclComm* c, const std::string& what) {
-  if (c->state == ncclComm::WAITING)
+  if (c->state.load(std::memory_order_acquire) == ncclComm::WAITING)
     return fail(ncclInvalidUsage, "hetccl: " + what + ": the communicator's init waits for ncclGroupEnd (it was "
                                                       "called inside ncclGroupStart/End)");
   return fail(ncclInvalidUsage, "hetccl: " + what + ": the communicator's init failed at ncclGroupEnd; only "
                                                     "ncclCommDestroy or ncclCommAbort are left");
 }
 
-// Destroy or abort of a communicator that never became ready: nothing of hetccl's or the real
-// library's is open; a waiting init is dropped from the group.
-ncclResult_t drop_unready(ncclComm* c) {
-  for (auto it = t_inits.begin(); it != t_inits.end(); ++it)
-    if (it->c == c) {
+// Destroy or abort of a communicator whose init was deferred. True when handled here: a failed
+// one freed (nothing of it is open), a waiting one dropped from this thread's group and freed,
+// or left to whoever runs its init (another thread's group, or its running init) to free.
+// False when its init has finished meanwhile (READY): the caller destroys it as any other.
+bool drop_unready(ncclComm* c) {
+  {
+    std::lock_guard<std::mutex> g(c->mu);
+    int s = c->state.load(std::memory_order_acquire);
+    if (s == ncclComm::READY) return false;
+    if (s == ncclComm::WAITING) {
+      auto it = std::find_if(t_inits.begin(), t_inits.end(), [c](const DeferredInit& d) { return d.c == c; });
+      if (c->running || it == t_inits.end()) {
+        c->abandoned = true;
+        return true;
+      }
       t_inits.erase(it);
-      break;
     }
+  }
   delete c;
-  return ncclSuccess;
+  return true;
 }
 
 #define CHECK_COMM(c, what)                                                                   \
   if (!(c)) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL"); \
-  if ((c)->state != ncclComm::READY) return not_ready(c, what);                                 \
+  if ((c)->state.load(std::memory_order_acquire) != ncclComm::READY) return not_ready(c, what);                                 \
   if (!(c)->real && !(c)->het) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL")
 #define FORWARD(c, fn, ...)                                            \
   do {                                                                 \
@@ -620,7 +692,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   FROM_REAL(ncclCommDestroy, comm);
   if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
-  if (comm->state != ncclComm::READY) return drop_unready(comm);
+  if (comm->state.load(std::memory_order_acquire) != ncclComm::READY && drop_unready(comm)) return ncclSuccess;
   CHECK_COMM(comm, "ncclCommDestroy");
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
@@ -636,7 +708,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
   FROM_REAL(ncclCommAbort, comm);
   if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
-  if (comm->state != ncclComm::READY) return drop_unready(comm);
+  if (comm->state.load(std::memory_order_acquire) != ncclComm::READY && drop_unready(comm)) return ncclSuccess;
   CHECK_COMM(comm, "ncclCommAbort");
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
@@ -718,9 +790,12 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeR
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
   FROM_REAL(ncclCommGetAsyncError, comm, asyncError);
-  if (comm && asyncError && comm->state != ncclComm::READY) {  // as NCCL's: in progress, or the init's error
-    *asyncError = comm->state == ncclComm::WAITING ? ncclInProgress : comm->init_error;
-    return ncclSuccess;
+  if (comm && asyncError) {  // as NCCL's: in progress, or the init's error
+    int st = comm->state.load(std::memory_order_acquire);
+    if (st != ncclComm::READY) {
+      *asyncError = st == ncclComm::WAITING ? ncclInProgress : ncclResult_t(comm->init_error.load());
+      return ncclSuccess;
+    }
   }
   CHECK_COMM(comm, "ncclCommGetAsyncError");
   if (comm->real) FORWARD(comm, ncclCommGetAsyncError, comm->real, asyncError);

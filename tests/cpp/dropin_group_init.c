@@ -60,6 +60,24 @@ int main(int argc, char** argv) {
   if (br != ncclInvalidArgument || bad != NULL || !strstr(ncclGetLastError(NULL), "not in [0, nranks)"))
     FAIL("a bad rank in a group: %d %p '%s'", (int)br, (void*)bad, ncclGetLastError(NULL));
 
+  /* a one-rank communicator destroyed while its init waits for ncclGroupEnd: dropped, the
+     group ends cleanly; one made the same way and kept works */
+  ncclUniqueId solo_id;
+  ncclComm_t solo = NULL, kept = NULL;
+  NCCL(ncclGetUniqueId(&solo_id));
+  NCCL(ncclGroupStart());
+  NCCL(ncclCommInitRank(&solo, 1, solo_id, 0));
+  NCCL(ncclCommDestroy(solo));
+  NCCL(ncclGroupEnd());
+  NCCL(ncclGetUniqueId(&solo_id));
+  NCCL(ncclGroupStart());
+  NCCL(ncclCommInitRank(&kept, 1, solo_id, 0));
+  NCCL(ncclGroupEnd());
+  int kept_n = 0;
+  NCCL(ncclCommCount(kept, &kept_n));
+  if (kept_n != 1) FAIL("one-rank communicator of %d ranks", kept_n);
+  NCCL(ncclCommDestroy(kept));
+
   ncclComm_t comms[MAXLOCAL];
   NCCL(ncclGroupStart());
   for (int i = 0; i < local; ++i) NCCL(ncclCommInitRank(&comms[i], nranks, id, first + i));
