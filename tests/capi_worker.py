@@ -604,6 +604,28 @@ def run_stream(comm, rank, n):
     case("stream/mixed_host_and_stream", mixed)
     case("stream/group_two_streams", two_streams)
 
+    def refused_everywhere():
+        """Every rank refuses the call itself (a root out of range on every rank): each returns
+        the refusal at once, and the communicator stays usable -- no async error, the next
+        stream call works (NCCL's blocking communicators stay usable after an argument error)."""
+        x = np.ones(8, np.float32)
+        try:
+            comm.broadcast(x, x, 8, "float32", n + 3, stream=s)
+            return "no immediate error"
+        except capi.HetcclError as e:
+            if e.code != capi.INVALID_ARGUMENT:
+                return f"unexpected {e}"
+        y = np.full(8, float(rank + 1), np.float32)
+        comm.all_reduce(y, y, 8, "float32", "sum", stream=s)
+        comm.stream_sync(s)
+        if comm.async_error() != 0:
+            return f"async error {comm.async_error()} after a refusal every rank made"
+        want = n * (n + 1) / 2
+        return None if np.all(y == want) else f"next call: {y.tolist()} != {want}"
+
+    if n > 1:
+        case("stream/refused_everywhere_keeps_the_comm", refused_everywhere)
+
     def refusal():
         """rank n-1 names a root out of range: it returns the refusal at once; every rank's
         communicator then reports hetcclInvalidArgument as its async error, with the text."""

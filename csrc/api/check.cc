@@ -16,7 +16,9 @@
 //     table: the lowest refusing rank's own text, else the first field on which ranks disagree
 //     with rank 0's value and up to three others.
 // HETCCL_CAPI_ALGO=ring: the headers' ring all-gather alone (n-1 steps) on every call.
-// The communicator stays usable after a mismatch: nothing of the collective was sent.
+// The communicator stays usable after a mismatch: nothing of the collective was sent. Where
+// every rank refused the call itself, the verdict says so (EveryRankRefused: comm.h), and a
+// stream call's executor then does not break the communicator either.
 // Trade-off: one small all_reduce per collective (HETCCL_CHECK_ARGS=0 removes it; a rank's own
 // refusal then returns at once on that rank only, and its peers wait until the timeout, as with
 // NCCL).
@@ -147,12 +149,18 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
   }
   if (all_device)
     for (int p = 0; p < n; ++p) *all_device = *all_device && all[size_t(p)].route == 1;
+  bool everyone = true;  // every rank refused the call itself (EveryRankRefused)
+  for (int p = 0; p < n; ++p) everyone = everyone && all[size_t(p)].f[5] != 0;
   for (int p = 0; p < n; ++p)
     if (all[size_t(p)].f[5]) {
       all[size_t(p)].error[sizeof all[0].error - 1] = 0;
       std::string text = all[size_t(p)].error;
       text += " (refused by rank " + std::to_string(p) + ")";  // the same text on every rank
-      if (all[size_t(p)].f[5] == 2) throw UsageRefusal(text);
+      if (all[size_t(p)].f[5] == 2) {
+        if (everyone) throw UsageRefusedEverywhere(text);
+        throw UsageRefusal(text);
+      }
+      if (everyone) throw ArgRefusedEverywhere(text);
       throw ArgMismatch(text);
     }
   for (int field = 0; field < 5; ++field) {

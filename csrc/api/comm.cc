@@ -375,6 +375,12 @@ hetcclResult_t classify(std::exception_ptr e, std::string* text, bool* argument)
 }
 
 void Comm::note_failure(std::exception_ptr e, bool arguments_too) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const EveryRankRefused&) {
+    return;  // every caller has its refusal; nothing moved
+  } catch (...) {
+  }
   std::string text;
   bool argument = false;
   hetcclResult_t code = classify(e, &text, &argument);

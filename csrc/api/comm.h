@@ -265,6 +265,17 @@ const char* coll_name(Coll c);  // "all_reduce", ...
 struct UsageRefusal : ArgMismatch {
   using ArgMismatch::ArgMismatch;
 };
+// The check found that EVERY rank refused the call itself: each returned the refusal to its
+// caller at the call and no data moved, so the communicator is not broken by it (a blocking
+// NCCL communicator stays usable after an argument error). Thrown as one of the two below;
+// Comm::note_failure ignores it.
+struct EveryRankRefused {};
+struct ArgRefusedEverywhere : ArgMismatch, EveryRankRefused {
+  using ArgMismatch::ArgMismatch;
+};
+struct UsageRefusedEverywhere : UsageRefusal, EveryRankRefused {
+  using UsageRefusal::UsageRefusal;
+};
 // refusal: this rank's own verdict on its arguments ("" when fine), shared with every rank;
 // usage: it is a usage refusal (UsageRefusal on every rank).
 // device_route: this rank took the device route (device_route.h); *all_device (when given):
