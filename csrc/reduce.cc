@@ -25,6 +25,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -132,7 +133,11 @@ template <typename T>
 HETCCL_INLINE void div_body(T* __restrict p, size_t n, int64_t by) {
   using Tr = Traits<T>;
   using C = typename Tr::C;
-  if constexpr (std::is_integral_v<C>) {
+  if constexpr (std::is_integral_v<C> && std::is_unsigned_v<C> && sizeof(C) >= 4) {
+    // NCCL's unsigned AVG: the wrapped sum divided (an int64 detour would turn values above
+    // INT64_MAX negative)
+    for (size_t i = 0; i < n; ++i) p[i] = T(p[i] / uint64_t(by));
+  } else if constexpr (std::is_integral_v<C>) {
     for (size_t i = 0; i < n; ++i) p[i] = T(int64_t(p[i]) / by);
   } else {
     const C den = C(by);
@@ -276,6 +281,8 @@ auto dispatch(DType t, A... a) {
     case DType::UINT8: return F<uint8_t>::get(a...);
     case DType::INT32: return F<int32_t>::get(a...);
     case DType::INT64: return F<int64_t>::get(a...);
+    case DType::UINT32: return F<uint32_t>::get(a...);
+    case DType::UINT64: return F<uint64_t>::get(a...);
   }
   throw CommError("hetccl: bad dtype " + std::to_string(int(t)));
 }
@@ -417,7 +424,10 @@ void parallel(size_t count, size_t elem, int threads, Body body) {
 
 const char* const kOpNames[] = {"sum", "prod", "min", "max", "avg"};
 const char* const kDtypeNames[] = {"float32", "float64", "float16", "bfloat16",
-                                   "int8",    "uint8",   "int32",   "int64"};
+                                   "int8",    "uint8",   "int32",   "int64",   "uint32",  "uint64"};
+// The names parse_dtype accepts (the torch face's host dtypes, _core.HOST_REDUCE_DTYPES):
+// UINT32/UINT64 are the C API's alone, reached through the enum.
+constexpr int kNamedDtypes = 8;
 
 }  // namespace
 
@@ -431,6 +441,8 @@ size_t dtype_size(DType t) {
     case DType::UINT8: return 1;
     case DType::INT32: return 4;
     case DType::INT64: return 8;
+    case DType::UINT32: return 4;
+    case DType::UINT64: return 8;
   }
   throw CommError("hetccl: bad dtype " + std::to_string(int(t)));
 }
@@ -442,11 +454,11 @@ const char* op_name(ReduceOp op) {
 }
 const char* dtype_name(DType t) {
   int i = int(t);
-  if (i < 0 || i > 7) throw CommError("hetccl: bad dtype " + std::to_string(i));
+  if (i < 0 || i >= int(std::size(kDtypeNames))) throw CommError("hetccl: bad dtype " + std::to_string(i));
   return kDtypeNames[i];
 }
 std::vector<std::string> op_names() { return {std::begin(kOpNames), std::end(kOpNames)}; }
-std::vector<std::string> dtype_names() { return {std::begin(kDtypeNames), std::end(kDtypeNames)}; }
+std::vector<std::string> dtype_names() { return {kDtypeNames, kDtypeNames + kNamedDtypes}; }
 
 static std::string join_names(const std::vector<std::string>& v) {
   std::string s;
@@ -462,7 +474,7 @@ ReduceOp parse_op(const std::string& s) {
 
 DType parse_dtype(const std::string& s0) {
   std::string s = s0.rfind("torch.", 0) == 0 ? s0.substr(6) : s0;
-  for (int i = 0; i < 8; ++i)
+  for (int i = 0; i < kNamedDtypes; ++i)
     if (s == kDtypeNames[i]) return DType(i);
   if (s == "half") return DType::FLOAT16;
   if (s == "float") return DType::FLOAT32;

@@ -48,7 +48,7 @@ struct DT {
   bool ok = false;
   size_t size = 0;
   hetccl::DType engine = hetccl::DType::UINT8;
-  bool unsigned_wide = false;  // uint32/uint64: reduced as int32/int64 where the bits agree
+  bool unsigned_wide = false;  // uint32/uint64: reduced as int32/int64 where the bits agree (unsigned_order)
   const char* name = "?";
 };
 
@@ -322,10 +322,17 @@ Refusal reduce_refusal(const Comm& c, const char* what, const DT& dt, int op, he
     return {};
   }
   if (!op_of(op, rop)) return {std::string("hetccl: ") + what + ": unknown reduction op " + std::to_string(op)};
-  if (dt.unsigned_wide && *rop != hetccl::ReduceOp::SUM && *rop != hetccl::ReduceOp::PROD)
-    return {std::string("hetccl: ") + what + ": reductions other than sum and prod of " + dt.name +
-            " are not supported"};
   return {};
+}
+
+// uint32/uint64 MIN, MAX and AVG (NCCL reduces every type with every op): reduced on the host
+// as the unsigned engine types; the device kernels have none, so such calls stay staged (true:
+// no device route; the decision depends only on the call's dtype and op, alike on every rank).
+// SUM and PROD keep the signed types, whose bits agree, and with them the device route.
+bool unsigned_order(DT& dt, hetccl::ReduceOp rop) {
+  if (!dt.unsigned_wide || rop == hetccl::ReduceOp::SUM || rop == hetccl::ReduceOp::PROD) return false;
+  dt.engine = dt.size == 4 ? hetccl::DType::UINT32 : hetccl::DType::UINT64;
+  return true;
 }
 
 }  // namespace
@@ -507,6 +514,7 @@ hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t coun
     Refusal why = common_refusal("all_reduce", dt, datatype, count);
     if (why.empty()) why = reduce_refusal(c, "all_reduce", dt, op, &rop);
     if (why.empty() && count && (!sendbuff || !recvbuff)) why = {"hetccl: all_reduce: a NULL buffer"};
+    const bool staged_only = why.empty() && unsigned_order(dt, rop);
     size_t n = count * dt.size;
     Call k{hetccl::api::Coll::AllReduce, count, datatype, op, -1, why,
            [count, dt, rop](Comm& cc, const void* s, void* r) { all_reduce_any(cc, s, r, count, dt, rop); },
@@ -514,10 +522,11 @@ hetcclResult_t hetcclAllReduce(const void* sendbuff, void* recvbuff, size_t coun
     k.bytes = k.in_bytes = k.out_bytes = n;
     k.premul = premul_of(c, op);
     k.chunk_algo = [dt, rop](Comm& cc, const void* s, void* r, size_t cnt) { all_reduce_any(cc, s, r, cnt, dt, rop); };
-    k.device_algo = [count, dt, rop](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
-                                     const void* sdev, const void* shost) {
-      all_reduce_device(cc, d, s, r, count, dt, rop, sdev, shost);
-    };
+    if (!staged_only)
+      k.device_algo = [count, dt, rop](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
+                                       const void* sdev, const void* shost) {
+        all_reduce_device(cc, d, s, r, count, dt, rop, sdev, shost);
+      };
     dispatch(c, stream, k);
   });
 }
@@ -532,6 +541,7 @@ hetcclResult_t hetcclReduce(const void* sendbuff, void* recvbuff, size_t count, 
     if (why.empty() && (root < 0 || root >= c.size))
       why = {"hetccl: reduce: root " + std::to_string(root) + " is out of range for " + std::to_string(c.size) + " ranks"};
     if (why.empty() && count && (!sendbuff || (c.rank == root && !recvbuff))) why = {"hetccl: reduce: a NULL buffer"};
+    const bool staged_only = why.empty() && unsigned_order(dt, rop);
     size_t n = count * dt.size;
     bool is_root = c.rank == root;
     // An all_reduce whose result only the root keeps (the other ranks' recvbuff is untouched,
@@ -549,13 +559,14 @@ hetcclResult_t hetcclReduce(const void* sendbuff, void* recvbuff, size_t count, 
     k.bytes = k.in_bytes = n;
     k.out_bytes = is_root ? n : 0;
     k.premul = premul_of(c, op);
-    k.device_algo = [count, dt, rop, is_root, n](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
-                                                 const void* sdev, const void* shost) {
-      if (is_root) return all_reduce_device(cc, d, s, r, count, dt, rop, sdev, shost);
-      hetccl::api::RouteScratch out(d, n);  // the other ranks' result goes nowhere
-      all_reduce_device(cc, d, s, out.get(), count, dt, rop, sdev, shost);
-      out.release();
-    };
+    if (!staged_only)
+      k.device_algo = [count, dt, rop, is_root, n](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
+                                                   const void* sdev, const void* shost) {
+        if (is_root) return all_reduce_device(cc, d, s, r, count, dt, rop, sdev, shost);
+        hetccl::api::RouteScratch out(d, n);  // the other ranks' result goes nowhere
+        all_reduce_device(cc, d, s, out.get(), count, dt, rop, sdev, shost);
+        out.release();
+      };
     dispatch(c, stream, k);
   });
 }
@@ -613,6 +624,7 @@ hetcclResult_t hetcclReduceScatter(const void* sendbuff, void* recvbuff, size_t 
     Refusal why = common_refusal("reduce_scatter", dt, datatype, recvcount, size_t(c.size));
     if (why.empty()) why = reduce_refusal(c, "reduce_scatter", dt, op, &rop);
     if (why.empty() && recvcount && (!sendbuff || !recvbuff)) why = {"hetccl: reduce_scatter: a NULL buffer"};
+    const bool staged_only = why.empty() && unsigned_order(dt, rop);
     size_t n = recvcount * dt.size;
     Call k{hetccl::api::Coll::ReduceScatter, recvcount, datatype, op, -1, why,
            [recvcount, dt, rop](Comm& cc, const void* s, void* r) {
@@ -623,11 +635,12 @@ hetcclResult_t hetcclReduceScatter(const void* sendbuff, void* recvbuff, size_t 
     k.out_off = n * size_t(c.rank);  // in place in the staging buffer
     k.out_bytes = n;
     k.premul = premul_of(c, op);
-    k.device_algo = [recvcount, dt, rop](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
-                                         const void* sdev, const void* shost) {
-      ++cc.algo_runs["reduce_scatter_ring_device"];
-      hetccl::api::reduce_scatter_ring_device(cc, d, s, r, recvcount, dt.engine, dt.size, rop, sdev, shost);
-    };
+    if (!staged_only)
+      k.device_algo = [recvcount, dt, rop](Comm& cc, hetccl::api::DeviceRoute& d, const void* s, void* r,
+                                           const void* sdev, const void* shost) {
+        ++cc.algo_runs["reduce_scatter_ring_device"];
+        hetccl::api::reduce_scatter_ring_device(cc, d, s, r, recvcount, dt.engine, dt.size, rop, sdev, shost);
+      };
     dispatch(c, stream, k);
   });
 }
