@@ -238,16 +238,20 @@ def group_init_program(tmp_path_factory):
     return str(out)
 
 
-@pytest.mark.parametrize("layout", ["2+1", "2+2", "one vendor 2", "1+1+1 from one process"])
+@pytest.mark.parametrize("layout", ["2+1", "2+2", "one vendor 2", "1+1+1 from one process",
+                                    "2+2 device route"])
 def test_inits_inside_a_group_from_one_thread(tmp_path, group_init_program, layout):
     """NCCL's one-thread-several-devices pattern (nccl-tests -g N): each process makes several
     ranks inside one ncclGroupStart/End, whose inits the outermost ncclGroupEnd runs together,
-    then all_reduces on all of them in one group (tests/cpp/dropin_group_init.c). Before the
-    inits were deferred, the first init waited for ranks its thread had not made yet and timed
-    out."""
+    then all_reduces and a ring of sends and receives on all of them in one group, and a
+    simulated group that must launch nothing (tests/cpp/dropin_group_init.c). Before the inits
+    were deferred, the first init waited for ranks its thread had not made yet and timed out;
+    before the group's calls were deferred, a call taking the device route ("2+2 device route")
+    waited in its argument check for a rank whose call its thread had not made yet."""
     # (vendor label, how many ranks) per process
     procs_of = {"2+1": [("a", 2), ("b", 1)], "2+2": [("a", 2), ("b", 2)], "one vendor 2": [("a", 2)],
-                "1+1+1 from one process": [("a", 1), ("b", 1), ("c", 1)]}[layout]
+                "1+1+1 from one process": [("a", 1), ("b", 1), ("c", 1)],
+                "2+2 device route": [("a", 2), ("b", 2)]}[layout]
     if layout == "1+1+1 from one process":  # one process, three vendors: HETCCL_VENDOR_SPLIT labels ranks
         procs_of = [(None, 3)]
     nranks = sum(k for _, k in procs_of)
@@ -255,6 +259,9 @@ def test_inits_inside_a_group_from_one_thread(tmp_path, group_init_program, layo
     procs, first = [], 0
     for label, k in procs_of:
         env = {**os.environ, **nccl_env(HETCCL_TIMEOUT_S="30")}
+        if layout.endswith("device route"):
+            env["HETCCL_STREAM_DEVICE_BYTES"] = "8192"
+            env["HETCCL_EXPECT_DEVICE_ROUTE"] = "1"
         if label is None:
             env["HETCCL_VENDOR_SPLIT"] = "1+1+1"
         else:

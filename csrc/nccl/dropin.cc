@@ -20,6 +20,8 @@
 //    communicators, as nccl-tests -g N and NCCL's docs do) are deferred to the outermost
 //    ncclGroupEnd, which runs them concurrently, one thread each on its caller's device, and
 //    returns the first failure; a communicator is usable once that ncclGroupEnd returned.
+//    Calls on hetccl communicators inside a group are issued there too, after the inits
+//    (DeferredCall: one thread per communicator where a thread drives several).
 //  * What has no cross-vendor meaning is refused on a hetccl communicator with
 //    ncclInvalidUsage and a message in ncclGetLastError: windows (symmetric memory), device
 //    communicators and ncclCommRevoke; ncclCommRegister is accepted as the hint it
@@ -39,6 +41,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <string>
@@ -560,6 +563,95 @@ bool drop_unready(ncclComm* c) {
   return true;
 }
 
+// Calls on hetccl communicators inside ncclGroupStart/End wait for the outermost ncclGroupEnd,
+// as NCCL launches a group's work there: a thread that drives several ranks (nccl-tests -g N)
+// issues each communicator's calls at once, in call order, one thread per communicator on its
+// device, so no rank's call waits for a call its thread has not made yet (the device route's
+// issue waits for the argument check with the peers). ncclGroupSimulateEnd drops them, as
+// NCCL's simulation launches nothing. A call refused by the drop-in itself (comm, datatype)
+// still fails at the call; hetccl's own verdicts come from ncclGroupEnd.
+struct DeferredCall {
+  ncclComm* c;
+  std::function<hetcclResult_t()> run;
+};
+thread_local std::vector<DeferredCall> t_calls;
+
+// Runs one communicator's deferred calls inside a hetccl group of this thread (its sends and
+// receives then go out together, as before); the first failure and its text.
+ncclResult_t run_calls_of(const std::vector<DeferredCall*>& calls, std::string* text) {
+  hetcclGroupStart();
+  hetcclResult_t first = hetcclSuccess;
+  for (DeferredCall* d : calls) {
+    hetcclResult_t r = d->run();
+    if (r != hetcclSuccess && first == hetcclSuccess) {
+      first = r;
+      *text = hetcclGetLastError(nullptr);
+    }
+  }
+  hetcclResult_t e = hetcclGroupEnd();
+  if (first == hetcclSuccess && e != hetcclSuccess) {
+    first = e;
+    *text = hetcclGetLastError(nullptr);
+  }
+  return ncclResult_t(first);
+}
+
+ncclResult_t run_deferred_calls(bool drop) {
+  std::vector<DeferredCall> calls;
+  calls.swap(t_calls);
+  if (calls.empty() || drop) return ncclSuccess;
+  std::vector<ncclComm*> comms;  // in the order of their first call
+  std::vector<std::vector<DeferredCall*>> of;
+  for (auto& d : calls) {
+    size_t k = std::find(comms.begin(), comms.end(), d.c) - comms.begin();
+    if (k == comms.size()) {
+      comms.push_back(d.c);
+      of.emplace_back();
+    }
+    of[k].push_back(&d);
+  }
+  std::vector<ncclResult_t> rc(comms.size(), ncclSuccess);
+  std::vector<std::string> text(comms.size());
+  if (comms.size() == 1) {
+    rc[0] = run_calls_of(of[0], &text[0]);
+  } else {
+    std::vector<std::thread> th;
+    for (size_t k = 0; k < comms.size(); ++k) {
+      try {
+        th.emplace_back([&, k] {
+          try {
+            set_device(comms[k]->device);
+            rc[k] = run_calls_of(of[k], &text[k]);
+          } catch (const std::exception& e) {
+            rc[k] = ncclInternalError;
+            text[k] = e.what();
+          }
+        });
+      } catch (const std::exception& e) {
+        rc[k] = ncclSystemError;
+        text[k] = std::string("hetccl: cannot start a thread for a communicator's calls: ") + e.what();
+      }
+    }
+    for (auto& t : th) t.join();
+  }
+  for (size_t k = 0; k < comms.size(); ++k)
+    if (rc[k] != ncclSuccess) {
+      t_error = text[k];
+      return rc[k];
+    }
+  return ncclSuccess;
+}
+
+// A hetccl call of an entry point: now, or at the outermost ncclGroupEnd inside a group.
+#define HET_CALL(c, ...)                                                  \
+  do {                                                                    \
+    if (t_group_depth > 0) {                                              \
+      t_calls.push_back({(c), [=]() -> hetcclResult_t { return __VA_ARGS__; }}); \
+      return ncclSuccess;                                                 \
+    }                                                                     \
+    return from_het(__VA_ARGS__);                                         \
+  } while (0)
+
 #define CHECK_COMM(c, what)                                                                   \
   if (!(c)) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL"); \
   if ((c)->state.load(std::memory_order_acquire) != ncclComm::READY) return not_ready(c, what);                                 \
@@ -913,7 +1005,8 @@ ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
   FROM_REAL(ncclRedOpDestroy, op, comm);
   CHECK_COMM(comm, "ncclRedOpDestroy");
   if (comm->real) FORWARD(comm, ncclRedOpDestroy, op, comm->real);
-  return from_het(hetcclRedOpDestroy(hetcclRedOp_t(op), comm->het));
+  hetcclComm_t h = comm->het;
+  HET_CALL(comm, hetcclRedOpDestroy(hetcclRedOp_t(op), h));  // after the group's calls that use it
 }
 
 // ------------------------------------------------------------------ collectives
@@ -930,7 +1023,8 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, n
   CHECK_COMM(comm, "ncclAllReduce");
   if (comm->real) FORWARD(comm, ncclAllReduce, sendbuff, recvbuff, count, datatype, op, comm->real, stream);
   HET_DTYPE(datatype, true);
-  return from_het(hetcclAllReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), comm->het, het_stream(stream)));
+  hetcclComm_t h = comm->het;
+  HET_CALL(comm, hetcclAllReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), h, het_stream(stream)));
 }
 
 ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
@@ -939,7 +1033,8 @@ ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, nccl
   CHECK_COMM(comm, "ncclReduce");
   if (comm->real) FORWARD(comm, ncclReduce, sendbuff, recvbuff, count, datatype, op, root, comm->real, stream);
   HET_DTYPE(datatype, true);
-  return from_het(hetcclReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), root, comm->het, het_stream(stream)));
+  hetcclComm_t h = comm->het;
+  HET_CALL(comm, hetcclReduce(sendbuff, recvbuff, count, hdt, hetcclRedOp_t(op), root, h, het_stream(stream)));
 }
 
 ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
@@ -948,7 +1043,8 @@ ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, n
   CHECK_COMM(comm, "ncclBroadcast");
   if (comm->real) FORWARD(comm, ncclBroadcast, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclBroadcast(sendbuff, recvbuff, count, hdt, root, comm->het, het_stream(stream)));
+  hetcclComm_t h = comm->het;
+  HET_CALL(comm, hetcclBroadcast(sendbuff, recvbuff, count, hdt, root, h, het_stream(stream)));
 }
 
 ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
@@ -965,8 +1061,8 @@ ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recv
   CHECK_COMM(comm, "ncclReduceScatter");
   if (comm->real) FORWARD(comm, ncclReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm->real, stream);
   HET_DTYPE(datatype, true);
-  return from_het(hetcclReduceScatter(sendbuff, recvbuff, recvcount, hdt, hetcclRedOp_t(op), comm->het,
-                                      het_stream(stream)));
+  hetcclComm_t h = comm->het;
+  HET_CALL(comm, hetcclReduceScatter(sendbuff, recvbuff, recvcount, hdt, hetcclRedOp_t(op), h, het_stream(stream)));
 }
 
 ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
@@ -975,7 +1071,8 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
   CHECK_COMM(comm, "ncclAllGather");
   if (comm->real) FORWARD(comm, ncclAllGather, sendbuff, recvbuff, sendcount, datatype, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclAllGather(sendbuff, recvbuff, sendcount, hdt, comm->het, het_stream(stream)));
+  hetcclComm_t h = comm->het;
+  HET_CALL(comm, hetcclAllGather(sendbuff, recvbuff, sendcount, hdt, h, het_stream(stream)));
 }
 
 ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
@@ -984,7 +1081,8 @@ ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, nc
   CHECK_COMM(comm, "ncclAlltoAll");
   if (comm->real) FORWARD(comm, ncclAlltoAll, sendbuff, recvbuff, count, datatype, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclAllToAll(sendbuff, recvbuff, count, hdt, comm->het, het_stream(stream)));
+  hetcclComm_t h = comm->het;
+  HET_CALL(comm, hetcclAllToAll(sendbuff, recvbuff, count, hdt, h, het_stream(stream)));
 }
 
 ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
@@ -993,7 +1091,8 @@ ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatyp
   CHECK_COMM(comm, "ncclSend");
   if (comm->real) FORWARD(comm, ncclSend, sendbuff, count, datatype, peer, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclSend(sendbuff, count, hdt, peer, comm->het, het_stream(stream)));
+  hetcclComm_t h = comm->het;
+  HET_CALL(comm, hetcclSend(sendbuff, count, hdt, peer, h, het_stream(stream)));
 }
 
 ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
@@ -1002,7 +1101,8 @@ ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int
   CHECK_COMM(comm, "ncclRecv");
   if (comm->real) FORWARD(comm, ncclRecv, recvbuff, count, datatype, peer, comm->real, stream);
   HET_DTYPE(datatype, false);
-  return from_het(hetcclRecv(recvbuff, count, hdt, peer, comm->het, het_stream(stream)));
+  hetcclComm_t h = comm->het;
+  HET_CALL(comm, hetcclRecv(recvbuff, count, hdt, peer, h, het_stream(stream)));
 }
 
 // Gather / scatter: as NCCL defines them, a group of sends and receives.
@@ -1014,13 +1114,17 @@ ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, nccl
   HET_DTYPE(datatype, false);
   if (root < 0 || root >= comm->nranks) return fail(ncclInvalidArgument, "hetccl: ncclGather: root out of range");
   size_t es = elem_size(hdt);
-  hetcclGroupStart();
-  hetcclResult_t r = hetcclSend(sendbuff, count, hdt, root, comm->het, het_stream(stream));
-  if (comm->rank == root)
-    for (int p = 0; p < comm->nranks && r == hetcclSuccess; ++p)
-      r = hetcclRecv(static_cast<char*>(recvbuff) + size_t(p) * count * es, count, hdt, p, comm->het, het_stream(stream));
-  hetcclResult_t e = hetcclGroupEnd();
-  return from_het(r != hetcclSuccess ? r : e);
+  hetcclComm_t h = comm->het;
+  int me = comm->rank, n = comm->nranks;
+  HET_CALL(comm, [=] {
+    hetcclGroupStart();
+    hetcclResult_t r = hetcclSend(sendbuff, count, hdt, root, h, het_stream(stream));
+    if (me == root)
+      for (int p = 0; p < n && r == hetcclSuccess; ++p)
+        r = hetcclRecv(static_cast<char*>(recvbuff) + size_t(p) * count * es, count, hdt, p, h, het_stream(stream));
+    hetcclResult_t e = hetcclGroupEnd();
+    return r != hetcclSuccess ? r : e;
+  }());
 }
 
 ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
@@ -1031,15 +1135,19 @@ ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncc
   HET_DTYPE(datatype, false);
   if (root < 0 || root >= comm->nranks) return fail(ncclInvalidArgument, "hetccl: ncclScatter: root out of range");
   size_t es = elem_size(hdt);
-  hetcclGroupStart();
-  hetcclResult_t r = hetcclSuccess;
-  if (comm->rank == root)
-    for (int p = 0; p < comm->nranks && r == hetcclSuccess; ++p)
-      r = hetcclSend(static_cast<const char*>(sendbuff) + size_t(p) * count * es, count, hdt, p, comm->het,
-                     het_stream(stream));
-  if (r == hetcclSuccess) r = hetcclRecv(recvbuff, count, hdt, root, comm->het, het_stream(stream));
-  hetcclResult_t e = hetcclGroupEnd();
-  return from_het(r != hetcclSuccess ? r : e);
+  hetcclComm_t h = comm->het;
+  int me = comm->rank, n = comm->nranks;
+  HET_CALL(comm, [=] {
+    hetcclGroupStart();
+    hetcclResult_t r = hetcclSuccess;
+    if (me == root)
+      for (int p = 0; p < n && r == hetcclSuccess; ++p)
+        r = hetcclSend(static_cast<const char*>(sendbuff) + size_t(p) * count * es, count, hdt, p, h,
+                       het_stream(stream));
+    if (r == hetcclSuccess) r = hetcclRecv(recvbuff, count, hdt, root, h, het_stream(stream));
+    hetcclResult_t e = hetcclGroupEnd();
+    return r != hetcclSuccess ? r : e;
+  }());
 }
 
 ncclResult_t ncclGroupStart(void) {
@@ -1057,21 +1165,31 @@ ncclResult_t ncclGroupEnd(void) {
   ncclResult_t r = ncclSuccess;
   if (auto f = REAL(ncclGroupEnd)) r = f();
   ncclResult_t h = from_het(hetcclGroupEnd());
-  // the deferred inits run once both groups are closed: theirs run outside any group
-  ncclResult_t i = ncclSuccess;
-  if (t_group_depth > 0 && --t_group_depth == 0) i = run_deferred_inits();
-  return r != ncclSuccess ? r : h != ncclSuccess ? h : i;
+  // the deferred inits, then the deferred calls, once both groups are closed
+  ncclResult_t i = ncclSuccess, k = ncclSuccess;
+  if (t_group_depth > 0 && --t_group_depth == 0) {
+    i = run_deferred_inits();
+    std::string init_text = t_error;
+    k = run_deferred_calls(false);
+    if (i != ncclSuccess && i != ncclInProgress) t_error = init_text;
+  }
+  return r != ncclSuccess ? r : h != ncclSuccess ? h : (i != ncclSuccess && i != ncclInProgress) ? i : k != ncclSuccess ? k : i;
 }
 
 ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
   FROM_REAL(ncclGroupSimulateEnd, simInfo);
-  // The real library simulates its own calls; hetccl's part of the group runs (it has no
-  // simulation), which keeps the group depth of both in step.
+  // The real library simulates its own calls; hetccl has no model of its own, so its calls of
+  // the group are dropped unrun (as NCCL's simulation launches nothing) and simInfo keeps what
+  // the real library wrote, or the caller's initial value. Inits still run: their
+  // communicators were handed out.
   ncclResult_t r = ncclSuccess;
   if (auto f = REAL(ncclGroupSimulateEnd)) r = f(simInfo);
   ncclResult_t h = from_het(hetcclGroupEnd());
   ncclResult_t i = ncclSuccess;
-  if (t_group_depth > 0 && --t_group_depth == 0) i = run_deferred_inits();
+  if (t_group_depth > 0 && --t_group_depth == 0) {
+    i = run_deferred_inits();
+    run_deferred_calls(true);
+  }
   return r != ncclSuccess ? r : h != ncclSuccess ? h : i;
 }
 

@@ -18,6 +18,14 @@
 
 HETCCL_NCCL_API hetcclComm_t hetcclDropinComm(ncclComm_t comm);
 
+/* NCCL 2.22's layout (nccl.h: NCCL_SIM_INFO_INITIALIZER); the drop-in only passes it on */
+struct ncclSimInfo_v22200 {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  float estimatedTime;
+};
+
 #define FAIL(...)                  \
   do {                             \
     fprintf(stderr, __VA_ARGS__);  \
@@ -30,7 +38,7 @@ HETCCL_NCCL_API hetcclComm_t hetcclDropinComm(ncclComm_t comm);
     if (r_ != ncclSuccess) FAIL("%s: %d: %s", #call, (int)r_, ncclGetLastError(NULL));            \
   } while (0)
 
-enum { COUNT = 1000, MAXLOCAL = 8 };
+enum { COUNT = 4096, MAXLOCAL = 8 };  /* 16 KiB: the device route where HETCCL_STREAM_DEVICE_BYTES is below */
 
 int main(int argc, char** argv) {
   if (argc != 5) FAIL("usage: %s id-file nranks first local", argv[0]);
@@ -122,6 +130,47 @@ int main(int argc, char** argv) {
       }
     }
   }
+  /* HETCCL_EXPECT_DEVICE_ROUTE: the all_reduces above took the device route */
+  if (getenv("HETCCL_EXPECT_DEVICE_ROUTE")) {
+    char info[8192];
+    if (hetcclCommInfo(hetcclDropinComm(comms[0]), info, sizeof info) != hetcclSuccess)
+      FAIL("hetcclCommInfo: %s", hetcclGetLastError(NULL));
+    if (!strstr(info, "algo_all_reduce_ring_device=")) FAIL("no device-route all_reduce ran: %s", info);
+  }
+
+  /* a ring of sends and receives over every local rank, all in one group of this thread */
+  for (int i = 0; i < local; ++i)
+    for (int k = 0; k < COUNT; ++k) send[i][k] = (float)(1000 * (first + i) + k);
+  NCCL(ncclGroupStart());
+  for (int i = 0; i < local; ++i) {
+    int r = first + i;
+    NCCL(ncclSend(send[i], COUNT, ncclFloat, (r + 1) % nranks, comms[i], streams[i]));
+    NCCL(ncclRecv(recv[i], COUNT, ncclFloat, (r + nranks - 1) % nranks, comms[i], streams[i]));
+  }
+  NCCL(ncclGroupEnd());
+  for (int i = 0; i < local; ++i) {
+    if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
+      FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
+    int from = (first + i + nranks - 1) % nranks;
+    for (int k = 0; k < COUNT; ++k)
+      if (recv[i][k] != (float)(1000 * from + k)) FAIL("ring: rank %d element %d: %g", first + i, k, recv[i][k]);
+  }
+
+  /* ncclGroupSimulateEnd launches nothing, as NCCL's: the receive buffers stay as they were */
+  for (int i = 0; i < local; ++i)
+    for (int k = 0; k < COUNT; ++k) recv[i][k] = -7.0f;
+  struct ncclSimInfo_v22200 sim = {sizeof sim, 0x74685283u, 22200u, -1.0f};
+  NCCL(ncclGroupStart());
+  for (int i = 0; i < local; ++i)
+    NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
+  NCCL(ncclGroupSimulateEnd(&sim));
+  for (int i = 0; i < local; ++i) {
+    if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
+      FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
+    for (int k = 0; k < COUNT; ++k)
+      if (recv[i][k] != -7.0f) FAIL("a simulated group ran: rank %d element %d is %g", first + i, k, recv[i][k]);
+  }
+
   for (int i = 0; i < local; ++i) {
     NCCL(ncclCommDestroy(comms[i]));
     free(send[i]);
