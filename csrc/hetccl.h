@@ -103,6 +103,10 @@ hetcclResult_t hetcclGetUniqueId(hetcclUniqueId* uniqueId);
 hetcclResult_t hetcclCommInitRank(hetcclComm_t* comm, int nranks, hetcclUniqueId commId, int rank);
 hetcclResult_t hetcclCommDestroy(hetcclComm_t comm);
 hetcclResult_t hetcclCommAbort(hetcclComm_t comm);
+/* The first half of an abort, for a caller that must not free yet (the drop-in while another of
+ * its threads still issues a group's calls): ends the waits of calls in progress and refuses
+ * later calls; frees nothing. hetcclCommAbort or hetcclCommDestroy must follow. */
+hetcclResult_t hetcclCommInterrupt(hetcclComm_t comm);
 hetcclResult_t hetcclCommCount(const hetcclComm_t comm, int* count);
 hetcclResult_t hetcclCommUserRank(const hetcclComm_t comm, int* rank);
 /* hetcclSuccess while healthy; else the error that broke the communicator. */

@@ -232,7 +232,7 @@ def group_init_program(tmp_path_factory):
     d = tmp_path_factory.mktemp("group_init")
     out = d / "group_init"
     lib = os.path.dirname(DROPIN)
-    subprocess.run([cc, "-O1", "-Wall", "-Werror", "-o", str(out), os.path.join(HERE, "cpp", "dropin_group_init.c"),
+    subprocess.run([cc, "-O1", "-Wall", "-Werror", "-pthread", "-o", str(out), os.path.join(HERE, "cpp", "dropin_group_init.c"),
                     "-I", os.path.join(HERE, "..", "csrc"), "-L", lib, "-l:libnccl.so.2", f"-Wl,-rpath,{lib}"],
                    check=True)
     return str(out)
@@ -279,3 +279,26 @@ def test_inits_inside_a_group_from_one_thread(tmp_path, group_init_program, layo
             pytest.fail(f"{layout}: the job did not finish within 120 s")
     for p, o in zip(procs, outs):
         assert p.returncode == 0 and o.strip().endswith("ok"), o[-3000:]
+
+
+def test_abort_while_group_end_issues_the_group(tmp_path, group_init_program):
+    """torch's watchdog pattern: another thread aborts a communicator while ncclGroupEnd issues
+    that communicator's deferred calls (device-route all_reduces rank 1 never joins).
+    ncclGroupEnd returns an error within seconds; the calls after the interrupted one are not
+    issued on the freed communicator (the abort waits for the issuer to let go)."""
+    idfile = str(tmp_path / "id")
+    # MALLOC_PERTURB_: freed memory is overwritten, so a call on a freed communicator crashes
+    env = {**os.environ, **nccl_env(HETCCL_TIMEOUT_S="60", HETCCL_STREAM_DEVICE_BYTES="8192"),
+           "MALLOC_PERTURB_": "165"}
+    procs = [subprocess.Popen([group_init_program, idfile, "2", str(r), "1", "abort"],
+                              env={**env, "HETCCL_VENDOR": "ab"[r]},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=90)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the abort did not end the group within 90 s")
+    assert procs[0].returncode == 0 and outs[0].strip().endswith("ok"), outs[0][-3000:]

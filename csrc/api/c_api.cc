@@ -427,6 +427,12 @@ hetcclResult_t hetcclCommAbort(hetcclComm_t comm) {
   return hetcclSuccess;
 }
 
+hetcclResult_t hetcclCommInterrupt(hetcclComm_t comm) {
+  if (!comm || !comm->c) return fail(comm, hetcclInvalidArgument, "hetccl: hetcclCommInterrupt: NULL argument");
+  comm->c->interrupt();
+  return hetcclSuccess;
+}
+
 hetcclResult_t hetcclCommCount(const hetcclComm_t comm, int* count) {
   if (!comm || !comm->c || !count) return fail(comm, hetcclInvalidArgument, "hetccl: hetcclCommCount: NULL argument");
   *count = comm->c->size;

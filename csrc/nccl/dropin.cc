@@ -40,8 +40,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <functional>
+#include <initializer_list>
 #include <mutex>
 #include <new>
 #include <string>
@@ -83,6 +85,12 @@ struct ncclComm {
   // end frees the communicator then.
   std::mutex mu;
   bool running = false, abandoned = false;
+  // A group's deferred calls being issued on this communicator (by ncclGroupEnd, on any thread):
+  // `users` counts the issuers, `closing` is set by ncclCommDestroy/Abort, which then waits on
+  // `idle` until no issuer is left before freeing anything (issuers stop at `closing`).
+  int users = 0;
+  bool closing = false;
+  std::condition_variable idle;
 };
 
 extern "C" HETCCL_NCCL_API const char* hetcclDropinInfo(void);
@@ -573,25 +581,59 @@ bool drop_unready(ncclComm* c) {
 struct DeferredCall {
   ncclComm* c;
   std::function<hetcclResult_t()> run;
+  void* stream = nullptr;  // the caller's stream (calls that share one are issued by one thread)
+  bool always = false;     // runs even where the group's calls are dropped (ncclRedOpDestroy)
 };
 thread_local std::vector<DeferredCall> t_calls;
 
+bool has_deferred(const ncclComm* c) {
+  for (auto& d : t_calls)
+    if (d.c == c) return true;
+  return false;
+}
+
 // Runs one communicator's deferred calls inside a hetccl group of this thread (its sends and
 // receives then go out together, as before); the first failure and its text.
-ncclResult_t run_calls_of(const std::vector<DeferredCall*>& calls, std::string* text) {
+// Each call runs only while its communicator is not being destroyed or aborted (`users`,
+// `closing`: a communicator closed meanwhile by another thread gets no further call).
+ncclResult_t run_calls_of(const std::vector<DeferredCall*>& calls, bool drop, std::string* text) {
+  std::vector<ncclComm*> held;  // communicators this issuer counts as a user of
+  auto enter = [&](ncclComm* c) {
+    if (std::find(held.begin(), held.end(), c) != held.end()) {
+      std::lock_guard<std::mutex> g(c->mu);
+      return !c->closing;
+    }
+    std::lock_guard<std::mutex> g(c->mu);
+    if (c->closing) return false;
+    ++c->users;
+    held.push_back(c);
+    return true;
+  };
   hetcclGroupStart();
   hetcclResult_t first = hetcclSuccess;
   for (DeferredCall* d : calls) {
+    if (drop && !d->always) continue;
+    if (!enter(d->c)) {
+      if (first == hetcclSuccess) {
+        first = hetcclInvalidUsage;
+        *text = "hetccl: ncclGroupEnd: the communicator was destroyed or aborted while its group was issued";
+      }
+      continue;
+    }
     hetcclResult_t r = d->run();
     if (r != hetcclSuccess && first == hetcclSuccess) {
       first = r;
       *text = hetcclGetLastError(nullptr);
     }
   }
-  hetcclResult_t e = hetcclGroupEnd();
+  hetcclResult_t e = hetcclGroupEnd();  // this thread's queued sends and receives (held above)
   if (first == hetcclSuccess && e != hetcclSuccess) {
     first = e;
     *text = hetcclGetLastError(nullptr);
+  }
+  for (ncclComm* c : held) {  // last touch of c: a closer may free it once users is 0
+    std::lock_guard<std::mutex> g(c->mu);
+    if (--c->users == 0) c->idle.notify_all();
   }
   return ncclResult_t(first);
 }
@@ -599,58 +641,123 @@ ncclResult_t run_calls_of(const std::vector<DeferredCall*>& calls, std::string* 
 ncclResult_t run_deferred_calls(bool drop) {
   std::vector<DeferredCall> calls;
   calls.swap(t_calls);
-  if (calls.empty() || drop) return ncclSuccess;
+  if (calls.empty()) return ncclSuccess;
+  // Issuers: communicators that share a stream are issued by one thread in call order (each
+  // call enqueues a wait on its stream: two threads could enqueue them in different orders on
+  // different ranks and deadlock the streams); the others get a thread each.
   std::vector<ncclComm*> comms;  // in the order of their first call
+  std::vector<size_t> parent;
+  auto find = [&](size_t k) {
+    while (parent[k] != k) k = parent[k] = parent[parent[k]];
+    return k;
+  };
+  auto index_of = [&](ncclComm* c) {
+    size_t k = std::find(comms.begin(), comms.end(), c) - comms.begin();
+    if (k == comms.size()) {
+      comms.push_back(c);
+      parent.push_back(k);
+    }
+    return k;
+  };
+  std::vector<std::pair<void*, size_t>> stream_owner;
+  for (auto& d : calls) {
+    size_t k = index_of(d.c);
+    if (!d.stream) continue;
+    auto it = std::find_if(stream_owner.begin(), stream_owner.end(), [&](auto& p) { return p.first == d.stream; });
+    if (it == stream_owner.end()) stream_owner.push_back({d.stream, k});
+    else parent[find(k)] = find(it->second);
+  }
+  std::vector<size_t> roots;
   std::vector<std::vector<DeferredCall*>> of;
   for (auto& d : calls) {
-    size_t k = std::find(comms.begin(), comms.end(), d.c) - comms.begin();
-    if (k == comms.size()) {
-      comms.push_back(d.c);
+    size_t r = find(index_of(d.c));
+    size_t g = std::find(roots.begin(), roots.end(), r) - roots.begin();
+    if (g == roots.size()) {
+      roots.push_back(r);
       of.emplace_back();
     }
-    of[k].push_back(&d);
+    of[g].push_back(&d);
   }
-  std::vector<ncclResult_t> rc(comms.size(), ncclSuccess);
-  std::vector<std::string> text(comms.size());
-  if (comms.size() == 1) {
-    rc[0] = run_calls_of(of[0], &text[0]);
+  std::vector<ncclResult_t> rc(of.size(), ncclSuccess);
+  std::vector<std::string> text(of.size());
+  if (of.size() == 1) {
+    rc[0] = run_calls_of(of[0], drop, &text[0]);
   } else {
     std::vector<std::thread> th;
-    for (size_t k = 0; k < comms.size(); ++k) {
+    for (size_t g = 0; g < of.size(); ++g) {
+      int device = comms[roots[g]]->device;  // read here: the issuer counts itself a user only later
       try {
-        th.emplace_back([&, k] {
+        th.emplace_back([&, g, device] {
           try {
-            set_device(comms[k]->device);
-            rc[k] = run_calls_of(of[k], &text[k]);
+            set_device(device);
+            rc[g] = run_calls_of(of[g], drop, &text[g]);
           } catch (const std::exception& e) {
-            rc[k] = ncclInternalError;
-            text[k] = e.what();
+            rc[g] = ncclInternalError;
+            text[g] = e.what();
           }
         });
       } catch (const std::exception& e) {
-        rc[k] = ncclSystemError;
-        text[k] = std::string("hetccl: cannot start a thread for a communicator's calls: ") + e.what();
+        rc[g] = ncclSystemError;
+        text[g] = std::string("hetccl: cannot start a thread for a group's calls: ") + e.what();
       }
     }
     for (auto& t : th) t.join();
   }
-  for (size_t k = 0; k < comms.size(); ++k)
-    if (rc[k] != ncclSuccess) {
-      t_error = text[k];
-      return rc[k];
+  for (size_t g = 0; g < of.size(); ++g)
+    if (rc[g] != ncclSuccess) {
+      t_error = text[g];
+      return rc[g];
     }
   return ncclSuccess;
 }
 
+// Destroy or abort of a hetccl communicator: this thread's deferred calls on it are dropped
+// (they would run on a freed communicator at ncclGroupEnd); issuers on other threads are told
+// to stop (abort: their call in progress is interrupted) and waited for.
+void close_calls_of(ncclComm* c, bool abort) {
+  t_calls.erase(std::remove_if(t_calls.begin(), t_calls.end(), [c](const DeferredCall& d) { return d.c == c; }),
+                t_calls.end());
+  std::unique_lock<std::mutex> g(c->mu);
+  c->closing = true;
+  if (c->users == 0) return;
+  if (abort && c->het) hetcclCommInterrupt(c->het);
+  c->idle.wait(g, [c] { return c->users == 0; });
+}
+
+// A group's result from its parts (the real library's, hetccl's group, inits, calls): a
+// failure before an ncclInProgress (a nonblocking real communicator's), which would hide it.
+ncclResult_t group_result(std::initializer_list<ncclResult_t> parts) {
+  for (ncclResult_t x : parts)
+    if (x != ncclSuccess && x != ncclInProgress) return x;
+  for (ncclResult_t x : parts)
+    if (x == ncclInProgress) return x;
+  return ncclSuccess;
+}
+
+// A split or shrink of a hetccl communicator is a collective over it, run now: inside a group,
+// the parent's deferred calls must go first, as every rank issues them. They are issued here
+// when they are this thread's only deferred calls; a thread with calls on other communicators
+// pending gets a clear refusal instead of an order its peers may not share.
+ncclResult_t before_child_of(ncclComm* parent, const char* what) {
+  if (t_group_depth == 0 || !has_deferred(parent)) return ncclSuccess;
+  for (auto& d : t_calls)
+    if (d.c != parent)
+      return fail(ncclInvalidUsage, std::string("hetccl: ") + what + " inside a group that also holds calls on other "
+                                    "communicators of this thread: end the group first");
+  return run_deferred_calls(false);
+}
+
 // A hetccl call of an entry point: now, or at the outermost ncclGroupEnd inside a group.
-#define HET_CALL(c, ...)                                                  \
+// `st`: the call's stream (nullptr: none); `always`: runs also in a simulated group.
+#define HET_CALL_ON(c, st, always, ...)                                   \
   do {                                                                    \
     if (t_group_depth > 0) {                                              \
-      t_calls.push_back({(c), [=]() -> hetcclResult_t { return __VA_ARGS__; }}); \
+      t_calls.push_back({(c), [=]() -> hetcclResult_t { return __VA_ARGS__; }, (st), (always)}); \
       return ncclSuccess;                                                 \
     }                                                                     \
     return from_het(__VA_ARGS__);                                         \
   } while (0)
+#define HET_CALL(c, ...) HET_CALL_ON(c, het_stream(stream), false, __VA_ARGS__)
 
 #define CHECK_COMM(c, what)                                                                   \
   if (!(c)) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL"); \
@@ -786,6 +893,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
   if (comm->state.load(std::memory_order_acquire) != ncclComm::READY && drop_unready(comm)) return ncclSuccess;
   CHECK_COMM(comm, "ncclCommDestroy");
+  if (comm->het) close_calls_of(comm, false);
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
     auto f = REAL(ncclCommDestroy);
@@ -802,6 +910,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
   if (comm->state.load(std::memory_order_acquire) != ncclComm::READY && drop_unready(comm)) return ncclSuccess;
   CHECK_COMM(comm, "ncclCommAbort");
+  if (comm->het) close_calls_of(comm, true);
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
     auto f = REAL(ncclCommAbort);
@@ -852,6 +961,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
     if (child) *newcomm = wrap_real(child, comm->device);
     return r;
   }
+  if (ncclResult_t b = before_child_of(comm, "ncclCommSplit"); b != ncclSuccess) return b;
   hetcclComm_t child = nullptr;
   hetcclResult_t hr = hetcclCommSplit(comm->het, color, key, &child);
   if (hr != hetcclSuccess) return from_het(hr);
@@ -874,6 +984,7 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeR
   }
   if (!newcomm) return fail(ncclInvalidArgument, "hetccl: ncclCommShrink: newcomm is NULL");
   *newcomm = nullptr;
+  if (ncclResult_t b = before_child_of(comm, "ncclCommShrink"); b != ncclSuccess) return b;
   hetcclComm_t child = nullptr;
   hetcclResult_t hr = hetcclCommShrink(comm->het, excludeRanksList, excludeRanksCount, &child, shrinkFlags);
   if (hr != hetcclSuccess) return from_het(hr);
@@ -1006,7 +1117,7 @@ ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
   CHECK_COMM(comm, "ncclRedOpDestroy");
   if (comm->real) FORWARD(comm, ncclRedOpDestroy, op, comm->real);
   hetcclComm_t h = comm->het;
-  HET_CALL(comm, hetcclRedOpDestroy(hetcclRedOp_t(op), h));  // after the group's calls that use it
+  HET_CALL_ON(comm, nullptr, true, hetcclRedOpDestroy(hetcclRedOp_t(op), h));  // after the group's calls that use it
 }
 
 // ------------------------------------------------------------------ collectives
@@ -1173,7 +1284,7 @@ ncclResult_t ncclGroupEnd(void) {
     k = run_deferred_calls(false);
     if (i != ncclSuccess && i != ncclInProgress) t_error = init_text;
   }
-  return r != ncclSuccess ? r : h != ncclSuccess ? h : (i != ncclSuccess && i != ncclInProgress) ? i : k != ncclSuccess ? k : i;
+  return group_result({r, h, i, k});
 }
 
 ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
@@ -1185,12 +1296,14 @@ ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
   ncclResult_t r = ncclSuccess;
   if (auto f = REAL(ncclGroupSimulateEnd)) r = f(simInfo);
   ncclResult_t h = from_het(hetcclGroupEnd());
-  ncclResult_t i = ncclSuccess;
+  ncclResult_t i = ncclSuccess, k = ncclSuccess;
   if (t_group_depth > 0 && --t_group_depth == 0) {
     i = run_deferred_inits();
-    run_deferred_calls(true);
+    std::string init_text = t_error;
+    k = run_deferred_calls(true);  // only what must run anyway (ncclRedOpDestroy)
+    if (i != ncclSuccess && i != ncclInProgress) t_error = init_text;
   }
-  return r != ncclSuccess ? r : h != ncclSuccess ? h : i;
+  return group_result({r, h, i, k});
 }
 
 }  // extern "C"

@@ -5,12 +5,17 @@
  * emulated device's streams: HETCCL_CAPI_DEVICE=emulated), and checks the sums exactly.
  * It also checks that a communicator whose init waits for ncclGroupEnd refuses a call with a
  * clear error, and that a bad rank inside a group fails at once.
- * argv: id-file nranks first local. Rank 0's process writes the unique id to id-file.
+ * argv: id-file nranks first local [abort]. Rank 0's process writes the unique id to id-file.
+ * "abort" (two processes of one rank each): rank 0 issues a group of device-route all_reduces
+ * that rank 1 never joins and another thread aborts the communicator while ncclGroupEnd issues
+ * them (torch's watchdog): ncclGroupEnd must return an error, not crash or hang.
  * Prints "ok" and exits 0, or names what went wrong and exits 1. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "hetccl.h"
@@ -40,8 +45,38 @@ struct ncclSimInfo_v22200 {
 
 enum { COUNT = 4096, MAXLOCAL = 8 };  /* 16 KiB: the device route where HETCCL_STREAM_DEVICE_BYTES is below */
 
+static void* abort_later(void* arg) {
+  usleep(1000 * 1000);
+  ncclCommAbort(*(ncclComm_t*)arg);
+  return NULL;
+}
+
+static int abort_in_group(int first, ncclComm_t comm) {
+  enum { N = 1 << 16 };
+  static float a[N], b[N];
+  void* stream = NULL;
+  if (hetcclTestStreamCreate(hetcclDropinComm(comm), &stream) != hetcclSuccess)
+    FAIL("no test stream: %s", hetcclGetLastError(NULL));
+  if (first != 0) {  /* rank 1: never calls; leaves once rank 0 has given up */
+    sleep(6);
+    printf("ok\n");
+    return 0;
+  }
+  pthread_t th;
+  if (pthread_create(&th, NULL, abort_later, &comm) != 0) FAIL("pthread_create");
+  time_t t0 = time(NULL);
+  NCCL(ncclGroupStart());
+  for (int k = 0; k < 3; ++k) NCCL(ncclAllReduce(a, b, N, ncclFloat, ncclSum, comm, stream));
+  ncclResult_t r = ncclGroupEnd();
+  pthread_join(th, NULL);
+  if (r == ncclSuccess) FAIL("ncclGroupEnd succeeded although its communicator was aborted");
+  if (time(NULL) - t0 > 20) FAIL("ncclGroupEnd returned only after %ld s", (long)(time(NULL) - t0));
+  printf("ok\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
-  if (argc != 5) FAIL("usage: %s id-file nranks first local", argv[0]);
+  if (argc != 5 && argc != 6) FAIL("usage: %s id-file nranks first local [abort]", argv[0]);
   const char* idfile = argv[1];
   int nranks = atoi(argv[2]), first = atoi(argv[3]), local = atoi(argv[4]);
   if (local < 1 || local > MAXLOCAL) FAIL("local must be 1..%d", MAXLOCAL);
@@ -58,6 +93,12 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 6000 && !(f = fopen(idfile, "rb")); ++i) usleep(10000);
     if (!f || fread(&id, sizeof id, 1, f) != 1) FAIL("no unique id in %s", idfile);
     fclose(f);
+  }
+
+  if (argc == 6) {  /* abort while ncclGroupEnd issues the group */
+    ncclComm_t comm;
+    NCCL(ncclCommInitRank(&comm, nranks, id, first));
+    return abort_in_group(first, comm);
   }
 
   /* a bad rank inside a group fails at once, and leaves the group usable */
