@@ -103,6 +103,18 @@ def torch_timeout_wording(e: BaseException) -> BaseException:
     return out
 
 
+def _overlap_refusal(what: str, outputs) -> ValueError | None:
+    """An output whose elements share memory (an expanded view: stride 0) cannot receive a
+    result: refused at the call, before anything moves, as NCCL refuses non-dense tensors
+    (the copy back would otherwise fail on this rank after its peers went on)."""
+    for t in outputs:
+        if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
+            return ValueError(f"hetccl: {what}: an output tensor has overlapping memory (an "
+                              f"expanded view, strides {tuple(t.stride())}) and cannot receive "
+                              f"a result; pass a tensor that owns its elements")
+    return None
+
+
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A 1-D contiguous view of t, or a contiguous copy (second item True: copy back after)."""
     if t.is_contiguous():
@@ -167,7 +179,13 @@ class HetcclProcessGroup(dist.ProcessGroup):
             pass
 
     # ------------------------------------------------------------------ plumbing
-    def _submit(self, coll: str, nbytes: int, body, outputs, tensors, opts=None) -> HetcclWork:
+    def _submit(self, coll: str, nbytes: int, body, outputs, tensors, opts=None,
+                keep=()) -> HetcclWork:
+        """keep: scratch the body uses besides `tensors` (contiguous copies, staging buffers;
+        also a body's own `keep` attribute). On a device they are recorded for the caching
+        allocator with the tensors, so an async call's scratch is not handed out again while
+        the engine still reads or writes it."""
+        keep = [*keep, *getattr(body, "keep", ())]
         devices = {t.device for t in tensors}
         if len(devices) > 1:
             raise ValueError(f"hetccl: {coll}: tensors of one collective must be on one device, "
@@ -185,7 +203,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 raise torch_timeout_wording(e) from None
 
         async_op = self._coalescing is not None or bool(getattr(opts, "asyncOp", True))
-        work = engine.submit(run, outputs, tensors, async_op=async_op)
+        work = engine.submit(run, outputs, [*tensors, *keep], async_op=async_op)
         return self._track(work)
 
     def _track(self, work):
@@ -257,6 +275,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
             op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
             for t in tensors:
                 self._validate_reduce(t, op)
+            if (bad := _overlap_refusal("all_reduce", tensors)) is not None:
+                raise bad
         except (ValueError, TypeError, NotImplementedError) as e:
             raise self._refused_here(e, "all_reduce", tensors[0], op)
         flats = [_flat(t) for t in tensors]
@@ -279,7 +299,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                     t.copy_(f.view_as(t))
 
         return self._submit("all_reduce", sum(t.numel() * t.element_size() for t in tensors),
-                            body, tensors, tensors, opts)
+                            body, tensors, tensors, opts, keep=[f for f, c in flats if c])
 
     # Bitwise reductions (BAND/BOR/BXOR) are built from copy-type collectives: an all-to-all
     # hands every rank its 1/world slice of every rank's data, the rank reduces its slice with
@@ -376,6 +396,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         try:
             self._validate_root(root)
+            if (bad := _overlap_refusal("broadcast", tensors)) is not None:
+                raise bad
         except ValueError as e:
             raise self._refused_here(e, "broadcast", tensors[0], None, 0)
         flats = [_flat(t) for t in tensors]
@@ -387,7 +409,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 if copied:
                     t.copy_(f.view_as(t))
 
-        return self._submit("broadcast", 0, body, tensors, tensors, opts)
+        return self._submit("broadcast", 0, body, tensors, tensors, opts,
+                            keep=[f for f, c in flats if c])
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -397,6 +420,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
             self._validate_root(root)
             for t in tensors:
                 self._validate_reduce(t, op)
+            if (bad := _overlap_refusal("reduce", tensors)) is not None:
+                raise bad
         except (ValueError, TypeError, NotImplementedError) as e:
             raise self._refused_here(e, "reduce", tensors[0], op, root if 0 <= root < self.size() else 0)
         flats = [_flat(t) for t in tensors]
@@ -409,7 +434,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 if me == root and copied:
                     t.copy_(f.view_as(t))
 
-        return self._submit("reduce", 0, body, tensors, tensors, opts)
+        return self._submit("reduce", 0, body, tensors, tensors, opts,
+                            keep=[f for f, c in flats if c])
 
     def _reduce_to_root(self, ctx, algo, f: torch.Tensor, root: int, op: str) -> None:
         """One reduce step: the result in root's f (AVG divided), other ranks' f as it was
@@ -444,6 +470,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             if after is not None:
                 after()
 
+        body.keep = [x, out_flat]  # (views of the caller's tensors where no copy was needed)
         return body
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -461,6 +488,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         elif outs and outs[0].numel() != inp.numel():
             refusal = ValueError(f"hetccl: all_gather output tensor has {outs[0].numel()} "
                                  f"elements, input has {inp.numel()}")
+        refusal = refusal or _overlap_refusal("all_gather", outs)
         buf = torch.empty(inp.numel() * self.size(), dtype=inp.dtype, device=inp.device)
         n = inp.numel()
 
@@ -470,7 +498,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         return self._submit("all_gather", 0,
                             self._all_gather_flat(buf, inp, scatter_out, refusal=refusal),
-                            output_tensors, [inp, *outs])
+                            output_tensors, [inp, *outs], keep=[buf])
 
     def _uneven_all_gather(self, output_tensors, outs, inp):
         """Outputs of different sizes, as ProcessGroupNCCL allows (gloo refuses): one broadcast
@@ -493,7 +521,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
                     outs[k].copy_(f.view_as(outs[k]))
             outs[me].copy_(src.view_as(outs[me]))
 
-        return self._submit("broadcast", 0, body, output_tensors, [inp, *outs])
+        return self._submit("broadcast", 0, body, output_tensors, [inp, *outs],
+                            keep=[src, *(f for f, c in flats if c)])
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """torch's layout: output_lists[rank][i] receives input_list[i] of `rank`. One
@@ -536,7 +565,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def _hc_all_gather_single(self, output, input, opts=None):
         out_flat, copied = _flat(output)
         after = (lambda: output.copy_(out_flat.view_as(output))) if copied else None
-        return self._submit("all_gather", 0, self._all_gather_flat(out_flat, input, after),
+        return self._submit("all_gather", 0,
+                            self._all_gather_flat(out_flat, input, after,
+                                                  refusal=_overlap_refusal("all_gather", [output])),
                             [output], [output, input], opts)
 
     def _hc_all_gather_single_coalesced(self, outputs, inputs, opts=None):
@@ -548,8 +579,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
                              refusal: BaseException | None = None):
         o, copied = _flat(out)
         world = self.size()
+        refusal = refusal or _overlap_refusal("reduce_scatter", [out])
         if refusal is not None:
-            pass  # the caller's (the list form)
+            pass  # the caller's (the list form), or an output that cannot receive
         elif inp_flat.numel() != o.numel() * world:
             refusal = ValueError(f"hetccl: reduce_scatter input has {inp_flat.numel()} "
                                  f"elements, expected {world} x {o.numel()}")
@@ -574,6 +606,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             if copied:
                 out.copy_(o.view_as(out))
 
+        body.keep = [o, inp_flat]
         return body
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -621,7 +654,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 if k == me:
                     out.copy_(f.view_as(out))
 
-        return self._submit("reduce", 0, body, output_tensors, [out, *ins])
+        return self._submit("reduce", 0, body, output_tensors, [out, *ins], keep=parts)
 
     def _hc_reduce_scatter_single(self, output, input, opts=None):
         op = self._reduce_scatter_op([output], opts)
@@ -668,6 +701,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         elif output.dim() and sum(outs) != output.shape[0]:
             refusal = ValueError(f"hetccl: all_to_all output split sizes {outs} do not add up "
                                  f"to the output's first dimension {output.shape[0]}")
+        else:
+            refusal = _overlap_refusal("all_to_all", [output])
         in_counts = [s * row_in for s in ins]
         out_counts = [s * row_out for s in outs]
         x, _ = _flat(input)
@@ -680,7 +715,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             if copied:
                 output.copy_(o.view_as(output))
 
-        return self._submit("all_to_all", 0, body, [output], [output, input])
+        return self._submit("all_to_all", 0, body, [output], [output, input], keep=[x, o])
 
     def _check_a2a_counts(self, ctx, in_counts, out_counts):
         """Every rank learns what every rank sends to and expects from every rank (all-gathered
@@ -706,6 +741,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if len(output_tensors) != w or len(input_tensors) != w:
             refusal = ValueError(f"hetccl: all_to_all needs {w} input and output tensors, got "
                                  f"{len(input_tensors)} and {len(output_tensors)}")
+        refusal = refusal or _overlap_refusal("all_to_all", output_tensors)
         inp = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else \
             torch.empty(0, device=output_tensors[0].device if output_tensors else "cpu")
         out = torch.empty(sum(t.numel() for t in output_tensors), dtype=inp.dtype,
@@ -749,6 +785,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                         f"hetccl: gather root's output tensor {bad[0]} has {outs[bad[0]].numel()} "
                         f"elements of {outs[bad[0]].dtype}, the input {x.numel()} of {x.dtype}")
                 else:
+                    refusal = _overlap_refusal("gather", outs)
                     flats = [_flat(o) for o in outs]
 
         def body(ctx, algo):
@@ -759,7 +796,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
                     o.copy_(f.view_as(o))
 
         return self._submit("gather", 0, body, output_tensors,
-                            [input_tensors[0], *(outs or [])])
+                            [input_tensors[0], *(outs or [])],
+                            keep=[x, *(f for f, c in flats if c)])
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -786,13 +824,15 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 else:
                     ins = [_flat(t)[0] for t in lst]
 
+        refusal = refusal or _overlap_refusal("scatter", [out])
+
         def body(ctx, algo):
             ctx.begin("scatter", o.numel(), o.dtype, None, root, refusal=refusal)
             algo(ctx, o, ins, root)
             if copied:
                 out.copy_(o.view_as(out))
 
-        return self._submit("scatter", 0, body, output_tensors, [out, *(ins or [])])
+        return self._submit("scatter", 0, body, output_tensors, [out, *(ins or [])], keep=[o])
 
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):

@@ -76,15 +76,14 @@ class HetcclWork(dist.Work):
         return self.fut.done()
 
     def is_success(self) -> bool:
-        if not self.fut.done():
-            return False
-        try:
-            self.fut.value()
-            return True
-        except Exception:  # noqa: BLE001
-            return False
+        """c10d's: True unless the work failed (a work still running has not failed)."""
+        return self.exception() is None
 
     def exception(self):
+        """c10d's: the error of a failed work, None while it runs or once it succeeded (reading
+        a running future's value would raise torch's own assertion instead)."""
+        if not self.fut.done():
+            return None
         try:
             self.fut.value()
         except Exception as e:  # noqa: BLE001
@@ -186,8 +185,8 @@ class DeviceWork(dist.Work):
             return False
         return True
 
-    def is_success(self) -> bool:
-        return self.is_completed() and self._exc is None and not self._engine.core.broken()
+    def is_success(self) -> bool:  # c10d's: True unless the work failed
+        return self._exc is None and not self._engine.core.broken()
 
     def exception(self):
         return self._exc
@@ -229,8 +228,8 @@ class StreamWork(dist.Work):
     def is_completed(self) -> bool:
         return self._launch.query(self._event)
 
-    def is_success(self) -> bool:
-        return self.is_completed() and not self._engine.core.broken()
+    def is_success(self) -> bool:  # c10d's: True unless the work failed
+        return not self._engine.core.broken()
 
     def exception(self):
         return None

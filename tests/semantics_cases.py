@@ -358,6 +358,14 @@ class Cases:
         v = expect_error(lambda: dist.broadcast(y, src=w + 5 if me == last else 0), *want)
         if v != "ok":
             bad.append(f"broadcast root: {v}")
+        # the last rank: a broadcast into an expanded view (overlapping memory), refused at
+        # the call before anything moves (before: the copy back failed on that rank alone
+        # after the data had moved, and the group broke there)
+        e = torch.zeros(1).expand(4) if me == last else torch.zeros(4)
+        want = (ValueError, "overlapping") if me == last else (ValueError, "refused on that rank", f"[{last}]")
+        v = expect_error(lambda: dist.broadcast(e, src=0), *want)
+        if v != "ok":
+            bad.append(f"broadcast into an expanded view: {v}")
         # rank 0: BAND on a float output (refused), the others on int32
         dt = torch.float32 if me == 0 else torch.int32
         want = (ValueError, "BAND") if me == 0 else (ValueError, "refused on that rank", "[0]")
@@ -396,6 +404,27 @@ class Cases:
         if not torch.equal(y, torch.full((5,), float(w))):
             bad.append(f"group unusable after: {y.tolist()}")
         return "; ".join(bad) or None
+
+    def exception_while_running(self):
+        """c10d's Work.exception() is None while the work runs (and is_success() True); the
+        last rank joins the all_reduce a second late, so rank 0's work is still running."""
+        w, me = self.world, self.rank
+        if me == w - 1:
+            time.sleep(1.0)
+        x = torch.ones(8)
+        work = dist.all_reduce(x, async_op=True)
+        res = None
+        if me == 0:
+            if work.is_completed():
+                res = "the work completed before its last rank joined"
+            elif work.exception() is not None:
+                res = f"exception() of a running work: {work.exception()!r}"
+            elif not work.is_success():
+                res = "is_success() is False for a running work"
+        work.wait()
+        if work.exception() is not None or not torch.equal(x, torch.full((8,), float(w))):
+            res = res or f"after wait: {work.exception()!r}, {x.tolist()}"
+        return res
 
     # ---------------------------------------------------------------- p2p works
     def any_source_open_then_named(self, tag: int):
@@ -635,6 +664,7 @@ def run_all(ctx, start_lines: list | None = None) -> dict[str, str]:
     c.run("any_source/size_error", c.any_source_size_error, 13)
     c.run("refusal/one_rank", c.refused_on_one_rank)
     c.run("refusal/at_the_call_on_one_rank", c.refused_at_the_call_on_one_rank)
+    c.run("work/exception_while_running", c.exception_while_running)
     c.run("timeout/wording", c.timeout_wording)
     c.run("monitored_barrier", c.monitored_barrier)
     c.run("passthrough/identity", c.passthrough_identity)
