@@ -42,6 +42,19 @@ _OPS = {
 SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 
 
+# AVG of the half-precision types as NCCL's ncclAvg does it for floats (hostToDevRedOp:
+# ncclDevPreMulSum): each rank's values times 1/n (the scalar rounded to the dtype) before the
+# sum, so a sum near the top of float16's range does not overflow to inf. Trade-off: float32
+# and float64 keep SUM then divide (no extra copy; their range makes the overflow moot).
+_PREMUL_AVG = (torch.float16, torch.bfloat16)
+
+
+def _premul_avg(x: torch.Tensor, world: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * (1/world) in x's dtype, into `out` (x itself: in place) or a new tensor."""
+    scale = torch.tensor(1.0 / world, dtype=x.dtype)
+    return torch.mul(x, scale, out=out) if out is not None else x * scale
+
+
 def _divide_avg(f: torch.Tensor, world: int) -> None:
     """AVG after the SUM: floats divided; integers as NCCL's ncclAvg (FuncSumPostDiv): the
     sum, wrapped in the dtype, divided by the group size and truncated toward zero."""
@@ -292,8 +305,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
                     continue
                 _, fn = select("all_reduce", f.numel() * f.element_size(),
                                self.engine.algo_overrides)
+                premul = op == "avg" and f.dtype in _PREMUL_AVG
+                if premul:
+                    _premul_avg(f, world, out=f)  # f is overwritten by the result anyway
                 fn(ctx, f, "sum" if op == "avg" else op)
-                if op == "avg":
+                if op == "avg" and not premul:
                     _divide_avg(f, world)
                 if copied:
                     t.copy_(f.view_as(t))
@@ -443,6 +459,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if op in _BITWISE:
             g = f.clone()
             self._bitwise_all_reduce(ctx, g, op)
+            if self.rank() == root:
+                f.copy_(g)
+            return
+        if op == "avg" and f.dtype in _PREMUL_AVG:  # a scaled copy: a non-root's f stays as it was
+            g = _premul_avg(f, self.size())
+            algo(ctx, g, root, "sum")
             if self.rank() == root:
                 f.copy_(g)
             return
@@ -600,9 +622,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 if copied:
                     out.copy_(o.view_as(out))
                 return
-            algo(ctx, o, inp_flat, "sum" if op == "avg" else op)
-            if op == "avg":
-                _divide_avg(o, world)
+            if op == "avg" and o.dtype in _PREMUL_AVG:  # a scaled copy: the input stays as it was
+                algo(ctx, o, _premul_avg(inp_flat, world), "sum")
+            else:
+                algo(ctx, o, inp_flat, "sum" if op == "avg" else op)
+                if op == "avg":
+                    _divide_avg(o, world)
             if copied:
                 out.copy_(o.view_as(out))
 

@@ -405,6 +405,34 @@ class Cases:
             bad.append(f"group unusable after: {y.tolist()}")
         return "; ".join(bad) or None
 
+    def avg_near_float16_max(self):
+        """AVG of float16 values near the top of its range: NCCL multiplies by 1/n before the
+        sum (ncclDevPreMulSum), so the mean stays finite; a sum first overflows to inf."""
+        w, me = self.world, self.rank
+        bad = []
+        for dt in (torch.float16, torch.bfloat16):
+            top = 30000.0 if dt == torch.float16 else 3.0e38
+            x = torch.full((6,), top, dtype=dt)
+            dist.all_reduce(x, op=dist.ReduceOp.AVG)
+            if not torch.allclose(x.double(), torch.full((6,), top, dtype=torch.float64), rtol=1e-2):
+                bad.append(f"all_reduce {dt}: {x.tolist()[:2]}")
+            y = torch.full((6,), top, dtype=dt)
+            keep = y.clone()
+            dist.reduce(y, 0, op=dist.ReduceOp.AVG)
+            if me == 0 and not torch.allclose(y.double(), torch.full((6,), top, dtype=torch.float64), rtol=1e-2):
+                bad.append(f"reduce {dt}: {y.tolist()[:2]}")
+            if me != 0 and not torch.equal(y, keep):
+                bad.append(f"reduce {dt}: a non-root's tensor changed")
+            inp = torch.full((2 * w,), top, dtype=dt)
+            keep = inp.clone()
+            o = torch.empty(2, dtype=dt)
+            dist.reduce_scatter_tensor(o, inp, op=dist.ReduceOp.AVG)
+            if not torch.allclose(o.double(), torch.full((2,), top, dtype=torch.float64), rtol=1e-2):
+                bad.append(f"reduce_scatter {dt}: {o.tolist()}")
+            if not torch.equal(inp, keep):
+                bad.append(f"reduce_scatter {dt}: the input changed")
+        return "; ".join(bad) or None
+
     def exception_while_running(self):
         """c10d's Work.exception() is None while the work runs (and is_success() True); the
         last rank joins the all_reduce a second late, so rank 0's work is still running."""
@@ -665,6 +693,7 @@ def run_all(ctx, start_lines: list | None = None) -> dict[str, str]:
     c.run("refusal/one_rank", c.refused_on_one_rank)
     c.run("refusal/at_the_call_on_one_rank", c.refused_at_the_call_on_one_rank)
     c.run("work/exception_while_running", c.exception_while_running)
+    c.run("avg/near_the_top_of_half_ranges", c.avg_near_float16_max)
     c.run("timeout/wording", c.timeout_wording)
     c.run("monitored_barrier", c.monitored_barrier)
     c.run("passthrough/identity", c.passthrough_identity)
