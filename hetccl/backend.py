@@ -51,7 +51,7 @@ _PREMUL_AVG = (torch.float16, torch.bfloat16)
 
 def _premul_avg(x: torch.Tensor, world: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x * (1/world) in x's dtype, into `out` (x itself: in place) or a new tensor."""
-    scale = torch.tensor(1.0 / world, dtype=x.dtype)
+    scale = torch.tensor(1.0 / world, dtype=x.dtype, device="cpu")  # a 0-dim scalar operand
     return torch.mul(x, scale, out=out) if out is not None else x * scale
 
 
