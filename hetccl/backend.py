@@ -682,7 +682,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return self._submit("reduce", 0, body, output_tensors, [out, *ins], keep=parts)
 
     def _hc_reduce_scatter_single(self, output, input, opts=None):
-        op = self._reduce_scatter_op([output], opts)
+        return self._reduce_scatter_single(output, input, self._reduce_scatter_op([output], opts),
+                                           opts)
+
+    def _reduce_scatter_single(self, output, input, op: str, opts):
         inp, _ = _flat(input)
         return self._submit("reduce_scatter", 0, self._reduce_scatter_flat(output, inp, op),
                             [output], [output, inp], opts)
@@ -700,9 +703,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return op
 
     def _hc_reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        if outputs:
-            self._reduce_scatter_op(list(outputs), opts)
-        works = [self._hc_reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        op = self._reduce_scatter_op(list(outputs), opts) if outputs else None
+        works = [self._reduce_scatter_single(o, i, op, opts) for o, i in zip(outputs, inputs)]
         return _AllWork(works, outputs)
 
     # ------------------------------------------------------------------ all-to-all

@@ -1,5 +1,6 @@
 import glob
 import os
+import shutil
 
 import pytest
 
@@ -15,3 +16,13 @@ def no_leaked_shm():
     yield
     leaked = _hetccl_shm() - before
     assert not leaked, f"leaked shared-memory segments: {sorted(leaked)}"
+
+
+def compiler(language: str, purpose: str) -> str:
+    """The C ("c") or C++ ("c++") compiler the tests build their helper programs with. Without
+    one the test fails (the build of hetccl needs one too), naming `purpose`."""
+    names = ("cc", "gcc") if language == "c" else ("g++", "c++")
+    path = next((p for p in map(shutil.which, names) if p), None)
+    if not path:
+        pytest.fail(f"no {language.upper()} compiler to build {purpose} (the build of hetccl needs one too)")
+    return path

@@ -267,6 +267,15 @@ class Cases:
             res = expect_error(lambda: dist.recv(t, src=other, tag=tag), ValueError, "bytes")
             return res
 
+    def usable_after(self, bad: list) -> str | None:
+        """The verdict of a refusal case: what went wrong, or None once an all_reduce shows the
+        group still usable after the refusals."""
+        y = torch.full((5,), 1.0)
+        dist.all_reduce(y)
+        if not torch.equal(y, torch.full((5,), float(self.world))):
+            bad.append(f"group unusable after: {y.tolist()}")
+        return "; ".join(bad) or None
+
     # ---------------------------------------------------------------- one rank's bad output
     def refused_on_one_rank(self):
         """One rank passes an all_gather output (then a reduce_scatter input) of the wrong size,
@@ -333,11 +342,7 @@ class Cases:
                          NotImplementedError, "PROD", "complex")
         if v != "ok":
             bad.append(f"complex product: {v}")
-        y = torch.full((5,), 1.0)
-        dist.all_reduce(y)
-        if not torch.equal(y, torch.full((5,), float(w))):
-            bad.append(f"group unusable after: {y.tolist()}")
-        return "; ".join(bad) or None
+        return self.usable_after(bad)
 
     def refused_at_the_call_on_one_rank(self):
         """What one rank refuses at the call (a dtype or op it cannot reduce, a root out of
@@ -399,11 +404,7 @@ class Cases:
                                              dst=w + 3 if me == last else 0), *want)
         if v != "ok":
             bad.append(f"gather root: {v}")
-        y = torch.full((5,), 1.0)
-        dist.all_reduce(y)
-        if not torch.equal(y, torch.full((5,), float(w))):
-            bad.append(f"group unusable after: {y.tolist()}")
-        return "; ".join(bad) or None
+        return self.usable_after(bad)
 
     def avg_near_float16_max(self):
         """AVG of float16 values near the top of its range: NCCL multiplies by 1/n before the

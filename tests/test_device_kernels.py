@@ -20,6 +20,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from conftest import compiler
 from hetccl import _core
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,9 +95,7 @@ inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        pytest.fail("no C++ compiler to build the kernels for the host (the build of hetccl needs one too)")
+    cxx = compiler("c++", "the kernels for the host")
     d = tmp_path_factory.mktemp("kernels")
     src = d / "k.cc"
     src.write_text(PRELUDE + open(SRC).read())

@@ -9,12 +9,12 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
 
 from hetccl import nccl_dropin
+from conftest import compiler
 from test_capi import HERE, SPLITS, launch
 
 DROPIN = nccl_dropin.library_path("nccl")
@@ -107,9 +107,7 @@ def test_every_collective_across_vendors(tmp_path, split):
 
 @pytest.fixture(scope="module")
 def fake_nccl(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        pytest.fail("no C++ compiler to build the stand-in NCCL (the build of hetccl needs one too)")
+    cxx = compiler("c++", "the stand-in NCCL")
     d = tmp_path_factory.mktemp("fake")
     out = d / "libnccl.so.2"
     subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-o", str(out), os.path.join(HERE, "cpp", "fake_nccl.cc")],
@@ -226,9 +224,7 @@ def test_shrink_to_one_vendor_is_the_real_library(tmp_path, fake_nccl):
 
 @pytest.fixture(scope="module")
 def group_init_program(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.fail("no C compiler to build tests/cpp/dropin_group_init.c (the build of hetccl needs one too)")
+    cc = compiler("c", "tests/cpp/dropin_group_init.c")
     d = tmp_path_factory.mktemp("group_init")
     out = d / "group_init"
     lib = os.path.dirname(DROPIN)

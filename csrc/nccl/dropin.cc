@@ -458,6 +458,29 @@ ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank,
   return s;
 }
 
+// Runs job(k) for every k in `ks`, each on a thread of its own with device[k] made current, and
+// waits for them all (the calling thread's own current device stays as it was). An exception
+// of job(k), or a thread that cannot start, goes to failed(k, code, text) instead.
+template <class Job, class Failed>
+void on_own_threads(const std::vector<size_t>& ks, const std::vector<int>& device, Job job, Failed failed) {
+  std::vector<std::thread> th;
+  for (size_t k : ks) {
+    try {
+      th.emplace_back([&, k] {
+        try {
+          set_device(device[k]);
+          job(k);
+        } catch (const std::exception& e) {
+          failed(k, ncclInternalError, std::string(e.what()));
+        }
+      });
+    } catch (const std::exception& e) {
+      failed(k, ncclSystemError, std::string("hetccl: cannot start a thread: ") + e.what());
+    }
+  }
+  for (auto& t : th) t.join();
+}
+
 // The outermost ncclGroupEnd's inits: each on a thread of its own (each bootstrap waits for
 // the ranks the others make; the caller's own current device stays as it was), on the device
 // its caller had. The first failure is returned with its text; a failed communicator is left
@@ -469,20 +492,38 @@ ncclResult_t run_deferred_inits() {
   const size_t n = inits.size();
   std::vector<ncclResult_t> rc(n, ncclSuccess);
   std::vector<std::string> text(n);
-  std::vector<int> ranks(n), sizes(n);
-  std::vector<bool> start(n, true);
+  std::vector<int> ranks(n), sizes(n), device(n);
+  std::vector<size_t> started;
   for (size_t i = 0; i < n; ++i) {
     ncclComm* c = inits[i].c;
     ranks[i] = c->rank;
     sizes[i] = c->nranks;
-    std::lock_guard<std::mutex> g(c->mu);
-    if (c->abandoned) start[i] = false;  // destroyed before its group ended (by another thread)
-    else c->running = true;
+    device[i] = c->device;
+    std::unique_lock<std::mutex> g(c->mu);
+    if (c->abandoned) {  // destroyed before its group ended (by another thread)
+      g.unlock();
+      delete c;
+      continue;
+    }
+    c->running = true;
+    started.push_back(i);
   }
-  for (size_t i = 0; i < n; ++i)
-    if (!start[i]) delete inits[i].c;
-  // the init's end: FAILED or READY, or freed when it was abandoned while it ran
-  auto settle_one = [&](size_t i) {
+  on_own_threads(
+      started, device,
+      [&](size_t i) {
+        DeferredInit& d = inits[i];
+        rc[i] = init_now(d.c, d.id, d.config.empty() ? nullptr : reinterpret_cast<ncclConfig_t*>(d.config.data()));
+        if (rc[i] != ncclSuccess && rc[i] != ncclInProgress) {
+          text[i] = t_error;
+          if (text[i].empty() && REAL(ncclGetLastError)) text[i] = REAL(ncclGetLastError)(nullptr);  // the real init's
+        }
+      },
+      [&](size_t i, ncclResult_t code, const std::string& why) {
+        rc[i] = code;
+        text[i] = why;
+      });
+  // each init's end: FAILED or READY, or freed when it was abandoned while it ran
+  for (size_t i : started) {
     ncclComm* c = inits[i].c;
     bool ok = rc[i] == ncclSuccess || rc[i] == ncclInProgress;
     std::unique_lock<std::mutex> g(c->mu);
@@ -492,41 +533,13 @@ ncclResult_t run_deferred_inits() {
       if (c->het) hetcclCommAbort(c->het);
       if (c->real && REAL(ncclCommAbort)) REAL(ncclCommAbort)(c->real);
       delete c;
-      return;
+      continue;
     }
     c->init_error.store(rc[i], std::memory_order_relaxed);
     c->state.store(ok ? ncclComm::READY : ncclComm::FAILED, std::memory_order_release);
-  };
-  auto one = [&](size_t i) {
-    DeferredInit& d = inits[i];
-    try {
-      set_device(d.c->device);
-      rc[i] = init_now(d.c, d.id, d.config.empty() ? nullptr : reinterpret_cast<ncclConfig_t*>(d.config.data()));
-      if (rc[i] != ncclSuccess && rc[i] != ncclInProgress) {
-        text[i] = t_error;
-        if (text[i].empty() && REAL(ncclGetLastError)) text[i] = REAL(ncclGetLastError)(nullptr);  // the real init's
-      }
-    } catch (const std::exception& e) {
-      rc[i] = ncclInternalError;
-      text[i] = e.what();
-    }
-    settle_one(i);
-  };
-  std::vector<std::thread> th;
-  for (size_t i = 0; i < n; ++i) {
-    if (!start[i]) continue;
-    try {
-      th.emplace_back(one, i);
-    } catch (const std::exception& e) {  // no thread: this init fails (its peers time out)
-      rc[i] = ncclSystemError;
-      text[i] = std::string("cannot start the init's thread: ") + e.what();
-      settle_one(i);
-    }
   }
-  for (auto& t : th) t.join();
   ncclResult_t first = ncclSuccess;
-  for (size_t i = 0; i < n; ++i) {
-    if (!start[i]) continue;
+  for (size_t i : started) {
     if (rc[i] == ncclSuccess || rc[i] == ncclInProgress) {
       if (first == ncclSuccess) first = rc[i];
       continue;
@@ -683,25 +696,18 @@ ncclResult_t run_deferred_calls(bool drop) {
   if (of.size() == 1) {
     rc[0] = run_calls_of(of[0], drop, &text[0]);
   } else {
-    std::vector<std::thread> th;
+    std::vector<size_t> all(of.size());
+    std::vector<int> device(of.size());
     for (size_t g = 0; g < of.size(); ++g) {
-      int device = comms[roots[g]]->device;  // read here: the issuer counts itself a user only later
-      try {
-        th.emplace_back([&, g, device] {
-          try {
-            set_device(device);
-            rc[g] = run_calls_of(of[g], drop, &text[g]);
-          } catch (const std::exception& e) {
-            rc[g] = ncclInternalError;
-            text[g] = e.what();
-          }
-        });
-      } catch (const std::exception& e) {
-        rc[g] = ncclSystemError;
-        text[g] = std::string("hetccl: cannot start a thread for a group's calls: ") + e.what();
-      }
+      all[g] = g;
+      device[g] = comms[roots[g]]->device;  // read here: the issuer counts itself a user only later
     }
-    for (auto& t : th) t.join();
+    on_own_threads(
+        all, device, [&](size_t g) { rc[g] = run_calls_of(of[g], drop, &text[g]); },
+        [&](size_t g, ncclResult_t code, const std::string& why) {
+          rc[g] = code;
+          text[g] = why;
+        });
   }
   for (size_t g = 0; g < of.size(); ++g)
     if (rc[g] != ncclSuccess) {
