@@ -55,9 +55,11 @@
 //    first takes the oldest stashed message of its (peer, tag), else it is posted to UCP; stashed
 //    messages are always older than any UCP still holds, so FIFO per (peer, tag) holds. A receive
 //    posted before its message arrives gets it zero-copy (rendezvous straight into the buffer).
-//  * irecv_reduce: UCP delivers a tagged message in one piece, so we receive into a pooled bounce
-//    buffer (or use the stash buffer) and run reduce_into() on the progress thread once the whole
-//    message is there (not chunk by chunk as the tcp/shm transports do).
+//  * irecv_reduce (option reduce_unpack, default on): a receive posted to UCP uses a generic
+//    datatype whose unpack() reduces each piece UCX delivers into dst on the progress thread
+//    (reduce_unpack below), chunk by chunk as the tcp/shm transports do. A message taken from the
+//    stash, and every one with reduce_unpack off, is reduced whole from its buffer (the stash's,
+//    or a pooled bounce buffer) by the copy thread.
 //  * Peer failure: endpoints are created with UCP_ERR_HANDLING_MODE_PEER; the error callback fails
 //    every pending request naming that peer (PeerFailure) and the endpoint is force-closed. A
 //    failed operation (e.g. a cma read from a vanished process) does the same. UCX's
@@ -94,6 +96,7 @@
 #include <ucs/config/global_opts.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <deque>
 #include <csignal>
@@ -402,6 +405,11 @@ struct Op {
   ReduceOp rop = ReduceOp::SUM;
   DType dtype = DType::FLOAT32;
   BouncePool::Buf bounce;  // RecvReduce: landing buffer; Stash: the message
+  // RecvReduce posted with the reducing datatype (option reduce_unpack): UCX hands the message
+  // to unpack() piece by piece; an element split between pieces waits here until complete.
+  bool streamed = false;
+  std::map<size_t, std::pair<std::array<char, 16>, size_t>> partial;  // element -> bytes, count
+  uint64_t pieces = 0, splits = 0;  // pieces unpacked, elements split between pieces (info())
   // Stash
   uint64_t key = 0;        // full UCP tag
   bool ready = false;      // message complete in `bounce`
@@ -434,6 +442,64 @@ struct Peer {
   std::vector<char> hello_in;
 };
 
+// The reducing receive datatype (option reduce_unpack). A UCP generic datatype's unpack()
+// receives the message in pieces at their offsets as the protocol delivers them (eager
+// fragments, rendezvous fragments; a piece may end inside an element, and pieces of one message
+// may come out of order), so each piece is reduced into dst straight from UCX's receive buffer
+// while it is in cache, instead of landing whole in a bounce buffer and being read again.
+// Runs on the thread that progresses the worker (mu_ held). Contract: the state is the Op
+// (passed as the receive's buffer); a message shorter than the receive leaves dst partly
+// reduced and fails the request (irecv_reduce requires the exact length).
+void* reduce_start_pack(void*, const void*, size_t) { return nullptr; }  // receive-only type
+void* reduce_start_unpack(void*, void* buffer, size_t) { return buffer; }
+size_t reduce_packed_size(void* state) { return static_cast<Op*>(state)->nbytes; }
+size_t reduce_pack(void*, size_t, void*, size_t) { return 0; }
+void reduce_finish(void*) {}
+ucs_status_t reduce_unpack(void* state, size_t offset, const void* src, size_t length) {
+  Op* op = static_cast<Op*>(state);
+  if (offset > op->nbytes || length > op->nbytes - offset) return UCS_ERR_MESSAGE_TRUNCATED;
+  ++op->pieces;
+  const size_t es = dtype_size(op->dtype);
+  char* dst = static_cast<char*>(op->dst);
+  const char* in = static_cast<const char*>(src);
+  // bytes [a, e) of an element that straddles a piece boundary: gathered, reduced once whole
+  auto part = [&](size_t a, size_t e) {
+    if (a == e) return;
+    auto& pe = op->partial[a / es];
+    if (pe.second == 0) ++op->splits;
+    std::memcpy(pe.first.data() + a % es, in + (a - offset), e - a);
+    pe.second += e - a;
+    if (pe.second == es) {
+      reduce_into(op->rop, op->dtype, dst + (a / es) * es, pe.first.data(), 1, 1);
+      op->partial.erase(a / es);
+    }
+  };
+  size_t end = offset + length;
+  size_t first = (offset + es - 1) / es * es, last = end / es * es;  // whole elements: [first, last)
+  if (first >= last) {
+    if (offset < end) {
+      size_t cut = std::min(end, first);  // at most two elements' bytes
+      part(offset, cut);
+      if (cut < end) part(cut, end);
+    }
+    return UCS_OK;
+  }
+  if (offset < first) part(offset, first);
+  reduce_into(op->rop, op->dtype, dst + first, in + (first - offset), (last - first) / es, 1);
+  if (last < end) part(last, end);
+  return UCS_OK;
+}
+ucp_generic_dt_ops_t reduce_dt_ops() {
+  ucp_generic_dt_ops_t o{};
+  o.start_pack = reduce_start_pack;
+  o.start_unpack = reduce_start_unpack;
+  o.packed_size = reduce_packed_size;
+  o.pack = reduce_pack;
+  o.unpack = reduce_unpack;
+  o.finish = reduce_finish;
+  return o;
+}
+
 void send_cb(void* request, ucs_status_t status, void* user_data);
 void recv_cb(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data);
 void ep_err_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
@@ -459,6 +525,12 @@ class UcxTransport final : public Transport {
       if (ct != "on" && ct != "off")
         throw CommError("hetccl ucx: copy_thread must be on or off, not '" + ct + "'");
       copy_thread_on_ = ct == "on";
+    }
+    {
+      std::string ru = opt_str(opts, "reduce_unpack", "on");
+      if (ru != "on" && ru != "off")
+        throw CommError("hetccl ucx: reduce_unpack must be on or off, not '" + ru + "'");
+      reduce_unpack_ = ru == "on";
     }
     {
       std::string dp = opt_str(opts, "device_prepare", "on");
@@ -505,6 +577,15 @@ class UcxTransport final : public Transport {
     ucs_status_t st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
     check(st, "ucp_init");
+    if (reduce_unpack_) {
+      static ucp_generic_dt_ops_t ops = reduce_dt_ops();
+      st = ucp_dt_create_generic(&ops, nullptr, &reduce_dt_);
+      if (st != UCS_OK) {
+        ucp_cleanup(context_);
+        context_ = nullptr;
+        check(st, "ucp_dt_create_generic");
+      }
+    }
     resources_ = context_transports(context_);
     for (auto& t : resources_)
       for (const char* r : {"rc", "dc", "ud", "srd", "gga"})
@@ -538,6 +619,8 @@ class UcxTransport final : public Transport {
         workers_.clear();
         ucp_cleanup(context_);
         context_ = nullptr;
+        if (reduce_dt_) ucp_dt_destroy(reduce_dt_);
+        reduce_dt_ = 0;
         check(st, "ucp_worker_create/query/get_efd");
       }
       efds_.push_back(efd);
@@ -798,6 +881,9 @@ class UcxTransport final : public Transport {
       if (pr.is_peer) modes += (modes.empty() ? "" : ",") + std::to_string(pr.rank) + ":" + (pr.peer_mode ? "peer" : "none");
     m["error_handling"] = modes;
     m["copy_thread"] = copy_thread_.joinable() ? "on" : "off";
+    m["reduce_unpack"] = !reduce_dt_ ? "off" : "on: " + std::to_string(unpack_msgs_) + " messages in " +
+                         std::to_string(unpack_pieces_) + " pieces, " + std::to_string(unpack_splits_) +
+                         " elements split between pieces";
     m["device_prepare"] = !device_prepare_ ? "off" : rdma_ ? "off (RDMA: UCX registers)" : "on";
     m["device_handles"] = std::to_string(memh_.size()) + " cached, " + std::to_string(memh_hits_) +
                           " posts with one, " + std::to_string(memh_misses_) + " without, " +
@@ -903,6 +989,8 @@ class UcxTransport final : public Transport {
     ucp_cleanup(context_);
     workers_.clear();
     context_ = nullptr;
+    if (reduce_dt_) ucp_dt_destroy(reduce_dt_);
+    reduce_dt_ = 0;
     // Whatever UCX did not complete (the worker is gone, so no buffer is touched any more) and
     // the stashed messages nobody received.
     std::unordered_set<Op*> left(pending_.begin(), pending_.end());
@@ -1014,12 +1102,19 @@ class UcxTransport final : public Transport {
       return;
     }
     void* buf = op->buf;
-    if (op->kind == OpKind::RecvReduce) {
+    size_t count = op->nbytes;
+    ucp_tag_recv_info_t info{};
+    ucp_request_param_t prm = recv_param(op, &info);
+    if (op->kind == OpKind::RecvReduce && reduce_dt_) {
+      // Reduced piece by piece as UCX delivers it (reduce_unpack): the "buffer" UCX passes to
+      // start_unpack is the operation; `count` elements of the generic type are its bytes.
+      op->streamed = true;
+      buf = op;
+      prm.datatype = reduce_dt_;
+    } else if (op->kind == OpKind::RecvReduce) {
       op->bounce = pool_.get(op->nbytes);
       buf = op->bounce.p.get();
     }
-    ucp_tag_recv_info_t info{};
-    ucp_request_param_t prm = recv_param(op, &info);
     if ((key & kDeviceBit) && device_mem_ != UCS_MEMORY_TYPE_UNKNOWN) {
       prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;  // declared by bind_device, not detected
       prm.memory_type = device_mem_;
@@ -1029,7 +1124,7 @@ class UcxTransport final : public Transport {
       attach_memh_locked(prm, buf, op->nbytes);
     }
     pending_.insert(op);
-    ucs_status_ptr_t r = ucp_tag_recv_nbx(workers_[op->lane], buf, op->nbytes, key, kFullMask, &prm);
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(workers_[op->lane], buf, count, key, kFullMask, &prm);
     after_post_locked(op, r, info.length);
   }
 
@@ -1162,6 +1257,14 @@ class UcxTransport final : public Transport {
                         "hetccl ucx: irecv_reduce from rank " + std::to_string(op->peer) + " (tag " +
                             std::to_string(op->tag) + ") expected exactly " +
                             std::to_string(op->nbytes) + " bytes, got " + std::to_string(length));
+          return;
+        }
+        if (op->streamed) {  // already reduced into dst by reduce_unpack
+          unpack_pieces_ += op->pieces;
+          unpack_splits_ += op->splits;
+          ++unpack_msgs_;
+          op->req->complete(op->nbytes);
+          delete op;
           return;
         }
         work_q_.push_back({op, nullptr, length});
@@ -1527,6 +1630,10 @@ class UcxTransport final : public Transport {
   std::string bind_error_;
   // prepare_device's handles by range start (under mu_), and their use (info())
   bool device_prepare_ = true;
+  // option reduce_unpack (default on): irecv_reduce posted to UCX reduces as pieces arrive
+  bool reduce_unpack_ = true;
+  ucp_datatype_t reduce_dt_ = 0;
+  uint64_t unpack_msgs_ = 0, unpack_pieces_ = 0, unpack_splits_ = 0;  // under mu_ (info())
   bool rdma_ = false;  // the context has an RDMA transport (handles not cached: header comment)
   std::map<uintptr_t, MemhEntry> memh_;
   uint64_t memh_hits_ = 0, memh_misses_ = 0, memh_failed_ = 0;

@@ -146,6 +146,7 @@ class Bridge:
             opts["lanes"] = str(config.get("HETCCL_UCX_LANES"))
             opts["ucx_config"] = config.ucx_tuning()
             opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
+            opts["reduce_unpack"] = "on" if config.get("HETCCL_UCX_REDUCE_UNPACK") else "off"
             opts["device_prepare"] = "on" if config.get("HETCCL_UCX_DEVICE_PREPARE") else "off"
             opts["exclude_tls"] = ",".join(transports.ucx_exclusions(
                 real_host[topo.rank], [real_host[p] for p in self.peers if self.kind_of[p] == "ucx"],

@@ -205,6 +205,11 @@ _SETTINGS = [
             "UCX transport: copies out of the unexpected-message buffer and irecv_reduce's "
             "reductions run on a thread of their own beside UCX's progress thread (0: on the "
             "progress thread, as before; docs/transports.md)."),
+    Setting("HETCCL_UCX_REDUCE_UNPACK", _bool, True,
+            "UCX transport: a reducing receive posted before its message arrives reduces each "
+            "piece UCX delivers straight from UCX's receive buffer (a UCP generic datatype), "
+            "instead of landing the whole message in a bounce buffer first (0: the bounce "
+            "buffer, as before; docs/transports.md). Ranks may differ: the wire is the same."),
     Setting("HETCCL_UCX_DEVICE_PREPARE", _bool, True,
             "With HETCCL_UCX_DEVICE=auto: the thread that issues a collective maps its device "
             "buffers for UCX (ucp_mem_map, cached per range) so that the engine's proxy posts "
