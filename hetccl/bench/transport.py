@@ -3,12 +3,16 @@ processes, beside single-core memcpy (the physical reference for a copy-based tr
 
 For each transport (shm, tcp with --nconn, ucx when built) and size, rank 0 streams --iters
 messages to rank 1 with all of them in flight ("uni"), then both ranks stream to each other at
-once ("bidir", GB/s per direction). Each measurement is repeated --repeat times; the table shows
-the best and the median, because the machines are shared and noisy. Every row is checked: the
-receiver verifies the last message (#wrong counts corrupt ones).
+once ("bidir", GB/s per direction); "reduce" is bidir with every message received by
+irecv_reduce (float32 sum into one buffer: the engine's reducing receive). Each measurement is
+repeated --repeat times; the table shows the best and the median, because the machines are
+shared and noisy. Every row is checked: the receiver verifies the last message, or the reduced
+sum (#wrong counts corrupt ones). --emulate-hosts keeps UCX off shared memory, as the bridge
+does between emulated hosts (HETCCL_EMULATE_HOSTS).
 
     python -m hetccl.cli bench transport [--transports shm,tcp] [--sizes 1M,4M,16M,64M]
-        [--iters N] [--repeat 5] [--nconn 4] [--jsonl FILE]
+        [--iters N] [--repeat 5] [--nconn 4] [--modes uni,bidir,reduce] [--emulate-hosts]
+        [--jsonl FILE]
 """
 from __future__ import annotations
 
@@ -72,10 +76,14 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
     for name in args.transports:
         st = dist.PrefixStore(f"{name}/", base)
         opts = {"secret": SECRET, "bind_addr": "127.0.0.1", "nconn": str(args.nconn)}
-        if name == "ucx":  # what the bridge runs (HETCCL_UCX_LANES, HETCCL_UCX_TUNING)
-            from hetccl import config
+        if name == "ucx":  # what the bridge runs (HETCCL_UCX_LANES, HETCCL_UCX_TUNING, ...)
+            from hetccl import config, transports
             opts["lanes"] = str(args.ucx_lanes)
             opts["ucx_config"] = config.ucx_tuning()
+            opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
+            opts["reduce_unpack"] = "on" if config.get("HETCCL_UCX_REDUCE_UNPACK") else "off"
+            if args.emulate_hosts:
+                opts["exclude_tls"] = ",".join(transports.ucx_exclusions("here", ["here"], True))
         if args.slot_bytes:
             opts["slot_bytes"] = str(args.slot_bytes)
         if args.nslots:
@@ -93,15 +101,26 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
             expect = (np.arange(size, dtype=np.uint32) * (peer + 3) % 251).astype(np.uint8)
             dst = np.zeros(size, np.uint8)
             go = np.zeros(1, np.uint8)
+            # reduce: each message into its own part of dst32 (reductions into one buffer
+            # from messages in flight together would race), holding 1.0 + the peer's values
+            n32 = size // 4
+            src32 = (np.arange(n32, dtype=np.uint32) * (rank + 3) % 251).astype(np.float32)
+            sum32 = (np.arange(n32, dtype=np.uint32) * (peer + 3) % 251).astype(np.float32) + 1
+            dst32 = np.zeros(n32 * iters if "reduce" in args.modes else 0, np.float32)
             for mode in args.modes:
                 rates, wrong = [], 0
                 for rep in range(args.warmup + args.repeat):
                     tag += 1
                     dst[:] = 0
-                    sending = mode == "bidir" or rank == 0
-                    receiving = mode == "bidir" or rank == 1
-                    recvs = [t.irecv(peer, dst.ctypes.data, size, tag) for _ in range(iters)] \
-                        if receiving else []
+                    dst32[:] = 1
+                    sending = mode in ("bidir", "reduce") or rank == 0
+                    receiving = mode in ("bidir", "reduce") or rank == 1
+                    if mode == "reduce":
+                        recvs = [t.irecv_reduce(peer, dst32.ctypes.data + i * n32 * 4, n32 * 4,
+                                                tag, "sum", "float32") for i in range(iters)]
+                    else:
+                        recvs = [t.irecv(peer, dst.ctypes.data, size, tag)
+                                 for _ in range(iters)] if receiving else []
                     # Start together: each rank tells the other it has posted its receives.
                     # The clock starts BEFORE this rank's "go" leaves, so no data can arrive
                     # before it (the rates include one small-message latency: conservative).
@@ -110,11 +129,16 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
                     t.irecv(peer, go.ctypes.data, 1, tag + 1_000_000).wait(60000)
                     if not receiving:  # the sender's clock matters only in bidir mode
                         t0 = time.perf_counter()
-                    sends = [t.isend(peer, src.ctypes.data, size, tag) for _ in range(iters)] \
+                    data, nbytes = (src32.ctypes.data, n32 * 4) if mode == "reduce" else \
+                        (src.ctypes.data, size)
+                    sends = [t.isend(peer, data, nbytes, tag) for _ in range(iters)] \
                         if sending else []
                     _C.wait_all(recvs + sends, 120000)
                     dt = time.perf_counter() - t0
-                    if receiving and not np.array_equal(dst, expect):
+                    if mode == "reduce":
+                        wrong += int(not all(np.array_equal(part, sum32)
+                                             for part in dst32.reshape(iters, n32)))
+                    elif receiving and not np.array_equal(dst, expect):
                         wrong += 1
                     if rep >= args.warmup:
                         rates.append(size * iters / dt / GB)
@@ -150,15 +174,18 @@ def summary(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "hetccl bench transport: nothing measured"
     big = max(r["size"] for r in rows)
+    mode = next((m for m in ("uni", "reduce", "bidir") if any(r["mode"] == m for r in rows)))
     parts = []
     for r in rows:
-        if r["size"] == big and r["mode"] == "uni":
+        if r["size"] == big and r["mode"] == mode:
             name = f"tcp/{r['nconn']}conn" if r["transport"] == "tcp" else \
                 f"ucx/{r['ucx']['lanes']}lanes" if r["transport"] == "ucx" else r["transport"]
             parts.append(f"{name} {r['gbps_best']:.2f} GB/s (median {r['gbps_median']:.2f})")
     ref = next(r["memcpy_gbps"] for r in rows if r["size"] == big)
     wrong = sum(r["wrong"] for r in rows)
-    return (f"hetccl bench transport: {big >> 20} MiB one-way: " + ", ".join(parts) +
+    what = {"uni": "one-way", "reduce": "reducing, per direction", "bidir": "per direction"}[mode]
+    size = f"{big >> 20} MiB" if big >= 1 << 20 else f"{big >> 10} KiB"
+    return (f"hetccl bench transport: {size} {what}: " + ", ".join(parts) +
             f"; single-core memcpy {ref:.2f} GB/s; " +
             ("all rows verified" if not wrong else f"{wrong} CORRUPT transfers"))
 
@@ -176,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="messages per run (default: 256 MiB worth, 4..64)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per row (best, median)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--modes", default="uni,bidir", help="comma-separated subset of uni,bidir (default: both)")
+    ap.add_argument("--modes", default="uni,bidir",
+                    help="comma-separated subset of uni,bidir,reduce (default: uni,bidir)")
+    ap.add_argument("--emulate-hosts", action="store_true",
+                    help="ucx: no shared-memory transports between the two processes, as the "
+                         "bridge between emulated hosts")
     ap.add_argument("--nconn", type=int, default=4, help="tcp connections per peer")
     ap.add_argument("--ucx-lanes", type=int, default=None,
                     help="UCX lanes (default: HETCCL_UCX_LANES); UCX tuning: HETCCL_UCX_TUNING")
@@ -193,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         args.ucx_lanes = int(config.get("HETCCL_UCX_LANES"))
     args.sizes = [parse_size(x) for x in args.sizes.split(",") if x]
     args.modes = [x for x in args.modes.split(",") if x]
+    if bad := [m for m in args.modes if m not in ("uni", "bidir", "reduce")]:
+        ap.error(f"unknown mode(s) {bad}; known: uni, bidir, reduce")
     rows = spawn(_rank_main, 2, args=(args,), timeout=1800)[0]
     print(summary(rows))
     return 0 if not any(r["wrong"] for r in rows) else 1
