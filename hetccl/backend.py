@@ -66,6 +66,20 @@ def _divide_avg(f: torch.Tensor, world: int) -> None:
 # collectives (all-to-all, all-gather) and reduce with torch's kernels, so they need nothing
 # from the native libraries' or the bridge's reduction kernels (see _bitwise_reduce_scatter).
 _BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+# bool reductions run on the bytes, as ProcessGroupNCCL's (a bool is ncclUint8 there; SUM is
+# mapped to ncclMax): a bool holds 0 or 1, so MAX is OR and MIN is AND, on every device type
+# (CUDA's native library has no bool type). AVG on bool stays refused (TypeError).
+_BOOL_AS_BYTES = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
+
+
+def _bool_as_bytes(op: str | None, *tensors: torch.Tensor):
+    """(op, tensors) to reduce: uint8 views and MAX/MIN where every tensor is bool and op is
+    SUM/MAX/PRODUCT/MIN; else unchanged. The views share the caller's memory."""
+    if op in _BOOL_AS_BYTES and tensors and all(t.dtype == torch.bool for t in tensors):
+        return _BOOL_AS_BYTES[op], [t.view(torch.uint8) for t in tensors]
+    return op, list(tensors)
+
+
 _BITWISE_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
                    torch.uint16, torch.uint32, torch.uint64}
 # Set by hetccl.shim when `hetccl run` redirected init_process_group: the backend the script
@@ -284,19 +298,21 @@ class HetcclProcessGroup(dist.ProcessGroup):
             return self._sparse_allreduce(tensors, op_name(opts.reduceOp if opts is not None
                                                            else dist.ReduceOp.SUM))
         op = None
+        views = tensors
         try:
-            op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-            for t in tensors:
+            op, views = _bool_as_bytes(
+                op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM), *tensors)
+            for t in views:
                 self._validate_reduce(t, op)
-            if (bad := _overlap_refusal("all_reduce", tensors)) is not None:
+            if (bad := _overlap_refusal("all_reduce", views)) is not None:
                 raise bad
         except (ValueError, TypeError, NotImplementedError) as e:
-            raise self._refused_here(e, "all_reduce", tensors[0], op)
-        flats = [_flat(t) for t in tensors]
+            raise self._refused_here(e, "all_reduce", views[0], op)
+        flats = [_flat(t) for t in views]
         world = self.size()
 
         def body(ctx, algo):
-            for (t, (f, copied)) in zip(tensors, flats):
+            for (t, (f, copied)) in zip(views, flats):
                 ctx.begin("all_reduce", f.numel(), f.dtype, op)
                 if op in _BITWISE:
                     self._bitwise_all_reduce(ctx, f, op)
@@ -431,20 +447,22 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         op = None
+        views = tensors
         try:
-            op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+            op, views = _bool_as_bytes(
+                op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM), *tensors)
             self._validate_root(root)
-            for t in tensors:
+            for t in views:
                 self._validate_reduce(t, op)
-            if (bad := _overlap_refusal("reduce", tensors)) is not None:
+            if (bad := _overlap_refusal("reduce", views)) is not None:
                 raise bad
         except (ValueError, TypeError, NotImplementedError) as e:
-            raise self._refused_here(e, "reduce", tensors[0], op, root if 0 <= root < self.size() else 0)
-        flats = [_flat(t) for t in tensors]
+            raise self._refused_here(e, "reduce", views[0], op, root if 0 <= root < self.size() else 0)
+        flats = [_flat(t) for t in views]
         me = self.rank()
 
         def body(ctx, algo):
-            for t, (f, copied) in zip(tensors, flats):
+            for t, (f, copied) in zip(views, flats):
                 ctx.begin("reduce", f.numel(), f.dtype, op, root)
                 self._reduce_to_root(ctx, algo, f, root, op)
                 if me == root and copied:
@@ -639,7 +657,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         ins = input_tensors[0]
         op = None
         try:
-            op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+            op, (out, *ins) = _bool_as_bytes(
+                op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM), out, *ins)
             self._validate_reduce(out, op)
         except (ValueError, TypeError, NotImplementedError) as e:
             raise self._refused_here(e, "reduce_scatter", out, op)
@@ -686,9 +705,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
                                            opts)
 
     def _reduce_scatter_single(self, output, input, op: str, opts):
+        user = output
+        op, (output, input) = _bool_as_bytes(op, output, input)
         inp, _ = _flat(input)
         return self._submit("reduce_scatter", 0, self._reduce_scatter_flat(output, inp, op),
-                            [output], [output, inp], opts)
+                            [user], [output, inp], opts)
 
     def _reduce_scatter_op(self, outputs, opts) -> str:
         """The op of reduce_scatter_tensor over `outputs` (one collective each), every output
@@ -697,7 +718,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
         try:
             op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
             for o in outputs:
-                self._validate_reduce(o, op)
+                o_op, (v,) = _bool_as_bytes(op, o)
+                self._validate_reduce(v, o_op)
         except (ValueError, TypeError, NotImplementedError) as e:
             raise self._refused_here(e, "reduce_scatter", outputs[0], op, calls=len(outputs))
         return op
@@ -1387,8 +1409,10 @@ class _CopyBackWork(_WaitOnce):
 class _P2PWork(_WaitOnce):
     """Point-to-point over the bridge: posted at once, completed by wait()."""
 
-    def __init__(self, engine, req, tensor, finish=None):
-        super().__init__(tensor)
+    def __init__(self, engine, req, tensor, user, finish=None):
+        # tensor: the memory the transport reads or writes (a host stand-in for a device or
+        # non-contiguous one); user: the caller's tensor, the Work's result() as in c10d
+        super().__init__(user)
         self.engine, self.req, self.tensor, self._finish = engine, req, tensor, finish
 
     @classmethod
@@ -1396,15 +1420,15 @@ class _P2PWork(_WaitOnce):
         src = t.contiguous()
         if not devices.is_host(src):
             src = src.to("cpu")
-        return cls(engine, engine.bridge.isend(peer, src.view(-1), tag), src)
+        return cls(engine, engine.bridge.isend(peer, src.view(-1), tag), src, t)
 
     @classmethod
     def recv(cls, engine, peer, t, tag):
         if not devices.is_host(t) or not t.is_contiguous():
             host = hostmem.staging_for(t)
-            return cls(engine, engine.bridge.irecv(peer, host.view(-1), tag), host,
+            return cls(engine, engine.bridge.irecv(peer, host.view(-1), tag), host, t,
                        finish=lambda: t.copy_(host))
-        return cls(engine, engine.bridge.irecv(peer, t.view(-1), tag), t)
+        return cls(engine, engine.bridge.irecv(peer, t.view(-1), tag), t, t)
 
     def _complete(self, timeout) -> None:
         limit = timeout.total_seconds() if timeout else self.engine.timeout.total_seconds()

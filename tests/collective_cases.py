@@ -183,7 +183,8 @@ def _sync(dev: torch.device) -> None:
 
 def _all_reduce_matrix(c: Cases, rank: int, W: int, dev: torch.device = CPU) -> None:
     """all_reduce: every op x dtype (bitwise ops on integer and bool dtypes), several sizes."""
-    for dtype in REDUCE_DTYPES:
+    # bool: reduced as NCCL's (bytes; SUM/MAX are OR, PRODUCT/MIN are AND)
+    for dtype in REDUCE_DTYPES + [torch.bool]:
         for opn, op in OPS.items():
             if opn == "avg" and dtype == torch.bool:
                 continue  # refused (error_cases: avg_on_bool)
@@ -334,6 +335,17 @@ def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
                                     opn, torch.float32)
                     return close(x, ref, torch.float32, W)
                 c.run(f"reduce/root{root}/{opn}/n{n}", f)
+        for opn in ("sum", "prod"):  # bool: OR and AND on every root, the others unchanged
+            def f(case, root=root, opn=opn):
+                mine = data(rank, case, 3001, torch.bool)
+                x = put(mine.clone())
+                dist.reduce(x, dst=root, op=OPS[opn])
+                if rank != root:
+                    return None if eq(x, mine) else "a non-root's tensor changed"
+                ref = reference([data(r, case, 3001, torch.bool) for r in range(W)], opn,
+                                torch.bool)
+                return close(x, ref, torch.bool, W)
+            c.run(f"reduce/root{root}/{opn}/bool", f)
 
     # all_gather (list and into tensor)
     for dtype in COPY_DTYPES:
@@ -382,7 +394,7 @@ def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
         c.case += 4
 
     # reduce_scatter (list and tensor)
-    for dtype in REDUCE_DTYPES:
+    for dtype in REDUCE_DTYPES + [torch.bool]:
         for opn in ("sum", "max", "min", "prod") + (("avg",) if dtype != torch.bool else ()):
             for n in (0, 5, 20001):
                 def f(case, dtype=dtype, opn=opn, n=n):

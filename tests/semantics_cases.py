@@ -505,11 +505,25 @@ class Cases:
                 bad.append(f"future: {t.tolist()}")
             if not torch.equal(u, torch.arange(5.0) + 10):
                 bad.append(f"is_completed: {u.tolist()}")
+            # result() is the caller's tensor, as c10d's (not a contiguous stand-in)
+            if len(w.result()) != 1 or w.result()[0] is not u:
+                bad.append(f"irecv result() is not the non-contiguous tensor received into: "
+                           f"{[tuple(x.shape) for x in w.result()]}")
+            v = torch.empty(6)[::2]
+            s = dist.isend(v.fill_(7.0), last, tag=tag + 2)
+            s.wait()
+            if len(s.result()) != 1 or s.result()[0] is not v:
+                bad.append("isend result() is not the non-contiguous tensor sent")
             return "; ".join(bad) or None
         if me == last:
             fut = dist.isend(torch.arange(5.0), 0, tag=tag).get_future()
             poll(fut.done, "the isend's future")
             dist.send(torch.arange(5.0) + 10, 0, tag=tag + 1)
+            got = torch.empty(3)
+            dist.recv(got, 0, tag=tag + 2)
+            if not torch.equal(got, torch.full((3,), 7.0)):
+                return f"the non-contiguous isend carried {got.tolist()}"
+
 
     def wait_with_timeout(self):
         """Work.wait(timeout) as c10d's: a collective whose peer is late raises "timed out"

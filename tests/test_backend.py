@@ -131,3 +131,28 @@ def test_all_gather_host_paths(split, algo, pairs):
         assert not res["bad"], (r, res["bad"])
         assert (res["pairs"] > 0) == pairs, (r, res)
         assert (res["rs_pairs"] > 0) == pairs, (r, res)
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "prod", "min", "avg", "band"])
+def test_bool_reductions_run_on_bytes(op):
+    """bool SUM/MAX/PRODUCT/MIN reduce the bytes with MAX/MIN, as ProcessGroupNCCL's (bool is
+    ncclUint8 there, SUM mapped to ncclMax): the same answer as OR/AND, on a dtype every
+    device's kernels have. The views share the caller's memory; other ops are left as they are
+    (AVG is refused later, bitwise ops have their own path)."""
+    import torch
+
+    from hetccl.backend import _bool_as_bytes
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.rand(257, generator=g) > 0.5 for _ in range(3)]
+    mapped, views = _bool_as_bytes(op, *xs)
+    if op in ("avg", "band"):
+        assert mapped == op and all(v is x for v, x in zip(views, xs))
+        return
+    assert all(v.dtype == torch.uint8 and v.data_ptr() == x.data_ptr() for v, x in zip(views, xs))
+    fn = {"max": torch.maximum, "min": torch.minimum}[mapped]
+    got = functools.reduce(fn, views)
+    want = functools.reduce(torch.logical_or if op in ("sum", "max") else torch.logical_and, xs)
+    assert torch.equal(got.to(torch.bool), want)
+    mixed_op, mixed = _bool_as_bytes("sum", xs[0], torch.zeros(3))  # not all bool: unchanged
+    assert mixed_op == "sum" and mixed[0].dtype == torch.bool
