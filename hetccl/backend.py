@@ -38,8 +38,9 @@ _OPS = {
     dist.ReduceOp.SUM: "sum", dist.ReduceOp.PRODUCT: "prod", dist.ReduceOp.MIN: "min",
     dist.ReduceOp.MAX: "max", dist.ReduceOp.AVG: "avg", dist.ReduceOp.BAND: "band",
     dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor",
+    dist.ReduceOp.PREMUL_SUM: "premul_sum",  # all_reduce, reduce, reduce_scatter only
 }
-SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 
 
 # AVG of the half-precision types as NCCL's ncclAvg does it for floats (hostToDevRedOp:
@@ -49,10 +50,46 @@ SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 _PREMUL_AVG = (torch.float16, torch.bfloat16)
 
 
+def _premul(x: torch.Tensor, factor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * factor with the factor rounded to x's dtype (NCCL's PreMulSum multiplies in the
+    dtype), into `out` (x itself: in place) or a new tensor. factor: a number, or a 0-dim tensor
+    on x's device or the CPU (_premul_factor)."""
+    scale = factor.to(x.dtype) if isinstance(factor, torch.Tensor) else \
+        torch.tensor(factor, dtype=x.dtype, device="cpu")  # a 0-dim scalar operand
+    return torch.mul(x, scale, out=out) if out is not None else x * scale
+
+
 def _premul_avg(x: torch.Tensor, world: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x * (1/world) in x's dtype, into `out` (x itself: in place) or a new tensor."""
-    scale = torch.tensor(1.0 / world, dtype=x.dtype, device="cpu")  # a 0-dim scalar operand
-    return torch.mul(x, scale, out=out) if out is not None else x * scale
+    return _premul(x, 1.0 / world, out)
+
+
+# ReduceOp.PREMUL_SUM (dist._make_nccl_premul_sum(factor)): each rank's values times its own
+# factor, then summed, as ProcessGroupNCCL's (ncclRedOpCreatePreMulSum) for the dtypes it takes.
+_PREMUL_SUM_DTYPES = (torch.float16, torch.float32, torch.bfloat16, torch.float64)
+
+
+def _premul_factor(red, tensors) -> object:
+    """The factor of a PREMUL_SUM op for `tensors` (a number, or a 0-dim tensor on their
+    device); raises TypeError / ValueError as ProcessGroupNCCL would refuse it."""
+    bad = [t.dtype for t in tensors if t.dtype not in _PREMUL_SUM_DTYPES]
+    if bad:
+        raise TypeError(f"hetccl: PreMulSum Data type must be half, float, bfloat16 or double, "
+                        f"got {bad[0]} (as ProcessGroupNCCL)")
+    factor = getattr(red, "factor", None)
+    if factor is None:
+        raise ValueError("hetccl: ReduceOp.PREMUL_SUM without a factor; make it with "
+                         "torch.distributed._make_nccl_premul_sum(factor)")
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1:
+            raise ValueError(f"hetccl: a PREMUL_SUM factor tensor must hold one element, it "
+                             f"has {factor.numel()}")
+        dev = tensors[0].device if tensors else factor.device
+        factor = factor.detach().reshape(())
+        if factor.device != dev and factor.device.type != "cpu":
+            factor = factor.to(dev)  # a 0-dim CPU tensor is a scalar operand on any device
+        return factor
+    return float(factor)
 
 
 def _divide_avg(f: torch.Tensor, world: int) -> None:
@@ -265,6 +302,18 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 self._submit(coll, 0, body, [], [t])
         return err
 
+    @staticmethod
+    def _reduce_args(opts, tensors) -> tuple[str, object, list]:
+        """(op, PREMUL_SUM factor or None, tensors to reduce) of a reducing call: PREMUL_SUM
+        becomes SUM of inputs scaled by the factor (_premul), bool tensors their bytes
+        (_bool_as_bytes). Raises what the caller refuses."""
+        red = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        op, factor = op_name(red), None
+        if op == "premul_sum":
+            factor, op = _premul_factor(red, tensors), "sum"
+        op, views = _bool_as_bytes(op, *tensors)
+        return op, factor, views
+
     def _validate_reduce(self, t: torch.Tensor, op: str) -> None:
         if op in _BITWISE:
             if t.dtype not in _BITWISE_DTYPES:
@@ -297,11 +346,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if any(t.is_sparse for t in tensors):  # its own protocol, its own checks
             return self._sparse_allreduce(tensors, op_name(opts.reduceOp if opts is not None
                                                            else dist.ReduceOp.SUM))
-        op = None
+        op = factor = None
         views = tensors
         try:
-            op, views = _bool_as_bytes(
-                op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM), *tensors)
+            op, factor, views = self._reduce_args(opts, tensors)
             for t in views:
                 self._validate_reduce(t, op)
             if (bad := _overlap_refusal("all_reduce", views)) is not None:
@@ -324,6 +372,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 premul = op == "avg" and f.dtype in _PREMUL_AVG
                 if premul:
                     _premul_avg(f, world, out=f)  # f is overwritten by the result anyway
+                elif factor is not None:  # PREMUL_SUM
+                    _premul(f, factor, out=f)
                 fn(ctx, f, "sum" if op == "avg" else op)
                 if op == "avg" and not premul:
                     _divide_avg(f, world)
@@ -446,11 +496,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        op = None
+        op = factor = None
         views = tensors
         try:
-            op, views = _bool_as_bytes(
-                op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM), *tensors)
+            op, factor, views = self._reduce_args(opts, tensors)
             self._validate_root(root)
             for t in views:
                 self._validate_reduce(t, op)
@@ -464,24 +513,27 @@ class HetcclProcessGroup(dist.ProcessGroup):
         def body(ctx, algo):
             for t, (f, copied) in zip(views, flats):
                 ctx.begin("reduce", f.numel(), f.dtype, op, root)
-                self._reduce_to_root(ctx, algo, f, root, op)
+                self._reduce_to_root(ctx, algo, f, root, op, factor)
                 if me == root and copied:
                     t.copy_(f.view_as(t))
 
         return self._submit("reduce", 0, body, tensors, tensors, opts,
                             keep=[f for f, c in flats if c])
 
-    def _reduce_to_root(self, ctx, algo, f: torch.Tensor, root: int, op: str) -> None:
+    def _reduce_to_root(self, ctx, algo, f: torch.Tensor, root: int, op: str,
+                        factor=None) -> None:
         """One reduce step: the result in root's f (AVG divided), other ranks' f as it was
-        for bitwise ops (every rank computes the result, only the root's tensor is written)."""
+        for bitwise ops (every rank computes the result, only the root's tensor is written).
+        factor: PREMUL_SUM's (op is then "sum"), applied to a copy."""
         if op in _BITWISE:
             g = f.clone()
             self._bitwise_all_reduce(ctx, g, op)
             if self.rank() == root:
                 f.copy_(g)
             return
-        if op == "avg" and f.dtype in _PREMUL_AVG:  # a scaled copy: a non-root's f stays as it was
-            g = _premul_avg(f, self.size())
+        if factor is not None or (op == "avg" and f.dtype in _PREMUL_AVG):
+            # a scaled copy: a non-root's f stays as it was
+            g = _premul(f, factor) if factor is not None else _premul_avg(f, self.size())
             algo(ctx, g, root, "sum")
             if self.rank() == root:
                 f.copy_(g)
@@ -616,7 +668,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ reduce-scatter
     def _reduce_scatter_flat(self, out: torch.Tensor, inp_flat: torch.Tensor, op: str,
-                             refusal: BaseException | None = None):
+                             refusal: BaseException | None = None, factor=None):
         o, copied = _flat(out)
         world = self.size()
         refusal = refusal or _overlap_refusal("reduce_scatter", [out])
@@ -640,7 +692,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 if copied:
                     out.copy_(o.view_as(out))
                 return
-            if op == "avg" and o.dtype in _PREMUL_AVG:  # a scaled copy: the input stays as it was
+            if factor is not None:  # PREMUL_SUM: a scaled copy, the input stays as it was
+                algo(ctx, o, _premul(inp_flat, factor), "sum")
+            elif op == "avg" and o.dtype in _PREMUL_AVG:  # likewise
                 algo(ctx, o, _premul_avg(inp_flat, world), "sum")
             else:
                 algo(ctx, o, inp_flat, "sum" if op == "avg" else op)
@@ -655,10 +709,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out = output_tensors[0]
         ins = input_tensors[0]
-        op = None
+        op = factor = None
         try:
-            op, (out, *ins) = _bool_as_bytes(
-                op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM), out, *ins)
+            op, factor, (out, *ins) = self._reduce_args(opts, [out, *ins])
             self._validate_reduce(out, op)
         except (ValueError, TypeError, NotImplementedError) as e:
             raise self._refused_here(e, "reduce_scatter", out, op)
@@ -667,13 +720,14 @@ class HetcclProcessGroup(dist.ProcessGroup):
             refusal = ValueError(f"hetccl: reduce_scatter needs {self.size()} input tensors, "
                                  f"got {len(ins)}")
         elif any(t.numel() != out.numel() for t in ins):
-            return self._uneven_reduce_scatter(output_tensors, out, ins, op)
+            return self._uneven_reduce_scatter(output_tensors, out, ins, op, factor)
         inp = torch.cat([t.reshape(-1) for t in ins]) if ins else out.new_empty(0)
         return self._submit("reduce_scatter", 0,
-                            self._reduce_scatter_flat(out, inp, op, refusal=refusal),
+                            self._reduce_scatter_flat(out, inp, op, refusal=refusal,
+                                                      factor=factor),
                             output_tensors, [out, inp])
 
-    def _uneven_reduce_scatter(self, output_tensors, out, ins, op: str):
+    def _uneven_reduce_scatter(self, output_tensors, out, ins, op: str, factor=None):
         """Inputs of different sizes, as ProcessGroupNCCL and gloo allow: one reduce per rank,
         every rank's ins[k] reduced into rank k's output. Each reduce works on a copy (the
         inputs stay as they were). The root's part is output-sized, so an output that does not
@@ -694,39 +748,43 @@ class HetcclProcessGroup(dist.ProcessGroup):
         def body(ctx, algo):
             for k, f in enumerate(parts):
                 ctx.begin("reduce", f.numel(), f.dtype, op, k)
-                self._reduce_to_root(ctx, algo, f, k, op)
+                self._reduce_to_root(ctx, algo, f, k, op, factor)
                 if k == me:
                     out.copy_(f.view_as(out))
 
         return self._submit("reduce", 0, body, output_tensors, [out, *ins], keep=parts)
 
     def _hc_reduce_scatter_single(self, output, input, opts=None):
-        return self._reduce_scatter_single(output, input, self._reduce_scatter_op([output], opts),
-                                           opts)
+        op, factor = self._reduce_scatter_op([output], opts)
+        return self._reduce_scatter_single(output, input, op, factor, opts)
 
-    def _reduce_scatter_single(self, output, input, op: str, opts):
+    def _reduce_scatter_single(self, output, input, op: str, factor, opts):
+        """op, factor: _reduce_scatter_op's (PREMUL_SUM already SUM with its factor)."""
         user = output
         op, (output, input) = _bool_as_bytes(op, output, input)
         inp, _ = _flat(input)
-        return self._submit("reduce_scatter", 0, self._reduce_scatter_flat(output, inp, op),
+        return self._submit("reduce_scatter", 0,
+                            self._reduce_scatter_flat(output, inp, op, factor=factor),
                             [user], [output, inp], opts)
 
-    def _reduce_scatter_op(self, outputs, opts) -> str:
-        """The op of reduce_scatter_tensor over `outputs` (one collective each), every output
-        validated before any is submitted: a refusal stands for all of them (_refused_here)."""
-        op = None
+    def _reduce_scatter_op(self, outputs, opts) -> tuple[str, object]:
+        """(op, PREMUL_SUM factor or None) of reduce_scatter_tensor over `outputs` (one
+        collective each), every output validated before any is submitted: a refusal stands for
+        all of them (_refused_here)."""
+        op = factor = None
         try:
-            op = op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+            op, factor, _ = self._reduce_args(opts, list(outputs))
             for o in outputs:
                 o_op, (v,) = _bool_as_bytes(op, o)
                 self._validate_reduce(v, o_op)
         except (ValueError, TypeError, NotImplementedError) as e:
             raise self._refused_here(e, "reduce_scatter", outputs[0], op, calls=len(outputs))
-        return op
+        return op, factor
 
     def _hc_reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        op = self._reduce_scatter_op(list(outputs), opts) if outputs else None
-        works = [self._reduce_scatter_single(o, i, op, opts) for o, i in zip(outputs, inputs)]
+        op, factor = self._reduce_scatter_op(list(outputs), opts) if outputs else (None, None)
+        works = [self._reduce_scatter_single(o, i, op, factor, opts)
+                 for o, i in zip(outputs, inputs)]
         return _AllWork(works, outputs)
 
     # ------------------------------------------------------------------ all-to-all

@@ -434,6 +434,66 @@ class Cases:
                 bad.append(f"reduce_scatter {dt}: the input changed")
         return "; ".join(bad) or None
 
+    def premul_sum(self):
+        """ReduceOp.PREMUL_SUM (dist._make_nccl_premul_sum), as ProcessGroupNCCL: each rank's
+        values times its own factor (a number or a one-element tensor), then summed, for
+        all_reduce, reduce (a non-root's tensor unchanged) and reduce_scatter (list, tensor and
+        coalesced; the input unchanged), against a float64 reference; an integer tensor is
+        refused with TypeError on every rank, and the group stays usable."""
+        w, me = self.world, self.rank
+        bad = []
+        fac = [0.25 * (r + 1) for r in range(w)]  # rank r's factor (exact in every dtype)
+
+        def x_of(r, n, dt, seed):
+            g = torch.Generator().manual_seed(9000 + 31 * seed + r)
+            return (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1).to(dt)
+
+        def ref(n, dt, seed):
+            return sum(x_of(r, n, dt, seed).double() * fac[r] for r in range(w))
+
+        def close(got, want, dt):
+            tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}.get(dt, 1e-6) * w
+            return got.numel() == want.numel() and bool(
+                ((got.double() - want).abs() <= tol).all())
+
+        for k, dt in enumerate((torch.float32, torch.float64, torch.float16, torch.bfloat16)):
+            for as_tensor in (False, True):
+                seed = 2 * k + as_tensor
+                f = torch.tensor([fac[me]]) if as_tensor else fac[me]
+                op = dist._make_nccl_premul_sum(f)
+                x = x_of(me, 1001, dt, seed)
+                dist.all_reduce(x, op=op)
+                if not close(x, ref(1001, dt, seed), dt):
+                    bad.append(f"all_reduce {dt} tensor={as_tensor}")
+                y = x_of(me, 301, dt, seed)
+                keep = y.clone()
+                dist.reduce(y, w - 1, op=op)
+                if me == w - 1 and not close(y, ref(301, dt, seed), dt):
+                    bad.append(f"reduce {dt} tensor={as_tensor}")
+                if me != w - 1 and not torch.equal(y, keep):
+                    bad.append(f"reduce {dt}: a non-root's tensor changed")
+                inp = x_of(me, 5 * w, dt, seed)
+                keep = inp.clone()
+                o = torch.empty(5, dtype=dt)
+                dist.reduce_scatter_tensor(o, inp, op=op)
+                if not close(o, ref(5 * w, dt, seed)[5 * me:5 * me + 5], dt) or \
+                        not torch.equal(inp, keep):
+                    bad.append(f"reduce_scatter_tensor {dt} tensor={as_tensor}")
+                o2 = torch.empty(5, dtype=dt)
+                dist.reduce_scatter(o2, list(inp.chunk(w)), op=op)
+                if not close(o2, ref(5 * w, dt, seed)[5 * me:5 * me + 5], dt):
+                    bad.append(f"reduce_scatter (list) {dt} tensor={as_tensor}")
+        op = dist._make_nccl_premul_sum(0.5)
+        res = expect_error(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=op),
+                           TypeError, "PreMulSum", "int32")
+        if res != "ok":
+            bad.append(f"int32: {res}")
+        z = torch.ones(3)
+        dist.all_reduce(z)
+        if not torch.equal(z, torch.full((3,), float(w))):
+            bad.append(f"unusable after the refusal: {z.tolist()}")
+        return "; ".join(bad) or None
+
     def exception_while_running(self):
         """c10d's Work.exception() is None while the work runs (and is_success() True); the
         last rank joins the all_reduce a second late, so rank 0's work is still running."""
@@ -709,6 +769,7 @@ def run_all(ctx, start_lines: list | None = None) -> dict[str, str]:
     c.run("refusal/at_the_call_on_one_rank", c.refused_at_the_call_on_one_rank)
     c.run("work/exception_while_running", c.exception_while_running)
     c.run("avg/near_the_top_of_half_ranges", c.avg_near_float16_max)
+    c.run("premul_sum/all", c.premul_sum)
     c.run("timeout/wording", c.timeout_wording)
     c.run("monitored_barrier", c.monitored_barrier)
     c.run("passthrough/identity", c.passthrough_identity)
