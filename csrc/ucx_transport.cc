@@ -447,9 +447,16 @@ struct Peer {
 // fragments, rendezvous fragments; a piece may end inside an element, and pieces of one message
 // may come out of order), so each piece is reduced into dst straight from UCX's receive buffer
 // while it is in cache, instead of landing whole in a bounce buffer and being read again.
-// Runs on the thread that progresses the worker (mu_ held). Contract: the state is the Op
-// (passed as the receive's buffer); a message shorter than the receive leaves dst partly
-// reduced and fails the request (irecv_reduce requires the exact length).
+// Runs wherever UCX progresses the worker or matches the receive (the progress thread, or a
+// posting thread inside ucp_tag_recv_nbx); always with mu_ held. Contract: the state is the Op
+// (passed as the receive's buffer); a message of another length than the receive fails the
+// request after the pieces within it were reduced (irecv_reduce requires the exact length;
+// a failed collective's output is undefined). Once the request has failed (peer failure,
+// close()) while UCX still delivers, a piece returns an error instead of writing dst: the
+// caller may already have reused that memory.
+// Alignment: a piece starts wherever UCX's receive buffer puts it (tcp's AM headers are 5
+// bytes), so pieces not aligned to their element are first copied, 64 KiB at a time, into
+// an aligned buffer (cheap: the piece is in cache) -- reduce_into reads typed pointers.
 void* reduce_start_pack(void*, const void*, size_t) { return nullptr; }  // receive-only type
 void* reduce_start_unpack(void*, void* buffer, size_t) { return buffer; }
 size_t reduce_packed_size(void* state) { return static_cast<Op*>(state)->nbytes; }
@@ -458,6 +465,7 @@ void reduce_finish(void*) {}
 ucs_status_t reduce_unpack(void* state, size_t offset, const void* src, size_t length) {
   Op* op = static_cast<Op*>(state);
   if (offset > op->nbytes || length > op->nbytes - offset) return UCS_ERR_MESSAGE_TRUNCATED;
+  if (op->req && op->req->test_nothrow()) return UCS_ERR_CANCELED;  // failed: dst not ours
   ++op->pieces;
   const size_t es = dtype_size(op->dtype);
   char* dst = static_cast<char*>(op->dst);
@@ -485,7 +493,17 @@ ucs_status_t reduce_unpack(void* state, size_t offset, const void* src, size_t l
     return UCS_OK;
   }
   if (offset < first) part(offset, first);
-  reduce_into(op->rop, op->dtype, dst + first, in + (first - offset), (last - first) / es, 1);
+  const char* whole = in + (first - offset);
+  if (reinterpret_cast<uintptr_t>(whole) % es == 0) {
+    reduce_into(op->rop, op->dtype, dst + first, whole, (last - first) / es, 1);
+  } else {
+    alignas(64) static thread_local char aligned[64 << 10];
+    for (size_t at = 0; at < last - first; at += sizeof aligned) {
+      size_t n = std::min(sizeof aligned, last - first - at);  // a multiple of es (<= 8)
+      std::memcpy(aligned, whole + at, n);
+      reduce_into(op->rop, op->dtype, dst + first + at, aligned, n / es, 1);
+    }
+  }
   if (last < end) part(last, end);
   return UCS_OK;
 }
@@ -577,7 +595,13 @@ class UcxTransport final : public Transport {
     ucs_status_t st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
     check(st, "ucp_init");
-    if (reduce_unpack_) {
+    resources_ = context_transports(context_);
+    for (auto& t : resources_)
+      for (const char* r : {"rc", "dc", "ud", "srd", "gga"})
+        if (t.compare(0, std::strlen(r), r) == 0) rdma_ = true;
+    // UCX gives up zero-copy rendezvous for a generic datatype: with RDMA a reducing receive
+    // keeps the contiguous bounce buffer (zero-copy into it), until measured there.
+    if (reduce_unpack_ && !rdma_) {
       static ucp_generic_dt_ops_t ops = reduce_dt_ops();
       st = ucp_dt_create_generic(&ops, nullptr, &reduce_dt_);
       if (st != UCS_OK) {
@@ -586,10 +610,6 @@ class UcxTransport final : public Transport {
         check(st, "ucp_dt_create_generic");
       }
     }
-    resources_ = context_transports(context_);
-    for (auto& t : resources_)
-      for (const char* r : {"rc", "dc", "ud", "srd", "gga"})
-        if (t.compare(0, std::strlen(r), r) == 0) rdma_ = true;
     ucp_context_attr_t ca{};
     ca.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
     if (ucp_context_query(context_, &ca) == UCS_OK) memory_types_ = ca.memory_types;
@@ -881,7 +901,7 @@ class UcxTransport final : public Transport {
       if (pr.is_peer) modes += (modes.empty() ? "" : ",") + std::to_string(pr.rank) + ":" + (pr.peer_mode ? "peer" : "none");
     m["error_handling"] = modes;
     m["copy_thread"] = copy_thread_.joinable() ? "on" : "off";
-    m["reduce_unpack"] = !reduce_dt_ ? "off" : "on: " + std::to_string(unpack_msgs_) + " messages in " +
+    m["reduce_unpack"] = !reduce_dt_ ? (reduce_unpack_ ? "off (RDMA: zero-copy kept)" : "off") : "on: " + std::to_string(unpack_msgs_) + " messages in " +
                          std::to_string(unpack_pieces_) + " pieces, " + std::to_string(unpack_splits_) +
                          " elements split between pieces";
     m["device_prepare"] = !device_prepare_ ? "off" : rdma_ ? "off (RDMA: UCX registers)" : "on";

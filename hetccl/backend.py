@@ -110,8 +110,10 @@ _BOOL_AS_BYTES = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
 
 
 def _bool_as_bytes(op: str | None, *tensors: torch.Tensor):
-    """(op, tensors) to reduce: uint8 views and MAX/MIN where every tensor is bool and op is
-    SUM/MAX/PRODUCT/MIN; else unchanged. The views share the caller's memory."""
+    """(op, tensors) of one collective to reduce: uint8 views and MAX/MIN where every tensor is
+    bool and op is SUM/MAX/PRODUCT/MIN; else unchanged (so bool beside another dtype stays a
+    dtype mismatch the caller refuses). The views share the caller's memory. The argument check
+    across ranks still carries the caller's dtype and op (_reduce_args), not the views'."""
     if op in _BOOL_AS_BYTES and tensors and all(t.dtype == torch.bool for t in tensors):
         return _BOOL_AS_BYTES[op], [t.view(torch.uint8) for t in tensors]
     return op, list(tensors)
@@ -303,16 +305,16 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return err
 
     @staticmethod
-    def _reduce_args(opts, tensors) -> tuple[str, object, list]:
-        """(op, PREMUL_SUM factor or None, tensors to reduce) of a reducing call: PREMUL_SUM
-        becomes SUM of inputs scaled by the factor (_premul), bool tensors their bytes
-        (_bool_as_bytes). Raises what the caller refuses."""
+    def _reduce_args(opts, tensors) -> tuple[str, object]:
+        """(op, PREMUL_SUM factor or None) of a reducing call: PREMUL_SUM becomes SUM of inputs
+        scaled by the factor (_premul). The op is what the argument check compares across ranks;
+        each collective then reduces bool tensors on their bytes (_bool_as_bytes). Raises what
+        the caller refuses."""
         red = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        op, factor = op_name(red), None
+        op = op_name(red)
         if op == "premul_sum":
-            factor, op = _premul_factor(red, tensors), "sum"
-        op, views = _bool_as_bytes(op, *tensors)
-        return op, factor, views
+            return "sum", _premul_factor(red, tensors)
+        return op, None
 
     def _validate_reduce(self, t: torch.Tensor, op: str) -> None:
         if op in _BITWISE:
@@ -321,14 +323,14 @@ class HetcclProcessGroup(dist.ProcessGroup):
                                  f"dtype, got {t.dtype} (as gloo: bitwise reductions of "
                                  f"non-integral dtypes are undefined)")
             return
+        if op == "avg" and t.dtype == torch.bool:
+            raise TypeError("hetccl: Cannot use ReduceOp.AVG with boolean inputs (as "
+                            "ProcessGroupNCCL)")
         ok = REDUCE_DTYPES.get(t.device.type, set())
         if t.dtype not in ok:
             raise NotImplementedError(
                 f"hetccl: reductions of dtype {t.dtype} on {t.device.type} tensors are not "
                 f"supported (supported: {', '.join(sorted(str(d)[6:] for d in ok))})")
-        if op == "avg" and t.dtype == torch.bool:
-            raise TypeError("hetccl: Cannot use ReduceOp.AVG with boolean inputs (as "
-                            "ProcessGroupNCCL)")
         if t.is_complex() and op in ("min", "max", "prod"):
             # (torch refuses these for all_reduce on complex tensors, supports_complex; the
             # native libraries' complex products are not all defined, so a product across
@@ -347,21 +349,24 @@ class HetcclProcessGroup(dist.ProcessGroup):
             return self._sparse_allreduce(tensors, op_name(opts.reduceOp if opts is not None
                                                            else dist.ReduceOp.SUM))
         op = factor = None
-        views = tensors
         try:
-            op, factor, views = self._reduce_args(opts, tensors)
-            for t in views:
-                self._validate_reduce(t, op)
+            op, factor = self._reduce_args(opts, tensors)
+            # one collective per tensor: each reduces its own way (bool on its bytes)
+            pairs = [_bool_as_bytes(op, t) for t in tensors]
+            ops, views = [o for o, _ in pairs], [v[0] for _, v in pairs]
+            for t, o in zip(views, ops):
+                self._validate_reduce(t, o)
             if (bad := _overlap_refusal("all_reduce", views)) is not None:
                 raise bad
         except (ValueError, TypeError, NotImplementedError) as e:
-            raise self._refused_here(e, "all_reduce", views[0], op)
+            raise self._refused_here(e, "all_reduce", tensors[0], op)
         flats = [_flat(t) for t in views]
         world = self.size()
+        check_op = op
 
         def body(ctx, algo):
-            for (t, (f, copied)) in zip(views, flats):
-                ctx.begin("all_reduce", f.numel(), f.dtype, op)
+            for user, t, op, (f, copied) in zip(tensors, views, ops, flats):
+                ctx.begin("all_reduce", f.numel(), user.dtype, check_op)
                 if op in _BITWISE:
                     self._bitwise_all_reduce(ctx, f, op)
                     if copied:
@@ -497,22 +502,24 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         op = factor = None
-        views = tensors
         try:
-            op, factor, views = self._reduce_args(opts, tensors)
+            op, factor = self._reduce_args(opts, tensors)
+            pairs = [_bool_as_bytes(op, t) for t in tensors]
+            ops, views = [o for o, _ in pairs], [v[0] for _, v in pairs]
             self._validate_root(root)
-            for t in views:
-                self._validate_reduce(t, op)
+            for t, o in zip(views, ops):
+                self._validate_reduce(t, o)
             if (bad := _overlap_refusal("reduce", views)) is not None:
                 raise bad
         except (ValueError, TypeError, NotImplementedError) as e:
-            raise self._refused_here(e, "reduce", views[0], op, root if 0 <= root < self.size() else 0)
+            raise self._refused_here(e, "reduce", tensors[0], op, root if 0 <= root < self.size() else 0)
         flats = [_flat(t) for t in views]
         me = self.rank()
+        check_op = op
 
         def body(ctx, algo):
-            for t, (f, copied) in zip(views, flats):
-                ctx.begin("reduce", f.numel(), f.dtype, op, root)
+            for user, t, op, (f, copied) in zip(tensors, views, ops, flats):
+                ctx.begin("reduce", f.numel(), user.dtype, check_op, root)
                 self._reduce_to_root(ctx, algo, f, root, op, factor)
                 if me == root and copied:
                     t.copy_(f.view_as(t))
@@ -668,7 +675,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ reduce-scatter
     def _reduce_scatter_flat(self, out: torch.Tensor, inp_flat: torch.Tensor, op: str,
-                             refusal: BaseException | None = None, factor=None):
+                             refusal: BaseException | None = None, factor=None,
+                             check: tuple | None = None):
+        """check: the (dtype, op) the argument check compares across ranks, the caller's where
+        they differ from what is reduced (bool on its bytes); default (out's dtype, op)."""
         o, copied = _flat(out)
         world = self.size()
         refusal = refusal or _overlap_refusal("reduce_scatter", [out])
@@ -685,7 +695,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         def body(ctx, algo):
             # a refusal travels in the check: every rank raises, none waits for this one's data
-            ctx.begin("reduce_scatter", o.numel(), o.dtype, op, refusal=refusal)
+            ctx.begin("reduce_scatter", o.numel(), *(check or (o.dtype, op)), refusal=refusal)
             if op in _BITWISE:
                 if o.numel():
                     o.copy_(self._bitwise_reduce_scatter(ctx, inp_flat, o.numel(), op))
@@ -711,23 +721,26 @@ class HetcclProcessGroup(dist.ProcessGroup):
         ins = input_tensors[0]
         op = factor = None
         try:
-            op, factor, (out, *ins) = self._reduce_args(opts, [out, *ins])
+            op, factor = self._reduce_args(opts, [out, *ins])
+            check = (out.dtype, op)
+            op, (out, *ins) = _bool_as_bytes(op, out, *ins)  # one collective: all bool or none
             self._validate_reduce(out, op)
         except (ValueError, TypeError, NotImplementedError) as e:
-            raise self._refused_here(e, "reduce_scatter", out, op)
+            raise self._refused_here(e, "reduce_scatter", output_tensors[0], op)
         refusal = None  # what only this rank can see: refused through the check (every rank)
         if len(ins) != self.size():
             refusal = ValueError(f"hetccl: reduce_scatter needs {self.size()} input tensors, "
                                  f"got {len(ins)}")
         elif any(t.numel() != out.numel() for t in ins):
-            return self._uneven_reduce_scatter(output_tensors, out, ins, op, factor)
+            return self._uneven_reduce_scatter(output_tensors, out, ins, op, factor, check)
         inp = torch.cat([t.reshape(-1) for t in ins]) if ins else out.new_empty(0)
         return self._submit("reduce_scatter", 0,
                             self._reduce_scatter_flat(out, inp, op, refusal=refusal,
-                                                      factor=factor),
+                                                      factor=factor, check=check),
                             output_tensors, [out, inp])
 
-    def _uneven_reduce_scatter(self, output_tensors, out, ins, op: str, factor=None):
+    def _uneven_reduce_scatter(self, output_tensors, out, ins, op: str, factor=None,
+                               check: tuple | None = None):
         """Inputs of different sizes, as ProcessGroupNCCL and gloo allow: one reduce per rank,
         every rank's ins[k] reduced into rank k's output. Each reduce works on a copy (the
         inputs stay as they were). The root's part is output-sized, so an output that does not
@@ -747,7 +760,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
         def body(ctx, algo):
             for k, f in enumerate(parts):
-                ctx.begin("reduce", f.numel(), f.dtype, op, k)
+                ctx.begin("reduce", f.numel(), *(check or (f.dtype, op)), k)
                 self._reduce_to_root(ctx, algo, f, k, op, factor)
                 if k == me:
                     out.copy_(f.view_as(out))
@@ -760,11 +773,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_single(self, output, input, op: str, factor, opts):
         """op, factor: _reduce_scatter_op's (PREMUL_SUM already SUM with its factor)."""
-        user = output
+        user, check = output, (output.dtype, op)
         op, (output, input) = _bool_as_bytes(op, output, input)
         inp, _ = _flat(input)
         return self._submit("reduce_scatter", 0,
-                            self._reduce_scatter_flat(output, inp, op, factor=factor),
+                            self._reduce_scatter_flat(output, inp, op, factor=factor,
+                                                      check=check),
                             [user], [output, inp], opts)
 
     def _reduce_scatter_op(self, outputs, opts) -> tuple[str, object]:
@@ -773,7 +787,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         all of them (_refused_here)."""
         op = factor = None
         try:
-            op, factor, _ = self._reduce_args(opts, list(outputs))
+            op, factor = self._reduce_args(opts, list(outputs))
             for o in outputs:
                 o_op, (v,) = _bool_as_bytes(op, o)
                 self._validate_reduce(v, o_op)

@@ -44,6 +44,15 @@ def run(ctx) -> dict[str, str]:
     out["sparse_non_sum"] = _expect(
         lambda: dist.all_reduce(torch.ones(4).to_sparse(), op=dist.ReduceOp.MAX),
         ValueError, "sparse", "SUM")
+    # bool is reduced on its bytes, but checked as bool: uint8 on another rank is a mismatch
+    bt = torch.bool if rank == world - 1 else torch.uint8
+    out["bool_against_uint8"] = _expect(
+        lambda: dist.all_reduce(torch.ones(4, dtype=bt), op=dist.ReduceOp.MAX), ValueError,
+        "dtype")
+    out["bool_against_uint8_reduce_scatter"] = _expect(
+        lambda: dist.reduce_scatter_tensor(torch.empty(2, dtype=bt),
+                                           torch.ones(2 * world, dtype=bt)),
+        ValueError, "dtype")
     out["avg_on_bool"] = _expect(lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool),
                                                          op=dist.ReduceOp.AVG),
                                  TypeError, "AVG", "boolean")
