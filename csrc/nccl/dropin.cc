@@ -99,9 +99,19 @@ extern "C" HETCCL_NCCL_API hetcclComm_t hetcclDropinComm(ncclComm_t comm);
 namespace {
 
 thread_local std::string t_error;
+// This thread's ncclGroupStart depth, and the first call refused inside its group (NCCL's
+// ncclGroupErrCheck): the outermost ncclGroupEnd then launches none of the group's calls or
+// inits and returns that error (NCCL cancels the whole group, which is atomic).
+thread_local int t_group_depth = 0;
+thread_local ncclResult_t t_group_error = ncclSuccess;
+thread_local std::string t_group_error_text;
 
 ncclResult_t fail(ncclResult_t r, const std::string& text) {
   t_error = text;
+  if (t_group_depth > 0 && t_group_error == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
+    t_group_error = r;
+    t_group_error_text = text;
+  }
   return r;
 }
 
@@ -320,6 +330,11 @@ ncclResult_t from_het(hetcclResult_t r) {
 
 // datatype for hetccl: FP8 moves as bytes when nothing is reduced
 bool het_dtype(ncclDataType_t d, bool reduces, hetcclDataType_t* out, std::string* why) {
+  if (int(d) < 0 || int(d) >= int(ncclNumTypes)) {  // at the call, as NCCL's ArgsCheck
+    *why = "hetccl: invalid datatype " + std::to_string(int(d)) + " (NCCL's are 0.." +
+           std::to_string(int(ncclNumTypes) - 1) + ")";
+    return false;
+  }
   if (d == ncclFloat8e4m3 || d == ncclFloat8e5m2) {
     if (reduces) {
       *why = "hetccl: reductions of FP8 data across vendors are not supported";
@@ -411,13 +426,12 @@ ncclResult_t init_now(ncclComm* c, const ncclUniqueId& id, ncclConfig_t* config)
   return s;
 }
 
-// This thread's ncclGroupStart depth and the inits waiting for its outermost ncclGroupEnd.
+// The inits waiting for this thread's outermost ncclGroupEnd.
 struct DeferredInit {
   ncclComm* c;
   ncclUniqueId id;
   std::vector<char> config;  // a copy of the caller's ncclConfig_t (its first field is its size)
 };
-thread_local int t_group_depth = 0;
 thread_local std::vector<DeferredInit> t_inits;
 
 ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank, ncclConfig_t* config) {
@@ -551,6 +565,25 @@ ncclResult_t run_deferred_inits() {
     }
   }
   return first;
+}
+
+// A cancelled group's inits (a call of the group was refused): none runs; each communicator
+// is left FAILED with the group's error, for the caller's destroy or abort (one abandoned
+// meanwhile is freed here).
+void cancel_deferred_inits(ncclResult_t why) {
+  std::vector<DeferredInit> inits;
+  inits.swap(t_inits);
+  for (auto& d : inits) {
+    ncclComm* c = d.c;
+    std::unique_lock<std::mutex> g(c->mu);
+    if (c->abandoned) {
+      g.unlock();
+      delete c;
+      continue;
+    }
+    c->init_error.store(why, std::memory_order_relaxed);
+    c->state.store(ncclComm::FAILED, std::memory_order_release);
+  }
 }
 
 // A communicator whose init waits for ncclGroupEnd, or failed there.
@@ -728,6 +761,28 @@ void close_calls_of(ncclComm* c, bool abort) {
   if (c->users == 0) return;
   if (abort && c->het) hetcclCommInterrupt(c->het);
   c->idle.wait(g, [c] { return c->users == 0; });
+}
+
+// The outermost group's end when a call of it was refused (or the real library's group
+// failed): its inits and calls are dropped unrun (ncclRedOpDestroy still runs) and the refusal
+// is returned, as NCCL cancels a group with a failed call. Else ncclSuccess.
+ncclResult_t cancelled_group(ncclResult_t real) {
+  ncclResult_t e = t_group_error;
+  std::string why = t_group_error_text;
+  t_group_error = ncclSuccess;
+  t_group_error_text.clear();
+  bool real_failed = real != ncclSuccess && real != ncclInProgress;
+  if (e == ncclSuccess && !real_failed) return ncclSuccess;
+  if (e == ncclSuccess) {
+    e = real;
+    why = REAL(ncclGetLastError) ? REAL(ncclGetLastError)(nullptr) : "the real library's group failed";
+  }
+  cancel_deferred_inits(e);
+  run_deferred_calls(true);
+  t_error = "hetccl: ncclGroupEnd: a call of the group failed (" + why +
+            "), so none of the group's calls or communicator inits was launched (NCCL cancels the "
+            "whole group)";
+  return e;
 }
 
 // A group's result from its parts (the real library's, hetccl's group, inits, calls): a
@@ -1285,6 +1340,7 @@ ncclResult_t ncclGroupEnd(void) {
   // the deferred inits, then the deferred calls, once both groups are closed
   ncclResult_t i = ncclSuccess, k = ncclSuccess;
   if (t_group_depth > 0 && --t_group_depth == 0) {
+    if (ncclResult_t e = cancelled_group(r); e != ncclSuccess) return group_result({r, h, e});
     i = run_deferred_inits();
     std::string init_text = t_error;
     k = run_deferred_calls(false);
@@ -1304,6 +1360,7 @@ ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
   ncclResult_t h = from_het(hetcclGroupEnd());
   ncclResult_t i = ncclSuccess, k = ncclSuccess;
   if (t_group_depth > 0 && --t_group_depth == 0) {
+    if (ncclResult_t e = cancelled_group(r); e != ncclSuccess) return group_result({r, h, e});
     i = run_deferred_inits();
     std::string init_text = t_error;
     k = run_deferred_calls(true);  // only what must run anyway (ncclRedOpDestroy)

@@ -4,7 +4,9 @@
  * runs an all_reduce on every one of them inside one group, each on a stream of its own (the
  * emulated device's streams: HETCCL_CAPI_DEVICE=emulated), and checks the sums exactly.
  * It also checks that a communicator whose init waits for ncclGroupEnd refuses a call with a
- * clear error, and that a bad rank inside a group fails at once.
+ * clear error, and that a call refused inside a group (a bad rank, a bad datatype) fails at
+ * once and cancels its group, as NCCL's ncclGroupErrCheck: ncclGroupEnd returns that error and
+ * launches none of the group's calls; the next group works.
  * argv: id-file nranks first local [abort]. Rank 0's process writes the unique id to id-file.
  * "abort" (two processes of one rank each): rank 0 issues a group of device-route all_reduces
  * that rank 1 never joins and another thread aborts the communicator while ncclGroupEnd issues
@@ -101,13 +103,16 @@ int main(int argc, char** argv) {
     return abort_in_group(first, comm);
   }
 
-  /* a bad rank inside a group fails at once, and leaves the group usable */
+  /* a bad rank inside a group fails at once; ncclGroupEnd returns it (the group is cancelled) */
   ncclComm_t bad = (ncclComm_t)1;
   NCCL(ncclGroupStart());
   ncclResult_t br = ncclCommInitRank(&bad, nranks, id, nranks);
-  NCCL(ncclGroupEnd());
   if (br != ncclInvalidArgument || bad != NULL || !strstr(ncclGetLastError(NULL), "not in [0, nranks)"))
     FAIL("a bad rank in a group: %d %p '%s'", (int)br, (void*)bad, ncclGetLastError(NULL));
+  ncclResult_t bend = ncclGroupEnd();
+  if (bend != ncclInvalidArgument || !strstr(ncclGetLastError(NULL), "not in [0, nranks)") ||
+      !strstr(ncclGetLastError(NULL), "none of the group"))
+    FAIL("ncclGroupEnd after a refused init: %d '%s'", (int)bend, ncclGetLastError(NULL));
 
   /* a one-rank communicator destroyed while its init waits for ncclGroupEnd: dropped, the
      group ends cleanly; one made the same way and kept works */
@@ -128,13 +133,25 @@ int main(int argc, char** argv) {
   NCCL(ncclCommDestroy(kept));
 
   ncclComm_t comms[MAXLOCAL];
+  /* waiting for ncclGroupEnd: a call is refused with a clear error, not a hang or a crash; the
+     refusal cancels the group (every process makes it): its inits do not run, and their
+     communicators only refuse until destroyed */
   NCCL(ncclGroupStart());
   for (int i = 0; i < local; ++i) NCCL(ncclCommInitRank(&comms[i], nranks, id, first + i));
-  /* waiting for ncclGroupEnd: refused with a clear error, not a hang or a crash */
   float one = 1, out = 0;
   ncclResult_t early = ncclAllReduce(&one, &out, 1, ncclFloat, ncclSum, comms[0], NULL);
   if (early != ncclInvalidUsage || !strstr(ncclGetLastError(NULL), "waits for ncclGroupEnd"))
     FAIL("a call before ncclGroupEnd: %d '%s'", (int)early, ncclGetLastError(NULL));
+  ncclResult_t cend = ncclGroupEnd();
+  if (cend != ncclInvalidUsage || !strstr(ncclGetLastError(NULL), "none of the group"))
+    FAIL("ncclGroupEnd after a refused call: %d '%s'", (int)cend, ncclGetLastError(NULL));
+  ncclResult_t after = ncclAllReduce(&one, &out, 1, ncclFloat, ncclSum, comms[0], NULL);
+  if (after != ncclInvalidUsage || !strstr(ncclGetLastError(NULL), "init failed"))
+    FAIL("a call on a cancelled init: %d '%s'", (int)after, ncclGetLastError(NULL));
+  for (int i = 0; i < local; ++i) NCCL(ncclCommDestroy(comms[i]));
+
+  NCCL(ncclGroupStart());
+  for (int i = 0; i < local; ++i) NCCL(ncclCommInitRank(&comms[i], nranks, id, first + i));
   ncclResult_t pending = ncclSuccess;
   NCCL(ncclCommGetAsyncError(comms[0], &pending));
   if (pending != ncclInProgress) FAIL("async error of a waiting init: %d, not ncclInProgress", (int)pending);
@@ -171,6 +188,37 @@ int main(int argc, char** argv) {
       }
     }
   }
+  /* a call refused inside a group (every rank makes the same bad call) cancels the group:
+     ncclGroupEnd returns its error and the group's good calls are not launched either */
+  for (int i = 0; i < local; ++i)
+    for (int k = 0; k < COUNT; ++k) recv[i][k] = -7.0f;
+  NCCL(ncclGroupStart());
+  for (int i = 0; i < local; ++i)
+    NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
+  ncclResult_t refused = ncclAllReduce(send[0], recv[0], COUNT, (ncclDataType_t)77, ncclSum, comms[0], streams[0]);
+  if (refused != ncclInvalidArgument) FAIL("a bad datatype inside a group: %d, not ncclInvalidArgument", (int)refused);
+  ncclResult_t gend = ncclGroupEnd();
+  if (gend != ncclInvalidArgument || !strstr(ncclGetLastError(NULL), "none of the group"))
+    FAIL("ncclGroupEnd of a group with a refused call: %d '%s'", (int)gend, ncclGetLastError(NULL));
+  for (int i = 0; i < local; ++i) {
+    if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
+      FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
+    for (int k = 0; k < COUNT; ++k)
+      if (recv[i][k] != -7.0f) FAIL("a cancelled group ran: rank %d element %d is %g", first + i, k, recv[i][k]);
+  }
+  NCCL(ncclGroupStart());  /* the next group runs */
+  for (int i = 0; i < local; ++i)
+    NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
+  NCCL(ncclGroupEnd());
+  for (int i = 0; i < local; ++i) {
+    if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
+      FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
+    for (int k = 0; k < COUNT; ++k) {
+      float want = (float)(nranks * (nranks + 1) / 2 * (k % 97 + 1));
+      if (recv[i][k] != want) FAIL("after a cancelled group: rank %d element %d: %g", first + i, k, recv[i][k]);
+    }
+  }
+
   /* HETCCL_EXPECT_DEVICE_ROUTE: the all_reduces above took the device route */
   if (getenv("HETCCL_EXPECT_DEVICE_ROUTE")) {
     char info[8192];
