@@ -255,29 +255,33 @@ def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
 
     _all_reduce_matrix(c, rank, W, dev)
 
-    # PREMUL_SUM (torch builds it for NCCL only): a correct result or a clear refusal naming
-    # the op on every rank, and the group usable afterwards
+    # PREMUL_SUM (dist._make_nccl_premul_sum, as ProcessGroupNCCL): each rank's values times
+    # its own factor (a number; a one-element tensor on the tensors' device), then summed
     def f(case):
-        make = getattr(dist, "_make_nccl_premul_sum", None)
-        if make is None:
-            return None
-        x = put(data(rank, case, 999, torch.float32))
-        try:
-            dist.all_reduce(x, op=make(0.5))
-        except Exception as e:  # noqa: BLE001
-            if "premul" not in str(e).lower():
-                return f"refused without naming PREMUL_SUM: {type(e).__name__}: {e}"
-        else:
-            ref = reference([data(r, case, 999, torch.float32) for r in range(W)], "sum",
-                            torch.float32) * 0.5
+        make = dist._make_nccl_premul_sum
+        for k, as_tensor in enumerate((False, True)):
+            fac = [0.25 * (r + 1) for r in range(W)]
+            factor = torch.tensor([fac[rank]], device=dev) if as_tensor else fac[rank]
+            x = put(data(rank, case + k, 999, torch.float32))
+            dist.all_reduce(x, op=make(factor))
+            ref = sum(data(r, case + k, 999, torch.float32).double() * fac[r] for r in range(W))
             err = close(x, ref, torch.float32, W)
             if err:
-                return "premul result: " + err
+                return f"premul (tensor factor: {as_tensor}): " + err
+            inp = put(data(rank, case + k, 3 * W, torch.float32))
+            keep = inp.clone()
+            out = empty(3)
+            dist.reduce_scatter_tensor(out, inp, op=make(factor))
+            ref = sum(data(r, case + k, 3 * W, torch.float32).double() * fac[r] for r in range(W))
+            err = close(out, ref[3 * rank:3 * rank + 3], torch.float32, W)
+            if err or not eq(inp, keep):
+                return f"premul reduce_scatter (tensor factor: {as_tensor}): {err or 'input changed'}"
         y = torch.full((17,), float(rank), device=dev)
         dist.all_reduce(y)
         return None if eq(y, torch.full((17,), float(sum(range(W))), device=CPU)) else \
             "unusable after"
     c.run("all_reduce/premul_sum", f)
+    c.case += 1
 
     # async all_reduce with futures, non-contiguous input, 2-D tensor
     def f(case):
