@@ -99,18 +99,26 @@ extern "C" HETCCL_NCCL_API hetcclComm_t hetcclDropinComm(ncclComm_t comm);
 namespace {
 
 thread_local std::string t_error;
-// This thread's ncclGroupStart depth, and the first call refused inside its group (NCCL's
-// ncclGroupErrCheck): the outermost ncclGroupEnd then launches none of the group's calls or
-// inits and returns that error (NCCL cancels the whole group, which is atomic).
+// This thread's ncclGroupStart depth, and the last call refused inside its group (NCCL's
+// ncclGroupErrCheck, which keeps the latest): the outermost ncclGroupEnd then launches none of
+// hetccl's calls or inits of the group and returns that error (NCCL cancels a group with a
+// failed call). As in NCCL, only the calls that enqueue work or make, split or end a
+// communicator count (group_refusal); a refused query (ncclCommCount, ncclCommUserRank, ...)
+// fails alone.
 thread_local int t_group_depth = 0;
 thread_local ncclResult_t t_group_error = ncclSuccess;
 thread_local std::string t_group_error_text;
 
 ncclResult_t fail(ncclResult_t r, const std::string& text) {
   t_error = text;
-  if (t_group_depth > 0 && t_group_error == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
+  return r;
+}
+
+// r, recorded as the group's error when it is a failure inside a group (see above).
+ncclResult_t group_refusal(ncclResult_t r) {
+  if (t_group_depth > 0 && r != ncclSuccess && r != ncclInProgress) {
     t_group_error = r;
-    t_group_error_text = text;
+    t_group_error_text = t_error;
   }
   return r;
 }
@@ -330,11 +338,6 @@ ncclResult_t from_het(hetcclResult_t r) {
 
 // datatype for hetccl: FP8 moves as bytes when nothing is reduced
 bool het_dtype(ncclDataType_t d, bool reduces, hetcclDataType_t* out, std::string* why) {
-  if (int(d) < 0 || int(d) >= int(ncclNumTypes)) {  // at the call, as NCCL's ArgsCheck
-    *why = "hetccl: invalid datatype " + std::to_string(int(d)) + " (NCCL's are 0.." +
-           std::to_string(int(ncclNumTypes) - 1) + ")";
-    return false;
-  }
   if (d == ncclFloat8e4m3 || d == ncclFloat8e5m2) {
     if (reduces) {
       *why = "hetccl: reductions of FP8 data across vendors are not supported";
@@ -435,11 +438,11 @@ struct DeferredInit {
 thread_local std::vector<DeferredInit> t_inits;
 
 ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank, ncclConfig_t* config) {
-  if (!out) return fail(ncclInvalidArgument, "hetccl: ncclCommInitRank: comm is NULL");
+  if (!out) return group_refusal(fail(ncclInvalidArgument, "hetccl: ncclCommInitRank: comm is NULL"));
   *out = nullptr;
   if (nranks < 1 || rank < 0 || rank >= nranks)
-    return fail(ncclInvalidArgument, "hetccl: ncclCommInitRank: rank " + std::to_string(rank) +
-                                         " is not in [0, nranks) for nranks " + std::to_string(nranks));
+    return group_refusal(fail(ncclInvalidArgument, "hetccl: ncclCommInitRank: rank " + std::to_string(rank) +
+                                                       " is not in [0, nranks) for nranks " + std::to_string(nranks)));
   defaults();
   banner();
   auto* c = new (std::nothrow) ncclComm();
@@ -453,8 +456,9 @@ ncclResult_t init(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank,
       size_t n = *reinterpret_cast<const size_t*>(config);
       if (n < sizeof(size_t) || n > 4096) {
         delete c;
-        return fail(ncclInvalidArgument, "hetccl: ncclCommInitRankConfig: config->size " + std::to_string(n) +
-                                             " is not that of an ncclConfig_t (use NCCL_CONFIG_INITIALIZER)");
+        return group_refusal(fail(ncclInvalidArgument, "hetccl: ncclCommInitRankConfig: config->size " +
+                                                           std::to_string(n) +
+                                                           " is not that of an ncclConfig_t (use NCCL_CONFIG_INITIALIZER)"));
       }
       d.config.assign(reinterpret_cast<const char*>(config), reinterpret_cast<const char*>(config) + n);
     }
@@ -771,7 +775,9 @@ ncclResult_t cancelled_group(ncclResult_t real) {
   std::string why = t_group_error_text;
   t_group_error = ncclSuccess;
   t_group_error_text.clear();
-  bool real_failed = real != ncclSuccess && real != ncclInProgress;
+  // the real library's group cancelled for a refused call of its own (argument classes); a
+  // failure while launching (system, CUDA, remote) leaves hetccl's part to run as it would
+  bool real_failed = real == ncclInvalidArgument || real == ncclInvalidUsage;
   if (e == ncclSuccess && !real_failed) return ncclSuccess;
   if (e == ncclSuccess) {
     e = real;
@@ -780,8 +786,9 @@ ncclResult_t cancelled_group(ncclResult_t real) {
   cancel_deferred_inits(e);
   run_deferred_calls(true);
   t_error = "hetccl: ncclGroupEnd: a call of the group failed (" + why +
-            "), so none of the group's calls or communicator inits was launched (NCCL cancels the "
-            "whole group)";
+            "), so none of hetccl's calls or communicator inits of the group was launched (NCCL "
+            "cancels a group with a failed call; calls on communicators of the real library are "
+            "that library's to launch or cancel)";
   return e;
 }
 
@@ -820,10 +827,25 @@ ncclResult_t before_child_of(ncclComm* parent, const char* what) {
   } while (0)
 #define HET_CALL(c, ...) HET_CALL_ON(c, het_stream(stream), false, __VA_ARGS__)
 
-#define CHECK_COMM(c, what)                                                                   \
-  if (!(c)) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL"); \
-  if ((c)->state.load(std::memory_order_acquire) != ncclComm::READY) return not_ready(c, what);                                 \
-  if (!(c)->real && !(c)->het) return fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL")
+#define CHECK_COMM_AS(c, what, wrap)                                                                      \
+  if (!(c)) return wrap(fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL"));     \
+  if ((c)->state.load(std::memory_order_acquire) != ncclComm::READY) return wrap(not_ready(c, what));    \
+  if (!(c)->real && !(c)->het) return wrap(fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": comm is NULL"))
+#define NO_GROUP_ERROR(r) (r)
+// queries: a refusal fails that call alone
+#define CHECK_COMM(c, what) CHECK_COMM_AS(c, what, NO_GROUP_ERROR)
+// calls that enqueue work or make, split or end a communicator: a refusal inside a group
+// cancels the group (group_refusal)
+#define CHECK_CALL(c, what) CHECK_COMM_AS(c, what, group_refusal)
+// a root out of range (gather, scatter: built here from sends and receives), refused at the call.
+// Other argument errors (datatype, root, peer, op, count) are hetccl's verdicts: refused on
+// every rank through the argument check (csrc/api/c_api.cc), at the call outside a group and
+// at ncclGroupEnd inside one, where they do not cancel the group's other calls.
+#define CHECK_RANK(c, r, what, name)                                                                 \
+  if ((r) < 0 || (r) >= (c)->nranks)                                                                 \
+  return group_refusal(fail(ncclInvalidArgument, std::string("hetccl: ") + what + ": " + name + " " +  \
+                                                     std::to_string(r) + " is not in [0, " +           \
+                                                     std::to_string((c)->nranks) + ")"))
 #define FORWARD(c, fn, ...)                                            \
   do {                                                                 \
     auto f = REAL(fn);                                                 \
@@ -944,7 +966,7 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comm, int ndev, const int* devlist) {
 
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   FROM_REAL(ncclCommFinalize, comm);
-  CHECK_COMM(comm, "ncclCommFinalize");
+  CHECK_CALL(comm, "ncclCommFinalize");
   if (comm->real) FORWARD(comm, ncclCommFinalize, comm->real);
   return ncclSuccess;  // hetcclCommDestroy completes what was issued
 }
@@ -953,7 +975,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   FROM_REAL(ncclCommDestroy, comm);
   if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
   if (comm->state.load(std::memory_order_acquire) != ncclComm::READY && drop_unready(comm)) return ncclSuccess;
-  CHECK_COMM(comm, "ncclCommDestroy");
+  CHECK_CALL(comm, "ncclCommDestroy");
   if (comm->het) close_calls_of(comm, false);
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
@@ -970,7 +992,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   FROM_REAL(ncclCommAbort, comm);
   if (!comm) return ncclSuccess;  // as NCCL (init.cc): a no-op on NULL
   if (comm->state.load(std::memory_order_acquire) != ncclComm::READY && drop_unready(comm)) return ncclSuccess;
-  CHECK_COMM(comm, "ncclCommAbort");
+  CHECK_CALL(comm, "ncclCommAbort");
   if (comm->het) close_calls_of(comm, true);
   ncclResult_t r = ncclSuccess;
   if (comm->real) {
@@ -985,7 +1007,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 
 ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
   FROM_REAL(ncclCommRevoke, comm, revokeFlags);
-  CHECK_COMM(comm, "ncclCommRevoke");
+  CHECK_CALL(comm, "ncclCommRevoke");
   if (comm->real) FORWARD(comm, ncclCommRevoke, comm->real, revokeFlags);
   return refuse_cross("ncclCommRevoke", "not supported (use ncclCommAbort)");
 }
@@ -1010,7 +1032,7 @@ static ncclResult_t adopt(hetcclComm_t child, int device, ncclConfig_t* config, 
 
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
   FROM_REAL(ncclCommSplit, comm, color, key, newcomm, config);
-  CHECK_COMM(comm, "ncclCommSplit");
+  CHECK_CALL(comm, "ncclCommSplit");
   if (!newcomm) return fail(ncclInvalidArgument, "hetccl: ncclCommSplit: newcomm is NULL");
   *newcomm = nullptr;
   if (comm->real) {
@@ -1033,7 +1055,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
 ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount, ncclComm_t* newcomm,
                             ncclConfig_t* config, int shrinkFlags) {
   FROM_REAL(ncclCommShrink, comm, excludeRanksList, excludeRanksCount, newcomm, config, shrinkFlags);
-  CHECK_COMM(comm, "ncclCommShrink");
+  CHECK_CALL(comm, "ncclCommShrink");
   if (comm->real) {
     auto f = REAL(ncclCommShrink);
     if (!f) return no_real("ncclCommShrink");
@@ -1186,13 +1208,13 @@ ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
   hetcclDataType_t hdt;                                               \
   {                                                                   \
     std::string why;                                                  \
-    if (!het_dtype(dt, reduces, &hdt, &why)) return fail(ncclInvalidArgument, why); \
+    if (!het_dtype(dt, reduces, &hdt, &why)) return group_refusal(fail(ncclInvalidArgument, why)); \
   }
 
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t stream) {
   FROM_REAL(ncclAllReduce, sendbuff, recvbuff, count, datatype, op, comm, stream);
-  CHECK_COMM(comm, "ncclAllReduce");
+  CHECK_CALL(comm, "ncclAllReduce");
   if (comm->real) FORWARD(comm, ncclAllReduce, sendbuff, recvbuff, count, datatype, op, comm->real, stream);
   HET_DTYPE(datatype, true);
   hetcclComm_t h = comm->het;
@@ -1202,7 +1224,7 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, n
 ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
                         int root, ncclComm_t comm, cudaStream_t stream) {
   FROM_REAL(ncclReduce, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
-  CHECK_COMM(comm, "ncclReduce");
+  CHECK_CALL(comm, "ncclReduce");
   if (comm->real) FORWARD(comm, ncclReduce, sendbuff, recvbuff, count, datatype, op, root, comm->real, stream);
   HET_DTYPE(datatype, true);
   hetcclComm_t h = comm->het;
@@ -1212,7 +1234,7 @@ ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, nccl
 ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
                            ncclComm_t comm, cudaStream_t stream) {
   FROM_REAL(ncclBroadcast, sendbuff, recvbuff, count, datatype, root, comm, stream);
-  CHECK_COMM(comm, "ncclBroadcast");
+  CHECK_CALL(comm, "ncclBroadcast");
   if (comm->real) FORWARD(comm, ncclBroadcast, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
   hetcclComm_t h = comm->het;
@@ -1222,7 +1244,7 @@ ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, n
 ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
                        cudaStream_t stream) {
   FROM_REAL(ncclBcast, buff, count, datatype, root, comm, stream);
-  CHECK_COMM(comm, "ncclBcast");
+  CHECK_CALL(comm, "ncclBcast");
   if (comm->real) FORWARD(comm, ncclBcast, buff, count, datatype, root, comm->real, stream);
   return ncclBroadcast(buff, buff, count, datatype, root, comm, stream);
 }
@@ -1230,7 +1252,7 @@ ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int ro
 ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount, ncclDataType_t datatype,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   FROM_REAL(ncclReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
-  CHECK_COMM(comm, "ncclReduceScatter");
+  CHECK_CALL(comm, "ncclReduceScatter");
   if (comm->real) FORWARD(comm, ncclReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm->real, stream);
   HET_DTYPE(datatype, true);
   hetcclComm_t h = comm->het;
@@ -1240,7 +1262,7 @@ ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recv
 ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
                            ncclComm_t comm, cudaStream_t stream) {
   FROM_REAL(ncclAllGather, sendbuff, recvbuff, sendcount, datatype, comm, stream);
-  CHECK_COMM(comm, "ncclAllGather");
+  CHECK_CALL(comm, "ncclAllGather");
   if (comm->real) FORWARD(comm, ncclAllGather, sendbuff, recvbuff, sendcount, datatype, comm->real, stream);
   HET_DTYPE(datatype, false);
   hetcclComm_t h = comm->het;
@@ -1250,7 +1272,7 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
 ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
                           cudaStream_t stream) {
   FROM_REAL(ncclAlltoAll, sendbuff, recvbuff, count, datatype, comm, stream);
-  CHECK_COMM(comm, "ncclAlltoAll");
+  CHECK_CALL(comm, "ncclAlltoAll");
   if (comm->real) FORWARD(comm, ncclAlltoAll, sendbuff, recvbuff, count, datatype, comm->real, stream);
   HET_DTYPE(datatype, false);
   hetcclComm_t h = comm->het;
@@ -1260,7 +1282,7 @@ ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, nc
 ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
   FROM_REAL(ncclSend, sendbuff, count, datatype, peer, comm, stream);
-  CHECK_COMM(comm, "ncclSend");
+  CHECK_CALL(comm, "ncclSend");
   if (comm->real) FORWARD(comm, ncclSend, sendbuff, count, datatype, peer, comm->real, stream);
   HET_DTYPE(datatype, false);
   hetcclComm_t h = comm->het;
@@ -1270,7 +1292,7 @@ ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatyp
 ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
   FROM_REAL(ncclRecv, recvbuff, count, datatype, peer, comm, stream);
-  CHECK_COMM(comm, "ncclRecv");
+  CHECK_CALL(comm, "ncclRecv");
   if (comm->real) FORWARD(comm, ncclRecv, recvbuff, count, datatype, peer, comm->real, stream);
   HET_DTYPE(datatype, false);
   hetcclComm_t h = comm->het;
@@ -1281,10 +1303,10 @@ ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int
 ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
                         ncclComm_t comm, cudaStream_t stream) {
   FROM_REAL(ncclGather, sendbuff, recvbuff, count, datatype, root, comm, stream);
-  CHECK_COMM(comm, "ncclGather");
+  CHECK_CALL(comm, "ncclGather");
   if (comm->real) FORWARD(comm, ncclGather, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
-  if (root < 0 || root >= comm->nranks) return fail(ncclInvalidArgument, "hetccl: ncclGather: root out of range");
+  CHECK_RANK(comm, root, "ncclGather", "root");
   size_t es = elem_size(hdt);
   hetcclComm_t h = comm->het;
   int me = comm->rank, n = comm->nranks;
@@ -1302,10 +1324,10 @@ ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, nccl
 ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
                          ncclComm_t comm, cudaStream_t stream) {
   FROM_REAL(ncclScatter, sendbuff, recvbuff, count, datatype, root, comm, stream);
-  CHECK_COMM(comm, "ncclScatter");
+  CHECK_CALL(comm, "ncclScatter");
   if (comm->real) FORWARD(comm, ncclScatter, sendbuff, recvbuff, count, datatype, root, comm->real, stream);
   HET_DTYPE(datatype, false);
-  if (root < 0 || root >= comm->nranks) return fail(ncclInvalidArgument, "hetccl: ncclScatter: root out of range");
+  CHECK_RANK(comm, root, "ncclScatter", "root");
   size_t es = elem_size(hdt);
   hetcclComm_t h = comm->het;
   int me = comm->rank, n = comm->nranks;

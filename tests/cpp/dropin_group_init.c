@@ -4,8 +4,8 @@
  * runs an all_reduce on every one of them inside one group, each on a stream of its own (the
  * emulated device's streams: HETCCL_CAPI_DEVICE=emulated), and checks the sums exactly.
  * It also checks that a communicator whose init waits for ncclGroupEnd refuses a call with a
- * clear error, and that a call refused inside a group (a bad rank, a bad datatype) fails at
- * once and cancels its group, as NCCL's ncclGroupErrCheck: ncclGroupEnd returns that error and
+ * clear error, and that a call refused inside a group by the drop-in itself fails at
+ * once and cancels its group, as NCCL's ncclGroupErrCheck (a bad rank, a NULL communicator): ncclGroupEnd returns that error and
  * launches none of the group's calls; the next group works.
  * argv: id-file nranks first local [abort]. Rank 0's process writes the unique id to id-file.
  * "abort" (two processes of one rank each): rank 0 issues a group of device-route all_reduces
@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
     FAIL("a bad rank in a group: %d %p '%s'", (int)br, (void*)bad, ncclGetLastError(NULL));
   ncclResult_t bend = ncclGroupEnd();
   if (bend != ncclInvalidArgument || !strstr(ncclGetLastError(NULL), "not in [0, nranks)") ||
-      !strstr(ncclGetLastError(NULL), "none of the group"))
+      !strstr(ncclGetLastError(NULL), "none of hetccl's calls"))
     FAIL("ncclGroupEnd after a refused init: %d '%s'", (int)bend, ncclGetLastError(NULL));
 
   /* a one-rank communicator destroyed while its init waits for ncclGroupEnd: dropped, the
@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
   if (early != ncclInvalidUsage || !strstr(ncclGetLastError(NULL), "waits for ncclGroupEnd"))
     FAIL("a call before ncclGroupEnd: %d '%s'", (int)early, ncclGetLastError(NULL));
   ncclResult_t cend = ncclGroupEnd();
-  if (cend != ncclInvalidUsage || !strstr(ncclGetLastError(NULL), "none of the group"))
+  if (cend != ncclInvalidUsage || !strstr(ncclGetLastError(NULL), "none of hetccl's calls"))
     FAIL("ncclGroupEnd after a refused call: %d '%s'", (int)cend, ncclGetLastError(NULL));
   ncclResult_t after = ncclAllReduce(&one, &out, 1, ncclFloat, ncclSum, comms[0], NULL);
   if (after != ncclInvalidUsage || !strstr(ncclGetLastError(NULL), "init failed"))
@@ -195,10 +195,10 @@ int main(int argc, char** argv) {
   NCCL(ncclGroupStart());
   for (int i = 0; i < local; ++i)
     NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
-  ncclResult_t refused = ncclAllReduce(send[0], recv[0], COUNT, (ncclDataType_t)77, ncclSum, comms[0], streams[0]);
-  if (refused != ncclInvalidArgument) FAIL("a bad datatype inside a group: %d, not ncclInvalidArgument", (int)refused);
+  ncclResult_t refused = ncclAllReduce(send[0], recv[0], COUNT, ncclFloat, ncclSum, NULL, streams[0]);
+  if (refused != ncclInvalidArgument) FAIL("a NULL communicator inside a group: %d, not ncclInvalidArgument", (int)refused);
   ncclResult_t gend = ncclGroupEnd();
-  if (gend != ncclInvalidArgument || !strstr(ncclGetLastError(NULL), "none of the group"))
+  if (gend != ncclInvalidArgument || !strstr(ncclGetLastError(NULL), "none of hetccl's calls"))
     FAIL("ncclGroupEnd of a group with a refused call: %d '%s'", (int)gend, ncclGetLastError(NULL));
   for (int i = 0; i < local; ++i) {
     if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
