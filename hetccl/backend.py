@@ -66,7 +66,14 @@ def _premul_avg(x: torch.Tensor, world: int, out: torch.Tensor | None = None) ->
 
 # ReduceOp.PREMUL_SUM (dist._make_nccl_premul_sum(factor)): each rank's values times its own
 # factor, then summed, as ProcessGroupNCCL's (ncclRedOpCreatePreMulSum) for the dtypes it takes.
-_PREMUL_SUM_DTYPES = (torch.float16, torch.float32, torch.bfloat16, torch.float64)
+_PREMUL_SUM_DTYPES = (torch.float16, torch.float32, torch.bfloat16, torch.float64,
+                      torch.complex64, torch.complex128)  # complex: as real views (PGNCCL)
+
+
+def _factor_keep(factor) -> list:
+    """A PREMUL_SUM factor tensor on a device, for the caching allocator with the call's
+    tensors (_submit's keep): the comm stream reads it after the call returns."""
+    return [factor] if isinstance(factor, torch.Tensor) and factor.device.type != "cpu" else []
 
 
 def _premul_factor(red, tensors) -> object:
@@ -74,8 +81,8 @@ def _premul_factor(red, tensors) -> object:
     device); raises TypeError / ValueError as ProcessGroupNCCL would refuse it."""
     bad = [t.dtype for t in tensors if t.dtype not in _PREMUL_SUM_DTYPES]
     if bad:
-        raise TypeError(f"hetccl: PreMulSum Data type must be half, float, bfloat16 or double, "
-                        f"got {bad[0]} (as ProcessGroupNCCL)")
+        raise TypeError(f"hetccl: PreMulSum Data type must be half, float, bfloat16 or double "
+                        f"(or complex of them), got {bad[0]} (as ProcessGroupNCCL)")
     factor = getattr(red, "factor", None)
     if factor is None:
         raise ValueError("hetccl: ReduceOp.PREMUL_SUM without a factor; make it with "
@@ -376,9 +383,17 @@ class HetcclProcessGroup(dist.ProcessGroup):
                                self.engine.algo_overrides)
                 premul = op == "avg" and f.dtype in _PREMUL_AVG
                 if premul:
-                    _premul_avg(f, world, out=f)  # f is overwritten by the result anyway
-                elif factor is not None:  # PREMUL_SUM
-                    _premul(f, factor, out=f)
+                    # in place: f is overwritten by the result. Trade-off: a call refused by a
+                    # peer's check after this point leaves f scaled by 1/n (a copy would cost
+                    # every half-precision AVG one more pass)
+                    _premul_avg(f, world, out=f)
+                elif factor is not None:  # PREMUL_SUM: a scaled copy, f intact if refused
+                    g = _premul(f, factor)
+                    fn(ctx, g, "sum")
+                    f.copy_(g)
+                    if copied:
+                        t.copy_(f.view_as(t))
+                    continue
                 fn(ctx, f, "sum" if op == "avg" else op)
                 if op == "avg" and not premul:
                     _divide_avg(f, world)
@@ -386,7 +401,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
                     t.copy_(f.view_as(t))
 
         return self._submit("all_reduce", sum(t.numel() * t.element_size() for t in tensors),
-                            body, tensors, tensors, opts, keep=[f for f, c in flats if c])
+                            body, tensors, tensors, opts,
+                            keep=[f for f, c in flats if c] + _factor_keep(factor))
 
     # Bitwise reductions (BAND/BOR/BXOR) are built from copy-type collectives: an all-to-all
     # hands every rank its 1/world slice of every rank's data, the rank reduces its slice with
@@ -525,7 +541,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                     t.copy_(f.view_as(t))
 
         return self._submit("reduce", 0, body, tensors, tensors, opts,
-                            keep=[f for f, c in flats if c])
+                            keep=[f for f, c in flats if c] + _factor_keep(factor))
 
     def _reduce_to_root(self, ctx, algo, f: torch.Tensor, root: int, op: str,
                         factor=None) -> None:
@@ -713,7 +729,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             if copied:
                 out.copy_(o.view_as(out))
 
-        body.keep = [o, inp_flat]
+        body.keep = [o, inp_flat] + _factor_keep(factor)
         return body
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -748,9 +764,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
         me = self.rank()
         for t in ins:
             if t.dtype != out.dtype:
+                # one refusal: a peer that does not refuse makes one submit (one sequence
+                # number), whose first reduce fails against it
                 raise self._refused_here(
                     TypeError(f"hetccl: reduce_scatter input dtype {t.dtype} != output "
-                              f"dtype {out.dtype}"), "reduce", out, op, 0, calls=len(ins))
+                              f"dtype {out.dtype}"), "reduce", out, op, 0)
         parts = []
         for k, t in enumerate(ins):
             if k == me and t.numel() != out.numel():

@@ -483,6 +483,19 @@ class Cases:
                 dist.reduce_scatter(o2, list(inp.chunk(w)), op=op)
                 if not close(o2, ref(5 * w, dt, seed)[5 * me:5 * me + 5], dt):
                     bad.append(f"reduce_scatter (list) {dt} tensor={as_tensor}")
+        # complex, as ProcessGroupNCCL (a real view): each part scaled by the real factor
+        zc = torch.complex(x_of(me, 64, torch.float32, 50), x_of(me, 64, torch.float32, 51))
+        dist.all_reduce(zc, op=dist._make_nccl_premul_sum(fac[me]))
+        want = torch.complex(ref(64, torch.float32, 50), ref(64, torch.float32, 51))
+        if not bool(((zc.to(torch.complex128) - want).abs() <= 1e-5 * w).all()):
+            bad.append("complex64")
+        # a call every rank refuses (rank 0's count differs) leaves each rank's tensor as it was
+        u = x_of(me, 10 if me == 0 else 12, torch.float32, 60)
+        keep = u.clone()
+        res = expect_error(lambda: dist.all_reduce(u, op=dist._make_nccl_premul_sum(3.0)),
+                           ValueError, "number of elements")
+        if res != "ok" or not torch.equal(u, keep):
+            bad.append(f"refused premul all_reduce: {res}; tensor kept: {torch.equal(u, keep)}")
         op = dist._make_nccl_premul_sum(0.5)
         res = expect_error(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=op),
                            TypeError, "PreMulSum", "int32")
