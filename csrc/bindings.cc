@@ -541,6 +541,9 @@ PYBIND11_MODULE(_C, m) {
            "Waits (bounded) until no device plan or message is pending; see engine.h.")
       .def("broken", &Engine::broken)
       .def("stats", &Engine::stats)
-      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
+      .def("unregister_rings", &Engine::unregister_rings, py::call_guard<py::gil_scoped_release>(),
+           "After close(), before the transports close, with no stream work left on the rings "
+           "(engine.h).");
 
 }

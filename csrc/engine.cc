@@ -86,6 +86,22 @@ Engine::~Engine() {
   wait_words_.clear();
 }
 
+void Engine::unregister_rings() {
+  if (!dev_) return;
+  std::lock_guard<std::mutex> g(mu_);  // registered_ grows under mu_ (ensure_device_state)
+  for (auto& kv : links_) {
+    Link& l = *kv.second;
+    if (!l.zc || !l.rings_registered) continue;
+    for (auto& r : l.t->zc_regions()) {
+      auto it = std::find(registered_.begin(), registered_.end(), r.first);
+      if (it == registered_.end()) continue;  // not this engine's registration
+      dev_->host_unregister(r.first);
+      registered_.erase(it);
+    }
+    l.rings_registered = false;
+  }
+}
+
 void Engine::set_position_base(uint32_t base) {
   std::lock_guard<std::mutex> g(mu_);
   for (auto& kv : links_) {

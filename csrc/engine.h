@@ -179,6 +179,14 @@ class Engine {
   void rethrow_broken();  // throws the first failure as its kind (CommTimeout, PeerFailure, ...)
   std::map<std::string, uint64_t> stats();
   void close();
+  // Unregisters the device runtime's registrations of the zero-copy links' rings (the shared
+  // memory of the transports, which the engine does not own), after close() and before the
+  // transports close. Contract: the caller has made sure no queued stream work still uses the
+  // rings (hetccl/engine.py: its streams synchronized). Else the registration outlives the
+  // mapping: the next transport's segment, mapped at the same address, is then refused by
+  // the runtime as "already registered" and device copies reach the old pages (the peer reads
+  // stale data). Idempotent; the destructor unregisters whatever is left.
+  void unregister_rings();
 
  private:
   struct Plan;

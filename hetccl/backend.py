@@ -83,6 +83,10 @@ def _premul_factor(red, tensors) -> object:
     if bad:
         raise TypeError(f"hetccl: PreMulSum Data type must be half, float, bfloat16 or double "
                         f"(or complex of them), got {bad[0]} (as ProcessGroupNCCL)")
+    if not compat.premul_sum_factor_visible():
+        raise NotImplementedError(
+            f"hetccl: ReduceOp.PREMUL_SUM needs a torch that hands backends its factor "
+            f"(ReduceOp.factor; torch {torch.__version__} does not); use SUM and scale")
     factor = getattr(red, "factor", None)
     if factor is None:
         raise ValueError("hetccl: ReduceOp.PREMUL_SUM without a factor; make it with "

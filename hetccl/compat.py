@@ -143,3 +143,16 @@ def megatron_core_tuple() -> tuple[int, int]:
         return tuple(int(x) for x in v.split(".")[:2])  # type: ignore[return-value]
     except ValueError:
         return (0, 0)
+
+
+def premul_sum_factor_visible() -> bool:
+    """Whether this torch hands a backend the factor of ReduceOp.PREMUL_SUM
+    (dist._make_nccl_premul_sum(f).factor; torch 2.13 has it, 2.11 does not): without it a
+    Python backend cannot apply the op, and hetccl refuses it naming the op."""
+    make = getattr(dist, "_make_nccl_premul_sum", None)
+    if make is None:
+        return False
+    try:
+        return getattr(make(1.0), "factor", None) is not None
+    except Exception:  # noqa: BLE001 - a build without the NCCL op bindings
+        return False

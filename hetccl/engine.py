@@ -340,6 +340,19 @@ class Engine:
                 # (an isend never waited for, say) still reach their peers: bounded
                 self.core.drain(DRAIN_MS)
             self.core.close()
+            if self._device_ops:
+                # The rings' registrations with the device runtime go before the bridge
+                # unmaps the rings: a registration left behind (the core is freed only when
+                # Python drops it) would cover the next group's segment mapped at the same
+                # address, which the runtime then refuses to register, so device copies would
+                # reach the old pages (engine.h, unregister_rings). Only once the group's
+                # streams ran everything queued on them (bounded): else left to the core's
+                # destructor, as before.
+                if all(launch.idle(DRAIN_MS / 1000) for launch in self._launches.values()):
+                    self.core.unregister_rings()
+                else:
+                    log.warning("hetccl: a stream of the destroyed group still has queued work; "
+                                "its ring registrations stay until the engine is freed")
         if self.bridge is not None:
             self.bridge.close()
         if self.local is not None:

@@ -259,6 +259,20 @@ def _cases(c: Cases, rank: int, W: int, dev: torch.device) -> None:
     # its own factor (a number; a one-element tensor on the tensors' device), then summed
     def f(case):
         make = dist._make_nccl_premul_sum
+        from hetccl import compat
+        if not compat.premul_sum_factor_visible() and c.backend == "hetccl":
+            # a torch that hides the factor from backends: refused naming the op, every rank
+            try:
+                dist.all_reduce(put(torch.ones(4)), op=make(0.5))
+            except NotImplementedError as e:
+                if "PREMUL_SUM" not in str(e):
+                    return f"refusal without the op's name: {e}"
+            else:
+                return "PREMUL_SUM ran although this torch hides its factor"
+            y = torch.full((17,), float(rank), device=dev)
+            dist.all_reduce(y)
+            return None if eq(y, torch.full((17,), float(sum(range(W))), device=CPU)) else \
+                "unusable after"
         for k, as_tensor in enumerate((False, True)):
             fac = [0.25 * (r + 1) for r in range(W)]
             factor = torch.tensor([fac[rank]], device=dev) if as_tensor else fac[rank]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,21 @@ class Launch:
         if dev != self.index:
             torch.cuda.set_device(dev)
         return False
+
+    def idle(self, timeout_s: float) -> bool:
+        """Whether everything queued on the launch's streams so far has run, waiting at most
+        timeout_s (a stream stuck on a wait that will never pass stays busy: False)."""
+        evs = []
+        for s in (self.comm, self.side):
+            ev = torch.cuda.Event()
+            ev.record(s)
+            evs.append(ev)
+        end = time.monotonic() + timeout_s
+        while not all(ev.query() for ev in evs):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.001)
+        return True
 
     def current_handle(self) -> int:
         """The caller's current stream on this device (what a Work's wait() orders)."""
