@@ -130,6 +130,13 @@ def _bool_as_bytes(op: str | None, *tensors: torch.Tensor):
     return op, list(tensors)
 
 
+def _each_as_bytes(op: str | None, tensors) -> tuple[list, list]:
+    """(ops, tensors) of a call of one collective per tensor (all_reduce, reduce: a coalesced
+    list): each tensor decides its own bool mapping (_bool_as_bytes)."""
+    pairs = [_bool_as_bytes(op, t) for t in tensors]
+    return [o for o, _ in pairs], [v[0] for _, v in pairs]
+
+
 _BITWISE_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
                    torch.uint16, torch.uint32, torch.uint64}
 # Set by hetccl.shim when `hetccl run` redirected init_process_group: the backend the script
@@ -363,8 +370,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         try:
             op, factor = self._reduce_args(opts, tensors)
             # one collective per tensor: each reduces its own way (bool on its bytes)
-            pairs = [_bool_as_bytes(op, t) for t in tensors]
-            ops, views = [o for o, _ in pairs], [v[0] for _, v in pairs]
+            ops, views = _each_as_bytes(op, tensors)
             for t, o in zip(views, ops):
                 self._validate_reduce(t, o)
             if (bad := _overlap_refusal("all_reduce", views)) is not None:
@@ -524,8 +530,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         op = factor = None
         try:
             op, factor = self._reduce_args(opts, tensors)
-            pairs = [_bool_as_bytes(op, t) for t in tensors]
-            ops, views = [o for o, _ in pairs], [v[0] for _, v in pairs]
+            ops, views = _each_as_bytes(op, tensors)
             self._validate_root(root)
             for t, o in zip(views, ops):
                 self._validate_reduce(t, o)

@@ -77,6 +77,34 @@ static int abort_in_group(int first, ncclComm_t comm) {
   return 0;
 }
 
+/* Synchronizes every local communicator's stream, then checks recv[i][k] against want(rank, k)
+ * (rank: first + i); `what` names the step in the failure. */
+static int check_recv(const char* what, int local, int first, int nranks, ncclComm_t* comms, void** streams,
+                      float** recv, float (*want)(int rank, int nranks, int k)) {
+  for (int i = 0; i < local; ++i) {
+    if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
+      FAIL("%s: stream of communicator %d: %s", what, i, hetcclGetLastError(NULL));
+    for (int k = 0; k < COUNT; ++k) {
+      float w = want(first + i, nranks, k);
+      if (recv[i][k] != w) FAIL("%s: rank %d element %d: %g, not %g", what, first + i, k, recv[i][k], w);
+    }
+  }
+  return 0;
+}
+
+/* every rank's send is (rank + 1) * (k % 97 + 1): the sum is exact in float32 */
+static float all_reduced(int rank, int nranks, int k) {
+  (void)rank;
+  return (float)(nranks * (nranks + 1) / 2 * (k % 97 + 1));
+}
+/* a ring: rank r receives 1000 * (r - 1) + k */
+static float from_left(int rank, int nranks, int k) { return (float)(1000 * ((rank + nranks - 1) % nranks) + k); }
+/* not written: the receive buffers' fill */
+static float untouched(int rank, int nranks, int k) {
+  (void)rank, (void)nranks, (void)k;
+  return -7.0f;
+}
+
 int main(int argc, char** argv) {
   if (argc != 5 && argc != 6) FAIL("usage: %s id-file nranks first local [abort]", argv[0]);
   const char* idfile = argv[1];
@@ -179,14 +207,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < local; ++i)
       NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
     NCCL(ncclGroupEnd());
-    for (int i = 0; i < local; ++i) {
-      if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
-        FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
-      for (int k = 0; k < COUNT; ++k) {
-        float want = (float)(nranks * (nranks + 1) / 2 * (k % 97 + 1));  /* exact in float32 */
-        if (recv[i][k] != want) FAIL("rank %d element %d: %g, not %g", first + i, k, recv[i][k], want);
-      }
-    }
+    if (check_recv("all_reduce", local, first, nranks, comms, streams, recv, all_reduced)) return 1;
   }
   /* a call refused inside a group (every rank makes the same bad call) cancels the group:
      ncclGroupEnd returns its error and the group's good calls are not launched either */
@@ -200,24 +221,12 @@ int main(int argc, char** argv) {
   ncclResult_t gend = ncclGroupEnd();
   if (gend != ncclInvalidArgument || !strstr(ncclGetLastError(NULL), "none of hetccl's calls"))
     FAIL("ncclGroupEnd of a group with a refused call: %d '%s'", (int)gend, ncclGetLastError(NULL));
-  for (int i = 0; i < local; ++i) {
-    if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
-      FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
-    for (int k = 0; k < COUNT; ++k)
-      if (recv[i][k] != -7.0f) FAIL("a cancelled group ran: rank %d element %d is %g", first + i, k, recv[i][k]);
-  }
+  if (check_recv("a cancelled group ran", local, first, nranks, comms, streams, recv, untouched)) return 1;
   NCCL(ncclGroupStart());  /* the next group runs */
   for (int i = 0; i < local; ++i)
     NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
   NCCL(ncclGroupEnd());
-  for (int i = 0; i < local; ++i) {
-    if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
-      FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
-    for (int k = 0; k < COUNT; ++k) {
-      float want = (float)(nranks * (nranks + 1) / 2 * (k % 97 + 1));
-      if (recv[i][k] != want) FAIL("after a cancelled group: rank %d element %d: %g", first + i, k, recv[i][k]);
-    }
-  }
+  if (check_recv("after a cancelled group", local, first, nranks, comms, streams, recv, all_reduced)) return 1;
 
   /* HETCCL_EXPECT_DEVICE_ROUTE: the all_reduces above took the device route */
   if (getenv("HETCCL_EXPECT_DEVICE_ROUTE")) {
@@ -237,13 +246,7 @@ int main(int argc, char** argv) {
     NCCL(ncclRecv(recv[i], COUNT, ncclFloat, (r + nranks - 1) % nranks, comms[i], streams[i]));
   }
   NCCL(ncclGroupEnd());
-  for (int i = 0; i < local; ++i) {
-    if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
-      FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
-    int from = (first + i + nranks - 1) % nranks;
-    for (int k = 0; k < COUNT; ++k)
-      if (recv[i][k] != (float)(1000 * from + k)) FAIL("ring: rank %d element %d: %g", first + i, k, recv[i][k]);
-  }
+  if (check_recv("ring", local, first, nranks, comms, streams, recv, from_left)) return 1;
 
   /* ncclGroupSimulateEnd launches nothing, as NCCL's: the receive buffers stay as they were */
   for (int i = 0; i < local; ++i)
@@ -253,12 +256,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < local; ++i)
     NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
   NCCL(ncclGroupSimulateEnd(&sim));
-  for (int i = 0; i < local; ++i) {
-    if (hetcclTestStreamSynchronize(hetcclDropinComm(comms[i]), streams[i]) != hetcclSuccess)
-      FAIL("stream of communicator %d: %s", i, hetcclGetLastError(NULL));
-    for (int k = 0; k < COUNT; ++k)
-      if (recv[i][k] != -7.0f) FAIL("a simulated group ran: rank %d element %d is %g", first + i, k, recv[i][k]);
-  }
+  if (check_recv("a simulated group ran", local, first, nranks, comms, streams, recv, untouched)) return 1;
 
   for (int i = 0; i < local; ++i) {
     NCCL(ncclCommDestroy(comms[i]));
