@@ -20,6 +20,7 @@ CommError = _C.CommError
 CommTimeout = _C.CommTimeout
 PeerFailure = _C.PeerFailure
 MessageTruncated = _C.MessageTruncated
+ArgMismatch = _C.ArgMismatch
 
 HOST_REDUCE_DTYPES = {"float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32",
                       "int64"}

@@ -19,10 +19,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import checks, compat, device as devices, hostmem, tags, vendor
+from . import checks, compat, config, device as devices, hostmem, tags, vendor
 from ._core import CommTimeout
 from .algorithms import select
 from .engine import Engine
+from .face_capi import CollRoute
 from .native import REDUCE_DTYPES
 from .topology import Topology
 from .work import AllWork as _AllWork
@@ -199,6 +200,18 @@ def _overlap_refusal(what: str, outputs) -> ValueError | None:
     return None
 
 
+def _apart_or_at(part: torch.Tensor, whole: torch.Tensor, offset: int) -> bool:
+    """part shares no memory with whole, or sits exactly `offset` elements into it (the C API's
+    in-place layouts of all_gather and reduce_scatter, as NCCL's)."""
+    if part.numel() == 0 or whole.numel() == 0:
+        return True
+    es = part.element_size()
+    p0, w0 = part.data_ptr(), whole.data_ptr()
+    if p0 + part.numel() * es <= w0 or w0 + whole.numel() * whole.element_size() <= p0:
+        return True
+    return p0 == w0 + offset * es
+
+
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A 1-D contiguous view of t, or a contiguous copy (second item True: copy back after)."""
     if t.is_contiguous():
@@ -227,6 +240,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
         self._posted: dict[tuple[int, int], collections.deque] = {}
         self._wanting: dict[tuple[int, int], collections.deque] = {}
         self._recv_lock = threading.RLock()
+        # HETCCL_FACE_ROUTE=capi: single-tensor collectives straight to the C API (face_capi.py)
+        self._route = (CollRoute(store, rank, size)
+                       if size > 1 and config.get("HETCCL_FACE_ROUTE") == "capi" else None)
         log.info("hetccl: group %r rank %d/%d vendors %s", group_id, rank, size, topo.describe())
 
     # ------------------------------------------------------------------ identity
@@ -251,13 +267,19 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return self._hc_name
 
     def shutdown(self) -> None:
+        if self._route is not None:
+            self._route.close()
         self.engine.close()
 
     def abort(self) -> None:
+        if self._route is not None:
+            self._route.close(abort=True)
         self.engine.close()
 
     def __del__(self):
         try:
+            if getattr(self, "_route", None) is not None:
+                self._route.close()
             self.engine.close()
         except Exception:  # noqa: BLE001
             pass
@@ -322,6 +344,21 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 self._submit(coll, 0, body, [], [t])
         return err
 
+    def _routed(self, opts, *tensors, reducing: bool = True):
+        """The op (None for copy collectives) when the C API route (HETCCL_FACE_ROUTE=capi)
+        takes this call, else False: the face's own path runs it (face_capi.py says what the
+        route takes; the decision depends on the call alone, alike on every rank)."""
+        if self._route is None or self._coalescing is not None:
+            return False
+        op = None
+        if reducing:
+            red = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+            try:
+                op = op_name(red)
+            except NotImplementedError:
+                return False
+        return op if CollRoute.takes(op, *tensors) else False
+
     @staticmethod
     def _reduce_args(opts, tensors) -> tuple[str, object]:
         """(op, PREMUL_SUM factor or None) of a reducing call: PREMUL_SUM becomes SUM of inputs
@@ -366,6 +403,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
         if any(t.is_sparse for t in tensors):  # its own protocol, its own checks
             return self._sparse_allreduce(tensors, op_name(opts.reduceOp if opts is not None
                                                            else dist.ReduceOp.SUM))
+        if self._route is not None and len(tensors) == 1 and (
+                op := self._routed(opts, tensors[0])) is not False:
+            return self._route.all_reduce(tensors[0], op)
         op = factor = None
         try:
             op, factor = self._reduce_args(opts, tensors)
@@ -507,6 +547,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ broadcast / reduce
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
+        if (self._route is not None and len(tensors) == 1 and (opts is None or opts.rootTensor == 0)
+                and self._routed(opts, tensors[0], reducing=False) is not False):
+            return self._route.broadcast(tensors[0], root)
         try:
             self._validate_root(root)
             if (bad := _overlap_refusal("broadcast", tensors)) is not None:
@@ -527,6 +570,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
+        if (self._route is not None and len(tensors) == 1 and (opts is None or opts.rootTensor == 0)
+                and (op := self._routed(opts, tensors[0])) is not False):
+            return self._route.reduce(tensors[0], op, root)
         op = factor = None
         try:
             op, factor = self._reduce_args(opts, tensors)
@@ -687,6 +733,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
                             output_lists, [inp, *outs_flat])
 
     def _hc_all_gather_single(self, output, input, opts=None):
+        if (self._route is not None and output.numel() == input.numel() * self.size()
+                and _apart_or_at(input, output, self.rank() * input.numel())
+                and self._routed(opts, output, input, reducing=False) is not False):
+            return self._route.all_gather(output, input)
         out_flat, copied = _flat(output)
         after = (lambda: output.copy_(out_flat.view_as(output))) if copied else None
         return self._submit("all_gather", 0,
@@ -795,6 +845,10 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return self._submit("reduce", 0, body, output_tensors, [out, *ins], keep=parts)
 
     def _hc_reduce_scatter_single(self, output, input, opts=None):
+        if (self._route is not None and input.numel() == output.numel() * self.size()
+                and _apart_or_at(output, input, self.rank() * output.numel())
+                and (op := self._routed(opts, output, input)) is not False):
+            return self._route.reduce_scatter(output, input, op)
         op, factor = self._reduce_scatter_op([output], opts)
         return self._reduce_scatter_single(output, input, op, factor, opts)
 

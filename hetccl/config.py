@@ -37,6 +37,13 @@ def _check_mode(s: str) -> str:
     return v
 
 
+def _face_route(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("engine", "capi"):
+        raise ValueError("expected engine or capi")
+    return v
+
+
 def _group_links_mode(s: str) -> str:
     v = s.strip().lower()
     if v not in ("auto", "off"):
@@ -229,6 +236,11 @@ _SETTINGS = [
             "(device collectives never wait: the headers travel with the data and a mismatch "
             "found afterwards breaks the group on every rank, see HETCCL_ASYNC_ERROR_HANDLING), "
             "off."),
+    Setting("HETCCL_FACE_ROUTE", _face_route, "engine",
+            "Where the torch face sends a cross-vendor group's single-tensor collectives "
+            "(hetccl/face_capi.py): engine (default: the face's own schedule on the engine), "
+            "capi (opt-in: straight to the C API, libhetccl.so, the core under the drop-in; "
+            "CUDA calls stream-ordered with NCCL's asynchronous errors, CPU calls blocking)."),
     Setting("HETCCL_ASYNC_ERROR_HANDLING", _async_mode, "abort",
             "A device collective that fails after it was issued (peer died, timeout, arguments "
             "found to differ): abort (default) logs the error and stops the process, as torch's "
@@ -258,7 +270,7 @@ SETTINGS = {s.name: s for s in _SETTINGS}
 # algorithm, its chunks, which ring carries them): every rank of a group must use the same
 # values. The bridge compares them across ranks when it starts and names any difference.
 MUST_AGREE = ("HETCCL_TRANSPORT", "HETCCL_ALGO", "HETCCL_CHUNK_BYTES", "HETCCL_HOST_KERNEL",
-              "HETCCL_GROUP_LINKS",
+              "HETCCL_GROUP_LINKS", "HETCCL_FACE_ROUTE",
               "HETCCL_CHECK_ARGS", "HETCCL_EMULATE_HOSTS", "HETCCL_UCX_LANES",
               "HETCCL_UCX_DEVICE")
 

@@ -180,6 +180,8 @@ def main() -> None:
         plan.append((f"dropin-1+1-{name}", "nccl", "1+1", True, env))
     if not a.skip_face:
         plan.append(("face-1+1", "hetccl", "1+1", False, {}))
+        # the torch face on the C API (HETCCL_FACE_ROUTE=capi, hetccl/face_capi.py)
+        plan.append(("facecapi-1+1", "hetccl", "1+1", False, {"HETCCL_FACE_ROUTE": "capi"}))
     allrows = []
     for config, backend, vendors, dropin, extra in plan:
         t0 = time.time()
@@ -206,6 +208,20 @@ def main() -> None:
         print(f"{size:>10} {f(n)} {f(d)} {rat(d, n)} {f(med('nccl-1', 'issue_us'))[1:]} "
               f"{f(med('dropin-1', 'issue_us'))[1:]} | {f(x)} {f(y)} {rat(x, y)} "
               f"{f(med('dropin-1+1', 'issue_us'))[1:]} {f(med('face-1+1', 'issue_us'))[1:]} {wrong}")
+    if by.get("facecapi-1+1"):
+        print(f"\n1+1 torch face: {'size':>10} {'engine us':>9} {'capi us':>9} {'ratio':>6} "
+              f"{'eng iss':>8} {'capi iss':>8} {'nccl iss':>8} wrong")
+        for size in sorted(by["facecapi-1+1"]):
+            def med(cfg, key):
+                vals = [r[key] for r in by.get(cfg, {}).get(size, []) if r.get(key) is not None]
+                return statistics.median(vals) if vals else None
+            e, c = med("face-1+1", "time_us"), med("facecapi-1+1", "time_us")
+            wrong = sum(r["wrong"] for cfg in ("face-1+1", "facecapi-1+1")
+                        for r in by.get(cfg, {}).get(size, []))
+            f = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9}"  # noqa: E731
+            print(f"{'':15}{size:>10} {f(e)} {f(c)} {c / e if c and e else float('nan'):6.3f} "
+                  f"{f(med('face-1+1', 'issue_us'))[1:]} {f(med('facecapi-1+1', 'issue_us'))[1:]} "
+                  f"{f(med('nccl-1', 'issue_us'))[1:]} {wrong}")
     for name in variants:
         cfg = f"dropin-1+1-{name}"
         print(f"\n1+1 drop-in, variant {name}: size, us, / default drop-in, / torch face, issue us, wrong")

@@ -12,7 +12,8 @@ import collective_cases
 
 # "2+1/native": the same group with same-vendor links off (HETCCL_GROUP_LINKS=off), so the
 # hierarchical paths with native (gloo) steps keep their coverage beside the linked ones
-SPLITS = ["1+1", "2+1", "2+1/native", "1+2+1", "2+2"]
+# "/capi": the torch face on the C API (HETCCL_FACE_ROUTE=capi, hetccl/face_capi.py)
+SPLITS = ["1+1", "2+1", "2+1/native", "1+2+1", "2+2", "1+1/capi", "2+1/capi"]
 # Small pipeline chunks so that multi-chunk paths run on test-sized tensors.
 ENV = {"HETCCL_CHUNK_BYTES": "65536"}
 
@@ -21,7 +22,8 @@ ENV = {"HETCCL_CHUNK_BYTES": "65536"}
 def results(split: str) -> dict[str, dict[str, str]]:
     split, _, variant = split.partition("/")
     world = sum(int(x) for x in split.split("+"))
-    env = dict(ENV, **({"HETCCL_GROUP_LINKS": "off"} if variant == "native" else {}))
+    env = dict(ENV, **({"HETCCL_GROUP_LINKS": "off"} if variant == "native" else {}),
+               **({"HETCCL_FACE_ROUTE": "capi"} if variant == "capi" else {}))
     per_rank = spawn(collective_cases.run_all, world, vendors=split, env=env, timeout=420)
     merged: dict[str, dict[str, str]] = {}
     for r, res in enumerate(per_rank):
@@ -156,3 +158,94 @@ def test_bool_reductions_run_on_bytes(op):
     assert torch.equal(got.to(torch.bool), want)
     mixed_op, mixed = _bool_as_bytes("sum", xs[0], torch.zeros(3))  # not all bool: unchanged
     assert mixed_op == "sum" and mixed[0].dtype == torch.bool
+
+
+def _face_capi_rank(ctx):
+    """HETCCL_FACE_ROUTE=capi: each collective the route takes runs on the C API (its
+    communicator's algorithm counters move), with results against float64 references; a count
+    mismatch is ArgMismatch on every rank and the group stays usable; what the route does not
+    take (a bitwise op, a list of tensors) runs on the face's own path."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import hetccl
+    from hetccl._core import ArgMismatch
+
+    rank, W = ctx.rank, ctx.world_size
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=rank, world_size=W,
+                            timeout=timedelta(seconds=60))
+    pg = dist.group.WORLD
+    out = {"bad": []}
+
+    def runs():
+        c = pg._route._comm
+        return 0 if c is None else sum(int(v) for k, v in c.info().items() if k.startswith("algo_"))
+
+    def inp(r, n, dtype=torch.float32):
+        return torch.rand(n, generator=torch.Generator().manual_seed(7 * r + n), dtype=torch.float64
+                          ).mul(2).sub(1).to(dtype)
+
+    for n in (0, 1, 1000, 70001):
+        allx = [inp(r, n * W).double() for r in range(W)]
+        cases = {
+            "all_reduce": (lambda: dist.all_reduce(x := inp(rank, n * W)) or x,
+                           sum(allx)),
+            "all_reduce_max": (lambda: dist.all_reduce(x := inp(rank, n * W), dist.ReduceOp.MAX) or x,
+                               torch.stack(allx).max(0).values),
+            "broadcast": (lambda: dist.broadcast(x := inp(rank, n * W), src=W - 1) or x, allx[W - 1]),
+            "reduce": (lambda: dist.reduce(x := inp(rank, n * W), dst=0) or x,
+                       sum(allx) if rank == 0 else allx[rank]),
+            "all_gather": (lambda: dist.all_gather_into_tensor(
+                o := torch.empty(n * W * W), inp(rank, n * W)) or o, torch.cat(allx)),
+            "reduce_scatter": (lambda: dist.reduce_scatter_tensor(
+                o := torch.empty(n), inp(rank, n * W)) or o, sum(allx)[rank * n:(rank + 1) * n]),
+        }
+        for name, (fn, want) in cases.items():
+            before = runs()
+            got = fn()
+            if n and runs() == before:
+                out["bad"].append(f"{name} n={n}: the C API ran nothing")
+            if not torch.allclose(got.double(), want, atol=1e-5 * W):
+                out["bad"].append(f"{name} n={n}: wrong values")
+    # in place all_gather (input is this rank's block of the output)
+    o = torch.zeros(10 * W)
+    o[rank * 10:(rank + 1) * 10] = rank + 1
+    dist.all_gather_into_tensor(o, o[rank * 10:(rank + 1) * 10])
+    if not torch.equal(o, torch.arange(1, W + 1).float().repeat_interleave(10)):
+        out["bad"].append("in-place all_gather: wrong values")
+    try:
+        dist.all_reduce(torch.ones(10 + rank))
+        out["bad"].append("count mismatch: no error")
+    except ArgMismatch as e:
+        out["mismatch"] = str(e)
+    x = torch.ones(5)
+    dist.all_reduce(x)
+    if not torch.equal(x, torch.full((5,), float(W))):
+        out["bad"].append("after the mismatch: wrong values")
+    before = runs()
+    y = [torch.full((9,), rank + 1.0), torch.full((3,), rank + 2.0)]  # a list: the face's path
+    pg.allreduce(y).wait()
+    z = torch.full((9,), 6 + rank, dtype=torch.int32)
+    dist.all_reduce(z, dist.ReduceOp.BAND)
+    if runs() != before:
+        out["bad"].append("a list / BAND went to the C API")
+    if (y[0].tolist() != [W * (W + 1) / 2] * 9 or y[1].tolist() != [W * (W + 3) / 2] * 3
+            or z.tolist() != [functools.reduce(lambda a, b: a & b, [6 + r for r in range(W)])] * 9):
+        out["bad"].append("a list / BAND: wrong values")
+    out["routed"] = isinstance(pg, hetccl.HetcclProcessGroup) and pg._route is not None
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("split", ["1+1", "2+1"])
+def test_face_capi_route(split):
+    world = sum(int(x) for x in split.split("+"))
+    per_rank = spawn(_face_capi_rank, world, vendors=split,
+                     env={"HETCCL_FACE_ROUTE": "capi"}, timeout=300)
+    texts = {r["mismatch"] for r in per_rank if "mismatch" in r}
+    for r, res in enumerate(per_rank):
+        assert res["routed"], r
+        assert not res["bad"], (r, res["bad"])
+    assert len(texts) == 1 and "count" in texts.pop(), per_rank  # the same text on every rank

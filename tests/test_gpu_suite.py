@@ -66,7 +66,8 @@ pytestmark = [
 ]
 
 SPLITS = ["1+1", "1+1+1", "2+1"]
-MODES = ["plain", "default_device"]
+# face_capi: the torch face on the C API (HETCCL_FACE_ROUTE=capi, hetccl/face_capi.py)
+MODES = ["plain", "default_device", "face_capi"]
 
 
 def _world(split: str) -> int:
@@ -165,6 +166,7 @@ def check_cases(cases: dict[str, dict[int, str]], world: int, failure: str | Non
 def collectives(split: str, mode: str):
     return recorded(collective_cases.run_all, split,
                     {"device": DEVICE, "default_device": mode == "default_device"},
+                    env={"HETCCL_FACE_ROUTE": "capi"} if mode == "face_capi" else None,
                     timeout=240)
 
 

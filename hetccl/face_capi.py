@@ -1,0 +1,273 @@
+"""The torch face on the C API (``HETCCL_FACE_ROUTE=capi``, opt-in): the single-tensor
+collectives of a cross-vendor group go straight to libhetccl's C API (csrc/hetccl.h, through
+hetccl/capi.py's ctypes binding), the core the drop-in NCCL runs on, instead of the face's Python
+schedule and engine (backend.py -> algorithms/ -> engine.py).
+
+What it takes (CollRoute.take): all_reduce of one tensor, reduce, broadcast,
+all_gather_into_tensor and reduce_scatter_tensor, dense, on CPU or CUDA, of the C API's ten
+dtypes plus bool (on its bytes, SUM/PROD as MAX/MIN, as ProcessGroupNCCL) and complex (SUM and
+AVG on the real view); ops SUM, PRODUCT, MIN, MAX, AVG. Everything else (coalesced lists,
+bitwise ops, PREMUL_SUM, int16, sparse, overlapping outputs, uneven shapes) stays on the face's
+own path, which refuses or runs it as before.
+
+Contract:
+ * CUDA tensors: the call is enqueued on the caller's current stream (stream-ordered, as
+   ProcessGroupNCCL's work after wait()); the host does not wait. The returned work's wait()
+   makes the then-current stream wait for an event recorded after the call. A failure after
+   issue (a peer died, ranks' arguments differed) is the C API's asynchronous error: the
+   communicator breaks, every stream is still released, and wait() and every later routed call
+   raise it (NCCL's semantics; the face's own path checks CUDA calls inline instead).
+ * CPU tensors: the C API's host call, blocking; the argument check runs inline, so a mismatch
+   or a rank's refusal raises ValueError on every rank and the group stays usable.
+ * Route decision: from the call alone (collective, dtype, op, layout). Ranks that disagree on
+   it -- one rank's call routed, another's not, which takes arguments that differ in dtype
+   class or layout, already a bad call -- wait until the timeout instead of the clear mismatch
+   error (trade-off of the opt-in route; the C API check catches every difference among
+   routed calls).
+ * Half-precision AVG is NCCL's: a PreMulSum by 1/n (so a sum near the top of float16's range
+   does not overflow), as the face's own path.
+ * Vendor groups: the C API runs flat rings over every rank (docs/capi.md); no native NCCL
+   step inside a vendor group yet, so groups of more than one GPU per vendor are better served
+   by the face's own path for now.
+
+The communicator is made on the first routed call (every rank makes its first routed call at
+the same point of the group's collective order): rank 0 makes the unique id and hands it over
+the group's store.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from . import capi
+from ._core import ArgMismatch, CommError, PeerFailure
+
+# torch dtype -> the C API's (NCCL's) datatype code
+_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+           torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+for _name, _code in (("uint32", 3), ("uint64", 5)):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+_COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _raise(e: capi.HetcclError) -> None:
+    """The C API's error as the face's own path raises it: arguments refused or differing across
+    ranks -> ArgMismatch (a ValueError), a dead peer -> PeerFailure, else CommError."""
+    if e.code in (capi.INVALID_ARGUMENT, capi.INVALID_USAGE):
+        raise ArgMismatch(e.text) from None
+    kind = PeerFailure if e.code == capi.REMOTE_ERROR else CommError
+    raise kind(f"{e.text} [hetccl C API: {capi.RESULTS.get(e.code, e.code)}]") from None
+
+
+def _as_c(t: torch.Tensor, op: str | None):
+    """(tensor view the C API reduces, dtype code, op) or None when the route does not take it.
+    bool: its bytes, SUM -> MAX and PROD -> MIN (ProcessGroupNCCL's mapping); complex: the real
+    view for SUM and AVG (elementwise on the pairs)."""
+    if t.dtype == torch.bool:
+        if op == "avg":
+            return None  # the face's own path raises ProcessGroupNCCL's TypeError
+        return t.view(torch.uint8), 1, {"sum": "max", "prod": "min"}.get(op, op)
+    if t.dtype in _COMPLEX:
+        if op not in (None, "sum", "avg"):
+            return None
+        return torch.view_as_real(t), _DTYPES[_COMPLEX[t.dtype]], op
+    code = _DTYPES.get(t.dtype)
+    return None if code is None else (t, code, op)
+
+
+class CapiWork(dist.Work):
+    """A routed call's work. Host calls are done when made. Device calls carry an event
+    recorded on the caller's stream after the call: wait() makes the current stream wait on it
+    and raises the communicator's asynchronous error, if any; is_completed() queries it. The
+    torch Future (get_future) is made only when asked for (it costs more than the call)."""
+
+    def __init__(self, route: "CollRoute", outputs, event=None, device=None):
+        super().__init__()
+        self._route, self.outputs = route, outputs
+        self._event, self._device = event, device
+        self._fut = None
+
+    def wait(self, timeout=None) -> bool:
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+        self._route.raise_if_broken()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def is_success(self) -> bool:
+        return self.exception() is None
+
+    def exception(self):
+        try:
+            self._route.raise_if_broken()
+        except Exception as e:  # noqa: BLE001
+            return e
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            if self._event is None:
+                self._fut = torch.futures.Future()
+                self._fut.set_result(self.outputs)
+            else:
+                # a device future, completed on a side stream that waits for the call's event
+                # (torch records its own event on the current stream at set_result)
+                fut = torch.futures.Future(devices=[self._device])
+                side = torch.cuda.Stream(self._device)
+                side.wait_event(self._event)
+                with torch.cuda.stream(side):
+                    fut.set_result(self.outputs)
+                self._fut = fut
+        return self._fut
+
+    def result(self):
+        return self.outputs
+
+
+class CollRoute:
+    """One group's C API communicator and the routed calls on it."""
+
+    def __init__(self, store, rank: int, size: int):
+        self._store = dist.PrefixStore("hetccl/capi_route/", store)
+        self._rank, self._size = rank, size
+        self._comm: capi.Comm | None = None
+        self._avg_ops: dict[int, int] = {}  # dtype code -> PreMulSum(1/n) operator
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ communicator
+    def comm(self) -> capi.Comm:
+        if self._comm is None:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("hetccl: the group was shut down")
+                if self._comm is None:
+                    if self._rank == 0:
+                        uid = capi.unique_id()
+                        self._store.set("uid", uid)
+                    else:
+                        uid = self._store.get("uid")
+                    try:
+                        self._comm = capi.Comm(self._size, bytes(uid), self._rank)
+                    except capi.HetcclError as e:
+                        _raise(e)
+        return self._comm
+
+    def close(self, abort: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            c, self._comm = self._comm, None
+        if c is not None:
+            try:
+                c.abort() if abort else c.destroy()
+            except capi.HetcclError:
+                pass
+
+    def raise_if_broken(self) -> None:
+        c = self._comm
+        if c is None:
+            return
+        try:
+            code = c.async_error()
+        except capi.HetcclError as e:
+            _raise(e)
+        if code not in (capi.SUCCESS, 7):  # 7: in progress (a nonblocking init)
+            text = (capi.lib().hetcclGetLastError(c._c) or b"").decode(errors="replace")
+            _raise(capi.HetcclError(code, text or "the communicator is broken"))
+
+    # ------------------------------------------------------------------ calls
+    def _avg_op(self, code: int, dtype: torch.dtype, c: capi.Comm) -> int:
+        op = self._avg_ops.get(code)
+        if op is None:
+            scalar = torch.tensor([1.0 / self._size], dtype=dtype).view(torch.uint8).numpy()
+            op = self._avg_ops[code] = c.premul_sum(scalar, code)
+        return op
+
+    def _issue(self, fn, tensors, outputs, device: torch.device):
+        """fn(comm, stream or None) makes the C API call; returns the work."""
+        c = self.comm()
+        if device.type != "cuda":
+            try:
+                fn(c, None)
+            except capi.HetcclError as e:
+                _raise(e)
+            return CapiWork(self, outputs)
+        stream = torch.cuda.current_stream(device)
+        handle = stream.cuda_stream or capi.STREAM_DEFAULT
+        try:
+            fn(c, handle)
+        except capi.HetcclError as e:
+            _raise(e)
+        for t in tensors:  # the caching allocator must not hand them out before the call ran
+            t.record_stream(stream)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return CapiWork(self, outputs, ev, device)
+
+    def all_reduce(self, t: torch.Tensor, op: str):
+        v, code, op = _as_c(t, op)
+        n = v.numel()
+
+        def fn(c, s):
+            o = self._avg_op(code, v.dtype, c) if op == "avg" and v.dtype in _HALF else _OPS[op]
+            p = v.data_ptr()
+            c.all_reduce(p, p, n, code, o, s)
+        return self._issue(fn, [t], [t], t.device)
+
+    def reduce(self, t: torch.Tensor, op: str, root: int):
+        v, code, op = _as_c(t, op)
+        n = v.numel()
+
+        def fn(c, s):
+            o = self._avg_op(code, v.dtype, c) if op == "avg" and v.dtype in _HALF else _OPS[op]
+            p = v.data_ptr()
+            c.reduce(p, p, n, code, o, root, s)
+        return self._issue(fn, [t], [t], t.device)
+
+    def broadcast(self, t: torch.Tensor, root: int):
+        v, code, _ = _as_c(t, None)
+
+        def fn(c, s):
+            p = v.data_ptr()
+            c.broadcast(p, p, v.numel(), code, root, s)
+        return self._issue(fn, [t], [t], t.device)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        vo, code, _ = _as_c(out, None)
+        vi, _, _ = _as_c(inp, None)
+
+        def fn(c, s):
+            c.all_gather(vi.data_ptr(), vo.data_ptr(), vi.numel(), code, s)
+        return self._issue(fn, [out, inp], [out], out.device)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str):
+        vo, code, op = _as_c(out, op)
+        vi, _, _ = _as_c(inp, op)
+
+        def fn(c, s):
+            o = self._avg_op(code, vo.dtype, c) if op == "avg" and vo.dtype in _HALF else _OPS[op]
+            c.reduce_scatter(vi.data_ptr(), vo.data_ptr(), vo.numel(), code, o, s)
+        return self._issue(fn, [out, inp], [out], out.device)
+
+    # ------------------------------------------------------------------ what it takes
+    @staticmethod
+    def takes(op: str | None, *tensors: torch.Tensor) -> bool:
+        """Whether the route runs this call: dense contiguous tensors of one dtype and device
+        the C API reduces (see _as_c), on CPU or CUDA."""
+        if not tensors:
+            return False
+        t0 = tensors[0]
+        for t in tensors:
+            if (t.layout != torch.strided or not t.is_contiguous() or t.dtype != t0.dtype
+                    or t.device != t0.device or t.device.type not in ("cpu", "cuda")):
+                return False
+        if op is not None and op not in _OPS:
+            return False
+        return _as_c(t0, op) is not None
