@@ -288,6 +288,15 @@ def get(name: str) -> Any:
         raise ValueError(f"hetccl: environment variable {name}={raw!r} is invalid: {e}") from None
 
 
+def set_for_this_process(name: str, value: str) -> None:
+    """Tell the C++ core loaded in this process a setting the Python side decided, unless the
+    user set it (the C API reads its settings from the environment when a communicator is made:
+    hetccl/face_capi.py gives it the device runtime of this torch build this way)."""
+    if name not in SETTINGS:
+        raise KeyError(f"unknown hetccl setting {name}")
+    os.environ.setdefault(name, value)
+
+
 def ucx_tuning() -> str:
     """HETCCL_UCX_TUNING without the keys the user sets as UCX_<KEY> in the environment (theirs
     win), as the ucx transport's "ucx_config" option. Raises ValueError for a malformed entry."""

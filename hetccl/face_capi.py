@@ -41,7 +41,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import capi
+from . import capi, config, device as devices
 from ._core import ArgMismatch, CommError, PeerFailure
 
 # torch dtype -> the C API's (NCCL's) datatype code
@@ -82,24 +82,25 @@ def _as_c(t: torch.Tensor, op: str | None):
 
 class CapiWork(dist.Work):
     """A routed call's work. Host calls are done when made. Device calls carry an event
-    recorded on the caller's stream after the call: wait() makes the current stream wait on it
-    and raises the communicator's asynchronous error, if any; is_completed() queries it. The
-    torch Future (get_future) is made only when asked for (it costs more than the call)."""
+    recorded on the caller's stream after the call (`cs`: the seam's CallerStream): wait()
+    makes the current stream wait on it and raises the communicator's asynchronous error, if
+    any; is_completed() queries it. The torch Future (get_future) is made only when asked for
+    (it costs more than the call)."""
 
-    def __init__(self, route: "CollRoute", outputs, event=None, device=None):
+    def __init__(self, route: "CollRoute", outputs, event=None, cs=None):
         super().__init__()
         self._route, self.outputs = route, outputs
-        self._event, self._device = event, device
+        self._event, self._cs = event, cs
         self._fut = None
 
     def wait(self, timeout=None) -> bool:
         if self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
+            self._cs.wait(self._event, self._cs.index)
         self._route.raise_if_broken()
         return True
 
     def is_completed(self) -> bool:
-        return self._event is None or self._event.query()
+        return self._event is None or self._cs.query(self._event)
 
     def is_success(self) -> bool:
         return self.exception() is None
@@ -117,14 +118,7 @@ class CapiWork(dist.Work):
                 self._fut = torch.futures.Future()
                 self._fut.set_result(self.outputs)
             else:
-                # a device future, completed on a side stream that waits for the call's event
-                # (torch records its own event on the current stream at set_result)
-                fut = torch.futures.Future(devices=[self._device])
-                side = torch.cuda.Stream(self._device)
-                side.wait_event(self._event)
-                with torch.cuda.stream(side):
-                    fut.set_result(self.outputs)
-                self._fut = fut
+                self._fut = self._cs.future_after(self._event, self._cs.index, self.outputs)
         return self._fut
 
     def result(self):
@@ -149,6 +143,10 @@ class CollRoute:
                 if self._closed:
                     raise RuntimeError("hetccl: the group was shut down")
                 if self._comm is None:
+                    # the C API's device runtime: this torch build's (cuda, or hip on ROCm)
+                    acc = [devices.seam(t) for t in devices.SEAMS if devices.seam(t).asynchronous]
+                    if acc:
+                        config.set_for_this_process("HETCCL_CAPI_DEVICE", acc[0].runtime_name)
                     if self._rank == 0:
                         uid = capi.unique_id()
                         self._store.set("uid", uid)
@@ -186,30 +184,32 @@ class CollRoute:
     def _avg_op(self, code: int, dtype: torch.dtype, c: capi.Comm) -> int:
         op = self._avg_ops.get(code)
         if op is None:
-            scalar = torch.tensor([1.0 / self._size], dtype=dtype).view(torch.uint8).numpy()
+            scalar = torch.tensor([1.0 / self._size], dtype=dtype, device="cpu").view(torch.uint8).numpy()
             op = self._avg_ops[code] = c.premul_sum(scalar, code)
         return op
 
     def _issue(self, fn, tensors, outputs, device: torch.device):
         """fn(comm, stream or None) makes the C API call; returns the work."""
         c = self.comm()
-        if device.type != "cuda":
+        seam = devices.seam(device.type)
+        if not seam.asynchronous:
             try:
                 fn(c, None)
             except capi.HetcclError as e:
                 _raise(e)
             return CapiWork(self, outputs)
-        stream = torch.cuda.current_stream(device)
-        handle = stream.cuda_stream or capi.STREAM_DEFAULT
+        cs = seam.caller_stream(device)
+        handle = cs.handle or capi.STREAM_DEFAULT
         try:
-            fn(c, handle)
+            if cs.current():
+                fn(c, handle)
+            else:
+                with cs.device_guard():  # the C API works on the current device
+                    fn(c, handle)
         except capi.HetcclError as e:
             _raise(e)
-        for t in tensors:  # the caching allocator must not hand them out before the call ran
-            t.record_stream(stream)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return CapiWork(self, outputs, ev, device)
+        cs.keep(tensors)
+        return CapiWork(self, outputs, cs.record(), cs)
 
     def all_reduce(self, t: torch.Tensor, op: str):
         v, code, op = _as_c(t, op)
@@ -266,7 +266,7 @@ class CollRoute:
         t0 = tensors[0]
         for t in tensors:
             if (t.layout != torch.strided or not t.is_contiguous() or t.dtype != t0.dtype
-                    or t.device != t0.device or t.device.type not in ("cpu", "cuda")):
+                    or t.device != t0.device or t.device.type not in devices.SEAMS):
                 return False
         if op is not None and op not in _OPS:
             return False

@@ -33,6 +33,8 @@ Seam interface:
     new_native(store, rank, size, timeout, group_name="", global_ranks=None) -> c10d Backend
     runtime() -> hetccl._C.DeviceOps | None           (asynchronous seams)
     launch(device, tensors, cache, join) -> Launch    (asynchronous seams: see cuda.py)
+    caller_stream(device) -> CallerStream             (asynchronous seams: work enqueued on the
+                            caller's own stream, the C API route's; see cuda.py)
 """
 from __future__ import annotations
 

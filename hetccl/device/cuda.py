@@ -114,6 +114,55 @@ class Launch:
             torch.cuda.set_stream(prev)
 
 
+class CallerStream:
+    """The caller's current stream on one device, for work enqueued on it directly (the C API
+    route, hetccl/face_capi.py: no stream of hetccl's own, ordered as the caller's own
+    kernels). `handle` is the raw stream (0: the legacy default stream)."""
+
+    __slots__ = ("stream", "index", "handle")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.stream = torch.cuda.current_stream(index)
+        self.handle = self.stream.cuda_stream
+
+    def current(self) -> bool:
+        """Whether the stream's device is the current device (the runtime's calls need it)."""
+        return torch.cuda.current_device() == self.index
+
+    def device_guard(self):
+        return torch.cuda.device(self.index)
+
+    def keep(self, tensors) -> None:
+        """The allocator must not hand the tensors out before the stream ran past here."""
+        for t in tensors:
+            t.record_stream(self.stream)
+
+    def record(self):
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    @staticmethod
+    def wait(ev, index: int) -> None:
+        """Orders the then-current stream of device `index` after ev."""
+        torch.cuda.current_stream(index).wait_event(ev)
+
+    @staticmethod
+    def query(ev) -> bool:
+        return ev.query()
+
+    @staticmethod
+    def future_after(ev, index: int, value) -> torch.futures.Future:
+        """A device future holding value, completed on a side stream that waits for ev."""
+        fut = torch.futures.Future(devices=[torch.device("cuda", index)])
+        side = torch.cuda.Stream(index)
+        side.wait_event(ev)
+        with torch.cuda.stream(side):
+            fut.set_result(value)
+        return fut
+
+
 def _native_library_path(stems: tuple[str, ...], torch_lib_names: tuple[str, ...]) -> str | None:
     """The native library's file: the copy already loaded, else one shipped beside torch."""
     path = _loaded_library(stems)
@@ -195,6 +244,10 @@ class CudaSeam:
     def capturing() -> bool:
         """Whether the current stream is capturing a CUDA graph (HIP graphs on ROCm builds)."""
         return torch.cuda.is_current_stream_capturing()
+
+    def caller_stream(self, device: torch.device) -> CallerStream:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return CallerStream(idx)
 
     def launch(self, device: torch.device, tensors, cache: dict, join, kind=None) -> Launch:
         """cache: the process group's own streams (per device): two groups never share a
