@@ -432,13 +432,14 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 _, fn = select("all_reduce", f.numel() * f.element_size(),
                                self.engine.algo_overrides)
                 premul = op == "avg" and f.dtype in _PREMUL_AVG
-                if premul:
-                    # in place: f is overwritten by the result. Trade-off: a call refused by a
-                    # peer's check after this point leaves f scaled by 1/n (a copy would cost
-                    # every half-precision AVG one more pass)
+                if premul and ctx.check_settled():
+                    # in place (f is overwritten by the result anyway): every rank's check
+                    # already passed, so no refusal can leave f scaled by 1/n
                     _premul_avg(f, world, out=f)
-                elif factor is not None:  # PREMUL_SUM: a scaled copy, f intact if refused
-                    g = _premul(f, factor)
+                elif premul or factor is not None:
+                    # PREMUL_SUM, or AVG whose check verdict comes with the data: a scaled
+                    # copy, so a call refused after this point leaves f as it was
+                    g = _premul(f, factor) if factor is not None else _premul_avg(f, world)
                     fn(ctx, g, "sum")
                     f.copy_(g)
                     if copied:

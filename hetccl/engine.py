@@ -529,6 +529,13 @@ class EngineCtx:
                    0, None, None, False, tag=tag)
         torch.maximum(table, got, out=table)
 
+    def check_settled(self) -> bool:
+        """Whether no argument-check verdict of this collective is still to come: the check
+        completed at begin() (or is off). False while the header rides with the data (a native
+        check inside the vendor group, then the other groups' verdict with their transfer):
+        a body that would overwrite its input before moving data then works on a copy."""
+        return self._header is None
+
     def _take_header(self):
         h, self._header = self._header, None
         return h

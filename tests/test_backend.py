@@ -249,3 +249,42 @@ def test_face_capi_route(split):
         assert res["routed"], r
         assert not res["bad"], (r, res["bad"])
     assert len(texts) == 1 and "count" in texts.pop(), per_rank  # the same text on every rank
+
+
+def _avg_refused_rank(ctx):
+    """A half-precision AVG all_reduce refused by a peer's check (a count mismatch seen only
+    once the header reaches the other vendor group) leaves every rank's tensor as it was."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank, W = ctx.rank, ctx.world_size
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=rank, world_size=W,
+                            timeout=timedelta(seconds=60))
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        n = 64 if rank < W - 1 else 65  # the last rank (a group of its own) differs
+        x = torch.full((n,), float(rank + 1), dtype=dtype)
+        before = x.clone()
+        try:
+            dist.all_reduce(x, dist.ReduceOp.AVG)
+            out[str(dtype)] = "no error"
+        except ValueError:
+            out[str(dtype)] = "intact" if torch.equal(x, before) else f"changed: {x[:3].tolist()}"
+        y = torch.full((8,), float(rank + 1), dtype=dtype)
+        dist.all_reduce(y, dist.ReduceOp.AVG)  # the group goes on
+        if not torch.equal(y, torch.full((8,), (W + 1) / 2, dtype=dtype)):
+            out[str(dtype)] += f"; next call wrong: {y[:3].tolist()}"
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("links", ["auto", "off"])
+def test_half_avg_refused_leaves_the_tensor(links):
+    """links off: the vendor group of two checks natively and the header rides with the data
+    to the other group (the check completes after the transfer began)."""
+    per_rank = spawn(_avg_refused_rank, 3, vendors="2+1", env={"HETCCL_GROUP_LINKS": links},
+                     timeout=300)
+    for r, res in enumerate(per_rank):
+        assert set(res.values()) == {"intact"}, (r, res)
