@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "check_text.h"
 #include "common.h"
 #include "crash.h"
 #include "device_ops.h"
@@ -284,6 +285,11 @@ PYBIND11_MODULE(_C, m) {
       .def("__repr__", [](PyTransport& s) { return "<hetccl._C.Transport " + s.t().name() + ">"; });
 
   m.def("transport_names", &transport_names, "Transports in this build, sorted by name.");
+  m.def("mismatch_text", &hetccl::mismatch_text, py::arg("coll"), py::arg("what"), py::arg("rank_values"),
+        "The one wording of an argument mismatch (check_text.h): '' when every rank's value text is equal.");
+  m.def("check_field_whats", [] {
+    return std::vector<std::string>(hetccl::kCheckFieldWhat, hetccl::kCheckFieldWhat + hetccl::kCheckFields);
+  }, "The compared fields' names, in the check header's order (check_text.h).");
   m.def("host_id", &host_id, "This process's shared-memory domain (kernel boot id, /dev/shm file system, pid namespace): ranks with equal ids reach each other through shm.");
   m.def("transport_table",
         [] {

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "check_text.h"
 #include "engine_internal.h"
 
 namespace hetccl {
@@ -37,8 +38,7 @@ constexpr size_t kHdrCap = sizeof(WireHeader) + kMaxText;
 // fail_mismatch: how long a chunk that does not fit waits for the headers that name why
 constexpr int64_t kMismatchHeaderWaitMs = 2000;
 
-const char* const kFieldWhat[CheckHeader::kFields] = {
-    "collective", "number of elements", "dtype", "reduction op", "root", "device type"};
+static_assert(CheckHeader::kFields == kCheckFields, "check_text.h names every header field");
 
 }  // namespace
 
@@ -112,34 +112,26 @@ std::string Engine::compare_headers(Plan& p) {
     std::map<int64_t, std::vector<int>> vals;
     for (auto& kv : by_rank) vals[kv.second.h->f[f]].push_back(kv.first);
     if (vals.size() <= 1) continue;
-    // order values by their lowest rank, so every rank prints them alike. (Plain string
-    // building: no iostreams in the engine -- their locale machinery is one more thing that can
-    // differ between the process's C++ runtime and ours.)
-    std::vector<std::pair<int, int64_t>> order;
-    for (auto& v : vals) order.emplace_back(v.second.front(), v.first);
-    std::sort(order.begin(), order.end());
     std::string coll = std::to_string(mine->f[0]);
     if (!opts_.field_names.empty()) {
       auto it = opts_.field_names[0].find(mine->f[0]);
       if (it != opts_.field_names[0].end()) coll = it->second;
     }
-    std::string msg = "hetccl: " + coll + ": " + kFieldWhat[f] + " differs across ranks (";
-    bool first = true;
-    for (auto& o : order) {
-      auto& ranks = vals[o.second];
-      std::string name = std::to_string(o.second);
-      if (f < int(opts_.field_names.size())) {
-        auto it = opts_.field_names[f].find(o.second);
-        if (it != opts_.field_names[f].end()) name = it->second;
+    auto named = [&](bool names) {
+      std::vector<std::pair<int, std::string>> rv;
+      for (auto& kv : by_rank) {
+        int64_t v = kv.second.h->f[f];
+        std::string name = std::to_string(v);
+        if (names && f < int(opts_.field_names.size())) {
+          auto it = opts_.field_names[f].find(v);
+          if (it != opts_.field_names[f].end()) name = it->second;
+        }
+        rv.emplace_back(kv.first, name);
       }
-      msg += (first ? "" : "; ");
-      msg += "ranks [";
-      for (size_t i = 0; i < ranks.size(); ++i) msg += (i ? ", " : "") + std::to_string(ranks[i]);
-      msg += "]: " + name;
-      first = false;
-    }
-    msg += "). Every rank must call the same collective with matching tensors.";
-    return msg;
+      return mismatch_text(coll, kCheckFieldWhat[f], rv);  // check_text.h: the one wording
+    };
+    std::string msg = named(true);
+    return msg.empty() ? named(false) : msg;  // two values with one name: their codes
   }
   return "";
 }

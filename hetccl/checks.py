@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from . import device as devices, hostmem
+from ._core import _C
 
 COLL_CODES = {name: i + 1 for i, name in enumerate(
     ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
@@ -56,7 +57,7 @@ DTYPE_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
 DEVICE_CODES = devices.device_codes()  # the device seams' (hetccl/device/: device_code)
 HEADER_LEN = 6
 UNKNOWN = -(2**63)  # a row of all_headers_over_bridge's table not heard of yet
-FIELDS = ["collective", "number of elements", "dtype", "reduction op", "root", "device type"]
+FIELDS = list(_C.check_field_whats())  # csrc/check_text.h: one list for every check
 # bit i set: field i must agree (all_to_all: element counts differ by design)
 MASK_ALL = 0x3F
 MASK_NO_NUMEL = MASK_ALL & ~(1 << 1)
@@ -89,19 +90,19 @@ def header(coll: str, numel: int, dtype: torch.dtype | None, op: str | None, roo
 
 
 def mismatch_text(coll: str, table: dict[int, list[int]], mask: int) -> str | None:
-    """The error every rank prints when headers differ (first differing field, ranks grouped by
-    value in order of their lowest rank), or None. Same wording as the engine's (engine_check.cc)."""
+    """The error every rank prints when headers differ (the first differing field), or None.
+    The wording is the C++ core's, shared with the engine's and the C API's checks
+    (csrc/check_text.h): ranks grouped by value in order of their lowest rank."""
     for f, what in enumerate(FIELDS):
         if not mask & (1 << f):
             continue
-        by: dict[Any, list[int]] = {}
-        for r in sorted(table):
-            by.setdefault(table[r][f], []).append(r)
-        if len(by) > 1:
-            names = FIELD_NAMES[f]
-            detail = "; ".join(f"ranks {rs}: {names.get(v, v)}" for v, rs in by.items())
-            return (f"hetccl: {coll}: {what} differs across ranks ({detail}). Every rank must "
-                    f"call the same collective with matching tensors.")
+        names = FIELD_NAMES[f]
+        text = _C.mismatch_text(coll, what, [(r, str(names.get(v, v))) for r, v in
+                                             ((r, table[r][f]) for r in table)])
+        if not text and len({table[r][f] for r in table}) > 1:  # two values with one name
+            text = _C.mismatch_text(coll, what, [(r, str(table[r][f])) for r in table])
+        if text:
+            return text
     return None
 
 

@@ -15,6 +15,7 @@ through the PyProcessGroup trampoline, whose method names changed between releas
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -145,8 +146,9 @@ def megatron_core_tuple() -> tuple[int, int]:
         return (0, 0)
 
 
+@functools.lru_cache(maxsize=None)
 def premul_sum_factor_visible() -> bool:
-    """Whether this torch hands a backend the factor of ReduceOp.PREMUL_SUM
+    """(Decided once per process: a property of the torch build.) Whether this torch hands a backend the factor of ReduceOp.PREMUL_SUM
     (dist._make_nccl_premul_sum(f).factor; torch 2.13 has it, 2.11 does not): without it a
     Python backend cannot apply the op, and hetccl refuses it naming the op."""
     make = getattr(dist, "_make_nccl_premul_sum", None)

@@ -481,7 +481,7 @@ def run_cases(comm, rank, n, stream=None):
     if n > 1:
         c.run("error/count", c.expect_all,
               lambda: comm.all_reduce(x, x, 11 if rank == 0 else 10, "float32", "sum"),
-              capi.INVALID_ARGUMENT, "count", "rank 0 has 11")
+              capi.INVALID_ARGUMENT, "number of elements differs across ranks", "ranks [0]: 11")
         c.run("error/dtype", c.expect_all,
               lambda: comm.all_reduce(x, x, 4, "float32" if rank else "int32", "sum"),
               capi.INVALID_ARGUMENT, "dtype")

@@ -248,7 +248,9 @@ def test_face_capi_route(split):
     for r, res in enumerate(per_rank):
         assert res["routed"], r
         assert not res["bad"], (r, res["bad"])
-    assert len(texts) == 1 and "count" in texts.pop(), per_rank  # the same text on every rank
+    # the same text on every rank, in the wording of every hetccl check (csrc/check_text.h)
+    want = "number of elements differs across ranks (ranks [0]: 10; ranks [1]: 11"
+    assert len(texts) == 1 and want in next(iter(texts)), (texts, per_rank)
 
 
 def _avg_refused_rank(ctx):
@@ -274,8 +276,9 @@ def _avg_refused_rank(ctx):
             out[str(dtype)] = "intact" if torch.equal(x, before) else f"changed: {x[:3].tolist()}"
         y = torch.full((8,), float(rank + 1), dtype=dtype)
         dist.all_reduce(y, dist.ReduceOp.AVG)  # the group goes on
-        if not torch.equal(y, torch.full((8,), (W + 1) / 2, dtype=dtype)):
-            out[str(dtype)] += f"; next call wrong: {y[:3].tolist()}"
+        # (the half-precision sum of premultiplied values rounds by reduction order: a few ulps)
+        if not torch.allclose(y.float(), torch.full((8,), (W + 1) / 2), atol=0.02, rtol=0):
+            out[str(dtype)] += f"; next call wrong: {y.tolist()}"
     dist.destroy_process_group()
     return out
 

@@ -13,8 +13,8 @@
 //     fixed-size header (fields and its refusal's text) to every rank, an all-gather: recursive
 //     doubling for n a power of two, Bruck's for any other n (ceil(log2 n) steps); O(n) bytes
 //     per rank, on the failing call only. Every rank then composes the same text from the same
-//     table: the lowest refusing rank's own text, else the first field on which ranks disagree
-//     with rank 0's value and up to three others.
+//     table: the lowest refusing rank's own text, else the first field on which ranks disagree,
+//     in the wording every check of hetccl shares (../check_text.h: ranks grouped by value).
 // HETCCL_CAPI_ALGO=ring: the headers' ring all-gather alone (n-1 steps) on every call.
 // The communicator stays usable after a mismatch: nothing of the collective was sent. Where
 // every rank refused the call itself, the verdict says so (EveryRankRefused: comm.h), and a
@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "../check_text.h"
 #include "comm.h"
 #include "ring.h"
 
@@ -41,7 +42,6 @@ struct Header {
 };
 static_assert(sizeof(Header) == 256, "fixed-size header");
 
-const char* kFields[] = {"collective", "count", "dtype", "op", "root"};
 
 // The summary's all_reduce (MIN, int64): recursive doubling with MPICH's fold for n not a power
 // of two (coll_allreduce_rd.cc's steps), each step one exchange on the transports' tagged path
@@ -75,8 +75,16 @@ void summary_min(Comm& c, int64_t* v, size_t count) {
   std::copy(mine, mine + count, v);
 }
 
+// A field's value as the mismatch text names it (the datatypes and ops of hetccl.h).
 std::string value(int field, int64_t v) {
-  return field == 0 ? coll_name(Coll(v)) : std::to_string(v);
+  static const char* const kTypes[] = {"int8", "uint8", "int32", "uint32", "int64",
+                                       "uint64", "float16", "float32", "float64", "bfloat16"};
+  static const char* const kOps[] = {"sum", "prod", "max", "min", "avg"};
+  if (field == 0) return coll_name(Coll(v));
+  if (field == 2 && v >= 0 && v < 10) return kTypes[v];
+  if (field == 3 && v >= 0 && v < 5) return kOps[v];
+  if (field == 3 && v >= 5) return "premul_sum operator " + std::to_string(v);
+  return std::to_string(v);
 }
 
 }  // namespace
@@ -166,16 +174,11 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
   for (int field = 0; field < 5; ++field) {
     if (field == 4 && Coll(all[0].f[0]) != Coll::Broadcast && Coll(all[0].f[0]) != Coll::Reduce)
       continue;  // root: rooted collectives only
-    std::string diff;
-    int shown = 0;
-    for (int p = 1; p < n; ++p)
-      if (all[size_t(p)].f[field] != all[0].f[field] && shown < 3) {
-        diff += "; rank " + std::to_string(p) + " has " + value(field, all[size_t(p)].f[field]);
-        ++shown;
-      }
-    if (!diff.empty())
-      throw ArgMismatch(std::string("hetccl: ") + what + ": ranks disagree on " + kFields[field] +
-                        ": rank 0 has " + value(field, all[0].f[field]) + diff);
+    std::vector<std::pair<int, std::string>> rv;
+    for (int p = 0; p < n; ++p) rv.emplace_back(p, value(field, all[size_t(p)].f[field]));
+    // the one wording (check_text.h), shared with the engine's and the torch face's checks
+    std::string text = mismatch_text(what, kCheckFieldWhat[field], std::move(rv));
+    if (!text.empty()) throw ArgMismatch(text);
   }
 }
 
