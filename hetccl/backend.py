@@ -359,6 +359,14 @@ class HetcclProcessGroup(dist.ProcessGroup):
                 return False
         return op if CollRoute.takes(op, *tensors) else False
 
+    def _route_declined(self, coll: str) -> None:
+        """A call of a collective the route takes elsewhere, not taken here: the ranks first
+        agree that none of them routed it (face_capi.CollRoute.declined), so that a rank whose
+        call the route took gets an error instead of waiting for this one until the timeout.
+        Not while coalescing (no rank routes then)."""
+        if self._coalescing is None:
+            self._route.declined(coll)
+
     @staticmethod
     def _reduce_args(opts, tensors) -> tuple[str, object]:
         """(op, PREMUL_SUM factor or None) of a reducing call: PREMUL_SUM becomes SUM of inputs
@@ -400,12 +408,15 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all-reduce
     def allreduce(self, tensors, opts=None):
+        if self._route is not None:
+            op = (self._routed(opts, tensors[0])
+                  if len(tensors) == 1 and not tensors[0].is_sparse else False)
+            if op is not False:
+                return self._route.all_reduce(tensors[0], op)
+            self._route_declined("all_reduce")
         if any(t.is_sparse for t in tensors):  # its own protocol, its own checks
             return self._sparse_allreduce(tensors, op_name(opts.reduceOp if opts is not None
                                                            else dist.ReduceOp.SUM))
-        if self._route is not None and len(tensors) == 1 and (
-                op := self._routed(opts, tensors[0])) is not False:
-            return self._route.all_reduce(tensors[0], op)
         op = factor = None
         try:
             op, factor = self._reduce_args(opts, tensors)
@@ -548,9 +559,11 @@ class HetcclProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ broadcast / reduce
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        if (self._route is not None and len(tensors) == 1 and (opts is None or opts.rootTensor == 0)
-                and self._routed(opts, tensors[0], reducing=False) is not False):
-            return self._route.broadcast(tensors[0], root)
+        if self._route is not None:
+            if (len(tensors) == 1 and (opts is None or opts.rootTensor == 0)
+                    and self._routed(opts, tensors[0], reducing=False) is not False):
+                return self._route.broadcast(tensors[0], root)
+            self._route_declined("broadcast")
         try:
             self._validate_root(root)
             if (bad := _overlap_refusal("broadcast", tensors)) is not None:
@@ -571,9 +584,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        if (self._route is not None and len(tensors) == 1 and (opts is None or opts.rootTensor == 0)
-                and (op := self._routed(opts, tensors[0])) is not False):
-            return self._route.reduce(tensors[0], op, root)
+        if self._route is not None:
+            op = (self._routed(opts, tensors[0])
+                  if len(tensors) == 1 and (opts is None or opts.rootTensor == 0) else False)
+            if op is not False:
+                return self._route.reduce(tensors[0], op, root)
+            self._route_declined("reduce")
         op = factor = None
         try:
             op, factor = self._reduce_args(opts, tensors)
@@ -734,10 +750,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
                             output_lists, [inp, *outs_flat])
 
     def _hc_all_gather_single(self, output, input, opts=None):
-        if (self._route is not None and output.numel() == input.numel() * self.size()
-                and _apart_or_at(input, output, self.rank() * input.numel())
-                and self._routed(opts, output, input, reducing=False) is not False):
-            return self._route.all_gather(output, input)
+        if self._route is not None:
+            if (output.numel() == input.numel() * self.size()
+                    and _apart_or_at(input, output, self.rank() * input.numel())
+                    and self._routed(opts, output, input, reducing=False) is not False):
+                return self._route.all_gather(output, input)
+            self._route_declined("all_gather")
         out_flat, copied = _flat(output)
         after = (lambda: output.copy_(out_flat.view_as(output))) if copied else None
         return self._submit("all_gather", 0,
@@ -846,10 +864,13 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return self._submit("reduce", 0, body, output_tensors, [out, *ins], keep=parts)
 
     def _hc_reduce_scatter_single(self, output, input, opts=None):
-        if (self._route is not None and input.numel() == output.numel() * self.size()
-                and _apart_or_at(output, input, self.rank() * output.numel())
-                and (op := self._routed(opts, output, input)) is not False):
-            return self._route.reduce_scatter(output, input, op)
+        if self._route is not None:
+            op = (self._routed(opts, output, input)
+                  if input.numel() == output.numel() * self.size()
+                  and _apart_or_at(output, input, self.rank() * output.numel()) else False)
+            if op is not False:
+                return self._route.reduce_scatter(output, input, op)
+            self._route_declined("reduce_scatter")
         op, factor = self._reduce_scatter_op([output], opts)
         return self._reduce_scatter_single(output, input, op, factor, opts)
 

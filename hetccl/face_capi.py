@@ -19,11 +19,13 @@ Contract:
    raise it (NCCL's semantics; the face's own path checks CUDA calls inline instead).
  * CPU tensors: the C API's host call, blocking; the argument check runs inline, so a mismatch
    or a rank's refusal raises ValueError on every rank and the group stays usable.
- * Route decision: from the call alone (collective, dtype, op, layout). Ranks that disagree on
-   it -- one rank's call routed, another's not, which takes arguments that differ in dtype
-   class or layout, already a bad call -- wait until the timeout instead of the clear mismatch
-   error (trade-off of the opt-in route; the C API check catches every difference among
-   routed calls).
+ * Route decision: from the call alone (collective, dtype, op, layout). A call of these five
+   collectives that the route does not take first meets its peers on the C API's check with a
+   marker (CollRoute.declined: an empty all_to_all, which no routed call is), so ranks that
+   disagree on the route (one rank's call routed, another's not: already a bad call) fail on
+   every rank instead of waiting until the timeout; where all declined it costs one small
+   exchange. Collectives the route never takes (gather, all_to_all, barrier, ...) are not
+   marked: a routed call facing one of those on a peer still waits until the timeout.
  * Half-precision AVG is NCCL's: a PreMulSum by 1/n (so a sum near the top of float16's range
    does not overflow), as the face's own path.
  * Vendor groups: the C API runs flat rings over every rank (docs/capi.md); no native NCCL
@@ -255,6 +257,25 @@ class CollRoute:
             o = self._avg_op(code, vo.dtype, c) if op == "avg" and vo.dtype in _HALF else _OPS[op]
             c.reduce_scatter(vi.data_ptr(), vo.data_ptr(), vo.numel(), code, o, s)
         return self._issue(fn, [out, inp], [out], out.device)
+
+    def declined(self, coll: str) -> None:
+        """A call of a collective this route takes, which it does not take on this rank (a list
+        of tensors, a bitwise op, an uneven shape...): before the face's own path runs it, the
+        ranks meet on the C API's check with a marker no routed call makes (an empty
+        all_to_all). Where every rank declined, the marker passes (one small exchange) and the
+        face's path follows; where a peer's call was routed, both checks see different
+        collectives and every rank fails (this one here with ArgMismatch; a peer's CUDA call
+        with the communicator's asynchronous error) instead of waiting until the timeout."""
+        c = self.comm()
+        try:
+            c.all_to_all(None, None, 0, 1, None)
+        except capi.HetcclError as e:
+            if e.code in (capi.INVALID_ARGUMENT, capi.INVALID_USAGE):
+                raise ArgMismatch(
+                    f"hetccl: {coll}: the ranks' calls differ in whether the C API route "
+                    f"(HETCCL_FACE_ROUTE=capi) takes them (the marker all_to_all is this "
+                    f"rank's: its call was not routed): {e.text}") from None
+            _raise(e)
 
     # ------------------------------------------------------------------ what it takes
     @staticmethod

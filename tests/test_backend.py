@@ -164,7 +164,9 @@ def _face_capi_rank(ctx):
     """HETCCL_FACE_ROUTE=capi: each collective the route takes runs on the C API (its
     communicator's algorithm counters move), with results against float64 references; a count
     mismatch is ArgMismatch on every rank and the group stays usable; what the route does not
-    take (a bitwise op, a list of tensors) runs on the face's own path."""
+    take (a bitwise op, a list of tensors) runs on the face's own path; ranks that disagree on
+    the route (one declined, one routed) fail on every rank at once, and the group goes on."""
+    import time
     from datetime import timedelta
 
     import torch
@@ -181,7 +183,10 @@ def _face_capi_rank(ctx):
 
     def runs():
         c = pg._route._comm
-        return 0 if c is None else sum(int(v) for k, v in c.info().items() if k.startswith("algo_"))
+        # the routed collectives' algorithms (not the check's, nor the marker's all_to_all:
+        # CollRoute.declined)
+        return 0 if c is None else sum(int(v) for k, v in c.info().items() if k.startswith("algo_")
+                                       and not k.startswith(("algo_check", "algo_all_to_all")))
 
     def inp(r, n, dtype=torch.float32):
         return torch.rand(n, generator=torch.Generator().manual_seed(7 * r + n), dtype=torch.float64
@@ -234,6 +239,21 @@ def _face_capi_rank(ctx):
     if (y[0].tolist() != [W * (W + 1) / 2] * 9 or y[1].tolist() != [W * (W + 3) / 2] * 3
             or z.tolist() != [functools.reduce(lambda a, b: a & b, [6 + r for r in range(W)])] * 9):
         out["bad"].append("a list / BAND: wrong values")
+    # ranks that disagree on the route (rank 0 a bitwise op, declined; the others SUM, routed):
+    # every rank fails, none waits for the timeout, and the group goes on
+    w = torch.full((6,), 3 + rank, dtype=torch.int32)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(w, dist.ReduceOp.BAND if rank == 0 else dist.ReduceOp.SUM)
+        out["bad"].append("route disagreement: no error")
+    except ValueError as e:
+        out["disagree"] = str(e)
+    if time.monotonic() - t0 > 20:
+        out["bad"].append(f"route disagreement took {time.monotonic() - t0:.0f} s")
+    x = torch.ones(5)
+    dist.all_reduce(x)
+    if not torch.equal(x, torch.full((5,), float(W))):
+        out["bad"].append("after the route disagreement: wrong values")
     out["routed"] = isinstance(pg, hetccl.HetcclProcessGroup) and pg._route is not None
     dist.destroy_process_group()
     return out
@@ -248,6 +268,7 @@ def test_face_capi_route(split):
     for r, res in enumerate(per_rank):
         assert res["routed"], r
         assert not res["bad"], (r, res["bad"])
+        assert "collective differs across ranks" in res.get("disagree", ""), (r, res)
     # the same text on every rank, in the wording of every hetccl check (csrc/check_text.h)
     want = "number of elements differs across ranks (ranks [0]: 10; ranks [1]: 11"
     assert len(texts) == 1 and want in next(iter(texts)), (texts, per_rank)
