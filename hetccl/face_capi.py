@@ -19,13 +19,13 @@ Contract:
    raise it (NCCL's semantics; the face's own path checks CUDA calls inline instead).
  * CPU tensors: the C API's host call, blocking; the argument check runs inline, so a mismatch
    or a rank's refusal raises ValueError on every rank and the group stays usable.
- * Route decision: from the call alone (collective, dtype, op, layout). A call of these five
-   collectives that the route does not take first meets its peers on the C API's check with a
-   marker (CollRoute.declined: an empty all_to_all, which no routed call is), so ranks that
-   disagree on the route (one rank's call routed, another's not: already a bad call) fail on
-   every rank instead of waiting until the timeout; where all declined it costs one small
-   exchange. Collectives the route never takes (gather, all_to_all, barrier, ...) are not
-   marked: a routed call facing one of those on a peer still waits until the timeout.
+ * Route decision: from the call alone (collective, dtype, op, layout). Every other collective
+   call of the group (these five in forms the route does not take, and every other collective:
+   gather, all_to_all, barrier, ...) first meets its peers on the C API's check with a marker
+   (CollRoute.declined: an empty all_to_all, which no routed call is), so ranks that disagree
+   on the route (one rank's call routed, another's not: already a bad call) fail on every rank
+   instead of waiting until the timeout. Trade-off: one small exchange more per call the route
+   does not take. Point-to-point calls are not marked (they are not collective).
  * Half-precision AVG is NCCL's: a PreMulSum by 1/n (so a sum near the top of float16's range
    does not overflow), as the face's own path.
  * Vendor groups: the C API runs flat rings over every rank (docs/capi.md); no native NCCL
@@ -259,8 +259,9 @@ class CollRoute:
         return self._issue(fn, [out, inp], [out], out.device)
 
     def declined(self, coll: str) -> None:
-        """A call of a collective this route takes, which it does not take on this rank (a list
-        of tensors, a bitwise op, an uneven shape...): before the face's own path runs it, the
+        """A collective call this route does not take on this rank (a list of tensors, a
+        bitwise op, an uneven shape, a collective it never takes): before the face's own path
+        runs it, the
         ranks meet on the C API's check with a marker no routed call makes (an empty
         all_to_all). Where every rank declined, the marker passes (one small exchange) and the
         face's path follows; where a peer's call was routed, both checks see different

@@ -254,6 +254,24 @@ def _face_capi_rank(ctx):
     dist.all_reduce(x)
     if not torch.equal(x, torch.full((5,), float(W))):
         out["bad"].append("after the route disagreement: wrong values")
+    # a routed call facing a collective the route never takes (rank 0 all_reduce, the others
+    # barrier): every rank fails at once too
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            dist.all_reduce(torch.ones(3))
+        else:
+            dist.barrier()
+        out["bad"].append("all_reduce against barrier: no error")
+    except ValueError as e:
+        out["against_barrier"] = str(e)
+    if time.monotonic() - t0 > 20:
+        out["bad"].append(f"all_reduce against barrier took {time.monotonic() - t0:.0f} s")
+    dist.barrier()
+    x = torch.ones(5)
+    dist.all_reduce(x)
+    if not torch.equal(x, torch.full((5,), float(W))):
+        out["bad"].append("after all_reduce against barrier: wrong values")
     out["routed"] = isinstance(pg, hetccl.HetcclProcessGroup) and pg._route is not None
     dist.destroy_process_group()
     return out
@@ -269,6 +287,7 @@ def test_face_capi_route(split):
         assert res["routed"], r
         assert not res["bad"], (r, res["bad"])
         assert "collective differs across ranks" in res.get("disagree", ""), (r, res)
+        assert "collective differs across ranks" in res.get("against_barrier", ""), (r, res)
     # the same text on every rank, in the wording of every hetccl check (csrc/check_text.h)
     want = "number of elements differs across ranks (ranks [0]: 10; ranks [1]: 11"
     assert len(texts) == 1 and want in next(iter(texts)), (texts, per_rank)
