@@ -18,7 +18,10 @@ Contract:
    communicator breaks, every stream is still released, and wait() and every later routed call
    raise it (NCCL's semantics; the face's own path checks CUDA calls inline instead).
  * CPU tensors: the C API's host call, blocking; the argument check runs inline, so a mismatch
-   or a rank's refusal raises ValueError on every rank and the group stays usable.
+   or a rank's refusal raises ValueError on every rank and the group stays usable. Blocking
+   (host calls, and the marker below, which is a host call on CUDA groups too) means two
+   groups whose async calls the ranks issue in different orders wait for each other until the
+   timeout, where the face's own path (a worker per group) runs them.
  * Route decision: from the call alone (collective, dtype, op, layout). Every other collective
    call of the group (these five in forms the route does not take, and every other collective:
    gather, all_to_all, barrier, ...) first meets its peers on the C API's check with a marker
