@@ -27,23 +27,31 @@ std::string rank_list(const std::vector<int>& ranks) {  // ascending
 }
 }  // namespace
 
-std::string mismatch_text(const std::string& coll, const std::string& what,
-                          std::vector<std::pair<int, std::string>> rank_values) {
+std::string mismatch_text(const std::string& coll, const std::string& what, std::vector<RankValue> rank_values) {
   std::sort(rank_values.begin(), rank_values.end());
-  // values in the order of their lowest rank
-  std::vector<std::pair<std::string, std::vector<int>>> groups;
-  for (auto& rv : rank_values) {
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == rv.second; });
+  // values in the order of their lowest rank: (value, name, ranks)
+  struct Group {
+    int64_t value;
+    std::string name;
+    std::vector<int> ranks;
+  };
+  std::vector<Group> groups;
+  for (auto& [rank, value, name] : rank_values) {
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) { return g.value == value; });
     if (it == groups.end()) {
-      groups.push_back({rv.second, {rv.first}});
+      groups.push_back({value, name, {rank}});
     } else {
-      it->second.push_back(rv.first);
+      it->ranks.push_back(rank);
     }
   }
   if (groups.size() <= 1) return "";
+  bool by_number = false;  // two different values with one name: every value by its number
+  for (size_t i = 0; i < groups.size(); ++i)
+    for (size_t j = i + 1; j < groups.size(); ++j) by_number = by_number || groups[i].name == groups[j].name;
   std::string msg = "hetccl: " + coll + ": " + what + " differs across ranks (";
   for (size_t i = 0; i < groups.size(); ++i)
-    msg += (i ? "; " : "") + std::string("ranks [") + rank_list(groups[i].second) + "]: " + groups[i].first;
+    msg += (i ? "; " : "") + std::string("ranks [") + rank_list(groups[i].ranks) +
+           "]: " + (by_number ? std::to_string(groups[i].value) : groups[i].name);
   msg += "). Every rank must call the same collective with matching tensors.";
   return msg;
 }

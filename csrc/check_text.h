@@ -3,7 +3,9 @@
 // so a user reads the same error whichever face or path found it.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -14,14 +16,17 @@ namespace hetccl {
 constexpr int kCheckFields = 6;
 extern const char* const kCheckFieldWhat[kCheckFields];
 
-// rank_values: (rank, the field's value as text) for every rank compared, any order. Returns ""
-// when every rank has the same text, else
+// One rank's value of the compared field: (rank, value, the value's name in the text).
+using RankValue = std::tuple<int, int64_t, std::string>;
+
+// rank_values: every rank compared, any order. Returns "" when every rank has the same value,
+// else
 //   "hetccl: <coll>: <what> differs across ranks (ranks [0, 2]: a; ranks [1]: b). Every rank
 //    must call the same collective with matching tensors."
 // with the values in the order of their lowest rank (the same text on every rank that has the
-// same table) and each rank list written with ranges of three or more ("0-127, 129"), so the
-// text stays short at any number of ranks.
-std::string mismatch_text(const std::string& coll, const std::string& what,
-                          std::vector<std::pair<int, std::string>> rank_values);
+// same table), each named by its name -- or, where two different values have one name, every
+// value by its number -- and each rank list written with ranges of three or more
+// ("0-127, 129"), so the text stays short at any number of ranks.
+std::string mismatch_text(const std::string& coll, const std::string& what, std::vector<RankValue> rank_values);
 
 }  // namespace hetccl

@@ -109,29 +109,25 @@ std::string Engine::compare_headers(Plan& p) {
   uint32_t mask = s.compare_mask;
   for (int f = 0; f < CheckHeader::kFields; ++f) {
     if (!(mask & (1u << f))) continue;
-    std::map<int64_t, std::vector<int>> vals;
-    for (auto& kv : by_rank) vals[kv.second.h->f[f]].push_back(kv.first);
-    if (vals.size() <= 1) continue;
+    bool differs = false;  // (names are made only for a field that differs: every call comes here)
+    for (auto& kv : by_rank) differs = differs || kv.second.h->f[f] != by_rank.begin()->second.h->f[f];
+    if (!differs) continue;
     std::string coll = std::to_string(mine->f[0]);
     if (!opts_.field_names.empty()) {
       auto it = opts_.field_names[0].find(mine->f[0]);
       if (it != opts_.field_names[0].end()) coll = it->second;
     }
-    auto named = [&](bool names) {
-      std::vector<std::pair<int, std::string>> rv;
-      for (auto& kv : by_rank) {
-        int64_t v = kv.second.h->f[f];
-        std::string name = std::to_string(v);
-        if (names && f < int(opts_.field_names.size())) {
-          auto it = opts_.field_names[f].find(v);
-          if (it != opts_.field_names[f].end()) name = it->second;
-        }
-        rv.emplace_back(kv.first, name);
+    std::vector<RankValue> rv;
+    for (auto& kv : by_rank) {
+      int64_t v = kv.second.h->f[f];
+      std::string name = std::to_string(v);
+      if (f < int(opts_.field_names.size())) {
+        auto it = opts_.field_names[f].find(v);
+        if (it != opts_.field_names[f].end()) name = it->second;
       }
-      return mismatch_text(coll, kCheckFieldWhat[f], rv);  // check_text.h: the one wording
-    };
-    std::string msg = named(true);
-    return msg.empty() ? named(false) : msg;  // two values with one name: their codes
+      rv.emplace_back(kv.first, v, name);
+    }
+    return mismatch_text(coll, kCheckFieldWhat[f], std::move(rv));  // check_text.h
   }
   return "";
 }

@@ -348,7 +348,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         """The op (None for copy collectives) when the C API route (HETCCL_FACE_ROUTE=capi)
         takes this call, else False: the face's own path runs it (face_capi.py says what the
         route takes; the decision depends on the call alone, alike on every rank)."""
-        if self._route is None or self._coalescing is not None:
+        if self._coalescing is not None:  # (callers hold a route)
             return False
         op = None
         if reducing:
@@ -363,8 +363,9 @@ class HetcclProcessGroup(dist.ProcessGroup):
         """A collective call the route does not take (any collective of the face but the routed
         forms): the ranks first agree that none of them routed it (face_capi.CollRoute.declined),
         so that a rank whose call the route took gets an error instead of waiting for this one
-        until the timeout. Not while coalescing (no rank routes then)."""
-        if self._coalescing is None:
+        until the timeout. Nothing without the route, nor while coalescing (no rank routes
+        then)."""
+        if self._route is not None and self._coalescing is None:
             self._route.declined(coll)
 
     @staticmethod
@@ -661,8 +662,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return body
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        if self._route is not None:  # the route's marker (_route_declined)
-            self._route_declined("all_gather")
+        self._route_declined("all_gather")
         if len(input_tensors) != 1:
             raise ValueError("hetccl: allgather takes exactly one input tensor per rank")
         inp = input_tensors[0]
@@ -716,8 +716,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """torch's layout: output_lists[rank][i] receives input_list[i] of `rank`. One
         all-gather of the concatenated inputs (as gloo), unpacked into the outputs."""
-        if self._route is not None:  # the route's marker (_route_declined)
-            self._route_declined("all_gather")
+        self._route_declined("all_gather")
         w = self.size()
         if not input_list:
             raise ValueError("hetccl: all_gather_coalesced needs a non-empty input tensor list")
@@ -815,8 +814,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         return body
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        if self._route is not None:  # the route's marker (_route_declined)
-            self._route_declined("reduce_scatter")
+        self._route_declined("reduce_scatter")
         out = output_tensors[0]
         ins = input_tensors[0]
         op = factor = None
@@ -913,8 +911,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ all-to-all
     def _hc_all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                               opts=None):
-        if self._route is not None:  # the route's marker (_route_declined)
-            self._route_declined("all_to_all")
+        self._route_declined("all_to_all")
         w = self.size()
         row_in = input[0].numel() if input.dim() and input.shape[0] else 0
         row_out = output[0].numel() if output.dim() and output.shape[0] else 0
@@ -968,8 +965,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
             raise ValueError(f"hetccl: all_to_all split sizes disagree across ranks: {detail}")
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        if self._route is not None:  # the route's marker (_route_declined)
-            self._route_declined("all_to_all")
+        self._route_declined("all_to_all")
         w = self.size()
         refusal = None  # what only this rank can see: refused through the check (every rank)
         if len(output_tensors) != w or len(input_tensors) != w:
@@ -997,8 +993,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ gather / scatter
     def gather(self, output_tensors, input_tensors, opts=None):
-        if self._route is not None:  # the route's marker (_route_declined)
-            self._route_declined("gather")
+        self._route_declined("gather")
         root = opts.rootRank if opts is not None else 0
         try:
             self._validate_root(root)
@@ -1036,8 +1031,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
                             keep=[x, *(f for f, c in flats if c)])
 
     def scatter(self, output_tensors, input_tensors, opts=None):
-        if self._route is not None:  # the route's marker (_route_declined)
-            self._route_declined("scatter")
+        self._route_declined("scatter")
         root = opts.rootRank if opts is not None else 0
         try:
             self._validate_root(root)
@@ -1074,8 +1068,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ barrier
     def barrier(self, opts=None):
-        if self._route is not None:  # the route's marker (_route_declined)
-            self._route_declined("barrier")
+        self._route_declined("barrier")
         t = hostmem.zeros(1)
 
         def body(ctx, algo):

@@ -38,8 +38,6 @@ HETCCL_CHECK_ARGS:
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import device as devices, hostmem
@@ -97,10 +95,8 @@ def mismatch_text(coll: str, table: dict[int, list[int]], mask: int) -> str | No
         if not mask & (1 << f):
             continue
         names = FIELD_NAMES[f]
-        text = _C.mismatch_text(coll, what, [(r, str(names.get(v, v))) for r, v in
-                                             ((r, table[r][f]) for r in table)])
-        if not text and len({table[r][f] for r in table}) > 1:  # two values with one name
-            text = _C.mismatch_text(coll, what, [(r, str(table[r][f])) for r in table])
+        text = _C.mismatch_text(coll, what, [(r, row[f], str(names.get(row[f], row[f])))
+                                             for r, row in table.items()])
         if text:
             return text
     return None

@@ -182,16 +182,22 @@ class CollRoute:
         except capi.HetcclError as e:
             _raise(e)
         if code not in (capi.SUCCESS, 7):  # 7: in progress (a nonblocking init)
-            text = (capi.lib().hetcclGetLastError(c._c) or b"").decode(errors="replace")
-            _raise(capi.HetcclError(code, text or "the communicator is broken"))
+            try:
+                capi._check(code, c._c)  # the communicator's last error text
+            except capi.HetcclError as e:
+                _raise(e if e.text else capi.HetcclError(code, "the communicator is broken"))
 
     # ------------------------------------------------------------------ calls
-    def _avg_op(self, code: int, dtype: torch.dtype, c: capi.Comm) -> int:
-        op = self._avg_ops.get(code)
-        if op is None:
+    def _op_code(self, c: capi.Comm, op: str, code: int, dtype: torch.dtype) -> int:
+        """The C API's op for a reduction: half-precision AVG is a PreMulSum by 1/n (one
+        operator per dtype, made on first use), every other op its code."""
+        if op != "avg" or dtype not in _HALF:
+            return _OPS[op]
+        red = self._avg_ops.get(code)
+        if red is None:
             scalar = torch.tensor([1.0 / self._size], dtype=dtype, device="cpu").view(torch.uint8).numpy()
-            op = self._avg_ops[code] = c.premul_sum(scalar, code)
-        return op
+            red = self._avg_ops[code] = c.premul_sum(scalar, code)
+        return red
 
     def _issue(self, fn, tensors, outputs, device: torch.device):
         """fn(comm, stream or None) makes the C API call; returns the work."""
@@ -221,9 +227,8 @@ class CollRoute:
         n = v.numel()
 
         def fn(c, s):
-            o = self._avg_op(code, v.dtype, c) if op == "avg" and v.dtype in _HALF else _OPS[op]
             p = v.data_ptr()
-            c.all_reduce(p, p, n, code, o, s)
+            c.all_reduce(p, p, n, code, self._op_code(c, op, code, v.dtype), s)
         return self._issue(fn, [t], [t], t.device)
 
     def reduce(self, t: torch.Tensor, op: str, root: int):
@@ -231,9 +236,8 @@ class CollRoute:
         n = v.numel()
 
         def fn(c, s):
-            o = self._avg_op(code, v.dtype, c) if op == "avg" and v.dtype in _HALF else _OPS[op]
             p = v.data_ptr()
-            c.reduce(p, p, n, code, o, root, s)
+            c.reduce(p, p, n, code, self._op_code(c, op, code, v.dtype), root, s)
         return self._issue(fn, [t], [t], t.device)
 
     def broadcast(self, t: torch.Tensor, root: int):
@@ -257,16 +261,15 @@ class CollRoute:
         vi, _, _ = _as_c(inp, op)
 
         def fn(c, s):
-            o = self._avg_op(code, vo.dtype, c) if op == "avg" and vo.dtype in _HALF else _OPS[op]
-            c.reduce_scatter(vi.data_ptr(), vo.data_ptr(), vo.numel(), code, o, s)
+            c.reduce_scatter(vi.data_ptr(), vo.data_ptr(), vo.numel(), code,
+                             self._op_code(c, op, code, vo.dtype), s)
         return self._issue(fn, [out, inp], [out], out.device)
 
     def declined(self, coll: str) -> None:
         """A collective call this route does not take on this rank (a list of tensors, a
         bitwise op, an uneven shape, a collective it never takes): before the face's own path
-        runs it, the
-        ranks meet on the C API's check with a marker no routed call makes (an empty
-        all_to_all). Where every rank declined, the marker passes (one small exchange) and the
+        runs it, the ranks meet on the C API's check with a marker no routed call makes (an
+        empty all_to_all). Where every rank declined, the marker passes (one small exchange) and the
         face's path follows; where a peer's call was routed, both checks see different
         collectives and every rank fails (this one here with ArgMismatch; a peer's CUDA call
         with the communicator's asynchronous error) instead of waiting until the timeout."""

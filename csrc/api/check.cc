@@ -174,11 +174,16 @@ void check_args(Comm& c, Coll coll, int64_t count, int64_t dtype, int64_t op, in
   for (int field = 0; field < 5; ++field) {
     if (field == 4 && Coll(all[0].f[0]) != Coll::Broadcast && Coll(all[0].f[0]) != Coll::Reduce)
       continue;  // root: rooted collectives only
-    std::vector<std::pair<int, std::string>> rv;
-    for (int p = 0; p < n; ++p) rv.emplace_back(p, value(field, all[size_t(p)].f[field]));
+    bool differs = false;  // (names are made only for a field that differs)
+    for (int p = 1; p < n; ++p) differs = differs || all[size_t(p)].f[field] != all[0].f[field];
+    if (!differs) continue;
+    std::vector<RankValue> rv;
+    for (int p = 0; p < n; ++p) {
+      int64_t v = all[size_t(p)].f[field];
+      rv.emplace_back(p, v, value(field, v));
+    }
     // the one wording (check_text.h), shared with the engine's and the torch face's checks
-    std::string text = mismatch_text(what, kCheckFieldWhat[field], std::move(rv));
-    if (!text.empty()) throw ArgMismatch(text);
+    throw ArgMismatch(mismatch_text(what, kCheckFieldWhat[field], std::move(rv)));
   }
 }
 
