@@ -240,7 +240,8 @@ def test_inits_inside_a_group_from_one_thread(tmp_path, group_init_program, layo
     """NCCL's one-thread-several-devices pattern (nccl-tests -g N): each process makes several
     ranks inside one ncclGroupStart/End, whose inits the outermost ncclGroupEnd runs together,
     then all_reduces and a ring of sends and receives on all of them in one group, and a
-    simulated group that must launch nothing (tests/cpp/dropin_group_init.c). Before the inits
+    simulated group that must launch nothing (tests/cpp/dropin_group_init.c); a call or a
+    split refused inside a group cancels it. Before the inits
     were deferred, the first init waited for ranks its thread had not made yet and timed out;
     before the group's calls were deferred, a call taking the device route ("2+2 device route")
     waited in its argument check for a rank whose call its thread had not made yet."""
@@ -255,6 +256,8 @@ def test_inits_inside_a_group_from_one_thread(tmp_path, group_init_program, layo
     procs, first = [], 0
     for label, k in procs_of:
         env = {**os.environ, **nccl_env(HETCCL_TIMEOUT_S="30")}
+        if layout in ("2+2", "1+1+1 from one process"):  # every process makes several hetccl ranks
+            env["HETCCL_TEST_SPLIT_ORDER"] = "1"
         if layout.endswith("device route"):
             env["HETCCL_STREAM_DEVICE_BYTES"] = "8192"
             env["HETCCL_EXPECT_DEVICE_ROUTE"] = "1"

@@ -810,9 +810,10 @@ ncclResult_t before_child_of(ncclComm* parent, const char* what) {
   if (t_group_depth == 0 || !has_deferred(parent)) return ncclSuccess;
   for (auto& d : t_calls)
     if (d.c != parent)
-      return fail(ncclInvalidUsage, std::string("hetccl: ") + what + " inside a group that also holds calls on other "
-                                    "communicators of this thread: end the group first");
-  return run_deferred_calls(false);
+      return group_refusal(fail(ncclInvalidUsage, std::string("hetccl: ") + what +
+                                                      " inside a group that also holds calls on other "
+                                                      "communicators of this thread: end the group first"));
+  return group_refusal(run_deferred_calls(false));
 }
 
 // A hetccl call of an entry point: now, or at the outermost ncclGroupEnd inside a group.
@@ -1033,7 +1034,7 @@ static ncclResult_t adopt(hetcclComm_t child, int device, ncclConfig_t* config, 
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
   FROM_REAL(ncclCommSplit, comm, color, key, newcomm, config);
   CHECK_CALL(comm, "ncclCommSplit");
-  if (!newcomm) return fail(ncclInvalidArgument, "hetccl: ncclCommSplit: newcomm is NULL");
+  if (!newcomm) return group_refusal(fail(ncclInvalidArgument, "hetccl: ncclCommSplit: newcomm is NULL"));
   *newcomm = nullptr;
   if (comm->real) {
     auto f = REAL(ncclCommSplit);
@@ -1047,7 +1048,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   if (ncclResult_t b = before_child_of(comm, "ncclCommSplit"); b != ncclSuccess) return b;
   hetcclComm_t child = nullptr;
   hetcclResult_t hr = hetcclCommSplit(comm->het, color, key, &child);
-  if (hr != hetcclSuccess) return from_het(hr);
+  if (hr != hetcclSuccess) return group_refusal(from_het(hr));
   if (!child) return ncclSuccess;  // NCCL_SPLIT_NOCOLOR
   return adopt(child, comm->device, config, newcomm);
 }
@@ -1065,12 +1066,12 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeR
     if ((r == ncclSuccess || r == ncclInProgress) && child && newcomm) *newcomm = wrap_real(child, comm->device);
     return r;
   }
-  if (!newcomm) return fail(ncclInvalidArgument, "hetccl: ncclCommShrink: newcomm is NULL");
+  if (!newcomm) return group_refusal(fail(ncclInvalidArgument, "hetccl: ncclCommShrink: newcomm is NULL"));
   *newcomm = nullptr;
   if (ncclResult_t b = before_child_of(comm, "ncclCommShrink"); b != ncclSuccess) return b;
   hetcclComm_t child = nullptr;
   hetcclResult_t hr = hetcclCommShrink(comm->het, excludeRanksList, excludeRanksCount, &child, shrinkFlags);
-  if (hr != hetcclSuccess) return from_het(hr);
+  if (hr != hetcclSuccess) return group_refusal(from_het(hr));
   return adopt(child, comm->device, config, newcomm);
 }
 

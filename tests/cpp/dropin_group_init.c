@@ -222,6 +222,32 @@ int main(int argc, char** argv) {
   if (gend != ncclInvalidArgument || !strstr(ncclGetLastError(NULL), "none of hetccl's calls"))
     FAIL("ncclGroupEnd of a group with a refused call: %d '%s'", (int)gend, ncclGetLastError(NULL));
   if (check_recv("a cancelled group ran", local, first, nranks, comms, streams, recv, untouched)) return 1;
+  /* a split refused inside a group (newcomm NULL on every rank) cancels it the same way */
+  NCCL(ncclGroupStart());
+  for (int i = 0; i < local; ++i)
+    NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
+  refused = ncclCommSplit(comms[0], 0, first, NULL, NULL);
+  if (refused != ncclInvalidArgument) FAIL("a split with newcomm NULL inside a group: %d, not ncclInvalidArgument", (int)refused);
+  gend = ncclGroupEnd();
+  if (gend != ncclInvalidArgument || !strstr(ncclGetLastError(NULL), "none of hetccl's calls"))
+    FAIL("ncclGroupEnd of a group with a refused split: %d '%s'", (int)gend, ncclGetLastError(NULL));
+  if (check_recv("a group with a refused split ran", local, first, nranks, comms, streams, recv, untouched)) return 1;
+  /* HETCCL_TEST_SPLIT_ORDER (every process makes two or more hetccl ranks): a split of one
+     communicator inside a group that also holds calls on another is refused (the drop-in would
+     have to issue the parent's calls before the others'), and that refusal cancels the group */
+  if (getenv("HETCCL_TEST_SPLIT_ORDER")) {
+    ncclComm_t child = (ncclComm_t)&child;
+    NCCL(ncclGroupStart());
+    for (int i = 0; i < local; ++i)
+      NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
+    refused = ncclCommSplit(comms[0], 0, first, &child, NULL);
+    if (refused != ncclInvalidUsage || child != NULL)
+      FAIL("a split beside another communicator's calls in a group: %d, child %p", (int)refused, (void*)child);
+    gend = ncclGroupEnd();
+    if (gend != ncclInvalidUsage || !strstr(ncclGetLastError(NULL), "other communicators"))
+      FAIL("ncclGroupEnd of a group with a refused split: %d '%s'", (int)gend, ncclGetLastError(NULL));
+    if (check_recv("a group with a refused split ran", local, first, nranks, comms, streams, recv, untouched)) return 1;
+  }
   NCCL(ncclGroupStart());  /* the next group runs */
   for (int i = 0; i < local; ++i)
     NCCL(ncclAllReduce(send[i], recv[i], COUNT, ncclFloat, ncclSum, comms[i], streams[i]));
