@@ -12,8 +12,9 @@
 // len}. One sender thread per peer writes whole messages in order (isend writes a message of up
 // to 64 KiB itself when that thread is idle and a slot is free, saving a thread hand-off), so
 // chunks of a message are contiguous in the ring and FIFO matching per (peer, tag) is ring order. The receiver thread
-// matches a message to the earliest posted receive of that tag when its first chunk arrives;
-// if none is posted it is copied to a heap buffer (unexpected message); a receive posted while
+// matches a message to the earliest posted receive of that tag when its first chunk arrives
+// (csrc/match.h, key: the tag); if none is posted it is copied to a heap buffer (unexpected
+// message, parked there); a receive posted while
 // such a message is still arriving takes it over (what has arrived is copied once, the rest goes
 // straight to the user buffer). irecv_reduce reduces straight out of the slot.
 //
@@ -52,6 +53,7 @@
 #include <unordered_map>
 
 #include "common.h"
+#include "match.h"
 #include "transport.h"
 
 namespace hetccl {
@@ -170,8 +172,9 @@ struct Peer {
   std::mutex mu;  // guards everything below
   std::condition_variable cv;
   std::deque<SendOp> sendq;
-  std::unordered_map<uint64_t, std::deque<RecvOp>> posted;
-  std::unordered_map<uint64_t, std::deque<std::shared_ptr<Unexpected>>> unexpected;
+  // receives waiting for their message and messages (unexpected) waiting for their receive,
+  // by tag (csrc/match.h: the one matching rule)
+  MatchQueues<uint64_t, RecvOp, std::shared_ptr<Unexpected>> match;
   std::string failed;  // non-empty once the peer has failed
   Request::ErrorKind failed_kind = Request::ErrorKind::Peer;
   // The send the send thread is copying from its caller's buffer right now: a failure leaves
@@ -569,24 +572,16 @@ void ShmTransport::fail_all_locked(Peer& p, Request::ErrorKind kind, const std::
   for (auto& s : p.sendq)
     if (s.req != p.sending) s.req->fail(kind, msg);  // the one being copied: send_loop fails it
   p.sendq.clear();
-  for (auto& kv : p.posted)
-    for (auto& r : kv.second) r.req->fail(kind, msg);
-  p.posted.clear();
+  p.match.drain_recvs([&](uint64_t, RecvOp& r) { r.req->fail(kind, msg); });
   if (!keep_delivered) {
-    p.unexpected.clear();
+    p.match.clear_msgs();
     return;
   }
   // A peer that finished its part of a collective and closed (destroy_process_group) may do so
   // before this rank has posted the receive of its last message, which is here whole: an
   // orderly close must not lose it. Per tag only the leading whole messages stay (a later one
   // behind a partial one could never be reached in order).
-  for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
-    auto& q = it->second;
-    size_t keep = 0;
-    while (keep < q.size() && q[keep]->complete && !q[keep]->matched) ++keep;
-    q.erase(q.begin() + keep, q.end());
-    it = q.empty() ? p.unexpected.erase(it) : std::next(it);
-  }
+  p.match.trim_msgs([](const std::shared_ptr<Unexpected>& u) { return u->complete && !u->matched; });
 }
 
 void ShmTransport::fail_peer(Peer& p, Request::ErrorKind kind, const std::string& msg) {
@@ -628,15 +623,9 @@ bool ShmTransport::cancel(const RequestPtr& req, bool /*unpost*/) {
   Peer& p = *peers_[req->peer()];
   {
     std::lock_guard<std::mutex> g(p.mu);
-    // posted and not yet matched: the receiver thread takes a posted receive (under p.mu) when
-    // the first chunk of its message arrives, so one still in `posted` has seen no byte
-    auto it = p.posted.find(req->tag());
-    if (it == p.posted.end()) return false;
-    auto& q = it->second;
-    auto op = std::find_if(q.begin(), q.end(), [&](const RecvOp& o) { return o.req == req; });
-    if (op == q.end()) return false;
-    q.erase(op);
-    if (q.empty()) p.posted.erase(it);
+    // waiting and not yet matched: the receiver thread takes a waiting receive (under p.mu)
+    // when the first chunk of its message arrives, so one still waiting has seen no byte
+    if (!p.match.withdraw_recv(req->tag(), [&](const RecvOp& o) { return o.req == req; })) return false;
   }
   req->fail(Request::ErrorKind::Generic, "hetccl shm: receive from peer rank " +
                                              std::to_string(req->peer()) + " (tag " +
@@ -651,19 +640,17 @@ RequestPtr ShmTransport::post_recv(int peer, RecvOp op, uint64_t tag) {
   std::shared_ptr<Unexpected> ux;
   {
     std::lock_guard<std::mutex> g(p.mu);
-    auto it = p.unexpected.find(tag);
-    if (!p.failed.empty() && it == p.unexpected.end()) {
+    std::optional<std::shared_ptr<Unexpected>> parked = p.match.take_msg(tag);
+    if (!p.failed.empty() && !parked) {
       // only messages that arrived whole before the peer went are still deliverable
       op.req->fail(p.failed_kind, p.failed);
       return op.req;
     }
-    if (it == p.unexpected.end()) {
-      p.posted[tag].push_back(op);
+    if (!parked) {
+      p.match.wait(tag, op);
       return op.req;
     }
-    ux = it->second.front();
-    it->second.pop_front();
-    if (it->second.empty()) p.unexpected.erase(it);
+    ux = std::move(*parked);
     std::string bad = size_mismatch("hetccl shm", op, ux->total, peer, tag);
     if (!bad.empty()) {
       op.req->fail(Request::ErrorKind::Truncated, bad);
@@ -794,11 +781,8 @@ void ShmTransport::recv_loop(Peer* pp) {
       direct = discard = false;
       ux.reset();
       std::lock_guard<std::mutex> g(p.mu);
-      auto it = p.posted.find(tag);
-      if (it != p.posted.end()) {
-        op = it->second.front();
-        it->second.pop_front();
-        if (it->second.empty()) p.posted.erase(it);
+      if (std::optional<RecvOp> waiting = p.match.take_recv(tag)) {
+        op = std::move(*waiting);
         std::string why = size_mismatch("hetccl shm", op, total, p.rank, tag);
         if (!why.empty()) {
           op.req->fail(Request::ErrorKind::Truncated, why);
@@ -811,7 +795,7 @@ void ShmTransport::recv_loop(Peer* pp) {
         ux->tag = tag;
         ux->total = total;
         ux->buf.reset(new (std::nothrow) char[std::max<size_t>(total, 1)]);
-        if (ux->buf) p.unexpected[tag].push_back(ux);
+        if (ux->buf) p.match.park(tag, ux);
       }
     }
     if (ux && !ux->buf) {

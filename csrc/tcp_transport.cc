@@ -24,7 +24,7 @@
 // connection, when its socket is writable, pulls the next chunk of the peer's send queue, so fast
 // connections carry more. `seq` numbers the messages of one (peer, tag) pair in send order and
 // the k-th receive posted for (peer, tag) takes seq k: FIFO matching per (peer, tag) holds even
-// though frames arrive out of order across connections. Frames of a matched message are read
+// though frames arrive out of order across connections (csrc/match.h, key (tag, seq)). Frames of a matched message are read
 // straight into the user buffer at their offset (irecv_reduce: into a per-connection staging
 // buffer, then reduced into place while it is in cache). Frames of a message whose receive is not
 // posted yet go to a heap buffer; a receive posted later copies what arrived once and takes the
@@ -57,6 +57,7 @@
 #include <unordered_map>
 
 #include "common.h"
+#include "match.h"
 #include "net.h"
 #include "transport.h"
 
@@ -127,6 +128,8 @@ struct InMsg {
   bool complete() const { return have_total && received == total && !migrating && heap_inflight == 0; }
 };
 
+using MsgKey = std::pair<uint64_t, uint64_t>;  // (tag, seq)
+
 struct Peer;
 
 struct Conn {
@@ -160,7 +163,11 @@ struct Peer {
   std::deque<std::shared_ptr<SendMsg>> sendq;  // not yet fully assigned to connections
   std::set<std::shared_ptr<SendMsg>> active;   // posted, not yet complete
   std::unordered_map<uint64_t, uint64_t> send_seq, recv_seq;
-  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<InMsg>> inmsgs;
+  // Matching (csrc/match.h), key (tag, seq): receives waiting for their message's first frame
+  // and messages whose frames arrive before their receive (on the heap). Once both met, the
+  // message is `arriving` until its last frame is in (every frame looks it up).
+  MatchQueues<MsgKey, std::shared_ptr<InMsg>, std::shared_ptr<InMsg>> match;
+  std::map<MsgKey, std::shared_ptr<InMsg>> arriving;
   int eof_conns = 0;
   // lazy mode (connections made on first use): who makes this peer's connections. dialing:
   // this rank dials (or has dialed) them; accepting: the peer's dial was accepted, its
@@ -892,23 +899,19 @@ bool TcpTransport::cancel(const RequestPtr& req, bool unpost) {
     // and the entry goes once they are all in. With unpost only the latest receive of its tag
     // is withdrawn: its entry goes and the tag's receive sequence steps back, so the message
     // becomes the next receive's (an earlier receive cannot step back: false).
-    bool withdrawn = false;
-    for (auto it = p.inmsgs.begin(); it != p.inmsgs.end(); ++it) {
-      InMsg& m = *it->second;
-      if (it->first.first != req->tag() || !m.has_op || m.op.req != req) continue;
-      if (m.op_failed || m.have_total || req->test_nothrow()) return false;
-      if (unpost) {
-        auto rs = p.recv_seq.find(req->tag());
-        if (rs == p.recv_seq.end() || rs->second != it->first.second + 1) return false;
-        rs->second -= 1;
-        p.inmsgs.erase(it);
-      } else {
-        m.op_failed = true;
-      }
-      withdrawn = true;
-      break;
+    // (a receive still waiting in `match` has seen no frame: the first one moves it to arriving)
+    MsgKey key;
+    std::shared_ptr<InMsg>* w = p.match.find_recv([&](const std::shared_ptr<InMsg>& m) { return m->op.req == req; }, &key);
+    if (!w) return false;  // not a waiting receive of this transport
+    if ((*w)->op_failed || req->test_nothrow()) return false;
+    if (unpost) {
+      auto rs = p.recv_seq.find(req->tag());
+      if (rs == p.recv_seq.end() || rs->second != key.second + 1) return false;
+      rs->second -= 1;
+      p.match.withdraw_recv(key, [&](const std::shared_ptr<InMsg>& m) { return m->op.req == req; });
+    } else {
+      (*w)->op_failed = true;  // stays, so that its message's frames are dropped on arrival
     }
-    if (!withdrawn) return false;  // not a pending receive of this transport
   }
   req->fail(Request::ErrorKind::Generic, "hetccl tcp: receive from peer rank " +
                                              std::to_string(req->peer()) + " (tag " +
@@ -923,30 +926,31 @@ RequestPtr TcpTransport::post_recv(int peer, RecvOp op, uint64_t tag) {
   std::unique_lock<std::mutex> g(p.mu);
   if (!p.failed.empty()) {
     // only a message that arrived whole before the peer closed is still deliverable
-    auto kept = p.inmsgs.find(std::make_pair(tag, p.recv_seq[tag]));
-    if (kept == p.inmsgs.end() || kept->second->has_op || !kept->second->complete()) {
+    const std::shared_ptr<InMsg>* kept = p.match.peek_msg(MsgKey(tag, p.recv_seq[tag]));
+    if (!kept || !(*kept)->complete()) {
       op.req->fail(p.failed_kind, p.failed);
       return op.req;
     }
   }
-  auto key = std::make_pair(tag, p.recv_seq[tag]++);
-  auto it = p.inmsgs.find(key);
-  if (it == p.inmsgs.end()) {
+  MsgKey key(tag, p.recv_seq[tag]++);
+  std::optional<std::shared_ptr<InMsg>> parked = p.match.take_msg(key);
+  if (!parked) {
     auto m = std::make_shared<InMsg>();
     m->has_op = true;
     m->op = op;
-    p.inmsgs.emplace(key, std::move(m));
+    p.match.wait(key, std::move(m));
     return op.req;
   }
-  std::shared_ptr<InMsg> m = it->second;
+  std::shared_ptr<InMsg> m = std::move(*parked);
   m->has_op = true;
   m->op = op;
+  auto it = p.arriving.emplace(key, m).first;
   std::string bad = size_mismatch("hetccl tcp", op, m->total, peer, tag);
   if (!bad.empty()) {
     // The message is consumed: frames still arriving are discarded (the heap buffer stays until
     // then: a connection may be reading into it right now).
     m->op_failed = true;
-    if (m->complete()) p.inmsgs.erase(it);
+    if (m->complete()) p.arriving.erase(it);
     g.unlock();
     op.req->fail(Request::ErrorKind::Truncated, bad);
     return op.req;
@@ -970,9 +974,9 @@ void TcpTransport::migrate(Peer& p, std::shared_ptr<InMsg> m, std::unique_lock<s
   m->migrating = false;
   if (m->holds.let_go(m->op.req)) return;
   if (m->complete()) {
-    for (auto it = p.inmsgs.begin(); it != p.inmsgs.end(); ++it)
+    for (auto it = p.arriving.begin(); it != p.arriving.end(); ++it)
       if (it->second == m) {
-        p.inmsgs.erase(it);
+        p.arriving.erase(it);
         break;
       }
     m->op.req->complete(m->total);
@@ -992,18 +996,23 @@ void TcpTransport::fail_locked(Peer& p, Request::ErrorKind kind, const std::stri
   // A peer that finished its part of a collective and closed (destroy_process_group) may do so
   // before this rank has posted the receive of its last message: that message is already here
   // whole, and an orderly close must not lose it.
-  for (auto it = p.inmsgs.begin(); it != p.inmsgs.end();) {
+  // Kept: a message here whole, either not yet received (parked, for a later receive), or
+  // being copied to its receive's buffer right now (migrate, lock released), which completes it
+  // -- failing it here would lose a message that arrived whole (a race with the last
+  // connection's EOF). Everything else fails.
+  auto whole = [](const InMsg& m) { return m.have_total && m.received == m.total && m.heap_inflight == 0; };
+  p.match.drain_recvs([&](const MsgKey&, std::shared_ptr<InMsg>& m) {
+    if (!m->op_failed) m->holds.fail(m->op.req, kind, msg);
+  });
+  p.match.trim_msgs([&](const std::shared_ptr<InMsg>& m) { return keep_delivered && whole(*m); });
+  for (auto it = p.arriving.begin(); it != p.arriving.end();) {
     InMsg& m = *it->second;
-    // Whole here: either not yet received (kept for a later receive), or being copied to its
-    // receive's buffer right now (migrate, lock released), which completes it -- failing it
-    // here would lose a message that arrived whole (a race with the last connection's EOF).
-    const bool whole = m.have_total && m.received == m.total && m.heap_inflight == 0;
-    if (keep_delivered && whole && (!m.has_op || m.migrating)) {
+    if (keep_delivered && whole(m) && m.migrating) {
       ++it;
       continue;
     }
-    if (m.has_op && !m.op_failed) m.holds.fail(m.op.req, kind, msg);
-    it = p.inmsgs.erase(it);
+    if (!m.op_failed) m.holds.fail(m.op.req, kind, msg);
+    it = p.arriving.erase(it);
   }
   for (auto& c : p.conns) c->dead.store(true);
   wake_workers();  // they let go of the dead connections' frames (abandon)
@@ -1150,18 +1159,27 @@ bool TcpTransport::begin_frame(Conn& c, std::string* err) {
   if (!p.failed.empty()) {
     c.mode = Conn::Mode::Discard;
   } else {
-    auto key = std::make_pair(c.f_tag, c.f_seq);
-    auto it = p.inmsgs.find(key);
-    if (it == p.inmsgs.end()) {
+    // its message: arriving (matched), parked (no receive yet), a receive waiting for it (now
+    // matched: arriving), or new (parked until its receive comes)
+    MsgKey key(c.f_tag, c.f_seq);
+    std::shared_ptr<InMsg> m;
+    if (auto a = p.arriving.find(key); a != p.arriving.end()) {
+      m = a->second;
+    } else if (std::shared_ptr<InMsg>* pm = p.match.peek_msg(key)) {
+      m = *pm;
+    } else if (std::optional<std::shared_ptr<InMsg>> w = p.match.take_recv(key)) {
+      m = std::move(*w);
+      p.arriving.emplace(key, m);
+    } else {
       auto rs = p.recv_seq.find(c.f_tag);
       if (rs != p.recv_seq.end() && c.f_seq < rs->second) {
         *err = "sent a frame of a message that was already received (tag " + std::to_string(c.f_tag) +
                ", seq " + std::to_string(c.f_seq) + ")";
         return false;
       }
-      it = p.inmsgs.emplace(key, std::make_shared<InMsg>()).first;
+      m = std::make_shared<InMsg>();
+      p.match.park(key, m);
     }
-    auto m = it->second;
     if (!m->have_total) {
       m->have_total = true;
       m->total = c.f_total;
@@ -1223,8 +1241,8 @@ void TcpTransport::end_frame(Conn& c) {
     }
   }
   if (m->complete() && (m->has_op || c.mode == Conn::Mode::Discard)) {
-    auto it = p.inmsgs.find(std::make_pair(c.f_tag, c.f_seq));
-    if (it != p.inmsgs.end() && it->second == m) p.inmsgs.erase(it);
+    auto it = p.arriving.find(MsgKey(c.f_tag, c.f_seq));
+    if (it != p.arriving.end() && it->second == m) p.arriving.erase(it);
     if (m->has_op && !m->op_failed) {
       g.unlock();
       m->op.req->complete(m->total);

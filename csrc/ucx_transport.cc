@@ -109,6 +109,7 @@
 #include <unordered_set>
 
 #include "common.h"
+#include "match.h"
 #include "transport.h"
 
 namespace hetccl {
@@ -1014,10 +1015,10 @@ class UcxTransport final : public Transport {
     // Whatever UCX did not complete (the worker is gone, so no buffer is touched any more) and
     // the stashed messages nobody received.
     std::unordered_set<Op*> left(pending_.begin(), pending_.end());
-    for (auto& kv : stash_) left.insert(kv.second.begin(), kv.second.end());
+    stash_.for_each_msg([&](const std::pair<int, uint64_t>&, Op* s) { left.insert(s); });
     for (Op* op : left) finish_failed(op, Request::ErrorKind::Generic, msg);
     pending_.clear();
-    stash_.clear();
+    stash_.clear_msgs();
   }
 
   // ---- called by UCX callbacks, with mu_ held (callbacks run inside progress or posting) ----
@@ -1101,18 +1102,15 @@ class UcxTransport final : public Transport {
 
   // A message that arrived completely before its peer failed can still be received.
   bool stashed_ready_locked(int lane, uint64_t key) const {
-    auto it = stash_.find({lane, key});
-    return it != stash_.end() && it->second.front()->ready;
+    Op* const* s = stash_.peek_msg({lane, key});
+    return s && (*s)->ready;
   }
 
   // A user receive (Recv or RecvReduce) on op->lane: from the stash if a message with this key
   // waits there (never for the device tag space, which is not stashed), else posted to UCP.
   void post_recv_locked(Op* op, uint64_t key) {
-    auto it = stash_.find({op->lane, key});
-    if (it != stash_.end()) {
-      Op* s = it->second.front();
-      it->second.pop_front();
-      if (it->second.empty()) stash_.erase(it);
+    if (std::optional<Op*> parked = stash_.take_msg({op->lane, key})) {
+      Op* s = *parked;
       if (s->ready) {
         work_q_.push_back({op, s, s->nbytes});
       } else {
@@ -1180,7 +1178,7 @@ class UcxTransport final : public Transport {
         s->lane = lane;
         s->bye = bye;
         s->bounce = pool_.get(info.length);
-        if (!bye) stash_[{lane, s->key}].push_back(s);
+        if (!bye) stash_.park({lane, s->key}, s);
         ucp_tag_recv_info_t info2{};
         ucp_request_param_t prm = recv_param(s, &info2);
         pending_.insert(s);
@@ -1353,12 +1351,7 @@ class UcxTransport final : public Transport {
       pending_.erase(s->waiter);
       finish_failed(s->waiter, kind, why);
     } else {  // still in stash_: remove it
-      auto it = stash_.find({s->lane, s->key});
-      if (it != stash_.end()) {
-        auto& dq = it->second;
-        dq.erase(std::remove(dq.begin(), dq.end(), s), dq.end());
-        if (dq.empty()) stash_.erase(it);
-      }
+      stash_.remove_msg({s->lane, s->key}, [s](Op* x) { return x == s; });
     }
     pool_.put(std::move(s->bounce));
     delete s;
@@ -1624,8 +1617,10 @@ class UcxTransport final : public Transport {
   std::vector<Peer> peers_;
   std::unordered_set<Op*> pending_;
   std::vector<Work> work_q_;                     // finished receives to copy/reduce
-  // unexpected messages by (lane, full tag), oldest first
-  std::map<std::pair<int, uint64_t>, std::deque<Op*>> stash_;
+  // unexpected messages by (lane, full tag), oldest first: the parked side of the one matching
+  // rule (csrc/match.h); UCX holds the posted receives itself
+  using Stash = MatchQueues<std::pair<int, uint64_t>, Op*, Op*>;
+  Stash stash_;
   std::unordered_map<uint64_t, uint32_t> send_seq_, recv_seq_;  // lane counters (next_lane_locked)
   std::vector<void*> close_reqs_;
   bool closed_ = false;
