@@ -92,8 +92,7 @@ class Bridge:
         _check_settings_agree(store, topo, timeout, {
             **{k: config.get(k) for k in config.MUST_AGREE},
             "HETCCL_SHM_SLOT_BYTES (in force)": self.slot_bytes,
-            # segment sizes of UCX's tcp must fit the peer's receive segments
-            "HETCCL_UCX_TUNING (in force)": config.ucx_tuning()})
+            **transports.settings_in_force()})
         # Capability tables of every rank; every rank computes the choice of every cross-vendor
         # pair (not only its own), so a pair no transport can serve raises the same error on
         # every rank instead of leaving the others waiting in connect().
@@ -128,34 +127,25 @@ class Bridge:
         # slots the engine allocates per link: bounded by the same per-rank budget.
         self.staging_slots = staging_depth(topo, caps, self.choices, self.slot_bytes,
                                            int(config.get("HETCCL_SHM_NSLOTS")))
-        opts = {
-            "secret": secret,
-            "seg_budget": str(self.seg_budget),
-            "nconn": str(config.get("HETCCL_TCP_NCONN")),
-            "lazy": "1" if config.get("HETCCL_TCP_LAZY") else "0",
-            "slot_bytes": str(self.slot_bytes),
-            "nslots": str(config.get("HETCCL_SHM_NSLOTS")),
-            "threads": str(config.get("HETCCL_REDUCE_THREADS")),
-        }
         kinds = sorted(set(self.kind_of.values()))
         local = {t["name"]: t for t in transports.local_table()}
-        if any(local[k]["other_host"] for k in kinds):  # network transports listen on an address
-            opts["bind_addr"] = _default_bind_addr(topo)
-        if "ucx" in kinds:  # UCX's own options (csrc/ucx_transport.cc)
-            real_host = [i.host for i in topo.infos]
-            opts["lanes"] = str(config.get("HETCCL_UCX_LANES"))
-            opts["ucx_config"] = config.ucx_tuning()
-            opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
-            opts["reduce_unpack"] = "on" if config.get("HETCCL_UCX_REDUCE_UNPACK") else "off"
-            opts["device_prepare"] = "on" if config.get("HETCCL_UCX_DEVICE_PREPARE") else "off"
-            opts["exclude_tls"] = ",".join(transports.ucx_exclusions(
-                real_host[topo.rank], [real_host[p] for p in self.peers if self.kind_of[p] == "ucx"],
-                bool(config.get("HETCCL_EMULATE_HOSTS"))) + transports.ucx_copy_exclusions(
-                any(self.device_direct[p] for p in self.peers if self.kind_of[p] == "ucx")))
+        # each transport's options (transports.options knows their names); the peers it serves
+        # decide its exclusions, whatever the transport; network transports listen on an address
+        real_host = [i.host for i in topo.infos]
+        bind_addr = _default_bind_addr(topo) if any(local[k]["other_host"] for k in kinds) else None
+        opts_of = {}
+        for k in kinds:
+            served = [p for p in self.peers if self.kind_of[p] == k]
+            opts_of[k] = transports.options(
+                [k], secret=secret, slot_bytes=self.slot_bytes, seg_budget=self.seg_budget,
+                bind_addr=bind_addr, my_host=real_host[topo.rank],
+                peer_hosts=[real_host[p] for p in served],
+                emulate_hosts=bool(config.get("HETCCL_EMULATE_HOSTS")),
+                any_direct=any(self.device_direct[p] for p in served))
         self.transports: dict[str, object] = {}
         try:
             for k in kinds:
-                self.transports[k] = _C.Transport(k, topo.rank, topo.size, opts)
+                self.transports[k] = _C.Transport(k, topo.rank, topo.size, opts_of[k])
             # one table of every rank's addresses, {transport: address} per rank
             mine_addr = {k: _text(t.address()) for k, t in self.transports.items()}
             table = [json.loads(v) for v in rendezvous.all_gather(
@@ -175,12 +165,10 @@ class Bridge:
         by: dict[str, list[int]] = {}
         for p in self.peers:
             by.setdefault(self.choices[(topo.rank, p)].describe(), []).append(p)
-        ucx = self.info.get("ucx")
         log.info("hetccl bridge: rank %d (vendor %s) reaches %s%s", topo.rank,
                  topo.labels[topo.my_group],
                  "; ".join(f"ranks {ps} via {d}" for d, ps in sorted(by.items())),
-                 f" [UCX {ucx.get('version')}: UCX_TLS={ucx.get('tls')}, lanes {ucx.get('lanes')}]"
-                 if ucx else "")
+                 transports.describe(self.info))
 
     @property
     def linked(self) -> list[int]:

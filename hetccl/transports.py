@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from . import device as devices
+from . import config, device as devices
 
 #: UCX transports that move data between two devices' memories, or map another process's device
 #: memory (IPC, GDRCopy): never between emulated vendor groups on one host, whose devices a real
@@ -158,3 +158,48 @@ def ucx_exclusions(my_host: str, peer_hosts: list[str], emulate_hosts: bool) -> 
     if not any(h == my_host for h in peer_hosts):
         return []
     return list(UCX_DEVICE_PATHS) + (list(UCX_SHM_PATHS) if emulate_hosts else [])
+
+
+def settings_in_force() -> dict[str, object]:
+    """Transport settings every rank of a job must share beyond config.MUST_AGREE, as in force
+    on this rank (the bridge checks them with the rest): UCX's tcp send segments must fit the
+    peer's receive segments (HETCCL_UCX_TUNING less what UCX_* in the environment overrides)."""
+    return {"HETCCL_UCX_TUNING (in force)": config.ucx_tuning()}
+
+
+def options(kinds, *, secret: str, slot_bytes: int, seg_budget: int = 0, bind_addr: str | None = None,
+            my_host: str = "", peer_hosts: list[str] = (), emulate_hosts: bool = False,
+            any_direct: bool = False) -> dict[str, str]:
+    """The options of the transports this rank runs (``kinds``), one dict for all of them (each
+    transport reads its own keys, csrc/<name>_transport.cc), from the settings in force
+    (config.py) and what the caller computed: the group's secret, the ring slot size and this
+    rank's shared-memory budget (shm), the address network transports listen on, and for UCX
+    the hosts of its UCX peers (which of UCX's own transports to remove: ucx_exclusions) and
+    whether any of them gets device memory directly (ucx_copy_exclusions). The one place that
+    knows each transport's option names besides the transport itself."""
+    opts = {
+        "secret": secret,
+        "slot_bytes": str(slot_bytes),
+        "seg_budget": str(seg_budget),
+        "nslots": str(config.get("HETCCL_SHM_NSLOTS")),
+        "nconn": str(config.get("HETCCL_TCP_NCONN")),
+        "lazy": "1" if config.get("HETCCL_TCP_LAZY") else "0",
+    }
+    if bind_addr:
+        opts["bind_addr"] = bind_addr
+    if "ucx" in kinds:
+        opts["lanes"] = str(config.get("HETCCL_UCX_LANES"))
+        opts["ucx_config"] = config.ucx_tuning()
+        opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
+        opts["reduce_unpack"] = "on" if config.get("HETCCL_UCX_REDUCE_UNPACK") else "off"
+        opts["device_prepare"] = "on" if config.get("HETCCL_UCX_DEVICE_PREPARE") else "off"
+        opts["exclude_tls"] = ",".join(ucx_exclusions(my_host, list(peer_hosts), emulate_hosts)
+                                       + ucx_copy_exclusions(any_direct))
+    return opts
+
+
+def describe(info: dict[str, dict]) -> str:
+    """What the log line of a bridge adds about its transports' setup (``info``: name ->
+    Transport.info()), "" when nothing: UCX's version, UCX_TLS and lanes."""
+    ucx = info.get("ucx")
+    return f" [UCX {ucx.get('version')}: UCX_TLS={ucx.get('tls')}, lanes {ucx.get('lanes')}]" if ucx else ""

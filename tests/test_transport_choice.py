@@ -216,6 +216,28 @@ def test_ucx_exclusions():
     assert "cuda_ipc" in both and "posix" in both and "cma" in both and "tcp" not in both
 
 
+def test_transport_options_come_from_one_place(monkeypatch):
+    """transports.options: every transport's options from the settings in force, UCX's only
+    where UCX runs, its exclusions from its peers' hosts and the direct device path."""
+    monkeypatch.setenv("HETCCL_TCP_NCONN", "3")
+    monkeypatch.setenv("HETCCL_UCX_LANES", "2")
+    monkeypatch.setenv("HETCCL_UCX_COPY_THREAD", "0")
+    tcp = transports.options(["tcp"], secret="s", slot_bytes=4096, bind_addr="10.0.0.1")
+    assert tcp["nconn"] == "3" and tcp["secret"] == "s" and tcp["bind_addr"] == "10.0.0.1"
+    assert tcp["slot_bytes"] == "4096" and not any(k in tcp for k in ("lanes", "exclude_tls", "ucx_config"))
+    apart = transports.options(["ucx"], secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"])
+    assert apart["lanes"] == "2" and apart["copy_thread"] == "off"
+    assert apart["exclude_tls"].split(",") == list(transports.UCX_COPY_PATHS)  # no device memory to UCX
+    direct = transports.options(["ucx"], secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"],
+                                any_direct=True)
+    assert direct["exclude_tls"] == ""
+    here = transports.options(["ucx"], secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h1"],
+                              emulate_hosts=True)["exclude_tls"].split(",")
+    assert set(transports.UCX_DEVICE_PATHS + transports.UCX_SHM_PATHS + transports.UCX_COPY_PATHS) == set(here)
+    assert "bind_addr" not in apart
+    assert set(transports.settings_in_force()) == {"HETCCL_UCX_TUNING (in force)"}
+
+
 def test_ucx_tuning_leaves_user_settings_alone(monkeypatch):
     monkeypatch.setenv("HETCCL_UCX_TUNING", "TCP_TX_SEG_SIZE=256K; UCX_TCP_RX_SEG_SIZE=1M")
     monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)

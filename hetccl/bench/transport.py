@@ -75,15 +75,13 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
     copy_ref = {s: memcpy_gbps(s) for s in args.sizes} if rank == 0 else {}
     for name in args.transports:
         st = dist.PrefixStore(f"{name}/", base)
-        opts = {"secret": SECRET, "bind_addr": "127.0.0.1", "nconn": str(args.nconn)}
-        if name == "ucx":  # what the bridge runs (HETCCL_UCX_LANES, HETCCL_UCX_TUNING, ...)
-            from hetccl import config, transports
-            opts["lanes"] = str(args.ucx_lanes)
-            opts["ucx_config"] = config.ucx_tuning()
-            opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
-            opts["reduce_unpack"] = "on" if config.get("HETCCL_UCX_REDUCE_UNPACK") else "off"
-            if args.emulate_hosts:
-                opts["exclude_tls"] = ",".join(transports.ucx_exclusions("here", ["here"], True))
+        # what the bridge runs (transports.options: HETCCL_UCX_LANES, HETCCL_UCX_TUNING, ...,
+        # and UCX's exclusions for a peer on this host), then this command's own settings
+        from hetccl import transports
+        opts = transports.options([name], secret=SECRET, slot_bytes=1 << 20, bind_addr="127.0.0.1",
+                                  my_host="here", peer_hosts=["here"], emulate_hosts=args.emulate_hosts)
+        opts["nconn"] = str(args.nconn)
+        opts["lanes"] = str(args.ucx_lanes)
         if args.slot_bytes:
             opts["slot_bytes"] = str(args.slot_bytes)
         if args.nslots:
