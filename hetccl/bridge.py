@@ -31,7 +31,7 @@ import torch
 
 from . import _core, config, device as devices, rendezvous, transports, vendor
 from ._core import _C
-from .topology import Topology
+from .topology import Topology, butterfly_masks
 
 log = logging.getLogger("hetccl")
 
@@ -231,7 +231,6 @@ def group_links(topo: Topology, caps: list[dict]) -> bool:
         return False
     if transports.shared_ring(c["table"] for c in caps) is None:
         return False
-    from .checks import butterfly_masks
     return butterfly_masks(topo.groups) is None
 
 

@@ -102,25 +102,11 @@ def mismatch_text(coll: str, table: dict[int, list[int]], mask: int) -> str | No
     return None
 
 
-def butterfly_masks(groups: list[list[int]]) -> list[int] | None:
-    """The rounds of the bridge check (all_headers_over_bridge) when the topology allows it:
-    two vendor groups of equal size n = 2^m (n >= 2), else None. Round 0 pairs rank i of each
-    group with rank i of the other; round k >= 1 with rank i XOR 2^(k-1) of the other group
-    (as the pairs all-reduce, algorithms/allreduce.py), so after m + 1 rounds every rank has
-    heard, directly or through a partner, from every rank of both groups."""
-    if len(groups) != 2 or len(groups[0]) != len(groups[1]):
-        return None
-    n = len(groups[0])
-    if n < 2 or n & (n - 1):
-        return None
-    return [0] + [1 << k for k in range(n.bit_length() - 1)]
-
-
 def all_headers_over_bridge(table: torch.Tensor, row: torch.Tensor, groups: list[list[int]],
                             my_group: int, local_rank: int, rank: int, masks: list[int],
                             exchange) -> torch.Tensor:
     """Every rank's header, gathered through the bridge in len(masks) rounds of one small
-    exchange with one cross-vendor partner each (butterfly_masks), instead of a native
+    exchange with one cross-vendor partner each (topology.butterfly_masks), instead of a native
     all-gather inside each vendor group plus the headers the data carries: on host tensors the
     native all-gather (gloo: a work queue and a loop thread per call) cost 2.5-3 ms per
     collective with 2+2 ranks on the 2-core machine, where the rounds through shared memory
@@ -148,7 +134,7 @@ def bridge_verdict(coll: str, table: torch.Tensor, cols: torch.Tensor, mask: int
         return None
     rows = table.tolist()
     missing = [r for r in range(len(rows)) if rows[r][0] != 1]
-    if missing:  # cannot happen with butterfly_masks' rounds; never judge a partial table
+    if missing:  # cannot happen with topology.butterfly_masks' rounds; never judge a partial table
         raise RuntimeError(f"hetccl: internal error: the argument check missed ranks {missing}")
     return mismatch_text(coll, {r: rows[r][1:] for r in range(len(rows))}, mask)
 

@@ -41,7 +41,7 @@ from .algorithms import overrides as algo_overrides
 from ._core import HOST_REDUCE_DTYPES, CommError, _C
 from .bridge import Bridge, torch_dtype_name
 from .native import NativeGroup
-from .topology import Topology
+from .topology import Topology, butterfly_masks
 from .work import DeviceWork, HetcclWork, StreamWork
 
 log = logging.getLogger("hetccl")
@@ -98,9 +98,9 @@ class Engine:
         self.algo_overrides = algo_overrides()
         self.algo_runs: collections.Counter = collections.Counter()  # EngineCtx.count
         self.check_runs: collections.Counter = collections.Counter()  # bridge / native checks
-        # rounds of the argument check through the bridge (checks.butterfly_masks), or None:
+        # rounds of the argument check through the bridge (topology.butterfly_masks), or None:
         # then a native all-gather inside the vendor group (checks.within_group)
-        self.check_masks = checks.butterfly_masks(topo.groups)
+        self.check_masks = butterfly_masks(topo.groups)
         self._check_table = hostmem.empty((size, 1 + checks.HEADER_LEN), torch.int64)
         self._check_rows: dict[tuple, tuple] = {}  # signature -> (table row, compared columns)
         self._headers: dict[tuple, tuple] = {}  # call -> (header, mask, signature key, tag bits)

@@ -81,3 +81,18 @@ class Topology:
 
         rows = all_gather(store, "hetccl/topo", rank, size, json.dumps(me.__dict__), timeout)
         return cls(rank, size, [RankInfo(**json.loads(v)) for v in rows])
+
+
+def butterfly_masks(groups: list[list[int]]) -> list[int] | None:
+    """The rounds of the bridge check (checks.all_headers_over_bridge) and of the pairs
+    all-gather / reduce-scatter (algorithms/layout.py) when the topology allows it:
+    two vendor groups of equal size n = 2^m (n >= 2), else None. Round 0 pairs rank i of each
+    group with rank i of the other; round k >= 1 with rank i XOR 2^(k-1) of the other group
+    (as the pairs all-reduce, algorithms/allreduce.py), so after m + 1 rounds every rank has
+    heard, directly or through a partner, from every rank of both groups."""
+    if len(groups) != 2 or len(groups[0]) != len(groups[1]):
+        return None
+    n = len(groups[0])
+    if n < 2 or n & (n - 1):
+        return None
+    return [0] + [1 << k for k in range(n.bit_length() - 1)]

@@ -47,11 +47,11 @@ def peer_pieces(mine: tuple[int, int], n: int,
 
 
 def pairs_masks(ctx, x, phase: int = 0):
-    """The rounds of the pairs all-gather / reduce-scatter (checks.butterfly_masks: two vendor
+    """The rounds of the pairs all-gather / reduce-scatter (topology.butterfly_masks: two vendor
     groups of equal size 2^m) when they apply, else None. Every rank decides alike: topology,
     device type (checked equal across ranks) and the first phase the caller gives (one phase
     per round, tags.PHASES of them)."""
-    from ..checks import butterfly_masks
+    from ..topology import butterfly_masks
     from ..tags import PHASES
     masks = butterfly_masks(ctx.topo.groups)
     if masks is None or x.device.type != "cpu" or phase + len(masks) > PHASES:
