@@ -25,7 +25,6 @@
 // the peer guards the table.
 #pragma once
 
-#include <deque>
 #include <map>
 #include <optional>
 #include <utility>
@@ -43,28 +42,27 @@ class MatchQueues {
   std::optional<Msg> take_msg(const Key& k) { return take(msgs_, k); }
   // The oldest message parked under `k`, left in place (nullptr: none).
   Msg* peek_msg(const Key& k) {
-    auto it = msgs_.find(k);
-    return it == msgs_.end() ? nullptr : &it->second.front();
+    auto it = first_of(msgs_, k);
+    return it == msgs_.end() ? nullptr : &it->second;
   }
   const Msg* peek_msg(const Key& k) const {
-    auto it = msgs_.find(k);
-    return it == msgs_.end() ? nullptr : &it->second.front();
+    auto it = msgs_.lower_bound(k);
+    return it == msgs_.end() || msgs_.key_comp()(k, it->first) ? nullptr : &it->second;
   }
-  // Queues behind the older ones of its key. Only with the other side of `k` empty (the caller
-  // asked take_* first): the rule above.
-  void wait(const Key& k, Recv r) { recvs_[k].push_back(std::move(r)); }
-  void park(const Key& k, Msg m) { msgs_[k].push_back(std::move(m)); }
+  // Queues behind the older ones of its key (a multimap keeps equal keys in insertion order).
+  // Only with the other side of `k` empty (the caller asked take_* first): the rule above.
+  void wait(const Key& k, Recv r) { recvs_.emplace_hint(recvs_.upper_bound(k), k, std::move(r)); }
+  void park(const Key& k, Msg m) { msgs_.emplace_hint(msgs_.upper_bound(k), k, std::move(m)); }
 
   // The first waiting receive, under any key, that pred accepts, left in place (nullptr: none);
   // the key it waits under goes to *key (when given).
   template <class Pred>
   Recv* find_recv(Pred pred, Key* key = nullptr) {
     for (auto& kv : recvs_)
-      for (auto& r : kv.second)
-        if (pred(r)) {
-          if (key) *key = kv.first;
-          return &r;
-        }
+      if (pred(kv.second)) {
+        if (key) *key = kv.first;
+        return &kv.second;
+      }
     return nullptr;
   }
   // Removes the first waiting receive of `k` that pred accepts (cancel); false when none does.
@@ -73,74 +71,60 @@ class MatchQueues {
   // Removes the first parked message of `k` that pred accepts; false when none does.
   template <class Pred>
   bool remove_msg(const Key& k, Pred pred) { return remove_first(msgs_, k, pred); }
-  // Removes the first waiting receive, under any key, that pred accepts; the key it waited
-  // under goes to *key (when given). False when none does.
-  template <class Pred>
-  bool withdraw_recv_any(Pred pred, Key* key = nullptr) {
-    for (auto it = recvs_.begin(); it != recvs_.end(); ++it)
-      for (auto r = it->second.begin(); r != it->second.end(); ++r)
-        if (pred(*r)) {
-          if (key) *key = it->first;
-          it->second.erase(r);
-          if (it->second.empty()) recvs_.erase(it);
-          return true;
-        }
-    return false;
-  }
 
   // Every waiting receive, removed (oldest first per key): the transport fails them.
   template <class F>
   void drain_recvs(F f) {
     auto all = std::move(recvs_);
     recvs_.clear();
-    for (auto& kv : all)
-      for (auto& r : kv.second) f(kv.first, r);
+    for (auto& kv : all) f(kv.first, kv.second);
   }
   // Keeps, per key, the leading parked messages that keep() accepts and drops the rest (a
   // later message behind a dropped one could never be reached in order).
   template <class Keep>
   void trim_msgs(Keep keep) {
     for (auto it = msgs_.begin(); it != msgs_.end();) {
-      auto& q = it->second;
-      size_t n = 0;
-      while (n < q.size() && keep(q[n])) ++n;
-      q.erase(q.begin() + n, q.end());
-      it = q.empty() ? msgs_.erase(it) : std::next(it);
+      auto end = msgs_.upper_bound(it->first);
+      while (it != end && keep(it->second)) ++it;
+      it = msgs_.erase(it, end);
     }
   }
   template <class F>
   void for_each_msg(F f) {
-    for (auto& kv : msgs_)
-      for (auto& m : kv.second) f(kv.first, m);
+    for (auto& kv : msgs_) f(kv.first, kv.second);
   }
   void clear_msgs() { msgs_.clear(); }
   bool has_recvs() const { return !recvs_.empty(); }
 
  private:
+  // One node per waiting element (no per-key container: tcp's keys hold one element each).
   template <class T>
-  static std::optional<T> take(std::map<Key, std::deque<T>>& m, const Key& k) {
-    auto it = m.find(k);
+  using Table = std::multimap<Key, T>;
+  template <class T>
+  static typename Table<T>::iterator first_of(Table<T>& m, const Key& k) {
+    auto it = m.lower_bound(k);
+    return it == m.end() || m.key_comp()(k, it->first) ? m.end() : it;
+  }
+  template <class T>
+  static std::optional<T> take(Table<T>& m, const Key& k) {
+    auto it = first_of(m, k);
     if (it == m.end()) return std::nullopt;
-    std::optional<T> v(std::move(it->second.front()));
-    it->second.pop_front();
-    if (it->second.empty()) m.erase(it);
+    std::optional<T> v(std::move(it->second));
+    m.erase(it);
     return v;
   }
   template <class T, class Pred>
-  static bool remove_first(std::map<Key, std::deque<T>>& m, const Key& k, Pred pred) {
-    auto it = m.find(k);
-    if (it == m.end()) return false;
-    for (auto x = it->second.begin(); x != it->second.end(); ++x)
-      if (pred(*x)) {
-        it->second.erase(x);
-        if (it->second.empty()) m.erase(it);
+  static bool remove_first(Table<T>& m, const Key& k, Pred pred) {
+    for (auto it = first_of(m, k); it != m.end() && !m.key_comp()(k, it->first); ++it)
+      if (pred(it->second)) {
+        m.erase(it);
         return true;
       }
     return false;
   }
 
-  std::map<Key, std::deque<Recv>> recvs_;
-  std::map<Key, std::deque<Msg>> msgs_;
+  Table<Recv> recvs_;
+  Table<Msg> msgs_;
 };
 
 }  // namespace hetccl
