@@ -43,8 +43,7 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
   Options topt{{"secret", to_hex(d.secret)},
                {"lazy", "1"},
                {"nconn", std::to_string(settings.tcp_nconn)},
-               {"bind_addr", bind},
-               {"threads", std::to_string(settings.reduce_threads)}};
+               {"bind_addr", bind}};
   // shm geometry, unless set: a process whose device runtime is loaded (a GPU process: the
   // drop-in's, a framework's) will move large calls through the rings on the device route
   // (device_route.h), whose copy engines want few large chunks: slots of the device table's
