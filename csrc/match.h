@@ -94,7 +94,6 @@ class MatchQueues {
     for (auto& kv : msgs_) f(kv.first, kv.second);
   }
   void clear_msgs() { msgs_.clear(); }
-  bool has_recvs() const { return !recvs_.empty(); }
 
  private:
   // One node per waiting element (no per-key container: tcp's keys hold one element each).

@@ -24,11 +24,11 @@
 // connection, when its socket is writable, pulls the next chunk of the peer's send queue, so fast
 // connections carry more. `seq` numbers the messages of one (peer, tag) pair in send order and
 // the k-th receive posted for (peer, tag) takes seq k: FIFO matching per (peer, tag) holds even
-// though frames arrive out of order across connections (csrc/match.h, key (tag, seq)). Frames of a matched message are read
-// straight into the user buffer at their offset (irecv_reduce: into a per-connection staging
-// buffer, then reduced into place while it is in cache). Frames of a message whose receive is not
-// posted yet go to a heap buffer; a receive posted later copies what arrived once and takes the
-// remaining frames directly.
+// though frames arrive out of order across connections (csrc/match.h, key (tag, seq)). Frames
+// of a matched message are read straight into the user buffer at their offset (irecv_reduce:
+// into a per-connection staging buffer, then reduced into place while it is in cache). Frames
+// of a message whose receive is not posted yet go to a heap buffer; a receive posted later
+// copies what arrived once and takes the remaining frames directly.
 //
 // Progress. A few threads (progress_threads, default min(nconn, 2)) each own a share of the
 // connections (connection i of every peer goes to thread i % threads) and run an edge-triggered
@@ -901,14 +901,15 @@ bool TcpTransport::cancel(const RequestPtr& req, bool unpost) {
     // becomes the next receive's (an earlier receive cannot step back: false).
     // (a receive still waiting in `match` has seen no frame: the first one moves it to arriving)
     MsgKey key;
-    std::shared_ptr<InMsg>* w = p.match.find_recv([&](const std::shared_ptr<InMsg>& m) { return m->op.req == req; }, &key);
+    auto is_req = [&](const std::shared_ptr<InMsg>& m) { return m->op.req == req; };
+    std::shared_ptr<InMsg>* w = p.match.find_recv(is_req, &key);
     if (!w) return false;  // not a waiting receive of this transport
     if ((*w)->op_failed || req->test_nothrow()) return false;
     if (unpost) {
       auto rs = p.recv_seq.find(req->tag());
       if (rs == p.recv_seq.end() || rs->second != key.second + 1) return false;
       rs->second -= 1;
-      p.match.withdraw_recv(key, [&](const std::shared_ptr<InMsg>& m) { return m->op.req == req; });
+      p.match.withdraw_recv(key, is_req);
     } else {
       (*w)->op_failed = true;  // stays, so that its message's frames are dropped on arrival
     }

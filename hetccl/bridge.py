@@ -137,7 +137,7 @@ class Bridge:
         for k in kinds:
             served = [p for p in self.peers if self.kind_of[p] == k]
             opts_of[k] = transports.options(
-                [k], secret=secret, slot_bytes=self.slot_bytes, seg_budget=self.seg_budget,
+                k, secret=secret, slot_bytes=self.slot_bytes, seg_budget=self.seg_budget,
                 bind_addr=bind_addr, my_host=real_host[topo.rank],
                 peer_hosts=[real_host[p] for p in served],
                 emulate_hosts=bool(config.get("HETCCL_EMULATE_HOSTS")),

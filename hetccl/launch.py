@@ -7,7 +7,9 @@ the per-rank results in rank order.
 
 Failure contract: if any rank raises, spawn raises RankError carrying every failing rank's
 traceback; if the ranks do not all finish within `timeout` seconds, the survivors are killed and
-spawn raises RankTimeout naming the ranks that were still running. It never hangs.
+spawn raises RankTimeout naming the ranks that were still running, with every thread's Python
+stack of each (faulthandler on SIGUSR1, written to a file the parent reads before the kill:
+which call each rank was blocked in). It never hangs.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -107,12 +111,15 @@ def share_gpus(env=None, argv: list[str] | None = None) -> str | None:
             f"{local} uses GPU {mine} as its only GPU (LOCAL_RANK=0, HETCCL_LOCAL_RANK={local})")
 
 
-def _entry(fn, ctx: RankContext, env: dict, args, q):
+def _entry(fn, ctx: RankContext, env: dict, args, q, stacks: str):
     os.environ.update(env)
     share_gpus()
     # a rank that dies on a signal (a native abort or crash) prints every thread's Python stack
     # to its stderr first, so the parent's "exited with code -6" has a place to look
     faulthandler.enable(all_threads=True)
+    # a rank still running at spawn's timeout: SIGUSR1 writes its threads' stacks for the report
+    # (the file stays open for the process's life: faulthandler writes to its descriptor)
+    faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)
     if "OMP_NUM_THREADS" in env:
         import torch  # may already be imported (with the parent's thread count) by fn's module
 
@@ -123,6 +130,28 @@ def _entry(fn, ctx: RankContext, env: dict, args, q):
         q.put((ctx.rank, True, pickle.dumps(fn(ctx, *args))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((ctx.rank, False, traceback.format_exc()))
+
+
+def _stacks(procs, ranks, stack_dir: str, limit: int = 6000) -> str:
+    """Every thread's Python stack of each rank in `ranks` still alive (SIGUSR1: _entry), for
+    the timeout's report; the last `limit` characters per rank (the innermost frames)."""
+    alive = [r for r in ranks if procs[r].is_alive()]
+    for r in alive:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(1.0 if alive else 0)  # the handler writes at once; this covers a busy machine
+    out = ""
+    for r in alive:
+        try:
+            with open(os.path.join(stack_dir, f"rank{r}.txt")) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        if text:
+            out += f"\n--- rank {r} stacks at the timeout:\n{text[-limit:]}"
+    return out
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
@@ -142,6 +171,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     ctx_mp = mp.get_context("spawn")
     q = ctx_mp.Queue()
     procs = []
+    stack_dir = tempfile.mkdtemp(prefix="hetccl-spawn-")
     for r in range(world_size):
         e = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
              "RANK": str(r), "WORLD_SIZE": str(world_size),
@@ -156,7 +186,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         if rank_env is not None:
             e.update(rank_env[r])
         ctx = RankContext(r, world_size, "127.0.0.1", server.port, e.get("HETCCL_VENDOR", ""))
-        p = ctx_mp.Process(target=_entry, args=(fn, ctx, e, args, q), daemon=True)
+        p = ctx_mp.Process(target=_entry, args=(fn, ctx, e, args, q,
+                                                os.path.join(stack_dir, f"rank{r}.txt")),
+                           daemon=True)
         p.start()
         procs.append(p)
 
@@ -174,7 +206,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
                 missing = sorted(set(range(world_size)) - set(results) - set(failures))
                 detail = "".join(f"\n--- rank {r} failed:\n{t}" for r, t in failures.items())
                 raise RankTimeout(f"ranks {missing} did not finish within {timeout:.0f} s"
-                                  + detail)
+                                  + detail + _stacks(procs, missing, stack_dir))
             try:
                 r, ok, val = q.get(timeout=min(left, 0.5))
             except queue.Empty:
@@ -196,6 +228,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         for p in procs:
             p.join(timeout=10)
         del server
+        for f in os.listdir(stack_dir):
+            os.unlink(os.path.join(stack_dir, f))
+        os.rmdir(stack_dir)
     failures = {r: t for r, t in failures.items() if r not in may_die}
     if failures:
         msg = "".join(f"\n--- rank {r}:\n{t}" for r, t in sorted(failures.items()))

@@ -167,16 +167,16 @@ def settings_in_force() -> dict[str, object]:
     return {"HETCCL_UCX_TUNING (in force)": config.ucx_tuning()}
 
 
-def options(kinds, *, secret: str, slot_bytes: int, seg_budget: int = 0, bind_addr: str | None = None,
+def options(name: str, *, secret: str, slot_bytes: int, seg_budget: int = 0, bind_addr: str | None = None,
             my_host: str = "", peer_hosts: list[str] = (), emulate_hosts: bool = False,
             any_direct: bool = False) -> dict[str, str]:
-    """The options of the transports this rank runs (``kinds``), one dict for all of them (each
-    transport reads its own keys, csrc/<name>_transport.cc), from the settings in force
-    (config.py) and what the caller computed: the group's secret, the ring slot size and this
-    rank's shared-memory budget (shm), the address network transports listen on, and for UCX
-    the hosts of its UCX peers (which of UCX's own transports to remove: ucx_exclusions) and
-    whether any of them gets device memory directly (ucx_copy_exclusions). The one place that
-    knows each transport's option names besides the transport itself."""
+    """The options of transport ``name`` on this rank (it reads the keys it knows,
+    csrc/<name>_transport.cc), from the settings in force (config.py) and what the caller
+    computed: the group's secret, the ring slot size and this rank's shared-memory budget
+    (shm), the address network transports listen on, and for UCX the hosts of its UCX peers
+    (which of UCX's own transports to remove: ucx_exclusions) and whether any of them gets
+    device memory directly (ucx_copy_exclusions). The one place that knows each transport's
+    option names besides the transport itself."""
     opts = {
         "secret": secret,
         "slot_bytes": str(slot_bytes),
@@ -187,7 +187,7 @@ def options(kinds, *, secret: str, slot_bytes: int, seg_budget: int = 0, bind_ad
     }
     if bind_addr:
         opts["bind_addr"] = bind_addr
-    if "ucx" in kinds:
+    if name == "ucx":
         opts["lanes"] = str(config.get("HETCCL_UCX_LANES"))
         opts["ucx_config"] = config.ucx_tuning()
         opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"

@@ -31,3 +31,26 @@ def test_a_hung_rank_names_its_case_and_call():
     assert cases["third"] == {0: "ok"}, cases["third"]  # rank 1 never got there
     assert failure and "rank 1" in failure and "_blocked_in_here" in failure, failure
     assert "rank 0 " not in failure.split("stacks of the ranks")[1], failure  # rank 0 finished
+
+
+def _spawned(ctx):
+    if ctx.rank == 1:
+        _blocked_in_here(600)
+    return ctx.rank
+
+
+def test_spawn_timeout_names_where_each_rank_is_blocked():
+    """hetccl.launch.spawn's RankTimeout (every test that spawns ranks, e.g. test_gpu_ucx.py)
+    carries the Python stacks of the ranks still running: the call rank 1 is blocked in."""
+    import pytest
+
+    from hetccl.launch import RankTimeout, spawn
+
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout) as e:
+        spawn(_spawned, 2, timeout=8)
+    assert time.monotonic() - t0 < 40
+    text = str(e.value)
+    assert "ranks [1] did not finish" in text, text
+    assert "rank 1 stacks at the timeout" in text and "_blocked_in_here" in text, text
+    assert "rank 0 stacks" not in text, text  # rank 0 finished

@@ -222,16 +222,16 @@ def test_transport_options_come_from_one_place(monkeypatch):
     monkeypatch.setenv("HETCCL_TCP_NCONN", "3")
     monkeypatch.setenv("HETCCL_UCX_LANES", "2")
     monkeypatch.setenv("HETCCL_UCX_COPY_THREAD", "0")
-    tcp = transports.options(["tcp"], secret="s", slot_bytes=4096, bind_addr="10.0.0.1")
+    tcp = transports.options("tcp", secret="s", slot_bytes=4096, bind_addr="10.0.0.1")
     assert tcp["nconn"] == "3" and tcp["secret"] == "s" and tcp["bind_addr"] == "10.0.0.1"
     assert tcp["slot_bytes"] == "4096" and not any(k in tcp for k in ("lanes", "exclude_tls", "ucx_config"))
-    apart = transports.options(["ucx"], secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"])
+    apart = transports.options("ucx", secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"])
     assert apart["lanes"] == "2" and apart["copy_thread"] == "off"
     assert apart["exclude_tls"].split(",") == list(transports.UCX_COPY_PATHS)  # no device memory to UCX
-    direct = transports.options(["ucx"], secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"],
+    direct = transports.options("ucx", secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"],
                                 any_direct=True)
     assert direct["exclude_tls"] == ""
-    here = transports.options(["ucx"], secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h1"],
+    here = transports.options("ucx", secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h1"],
                               emulate_hosts=True)["exclude_tls"].split(",")
     assert set(transports.UCX_DEVICE_PATHS + transports.UCX_SHM_PATHS + transports.UCX_COPY_PATHS) == set(here)
     assert "bind_addr" not in apart

@@ -78,7 +78,7 @@ def _rank_main(ctx, args) -> list[dict[str, Any]]:
         # what the bridge runs (transports.options: HETCCL_UCX_LANES, HETCCL_UCX_TUNING, ...,
         # and UCX's exclusions for a peer on this host), then this command's own settings
         from hetccl import transports
-        opts = transports.options([name], secret=SECRET, slot_bytes=1 << 20, bind_addr="127.0.0.1",
+        opts = transports.options(name, secret=SECRET, slot_bytes=1 << 20, bind_addr="127.0.0.1",
                                   my_host="here", peer_hosts=["here"], emulate_hosts=args.emulate_hosts)
         opts["nconn"] = str(args.nconn)
         opts["lanes"] = str(args.ucx_lanes)
