@@ -302,6 +302,7 @@ PYBIND11_MODULE(_C, m) {
             d["other_host"] = c.other_host;
             d["memory"] = c.memory;
             d["zero_copy"] = c.zero_copy;
+            d["lazy_connect"] = c.lazy_connect;
             d["rdma"] = c.rdma;
             d["detail"] = c.detail;
             out.append(d);

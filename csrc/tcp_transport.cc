@@ -1369,6 +1369,7 @@ TransportCaps tcp_caps() {
   c.preference = 30;
   c.same_host = true;
   c.other_host = true;
+  c.lazy_connect = true;
   c.detail = "nconn TCP connections per peer, large messages striped";
   return c;
 }

@@ -292,12 +292,13 @@ class Transport {
 //     HETCCL_REGISTER_TRANSPORT(tcp, tcp_caps, make_tcp_transport);
 //
 // Adding a transport is one file with that line (CMakeLists.txt compiles csrc/*_transport.cc):
-// the torch face's bridge and the engine go by its capabilities (hetccl/transports.py), never by
-// its name. Not covered by that: options of a transport's own (the bridge passes UCX's by name,
-// hetccl/bridge.py), and the C API's communicator, which links ring neighbours on one host by
-// "shm" and every other peer by "tcp" (csrc/api/comm.cc).
+// the torch face's bridge, the engine and the C API go by its capabilities, never by its name;
+// a transport's own option names are known only to it and to hetccl/transports.py (options()).
 // The Python bridge walks the table (transport_table(), sorted by preference) per peer, the way
-// NCCL asks each transport's canConnect; the C++ core never chooses on its own.
+// NCCL asks each transport's canConnect (hetccl/transports.py); the C API's communicator takes
+// the most preferred transport with zero-copy rings on one host for its ring neighbours there
+// and the most preferred one that reaches other hosts with lazy connections for every other
+// peer (csrc/api/comm.cc).
 struct TransportCaps {
   std::string name;
   // Lower is preferred when several transports reach a peer. The bridge orders a pair by the
@@ -310,6 +311,9 @@ struct TransportCaps {
   // to use it in this process).
   std::vector<std::string> memory{"host"};
   bool zero_copy = false;   // has the zero-copy ring (zc_* below)
+  // Connects a peer on first use when the options say lazy=1 (connect() only records the
+  // addresses): a communicator of n ranks pays only for the peers it exchanges data with.
+  bool lazy_connect = false;
   bool rdma = false;        // reaches other hosts over RDMA (rc, dc, ud, ...)
   std::string detail;       // one line for `hetccl doctor` (library version, devices, ...)
 };

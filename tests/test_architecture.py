@@ -125,13 +125,17 @@ def test_no_transport_name_in_the_data_path(layer):
     assert not found, "\n".join(found)
 
 
-def test_no_transport_name_in_the_cpp_engine():
-    """The C++ engine (csrc/engine*.cc) drives transports through the Transport interface only;
-    the C API's communicator (csrc/api/comm.cc) is the documented exception (it makes its shm
-    and tcp links by name: docs/transports.md)."""
+def test_no_transport_name_in_the_cpp_engine_or_c_api():
+    """The C++ engine (csrc/engine*.cc) drives transports through the Transport interface only,
+    and the C API (csrc/api/) chooses its two transports from the registry by capability
+    (comm.cc: zero-copy rings on one host, lazy connections elsewhere): neither holds a
+    transport's name as a string; only each transport's file does (and the registry's example
+    in transport.h's comment)."""
     csrc = os.path.join(ROOT, "csrc")
     files = [f for f in os.listdir(csrc) if re.fullmatch(r"engine\w*\.(cc|h)", f)]
     assert "engine.cc" in files
-    found = [f"{f}: {m.group(0)}" for f in files
+    api = [os.path.join("api", f) for f in os.listdir(os.path.join(csrc, "api")) if f.endswith((".cc", ".h"))]
+    assert os.path.join("api", "comm.cc") in api
+    found = [f"{f}: {m.group(0)}" for f in files + api
              for m in re.finditer(r'"(shm|tcp|ucx)"', open(os.path.join(csrc, f)).read())]
     assert not found, found

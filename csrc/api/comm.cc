@@ -41,7 +41,6 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
   UniqueIdData d = decode_id(id);
   std::string bind = settings.ifname.empty() ? local_addr_towards(d.root) : iface_addr(settings.ifname);
   Options topt{{"secret", to_hex(d.secret)},
-               {"lazy", "1"},
                {"nconn", std::to_string(settings.tcp_nconn)},
                {"bind_addr", bind}};
   // shm geometry, unless set: a process whose device runtime is loaded (a GPU process: the
@@ -61,18 +60,30 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
   // one outgoing segment per shm neighbour, at most two: the budget over two (over one for a
   // pair), the same on every rank so that both segments of a pair get one geometry
   topt["seg_budget"] = std::to_string(budget / (size > 2 ? 2 : 1));
-  tcp_ = std::shared_ptr<Transport>(make_transport("tcp", rank, size, topt));
-  if (settings.shm && size > 1) shm_ = std::shared_ptr<Transport>(make_transport("shm", rank, size, topt));
+  // The transports, by capability from the registry (transport.h; no transport named here):
+  // far, the most preferred one that reaches other hosts and connects lazily (a communicator of
+  // n ranks connects only the peers it talks to: the C API's scale); near, the most preferred
+  // one with zero-copy rings on this host, for ring neighbours (HETCCL_CAPI_SHM=0: none).
+  // Every rank runs the same build, so every rank picks the same two.
+  for (auto& c : transport_table()) {
+    if (far_name_.empty() && c.other_host && c.lazy_connect) far_name_ = c.name;
+    if (near_name_.empty() && c.same_host && c.zero_copy) near_name_ = c.name;
+  }
+  if (far_name_.empty()) throw CommError("hetccl: no registered transport reaches other hosts with lazy connections");
+  topt["lazy"] = "1";
+  far_ = std::shared_ptr<Transport>(make_transport(far_name_, rank, size, topt));
+  if (settings.shm && size > 1 && !near_name_.empty())
+    near_ = std::shared_ptr<Transport>(make_transport(near_name_, rank, size, topt));
   char hn[256] = {0};
   gethostname(hn, sizeof hn - 1);
   std::vector<std::pair<std::string, std::string>> mine{
       {"host_id", host_id()}, {"hostname", hn}, {"pid", std::to_string(getpid())},
-      {"vendor", settings.vendor}, {"tcp", tcp_->address()}};
-  if (shm_) mine.emplace_back("shm", shm_->address());
+      {"vendor", settings.vendor}, {"far", far_->address()}};
+  if (near_) mine.emplace_back("near", near_->address());
   // the rings' geometry as asked for (equal asks make equal rings): a neighbour that asked for
-  // another (one process with the device runtime loaded, the other without) is reached over tcp
+  // another (one process with the device runtime loaded, the other without) is reached far
   const std::string geometry = topt["slot_bytes"] + "/" + topt["nslots"] + "/" + topt["seg_budget"];
-  mine.emplace_back("shm_geometry", geometry);
+  mine.emplace_back("near_geometry", geometry);
   int mail_fd = -1;
   std::vector<std::string> table = join(d, rank, size, encode_kv(mine), bind, settings.timeout_ms, &mail_fd, &listeners_);
   secret_ = d.secret;
@@ -91,27 +102,27 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
   }
   // Which transport reaches each peer: the same verdict on both ends of a pair (neighbourhood
   // and host identity are symmetric, and every rank has both tables).
-  std::vector<std::string> tcp_addr(size), shm_addr(size);
+  std::vector<std::string> far_addr(size), near_addr(size);
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
     bool neighbour = p == next() || p == prev();
-    std::string sa = get(rows[p], "shm");
-    if (shm_ && neighbour && peers[p].host_id == peers[rank].host_id && !sa.empty() &&
-        get(rows[p], "shm_geometry") == geometry) {
-      shm_addr[p] = sa;
-      links_[p] = shm_;
+    std::string na = get(rows[p], "near");
+    if (near_ && neighbour && peers[p].host_id == peers[rank].host_id && !na.empty() &&
+        get(rows[p], "near_geometry") == geometry) {
+      near_addr[p] = na;
+      links_[p] = near_;
     } else {
-      tcp_addr[p] = get(rows[p], "tcp");
-      links_[p] = tcp_;
+      far_addr[p] = get(rows[p], "far");
+      links_[p] = far_;
     }
   }
-  bool any_shm = std::any_of(shm_addr.begin(), shm_addr.end(), [](const std::string& a) { return !a.empty(); });
-  if (shm_ && !any_shm) {  // no neighbour on this host: the shm transport serves nobody
-    shm_->close();
-    shm_.reset();
+  bool any_near = std::any_of(near_addr.begin(), near_addr.end(), [](const std::string& a) { return !a.empty(); });
+  if (near_ && !any_near) {  // no neighbour on this host: the near transport serves nobody
+    near_->close();
+    near_.reset();
   }
-  if (shm_) shm_->connect(shm_addr, settings.timeout_ms);
-  tcp_->connect(tcp_addr, settings.timeout_ms);  // lazy: records the addresses only
+  if (near_) near_->connect(near_addr, settings.timeout_ms);
+  far_->connect(far_addr, settings.timeout_ms);  // lazy: records the addresses only
   EngineOptions eo;
   eo.rank = rank;
   eo.threads = settings.reduce_threads;
@@ -198,8 +209,8 @@ void Comm::abort() {
   // failed job left posted into the stream path's staging ends before that memory is freed
   // (reset(): once the callers' streams drained too).
   if (stream_path_) stream_path_->finish(true);
-  if (shm_) shm_->close();
-  if (tcp_) tcp_->close();
+  if (near_) near_->close();
+  if (far_) far_->close();
   stream_path_.reset();
   engine_.reset();
   links_.clear();
@@ -398,10 +409,13 @@ std::string Comm::info() {
   // Built with std::string, not an ostringstream: the line is the same, and this library then
   // needs no iostream/locale state of the process that loads it (a C ABI library is loaded into
   // programs whose libstdc++ set-up it does not control).
-  int n_shm = 0, n_tcp = 0;
-  for (auto& kv : links_) (kv.second == shm_ ? n_shm : n_tcp)++;
-  std::string o = "rank=" + std::to_string(rank) + " size=" + std::to_string(size) +
-                  " links_shm=" + std::to_string(n_shm) + " links_tcp=" + std::to_string(n_tcp) +
+  int n_near = 0, n_far = 0;
+  for (auto& kv : links_) (kv.second == near_ ? n_near : n_far)++;
+  // links_<transport>: how many peers each of the two transports reaches (0 for near where it
+  // serves nobody or none exists)
+  std::string o = "rank=" + std::to_string(rank) + " size=" + std::to_string(size) + " links_" + far_name_ +
+                  "=" + std::to_string(n_far) +
+                  (near_name_.empty() ? std::string() : " links_" + near_name_ + "=" + std::to_string(n_near)) +
                   " vendor=" + (settings.vendor.empty() ? std::string("-") : settings.vendor) +
                   " bootstrap_table_bytes=" + std::to_string(table_bytes_);
   auto add = [&o](const char* prefix, const std::string& key, const std::string& value) {
@@ -409,10 +423,11 @@ std::string Comm::info() {
     o += prefix;
     o += key + "=" + value;
   };
-  if (tcp_)
-    for (auto& kv : tcp_->info()) add("tcp_", kv.first, kv.second);
-  if (shm_)
-    for (auto& kv : shm_->info()) add("shm_", kv.first, kv.second);
+  const std::string far_p = far_name_ + "_", near_p = near_name_ + "_";
+  if (far_)
+    for (auto& kv : far_->info()) add(far_p.c_str(), kv.first, kv.second);
+  if (near_)
+    for (auto& kv : near_->info()) add(near_p.c_str(), kv.first, kv.second);
   if (engine_)
     for (auto& kv : engine_->stats()) add("engine_", kv.first, std::to_string(kv.second));
   for (auto& kv : algo_runs) add("algo_", kv.first, std::to_string(kv.second));

@@ -204,7 +204,10 @@ class Comm {
   // Declared before the transports, so destroyed after them (keep_until_closed).
   std::mutex kept_mu_;
   std::vector<std::shared_ptr<void>> kept_;
-  std::shared_ptr<Transport> tcp_, shm_;
+  // The two transports the C API runs, chosen from the registry by capability (comm.cc): near
+  // (zero-copy rings to ring neighbours on this host), far (every other peer, connected lazily).
+  std::shared_ptr<Transport> far_, near_;
+  std::string far_name_, near_name_;
   std::map<int, std::shared_ptr<Transport>> links_;
   std::unique_ptr<Engine> engine_;
   uint64_t seq_ = 0;
