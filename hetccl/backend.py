@@ -1090,7 +1090,7 @@ class HetcclProcessGroup(dist.ProcessGroup):
         (device tensors always go native, NCCL/RCCL)."""
         if self.topo.group_of[peer] != self.topo.my_group:
             return False
-        return not (devices.is_host(t) and peer in self.engine.bridge.group_peers)
+        return not (devices.is_host(t) and peer in self.engine.group_peers)
 
     def send(self, tensors, dst, tag=0):
         self._p2p_peer(dst, "destination")
@@ -1194,8 +1194,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
                     continue
                 self._wanting.pop(key, None)
                 q = self._posted.get(key)
-                while q and q[-1].bridge is not None and not q[-1].done() and \
-                        q[-1].bridge.unpost():
+                while q and q[-1].request is not None and not q[-1].done() and \
+                        q[-1].request.unpost():
                     q.pop()
                 if not q:
                     self._posted.pop(key, None)
@@ -1209,8 +1209,8 @@ class HetcclProcessGroup(dist.ProcessGroup):
             posted = _PostedRecv(peer, buf, native=work)
         else:
             host = buf if buf.device.type == "cpu" else hostmem.empty(nbytes, torch.uint8)
-            req = self.engine.bridge.irecv(peer, host, tags.p2p(tag))
-            posted = _PostedRecv(peer, host, bridge=req)
+            req = self.engine.host_recv(peer, host, tags.p2p(tag))
+            posted = _PostedRecv(peer, host, request=req)
         self._posted.setdefault((peer, tag), collections.deque()).append(posted)
         return posted
 
@@ -1292,10 +1292,10 @@ class _PostedRecv:
     which cannot be polled and re-waited, so a daemon thread waits on it (it ends when the
     message arrives or the group shuts down and fails the receive)."""
 
-    __slots__ = ("peer", "buf", "native", "bridge", "_thread", "_error")
+    __slots__ = ("peer", "buf", "native", "request", "_thread", "_error")
 
-    def __init__(self, peer, buf, native=None, bridge=None):
-        self.peer, self.buf, self.native, self.bridge = peer, buf, native, bridge
+    def __init__(self, peer, buf, native=None, request=None):
+        self.peer, self.buf, self.native, self.request = peer, buf, native, request
         self._error = None
         self._thread = None
         if native is not None:
@@ -1313,7 +1313,7 @@ class _PostedRecv:
         """True once complete (or failed: finish() then raises the error)."""
         if self._thread is not None:
             return not self._thread.is_alive()
-        return self.bridge.finished()  # failed counts: finish() re-raises it
+        return self.request.finished()  # failed counts: finish() re-raises it
 
     def finish(self, deadline: float) -> int:
         """Wait for it; the number of bytes that arrived."""
@@ -1326,7 +1326,7 @@ class _PostedRecv:
                 raise self._error
             return self.buf.numel()
         try:
-            return self.bridge.wait(deadline)
+            return self.request.wait(deadline)
         except CommTimeout as e:
             raise torch_timeout_wording(e) from None
 
@@ -1604,15 +1604,15 @@ class _P2PWork(_WaitOnce):
         src = t.contiguous()
         if not devices.is_host(src):
             src = src.to("cpu")
-        return cls(engine, engine.bridge.isend(peer, src.view(-1), tag), src, t)
+        return cls(engine, engine.host_send(peer, src.view(-1), tag), src, t)
 
     @classmethod
     def recv(cls, engine, peer, t, tag):
         if not devices.is_host(t) or not t.is_contiguous():
             host = hostmem.staging_for(t)
-            return cls(engine, engine.bridge.irecv(peer, host.view(-1), tag), host, t,
+            return cls(engine, engine.host_recv(peer, host.view(-1), tag), host, t,
                        finish=lambda: t.copy_(host))
-        return cls(engine, engine.bridge.irecv(peer, t.view(-1), tag), t, t)
+        return cls(engine, engine.host_recv(peer, t.view(-1), tag), t, t)
 
     def _complete(self, timeout) -> None:
         limit = timeout.total_seconds() if timeout else self.engine.timeout.total_seconds()
@@ -1647,7 +1647,7 @@ def _start_line(topo: Topology, pg) -> str:
                 f"({''.join(f'{devices.native_backend(d)} for {d}, ' for d in devices.accelerator_types())}"
                 f"{devices.native_backend('cpu')} for cpu)")
     else:
-        kinds = sorted(set(pg.engine.bridge.kind_of.values()))
+        kinds = pg.engine.transport_kinds()
         what = (f"{topo.num_groups} vendor groups ({sizes}), bridge transport "
                 f"{'/'.join(kinds)} (as seen from rank 0)")
     if replaced_backend is None:

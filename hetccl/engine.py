@@ -313,6 +313,27 @@ class Engine:
                 t.copy_(buf)
         return StreamWork(self, launch, launch.record(), [t])
 
+    def host_send(self, peer: int, flat: torch.Tensor, tag: int):
+        """Point-to-point of host memory with cross-vendor `peer` (or a same-vendor one linked
+        by the bridge: group_peers): one tagged message of `flat` (contiguous, 1-D), posted on
+        the peer's transport at once; returns the request (wait(deadline) -> bytes, test(),
+        finished(), unpost() for receives). Wire-identical to device_message's."""
+        return self.bridge.isend(peer, flat, tag)
+
+    def host_recv(self, peer: int, flat: torch.Tensor, tag: int):
+        """The receive side of host_send: posted into `flat` at once."""
+        return self.bridge.irecv(peer, flat, tag)
+
+    @property
+    def group_peers(self) -> set:
+        """Same-vendor ranks whose host messages and collectives go over the bridge's links
+        (bridge.group_links: one host) instead of the native library."""
+        return self.bridge.group_peers
+
+    def transport_kinds(self) -> list[str]:
+        """The bridge transports this rank runs (for the start line and doctor-like reports)."""
+        return sorted(set(self.bridge.kind_of.values()))
+
     def join_current(self, launch) -> None:
         """The caller's current stream waits for everything queued on the launch's comm stream."""
         self.core.stream_join(launch.index, launch.current_handle(), launch.comm_handle)

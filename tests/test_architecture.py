@@ -93,6 +93,15 @@ def test_the_face_reaches_transports_only_through_the_engine():
     # and the layers below the face are imported by nothing but the package's faces and tools
     users = {m for m, deps in g.items() if "hetccl.engine" in deps}
     assert users == {"hetccl.backend"}, users
+    # nor through an attribute: no face module reaches the engine's bridge (`engine.bridge`);
+    # point-to-point of host memory goes through the engine's host_send / host_recv
+    reached = []
+    for face in LAYERS[0][1]:
+        path = os.path.join(PKG, face.split(".", 1)[1] + ".py")
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Attribute) and node.attr == "bridge":
+                reached.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not reached, reached
 
 
 def test_bindings_are_leaves():
