@@ -186,6 +186,8 @@ def main() -> None:
     p.add_argument("--issue-sizes", default="8K,512K,32M")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--skip-face", action="store_true")
+    p.add_argument("--only", default="", help="CONFIG,... run only these configurations (e.g. "
+                   "facecapi-1+1,nccl-1)")
     p.add_argument("--variants", default="", help="NAME:VAR=VALUE[;VAR=VALUE],... more 1+1 drop-in configs")
     a = p.parse_args()
     if a.rank_main:
@@ -209,6 +211,8 @@ def main() -> None:
         plan.append(("face-1+1", "hetccl", "1+1", False, {}))
         # the torch face on the C API (HETCCL_FACE_ROUTE=capi, hetccl/face_capi.py)
         plan.append(("facecapi-1+1", "hetccl", "1+1", False, {"HETCCL_FACE_ROUTE": "capi"}))
+    if a.only:
+        plan = [x for x in plan if x[0] in a.only.split(",")]
     allrows = []
     for config, backend, vendors, dropin, extra in plan:
         t0 = time.time()
