@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import tempfile
 import time
@@ -228,9 +229,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         for p in procs:
             p.join(timeout=10)
         del server
-        for f in os.listdir(stack_dir):
-            os.unlink(os.path.join(stack_dir, f))
-        os.rmdir(stack_dir)
+        shutil.rmtree(stack_dir, ignore_errors=True)
     failures = {r: t for r, t in failures.items() if r not in may_die}
     if failures:
         msg = "".join(f"\n--- rank {r}:\n{t}" for r, t in sorted(failures.items()))

@@ -64,7 +64,9 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
   // far, the most preferred one that reaches other hosts and connects lazily (a communicator of
   // n ranks connects only the peers it talks to: the C API's scale); near, the most preferred
   // one with zero-copy rings on this host, for ring neighbours (HETCCL_CAPI_SHM=0: none).
-  // Every rank runs the same build, so every rank picks the same two.
+  // The choice reads only capability flags that do not depend on the process (zero-copy rings,
+  // reach, lazy connections), so every rank picks the same two, whatever else its build has
+  // (a UCX of its vendor's own: connects eagerly, never taken here).
   for (auto& c : transport_table()) {
     if (far_name_.empty() && c.other_host && c.lazy_connect) far_name_ = c.name;
     if (near_name_.empty() && c.same_host && c.zero_copy) near_name_ = c.name;
