@@ -55,11 +55,9 @@ def rank_main(a) -> None:
         s *= a.factor
     rows = []
     dt = torch.bfloat16
-
     for nbytes in sizes:
         n = nbytes // 2
         t = torch.ones(n, dtype=dt, device=dev)
-
         for _ in range(3):
             dist.all_reduce(t)
         torch.cuda.synchronize()
