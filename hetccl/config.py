@@ -163,6 +163,11 @@ _SETTINGS = [
             "(csrc/api/device_route.h); smaller ones are staged through host memory, whose "
             "latency is lower. 'off': every call staged. Must be equal on every rank (where "
             "ranks differ, the argument check runs the call staged on all of them)."),
+    Setting("HETCCL_CAPI_DEVICE_CHUNK_BYTES", int, 0,
+            "C API / drop-in only, for measurements: every device-route plan's chunk in bytes "
+            "(at most one ring slot; 0, default: the device table's chunk for the plan's "
+            "size). Fewer, larger chunks mean fewer stream operations per call (issue cost) "
+            "and less copy overlap. Must be equal on every rank."),
     Setting("HETCCL_EMULATED_STRICT", _bool, False,
             "Tests only: the emulated device (csrc/device/emulated_ops.cc) aborts the process "
             "on a stream operation that touches registered host memory after it was "

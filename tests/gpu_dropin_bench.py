@@ -55,6 +55,12 @@ def rank_main(a) -> None:
         s *= a.factor
     rows = []
     dt = torch.bfloat16
+
+    def route_info():
+        # the torch face's C API communicator (HETCCL_FACE_ROUTE=capi): its route's counters
+        c = getattr(getattr(dist.group.WORLD, "_route", None), "_comm", None)
+        return {k: int(v) for k, v in c.info().items() if k.startswith("stream_route_")} if c else None
+
     for nbytes in sizes:
         n = nbytes // 2
         t = torch.ones(n, dtype=dt, device=dev)
@@ -75,7 +81,9 @@ def rank_main(a) -> None:
         dist.all_reduce(t)
         wrong = int((t.float() != world * (world + 1) / 2).sum().item())
         issue = issue_idle = None
+        route = None
         if nbytes in [parse_size(x) for x in a.issue_sizes.split(",")]:
+            before = route_info()
             dts = []
             for _ in range(a.issue):
                 c0 = time.perf_counter_ns()
@@ -86,6 +94,7 @@ def rank_main(a) -> None:
                     torch.cuda.synchronize()
             torch.cuda.synchronize()
             issue = statistics.median(dts)
+            after = route_info()
             # the same with nothing queued: the stream drained before each call (what a call
             # costs to issue by itself, without back-pressure from the calls ahead of it)
             idle = []
@@ -98,12 +107,16 @@ def rank_main(a) -> None:
                 w.wait()
             torch.cuda.synchronize()
             issue_idle = statistics.median(idle)
+            if before and after:  # the C API route's issue cost by phase, us per call (stream_path.h)
+                route = {k[len("stream_route_"):-3]: round((after[k] - before[k]) / len(dts) / 1e3, 2)
+                         for k in after if k.startswith("stream_route_") and k in before}
         algbw = nbytes / us / 1e3 if us else 0.0
         rows.append({"config": a.config, "backend": a.backend, "vendors": a.vendors, "size": nbytes,
                      "count": n, "type": "bfloat16", "redop": "sum", "time_us": round(us, 2),
                      "algbw": round(algbw, 3), "busbw": round(algbw * 2 * (world - 1) / world, 3),
                      "wrong": wrong, "issue_us": None if issue is None else round(issue, 2),
                      "issue_idle_us": None if issue_idle is None else round(issue_idle, 2),
+                     **({"route_us": route} if route else {}),
                      "get_backend": dist.get_backend()})
     dist.destroy_process_group()
     if rank == 0:
@@ -239,6 +252,15 @@ def main() -> None:
             print(f"{'':15}{size:>10} {f(e)} {f(c)} {c / e if c and e else float('nan'):6.3f} "
                   f"{f(med('face-1+1', 'issue_us'))[1:]} {f(med('facecapi-1+1', 'issue_us'))[1:]} "
                   f"{f(med('nccl-1', 'issue_us'))[1:]} {wrong}")
+        phases = [(size, r["route_us"]) for size in sorted(by["facecapi-1+1"])
+                  for r in by["facecapi-1+1"][size][:1] if r.get("route_us")]
+        if phases:
+            print("\nC API route's issue cost by phase, us per call (stream_path.h): size, "
+                  + ", ".join(phases[0][1]) + "; issue us queued, idle (stream drained first)")
+            for size, ph in phases:
+                r = by["facecapi-1+1"][size][0]
+                print(f"{size:>10} " + " ".join(f"{v:9.1f}" for v in ph.values())
+                      + f" {r['issue_us']:9.1f} {r['issue_idle_us']:9.1f}")
         print("\nissue us with the stream drained before each call: size, "
               + ", ".join(sorted(by)))
         for size in sorted(by["facecapi-1+1"]):

@@ -145,6 +145,9 @@ def test_stream_path(tmp_path, split, runtime, route):
         device_jobs = int(info["stream_device_jobs"])
         if route == "device":
             assert device_jobs > 200, info
+            # the route's issue cost by phase (stream_path.h), counted on every device call
+            for phase in ("check", "enqueue", "issue_wait"):
+                assert int(info[f"stream_route_{phase}_ns"]) > 0 or n == 1, (phase, info)
             for coll in ("all_reduce_ring", "reduce_scatter_ring", "all_gather_ring", "broadcast_chain"):
                 assert int(info.get(f"algo_{coll}_device", 0)) > 0 or n == 1, (coll, info)
             # stream/mixed_host_and_stream: where the other ranks made host calls, the odd

@@ -14,6 +14,8 @@
 //    hetcclSystemError; the communicator is then broken: every later call returns that code at
 //    once, and hetcclCommGetAsyncError reports it.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -268,7 +270,18 @@ void dispatch(Comm& c, void* stream, Call k) {
     j.bytes = 0;
     j.device = [k, staged, pm, has_premul](Comm& cc, hetccl::api::DeviceRoute& d) {
       bool all = false;
-      checked(cc, k.coll, k.count, k.dtype, k.op, k.root, Refusal{}, true, &all);
+      {
+        const auto t0 = std::chrono::steady_clock::now();
+        struct Add {  // counted however the check ends
+          std::chrono::steady_clock::time_point t0;
+          std::atomic<uint64_t>& to;
+          ~Add() {
+            to += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+                               .count());
+          }
+        } add{t0, cc.streams().route_check_ns};
+        checked(cc, k.coll, k.count, k.dtype, k.op, k.root, Refusal{}, true, &all);
+      }
       if (!all) {
         cc.streams().staged_on(d.main, staged);
         return;

@@ -251,6 +251,7 @@ void Comm::post_device(uint64_t tag_base, const std::vector<Item>& items, Device
   s.index_bits = kIndexBits;
   s.timeout_ms = settings.timeout_ms;
   s.what = "collective #" + std::to_string(seq_) + " (device route)";
+  s.chunk_bytes = settings.device_chunk_bytes;  // 0: the device table; a slot at most either way
   s.device = true;
   s.device_index = d.device;
   s.stream = reinterpret_cast<uintptr_t>(d.main);

@@ -57,6 +57,7 @@ struct Settings {
   // HETCCL_STREAM_CHUNK_BYTES: a stream-ordered all_reduce larger than this runs chunk by chunk,
   // its copies overlapping the host collective (stream_path.h); 0 (default): whole calls
   size_t stream_chunk_bytes = 0;
+  size_t device_chunk_bytes = 0;  // HETCCL_CAPI_DEVICE_CHUNK_BYTES: the device route's chunk (0: the table)
   // HETCCL_STREAM_DEVICE_BYTES: stream-ordered collectives of at least this many bytes (the
   // larger of input and output) take the device route (device_route.h) where the runtime has
   // one; "off" (SIZE_MAX) never

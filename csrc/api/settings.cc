@@ -68,6 +68,7 @@ Settings read_settings() {
   if (s.device_runtime.empty()) s.device_runtime = default_device_runtime();
   s.device_library = env("HETCCL_CAPI_DEVICE_LIBRARY");
   s.stream_chunk_bytes = size_t(env_int("HETCCL_STREAM_CHUNK_BYTES", 0, 0, int64_t(1) << 40));
+  s.device_chunk_bytes = size_t(env_int("HETCCL_CAPI_DEVICE_CHUNK_BYTES", 0, 0, int64_t(1) << 32));
   if (env("HETCCL_STREAM_DEVICE_BYTES") == "off")
     s.stream_device_bytes = SIZE_MAX;
   else

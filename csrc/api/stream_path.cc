@@ -16,6 +16,11 @@ namespace hetccl {
 namespace api {
 namespace {
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -246,6 +251,8 @@ void StreamPath::issue(StreamJob j) {
     ++jobs_;
     ++device_jobs_;
     job.j = std::move(j);
+    const int64_t t0 = now_ns();
+    job.issued_ns = t0;
     issued_ = seq;
     q_.push_back(std::move(job));
     g.unlock();
@@ -256,6 +263,7 @@ void StreamPath::issue(StreamJob j) {
       route_cv_.wait(w, [&] { return route_enqueued_ >= seq || abort_.load(); });
       aborted = route_enqueued_ < seq;
     }
+    route_issue_wait_ns_ += uint64_t(now_ns() - t0);
     // Aborted: the wait and the freed word are enqueued all the same (finish() writes the
     // done word of every call the executor did not run, and one it ran writes its own on the
     // route's stream, enqueued before), so the caller's stream stays ordered after the route's
@@ -359,6 +367,9 @@ void StreamPath::run_device_job(Job& job) {
   const uint64_t q = job.seq;
   DeviceRoute& d = *route_;
   bool enqueued = false;
+  const int64_t t0 = now_ns();
+  route_queue_ns_ += uint64_t(std::max<int64_t>(0, t0 - job.issued_ns));
+  const uint64_t check0 = route_check_ns.load();
   if (!abort_.load() && c_.broken_code() == hetcclSuccess) {
     try {
       ops_->set_device(d.device);
@@ -381,6 +392,7 @@ void StreamPath::run_device_job(Job& job) {
     }
   }
   if (!written) release_done(q);
+  route_turn_ns_ += uint64_t(std::max<int64_t>(0, now_ns() - t0 - int64_t(route_check_ns.load() - check0)));
   std::lock_guard<std::mutex> g(mu_);
   route_enqueued_ = q;
   route_cv_.notify_all();
@@ -527,7 +539,9 @@ std::map<std::string, uint64_t> StreamPath::stats() {
   return {{"jobs", jobs_}, {"staged_bytes", staged_bytes_}, {"pool_bytes", pooled_},
           {"backpressure_polls", waits_}, {"chunked_jobs", chunked_jobs_}, {"chunks", chunks_},
           {"device_jobs", device_jobs_}, {"staged_fallbacks", staged_fallbacks_},
-          {"device_route", route_ ? 1u : 0u}};
+          {"device_route", route_ ? 1u : 0u}, {"route_check_ns", route_check_ns.load()},
+          {"route_enqueue_ns", route_turn_ns_.load()}, {"route_queue_ns", route_queue_ns_.load()},
+          {"route_issue_wait_ns", route_issue_wait_ns_.load()}};
 }
 
 }  // namespace api

@@ -111,6 +111,12 @@ class StreamPath {
   void* test_stream();
   void test_sync(void* stream);
   std::map<std::string, uint64_t> stats();
+  // Where the device route's issue cost goes (hetcclCommInfo, "stream_route_*_ns"), summed over
+  // its calls: the executor's argument check (added by the call, c_api.cc), the rest of the
+  // executor's turn (enqueueing the plans and kernels), the time a call queued behind earlier
+  // ones, and the issuing thread's wait for the executor (device_route.h: the caller's wait for
+  // done is enqueued after the route's work).
+  std::atomic<uint64_t> route_check_ns{0};
 
   static constexpr uint32_t kSlots = 256;
   // A chunked job takes at most this many sequence numbers (its chunks grow beyond it).
@@ -122,6 +128,7 @@ class StreamPath {
  private:
   struct Job {
     uint64_t seq = 0;    // the first sequence number (of its first chunk)
+    int64_t issued_ns = 0;  // device jobs: when the issuing thread handed it over
     uint32_t chunks = 1;  // sequence numbers seq .. seq + chunks - 1
     size_t chunk = 0;     // bytes per chunk when chunks > 1
     bool host_only = false;
@@ -178,6 +185,7 @@ class StreamPath {
   std::vector<std::pair<char*, size_t>> all_;       // every buffer (freed at the end)
   uint64_t jobs_ = 0, staged_bytes_ = 0, waits_ = 0, chunked_jobs_ = 0, chunks_ = 0, device_jobs_ = 0;
   uint64_t staged_fallbacks_ = 0;
+  std::atomic<uint64_t> route_queue_ns_{0}, route_turn_ns_{0}, route_issue_wait_ns_{0};
 };
 
 }  // namespace api
