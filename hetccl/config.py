@@ -117,8 +117,10 @@ _SETTINGS = [
             "C API only: auto (csrc/api/select.cc's table: up to 64 KiB the latency "
             "algorithms -- recursive doubling for all_reduce and reduce_scatter, a binomial "
             "tree for broadcast, Bruck's all_gather -- rings and the chain above), ring (rings "
-            "and the chain everywhere, the argument check's ring all-gather too), or rd (the "
-            "latency algorithms at every size)."),
+            "and the chain everywhere, the argument check's ring all-gather too), rd (the "
+            "latency algorithms at every size), or hier (all_reduce hierarchical across "
+            "vendor groups at every size: a reduce-scatter in each group, rings of the owners "
+            "across groups, an all-gather in each group; the other collectives as auto)."),
     Setting("HETCCL_CRASH_BACKTRACE", _bool, False,
             "Debugging aid: on SIGSEGV/SIGBUS/SIGFPE print the native frames as "
             "'hetccl-frame <object> +<offset>' lines (addr2line names them; csrc/crash.h). "

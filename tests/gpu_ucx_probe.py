@@ -215,6 +215,18 @@ def rank_main(ctx) -> dict:
             return "ok" if all(bool((x == 3.0).all().item()) for x in xs) else "wrong data"
         return fn
 
+    def size_change():
+        # stalled on one H100 (2026-12-05, session 20): 4096 elements, then 2 -- the second call
+        # never finished on rank 0 while rank 1's did; runs of equal sizes (2 x 8, 4096 x 6)
+        # passed. Synchronized after each call, as the sequence that stalled.
+        for n in (4096, 2, 1, 4096, 3, 1 << 20, 5):
+            x = torch.full((n,), float(ctx.rank + 1), device=dev)
+            dist.all_reduce(x)
+            torch.cuda.synchronize()
+            if not bool((x == 3.0).all().item()):
+                return f"wrong data at {n} elements"
+        return "ok"
+
     def gather_scatter():
         n = 1 << 18
         x = torch.arange(n, device=dev, dtype=torch.float32) + ctx.rank
@@ -244,6 +256,9 @@ def rank_main(ctx) -> dict:
 
     try:
         dist.barrier()
+        # the test's first call (tests/gpu_ucx_cases.py: one element copied in from the host),
+        # which stalled there on one H100 (2026-12-05) before any other device message
+        step("first_from_host_1", from_host(1, 3))
         step("host_1MiB", host_pair)
         for n, dt, opn in ((1001, torch.float32, "SUM"), (1 << 20, torch.float32, "SUM"),
                            (4194311, torch.float32, "SUM"), (1 << 20, torch.bfloat16, "MAX"),
@@ -254,6 +269,7 @@ def rank_main(ctx) -> dict:
                 step(f"from_host_{n}_#{i}", from_host(n, 7 * n + i))
         for n in (1001, 1 << 20):
             step(f"async8_{n}", many(n))
+        step("size_change", size_change)
         step("all_gather_reduce_scatter", gather_scatter)
         step("timed_all_reduce_16MiB", timed, 3 * step_s)
         out["verdict"] = "ok"

@@ -19,7 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SPLITS = {"1": ["a"], "1+1": ["a", "b"], "2+1": ["a", "a", "b"], "1+1+1": ["a", "b", "c"],
           "2+2": ["a", "a", "b", "b"], "3+3": ["a", "a", "a", "b", "b", "b"],
-          "3+2+2": ["a", "a", "a", "b", "b", "c", "c"]}
+          "3+2+2": ["a", "a", "a", "b", "b", "c", "c"],
+          # groups not contiguous in rank order (the group rings are not the global ring's)
+          "2+1+2 mixed": ["a", "b", "a", "c", "c"]}
 
 
 def launch(tmp_path, split: str, mode: str, env=None, timeout=240, worker="capi_worker.py", **extra):
@@ -58,14 +60,18 @@ def launch(tmp_path, split: str, mode: str, env=None, timeout=240, worker="capi_
 @pytest.mark.parametrize("split,algo", [("1", "auto"), ("1+1", "auto"), ("2+1", "auto"),
                                         ("1+1+1", "auto"), ("2+2", "auto"), ("2+2", "ring"),
                                         ("1+1", "rd"), ("3+3", "rd"),
-                                        ("3+2+2", "auto")])
+                                        ("3+2+2", "auto"), ("2+1", "hier"), ("2+2", "hier"),
+                                        ("3+2+2", "hier"), ("1+1+1", "hier"),
+                                        ("2+1+2 mixed", "hier")])
 def test_collectives_against_references(tmp_path, split, algo):
     """auto: recursive doubling for small all_reduces (folded when n is not a power of two),
     rings for large ones; the check's all-gather recursive doubling where n is a power of two,
     Bruck's otherwise; broadcast's binomial tree, Bruck's all_gather and the recursive-doubling
     reduce_scatter for small messages, the chain and rings for large ones (csrc/api/select.cc);
-    ring / rd force one (HETCCL_CAPI_ALGO). 3+3 and
-    3+2+2: the fold with two and three ranks beyond the power of two."""
+    ring / rd force one (HETCCL_CAPI_ALGO); hier: every all_reduce hierarchical across the
+    vendor groups (coll_allreduce_hier.cc; 3+2+2: 6 blocks, runs of two and three owners;
+    "2+1+2 mixed": groups interleaved in rank order). 3+3 and 3+2+2: the fold with two and
+    three ranks beyond the power of two."""
     res, procs, logs = launch(tmp_path, split, "cases",
                               env={"HETCCL_CAPI_ALGO": algo,
                                    # a stream's runtime that cannot be opened (error/stream_one_rank)
@@ -80,8 +86,11 @@ def test_collectives_against_references(tmp_path, split, algo):
     # the algorithms the table chose ran (counted by the communicator)
     info = res[0]["info"]
     rd, ring = int(info.get("algo_all_reduce_rd", 0)), int(info.get("algo_all_reduce_ring", 0))
+    hier = int(info.get("algo_all_reduce_hier", 0))
     if n == 1:
         pass
+    elif algo == "hier":
+        assert hier > 0 and rd == 0 and ring == 0, info
     elif algo == "ring":
         assert rd == 0 and ring > 0, info
     elif algo == "rd":

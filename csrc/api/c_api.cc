@@ -186,13 +186,13 @@ struct Call {
   const Comm::PreMul* premul = nullptr;
   // Elementwise collectives (all_reduce): the algorithm on `count` elements at any offset, so
   // the stream path may run a large call chunk by chunk (HETCCL_STREAM_CHUNK_BYTES).
-  std::function<void(Comm&, const void*, void*, size_t)> chunk_algo;
+  std::function<void(Comm&, const void*, void*, size_t)> chunk_algo = nullptr;
   // The device route's algorithm (device_route.h) on the caller's own pointers, where the
   // collective has one; scalar_dev / scalar_host: a PreMulSum scalar (at most one set) for the
   // algorithm to apply to its working copy of the input.
   std::function<void(Comm&, hetccl::api::DeviceRoute&, const void* send, void* recv, const void* scalar_dev,
                      const void* scalar_host)>
-      device_algo;
+      device_algo = nullptr;
 };
 
 void premul_scale(const Comm& c, const DT& dt, void* data, size_t bytes, const void* scalar) {
@@ -477,9 +477,13 @@ hetcclResult_t hetcclCommInfo(hetcclComm_t comm, char* buf, size_t len) {
 
 namespace {
 void all_reduce_any(Comm& c, const void* send, void* recv, size_t count, const DT& dt, hetccl::ReduceOp rop) {
-  if (hetccl::api::select_all_reduce(c, count * dt.size) == hetccl::api::Algo::RecursiveDoubling) {
+  const hetccl::api::Algo a = hetccl::api::select_all_reduce(c, count * dt.size);
+  if (a == hetccl::api::Algo::RecursiveDoubling) {
     ++c.algo_runs["all_reduce_rd"];
     hetccl::api::all_reduce_recursive_doubling(c, send, recv, count, dt.engine, dt.size, rop);
+  } else if (a == hetccl::api::Algo::Hierarchical) {
+    ++c.algo_runs["all_reduce_hier"];
+    hetccl::api::all_reduce_hier(c, send, recv, count, dt.engine, dt.size, rop);
   } else {
     ++c.algo_runs["all_reduce_ring"];
     hetccl::api::all_reduce_ring(c, send, recv, count, dt.engine, dt.size, rop);

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <numeric>
 
 #include "../common.h"
 #include "../crash.h"
@@ -101,6 +103,24 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
     peers[p].hostname = get(rows[p], "hostname");
     peers[p].vendor = get(rows[p], "vendor");
     peers[p].pid = std::atoll(get(rows[p], "pid").c_str());
+  }
+  vgroup_of.assign(size, 0);
+  vlocal.assign(size, 0);
+  {
+    std::map<std::string, int> index;
+    for (int p = 0; p < size; ++p) {
+      auto it = index.emplace(peers[p].vendor, int(vgroups.size())).first;
+      if (it->second == int(vgroups.size())) vgroups.emplace_back();
+      vgroup_of[p] = it->second;
+      vlocal[p] = int(vgroups[it->second].size());
+      vgroups[it->second].push_back(p);
+    }
+    long long l = 1;
+    for (auto& g : vgroups) {
+      l = l / std::gcd(l, (long long)g.size()) * (long long)g.size();
+      if (l > kHierMaxBlocks) break;
+    }
+    vgroup_lcm = l > kHierMaxBlocks ? 0 : int(l);
   }
   // Which transport reaches each peer: the same verdict on both ends of a pair (neighbourhood
   // and host identity are symmetric, and every rank has both tables).

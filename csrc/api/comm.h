@@ -86,6 +86,14 @@ class Comm {
   const int rank, size;
   Settings settings;
   std::vector<PeerInfo> peers;  // every rank's row of the table (this one included)
+  // Vendor groups from peers[].vendor (the same on every rank): labels in order of their first
+  // rank, each group's ranks ascending; each rank's group and its index there. The
+  // hierarchical all_reduce's (coll_allreduce_hier.cc); vgroup_lcm: the least common multiple
+  // of the groups' sizes (0 above kHierMaxBlocks: that algorithm is not taken then).
+  std::vector<std::vector<int>> vgroups;
+  std::vector<int> vgroup_of, vlocal;
+  int vgroup_lcm = 0;
+  static constexpr int kHierMaxBlocks = 256;
 
   int next() const { return (rank + 1) % size; }
   int prev() const { return (rank + size - 1) % size; }
@@ -236,7 +244,7 @@ class Comm {
 hetcclResult_t classify(std::exception_ptr e, std::string* text, bool* argument);
 
 // Algorithm selection (select.cc: the one table of switch points).
-enum class Algo { Ring, RecursiveDoubling, Bruck, Chain, Binomial };
+enum class Algo { Ring, RecursiveDoubling, Bruck, Chain, Binomial, Hierarchical };
 Algo select_all_reduce(const Comm& c, size_t bytes);
 Algo select_check(const Comm& c);
 Algo select_broadcast(const Comm& c, size_t bytes);  // Chain or Binomial
@@ -248,6 +256,8 @@ void all_reduce_ring(Comm& c, const void* send, void* recv, size_t count, DType 
                      ReduceOp op);
 void all_reduce_recursive_doubling(Comm& c, const void* send, void* recv, size_t count, DType dt,
                                    size_t esize, ReduceOp op);
+void all_reduce_hier(Comm& c, const void* send, void* recv, size_t count, DType dt, size_t esize,
+                     ReduceOp op);
 void reduce_scatter_ring(Comm& c, const void* send, void* recv, size_t recvcount, DType dt,
                          size_t esize, ReduceOp op);
 void all_gather_ring(Comm& c, const void* send, void* recv, size_t sendcount, size_t esize);

@@ -16,8 +16,12 @@
 //   reduce_scat. input bytes <= rd_max_bytes                  recursive-doubling all_reduce of
 //                                                            the input, own block kept
 //   reduce_scat. otherwise                                   ring (n-1 steps)
+//   all_reduce   HETCCL_CAPI_ALGO=hier, two or more vendor    hierarchical (coll_allreduce_hier.cc:
+//                groups (lcm of their sizes <= 256)          reduce-scatter in each group, the
+//                                                            owners' rings across groups, all-gather)
 // HETCCL_CAPI_ALGO=ring forces rings everywhere (the check: its ring all-gather alone; broadcast:
-// the chain), =rd the latency algorithms at every size. Peers per rank: the two ring neighbours, plus O(log n) partners of the
+// the chain), =rd the latency algorithms at every size, =hier the hierarchical all_reduce at
+// every size (the other collectives as auto). Peers per rank: the two ring neighbours, plus O(log n) partners of the
 // latency algorithms (connected on first use), at any n.
 // rd_max_bytes (64 KiB): where the ring's bandwidth starts to matter more than its step count
 // on the 2-core machine's shm and tcp (docs/benchmarks.md, "C API latency"); re-measure
@@ -40,6 +44,9 @@ Algo by_size(const Comm& c, size_t bytes, Algo bandwidth, Algo latency) {
 }  // namespace
 
 Algo select_all_reduce(const Comm& c, size_t bytes) {
+  // hier: two or more vendor groups whose sizes' lcm is at most kHierMaxBlocks (else the ring)
+  if (c.settings.algo == "hier")
+    return c.vgroups.size() >= 2 && c.vgroup_lcm > 0 ? Algo::Hierarchical : Algo::Ring;
   return by_size(c, bytes, Algo::Ring, Algo::RecursiveDoubling);
 }
 Algo select_broadcast(const Comm& c, size_t bytes) { return by_size(c, bytes, Algo::Chain, Algo::Binomial); }

@@ -61,8 +61,8 @@ Settings read_settings() {
   s.crash_backtrace = env_bool("HETCCL_CRASH_BACKTRACE", false);
   s.algo = env("HETCCL_CAPI_ALGO");
   if (s.algo.empty()) s.algo = "auto";
-  if (s.algo != "auto" && s.algo != "ring" && s.algo != "rd")
-    throw CommError("hetccl: HETCCL_CAPI_ALGO=" + s.algo + " is not one of auto, ring, rd");
+  if (s.algo != "auto" && s.algo != "ring" && s.algo != "rd" && s.algo != "hier")
+    throw CommError("hetccl: HETCCL_CAPI_ALGO=" + s.algo + " is not one of auto, ring, rd, hier");
   // validated by the device registry when the first stream call opens it (device_ops.h)
   s.device_runtime = env("HETCCL_CAPI_DEVICE");
   if (s.device_runtime.empty()) s.device_runtime = default_device_runtime();
