@@ -200,8 +200,12 @@ def test_links_stay_constant_per_rank(tmp_path):
         assert info["links_shm"] == "2" and info["links_tcp"] == "1", (r, info)
 
 
-def test_killed_peer_is_a_clear_error(tmp_path):
-    res, procs, logs = launch(tmp_path, "2+1", "death", env={"HETCCL_TIMEOUT_S": "20"},
+@pytest.mark.parametrize("algo", ["auto", "hier"])
+def test_killed_peer_is_a_clear_error(tmp_path, algo):
+    """hier: the hierarchical all_reduce's concurrent plans (one per run of blocks) all end
+    with the peer's failure, none left waiting."""
+    res, procs, logs = launch(tmp_path, "2+1", "death", env={"HETCCL_TIMEOUT_S": "20",
+                                                            "HETCCL_CAPI_ALGO": algo},
                               timeout=120, kill_at=3)
     assert procs[2].returncode == 17
     for r in (0, 1):
