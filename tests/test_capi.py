@@ -333,6 +333,21 @@ def _joining_rank(uid: bytes, n: int, rank: int, env: dict) -> subprocess.Popen:
                             env=env, stdout=subprocess.PIPE, text=True)
 
 
+def test_ranks_with_different_schedule_settings_are_refused_at_init():
+    """HETCCL_CAPI_ALGO (or how calls are cut) set differently on two ranks: every rank's
+    communicator creation fails with the same clear error naming both values, instead of the
+    ranks running different steps until the timeout."""
+    uid = capi.unique_id()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HETCCL_CAPI_ALGO")}
+    ps = [_joining_rank(uid, 2, r, {**base, "HETCCL_TIMEOUT_S": "20", "HETCCL_CAPI_ALGO": algo})
+          for r, algo in enumerate(("ring", "hier"))]
+    outs = [p.communicate(timeout=60)[0].strip() for p in ps]
+    for o in outs:
+        assert o.startswith(f"ERR {capi.INVALID_USAGE} "), outs
+        assert "schedule settings differ" in o and "HETCCL_CAPI_ALGO=ring" in o and "HETCCL_CAPI_ALGO=hier" in o, outs
+    assert outs[0].split(" ", 2)[2] == outs[1].split(" ", 2)[2], outs
+
+
 def test_bootstrap_refuses_a_duplicate_rank(tmp_path, monkeypatch):
     """Two processes given rank 0: the second gets a clear error from the root; the other
     waits for the root's verdict, which names the ranks that never joined."""

@@ -411,6 +411,8 @@ hetcclResult_t hetcclCommInitRank(hetcclComm_t* comm, int nranks, hetcclUniqueId
     return fail(nullptr, hetcclRemoteError, e.what());
   } catch (const hetccl::PeerFailure& e) {
     return fail(nullptr, hetcclRemoteError, e.what());
+  } catch (const hetccl::api::UsageRefusal& e) {  // the ranks' settings differ (comm.cc)
+    return fail(nullptr, hetcclInvalidUsage, e.what());
   } catch (const std::exception& e) {
     std::string t = e.what();
     return fail(nullptr, t.find("unique id") != std::string::npos ? hetcclInvalidArgument : hetcclSystemError, t);

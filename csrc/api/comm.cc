@@ -88,6 +88,13 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
   // another (one process with the device runtime loaded, the other without) is reached far
   const std::string geometry = topt["slot_bytes"] + "/" + topt["nslots"] + "/" + topt["seg_budget"];
   mine.emplace_back("near_geometry", geometry);
+  // The settings that decide a call's steps (the algorithm, how calls are cut) must be alike on
+  // every rank, or the ranks would run different steps and meet only at the timeout: compared
+  // once below, refused on every rank alike (each has the whole table).
+  const std::string schedule = "HETCCL_CAPI_ALGO=" + settings.algo +
+                               " HETCCL_STREAM_CHUNK_BYTES=" + std::to_string(settings.stream_chunk_bytes) +
+                               " HETCCL_CAPI_DEVICE_CHUNK_BYTES=" + std::to_string(settings.device_chunk_bytes);
+  mine.emplace_back("schedule", schedule);
   int mail_fd = -1;
   std::vector<std::string> table = join(d, rank, size, encode_kv(mine), bind, settings.timeout_ms, &mail_fd, &listeners_);
   secret_ = d.secret;
@@ -104,6 +111,11 @@ Comm::Comm(int nranks, const hetcclUniqueId& id, int r, const std::string* vendo
     peers[p].vendor = get(rows[p], "vendor");
     peers[p].pid = std::atoll(get(rows[p], "pid").c_str());
   }
+  for (int p = 0; p < size; ++p)
+    if (get(rows[p], "schedule") != get(rows[0], "schedule"))
+      throw UsageRefusal("hetccl: the ranks' schedule settings differ: rank 0 has " + get(rows[0], "schedule") +
+                         ", rank " + std::to_string(p) + " has " + get(rows[p], "schedule") +
+                         " (set them alike on every rank)");
   vgroup_of.assign(size, 0);
   vlocal.assign(size, 0);
   {
