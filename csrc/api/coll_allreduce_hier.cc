@@ -15,8 +15,9 @@
 // of it around a ring whose cross-group links carry 2(n-1)/n of the data each; inside a group
 // the steps run between group neighbours (ring neighbours when each group's ranks are
 // contiguous, the usual launch). More steps than the ring (m_g - 1 twice, 2(G - 1)): for large
-// messages only (select.cc). Peers per rank: two group neighbours plus the owners it shares
-// runs with (at most L / m_g + G - 1 of them), connected on first use.
+// messages only (select.cc). Peers per rank: its two group neighbours plus, for each run it
+// owns part of (at most L / m_g runs), its two neighbours in that run's ring of owners,
+// connected on first use.
 #include <cstring>
 #include <exception>
 #include <vector>

@@ -21,8 +21,9 @@
 //                                                            owners' rings across groups, all-gather)
 // HETCCL_CAPI_ALGO=ring forces rings everywhere (the check: its ring all-gather alone; broadcast:
 // the chain), =rd the latency algorithms at every size, =hier the hierarchical all_reduce at
-// every size (the other collectives as auto). Peers per rank: the two ring neighbours, plus O(log n) partners of the
-// latency algorithms (connected on first use), at any n.
+// every size (the other collectives as auto). Peers per rank: the two ring neighbours, plus
+// O(log n) partners of the latency algorithms (connected on first use), at any n; hier adds
+// group neighbours and owners of shared blocks (coll_allreduce_hier.cc).
 // rd_max_bytes (64 KiB): where the ring's bandwidth starts to matter more than its step count
 // on the 2-core machine's shm and tcp (docs/benchmarks.md, "C API latency"); re-measure
 // before moving it.
