@@ -168,6 +168,21 @@ def test_stream_path(tmp_path, split, runtime, route):
         assert "stream/device_mismatch_breaks_every_rank" in res[0]["cases"]
 
 
+def test_stream_path_staged_calls_take_the_hierarchical_all_reduce(tmp_path):
+    """HETCCL_CAPI_ALGO=hier with stream calls (emulated runtime, 3+2+2): the staged calls' host
+    all_reduces are hierarchical (the device route keeps its ring), every case against its
+    reference with the same bits on every rank."""
+    res, procs, logs = launch(tmp_path, "3+2+2", "stream",
+                              env={"HETCCL_CAPI_DEVICE": "emulated", "HETCCL_CAPI_ALGO": "hier"})
+    assert sorted(res) == list(range(7)), "\n".join(logs)[-4000:]
+    bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
+    for r in res:
+        assert res[r]["digests"] == res[0]["digests"], f"rank {r} has other bits"
+        info = res[r]["info"]
+        assert int(info.get("algo_all_reduce_hier", 0)) > 0 and "algo_all_reduce_ring" not in info, info
+
+
 @pytest.mark.parametrize("split", ["1+1", "2+1", "1+1+1"])
 def test_stream_path_chunked(tmp_path, split):
     """HETCCL_STREAM_CHUNK_BYTES (stream_path.h): every case of the stream test with every
