@@ -83,12 +83,12 @@ void all_reduce_hier(Comm& c, const void* send, void* recv, size_t count, DType 
     size_t lo = at(R.b0), len = at(R.b1) - lo;
     return std::make_pair(buf + (lo + block_lo(len, G, x)) * es, block_len(len, G, x) * es);
   };
-  auto run_step = [&](uint32_t k, bool reduce, auto&& pick) {
+  // step k of every owned run's ring: send sub-block x_out to the next owner, receive x_in
+  // from the previous one (reduced into place when `reduce`)
+  auto run_step = [&](uint32_t k, bool reduce, int x_out, int x_in) {
     std::vector<uint64_t> plans;
     for (size_t i : mine_runs) {
       const Run& R = runs[i];
-      int x_out, x_in;
-      pick(x_out, x_in);
       auto out = sub(R, x_out), in = sub(R, x_in);
       plans.push_back(c.post(Comm::tag(seq, s1 + uint32_t(i) * per_run + k),
                              {{R.owners[size_t((g + 1) % G)], true, out.first, out.second},
@@ -106,21 +106,13 @@ void all_reduce_hier(Comm& c, const void* send, void* recv, size_t count, DType 
     }
     if (first) std::rethrow_exception(first);
   };
-  for (int k = 0; k < G - 1; ++k)
-    run_step(uint32_t(k), true, [&](int& o, int& i) {
-      o = mod(g - k - 1, G);
-      i = mod(g - k - 2, G);
-    });
+  for (int k = 0; k < G - 1; ++k) run_step(uint32_t(k), true, mod(g - k - 1, G), mod(g - k - 2, G));
   if (op == ReduceOp::AVG)
     for (size_t i : mine_runs) {
       auto own = sub(runs[i], g);
       scale_div(dt, own.first, own.second / es, n, c.settings.reduce_threads);
     }
-  for (int k = 0; k < G - 1; ++k)
-    run_step(uint32_t(G - 1 + k), false, [&](int& o, int& i) {
-      o = mod(g - k, G);
-      i = mod(g - k - 1, G);
-    });
+  for (int k = 0; k < G - 1; ++k) run_step(uint32_t(G - 1 + k), false, mod(g - k, G), mod(g - k - 1, G));
 
   // 3. all-gather inside the group
   for (int k = 0; k < m - 1; ++k) {
