@@ -34,8 +34,8 @@
 #   megatron.txt           (megatron) recipes/megatron/gpu.sh's summary, ITERS=${MEG_ITERS:-10}
 #   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
 #   ucx_tests.log          (ucx) tests/test_gpu_ucx.py (all collectives, 1+1 and 2+1, hosts
-#                          emulated, device memory direct and host-staged), test_ucx, choice tests
-#   ucx_bench.jsonl        (ucx) hetccl 1+1 (BRIDGE_VENDORS), hosts emulated: ucx-device,
+#                          emulated, HETCCL_UCX_DEVICE auto and off: both staged here), test_rdma
+#   ucx_bench.jsonl        (ucx) hetccl 1+1 (BRIDGE_VENDORS), hosts emulated: ucx-auto,
 #                          ucx-staged, tcp in one run; each row tagged {"mode", "vendors"};
 #                          ucx_summary.txt: busbw per mode side by side with ratios to tcp
 #   ucx_probe.log          (ucxprobe) tests/gpu_ucx_probe.py: per configuration ok or the
@@ -201,27 +201,32 @@ for w in $what; do
     doctor)
       timeout $T python3 -m hetccl.cli doctor --copy-test 2>&1 | tee "$OUT/doctor.log" | tail -4 ;;
     ucxprobe)
-      # Which thread and call stall UCX's direct device path, and whether the fix holds: four
-      # configurations (direct without / with prepared handles, the latter also eager-only;
-      # staged), each in fresh processes,
-      # every step bounded; stacks of stalled ranks in $OUT/ucx_probe_stacks_*.txt
-      # (tests/gpu_ucx_probe.py). At most PROBE_CONFIG_TIMEOUT (45) s per configuration.
+      # Which thread and call stall UCX's direct device path (HETCCL_UCX_DEVICE=force over
+      # cuda_copy: without / with prepared handles, the latter also eager-only), staged, and the
+      # default (auto: staged here), each in fresh processes, every step bounded; stacks of
+      # stalled ranks in $OUT/ucx_probe_stacks_*.txt, a CAUSE line where they show the runtime
+      # deadlock (tests/gpu_ucx_probe.py). At most PROBE_CONFIG_TIMEOUT (45) s per configuration
+      # (PROBE_CONFIGS picks some).
       ucx_build || continue
-      PROBE_OUT="$OUT" PROBE_CONFIG_TIMEOUT=${PROBE_CONFIG_TIMEOUT:-45} timeout $((4 * ${PROBE_CONFIG_TIMEOUT:-45} + 20)) \
+      PROBE_OUT="$OUT" PROBE_CONFIG_TIMEOUT=${PROBE_CONFIG_TIMEOUT:-45} timeout $((5 * ${PROBE_CONFIG_TIMEOUT:-45} + 20)) \
         python3 tests/gpu_ucx_probe.py 2>&1 | grep -v "UCX  WARN" > "$OUT/ucx_probe.log"
-      grep -E "^(===|---|  rank|      thread|  only|direct-|VERDICT)" "$OUT/ucx_probe.log" | cut -c1-400 ;;
+      grep -E "^(===|---|  rank|      thread|  only|  CAUSE|CAUSE|auto |direct-|VERDICT)" "$OUT/ucx_probe.log" | cut -c1-400 ;;
     ucx)
       # Bounded for one late run (about 4 minutes after the build): the doctor's UCX and RDMA
-      # lines, then ucx-device / ucx-staged / tcp rows (1+1, hosts emulated; 64 KiB - 64 MiB,
+      # lines, then ucx-auto / ucx-staged / tcp rows (1+1, hosts emulated; 64 KiB - 64 MiB,
       # bf16, all_reduce / all_gather / reduce_scatter; each mode at most UCX_ROW_TIMEOUT s: a
       # stalled mode leaves rows missing, not the run), then the UCX tests if UCX_BUDGET allows.
       ucx_build || continue
       t_ucx=$SECONDS
       python3 -m hetccl.cli doctor 2>&1 | sed -n '/bridge transports/,/^  host identity/p' | tee "$OUT/ucx_doctor.log"
       for v in ${BRIDGE_VENDORS:-1+1}; do
-        for mode in ucx-device ucx-staged tcp; do
+        # ucx-auto: the default (direct only where UCX's device path is runtime-free, else
+        # staged: staged on this box); ucx-force: direct over cuda_copy, which can deadlock
+        # (docs/transports.md), only when UCX_MODES names it
+        for mode in ${UCX_MODES:-ucx-auto ucx-staged tcp}; do
           case $mode in
-            ucx-device) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_DEVICE=auto" ;;
+            ucx-auto) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_DEVICE=auto" ;;
+            ucx-force) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_DEVICE=force" ;;
             ucx-staged) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_DEVICE=off" ;;
             tcp) e="HETCCL_TRANSPORT=tcp" ;;
           esac
@@ -244,14 +249,14 @@ by = {}
 for r in rows:
     by[(r["collective"], r["size_bytes"], r["mode"])] = r
 keys = sorted({(c, s) for c, s, _ in by})
-print("# busbw GB/s by mode (#wrong); ucx-device/tcp, ucx-staged/tcp")
+print("# busbw GB/s by mode (#wrong); ucx-auto/tcp, ucx-staged/tcp")
 for c, s in keys:
-    cell = {m: by.get((c, s, m)) for m in ("ucx-device", "ucx-staged", "tcp")}
+    cell = {m: by.get((c, s, m)) for m in ("ucx-auto", "ucx-staged", "tcp")}
     bw = {m: (round(r["busbw_gbs"], 2) if r else None) for m, r in cell.items()}
     wrong = sum(int(r["wrong"]) for r in cell.values() if r)
     ratio = lambda m: f"{bw[m] / bw['tcp']:.2f}" if bw[m] and bw["tcp"] else "-"
     print(f"{c:<15} {s:>10} " + " ".join(f"{m} {bw[m] if bw[m] is not None else '-'}" for m in cell)
-          + f"  wrong {wrong}  dev/tcp {ratio('ucx-device')} staged/tcp {ratio('ucx-staged')}")
+          + f"  wrong {wrong}  auto/tcp {ratio('ucx-auto')} staged/tcp {ratio('ucx-staged')}")
 PY
       if [ $((SECONDS - t_ucx)) -lt $((${UCX_BUDGET:-210} - 120)) ]; then
         HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 timeout 90 python3 -m pytest -q \

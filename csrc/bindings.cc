@@ -304,6 +304,7 @@ PYBIND11_MODULE(_C, m) {
             d["zero_copy"] = c.zero_copy;
             d["lazy_connect"] = c.lazy_connect;
             d["rdma"] = c.rdma;
+            d["runtime_free"] = c.runtime_free;
             d["detail"] = c.detail;
             out.append(d);
           }

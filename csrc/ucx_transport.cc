@@ -93,6 +93,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
+#include <uct/api/uct.h>
 #include <ucs/config/global_opts.h>
 
 #include <algorithm>
@@ -1676,6 +1677,53 @@ std::unique_ptr<Transport> make_ucx_transport(int rank, int size, const Options&
   return std::make_unique<UcxTransport>(rank, size, opts);
 }
 
+// Device memory types UCX can move in this process without a device-runtime call on its own
+// threads (TransportCaps::runtime_free): an RDMA memory domain (UCT component "ib") registers
+// the type (GPUDirect RDMA: rendezvous goes NIC to GPU memory) and a GDRCopy memory domain
+// opens ("gdr_copy" for CUDA, "rocm_gdr" for ROCm: small messages copied through a CPU mapping
+// of GPU memory). Without both, UCX moves device memory with cuda_copy / rocm_copy, which call
+// the runtime (cuMemcpyAsync, stream syncs) from UCX's progress thread; an application thread
+// blocked in a runtime call behind the collective's stream (a pageable copy) holds the
+// context's lock that call needs, and the collective never completes (stacks of the stall:
+// docs/transports.md). Only memory domains UCX can open here count (md_open fails without the
+// gdrdrv / RDMA device).
+std::vector<std::string> runtime_free_memory() {
+  uct_component_h* comps = nullptr;
+  unsigned ncomp = 0;
+  if (uct_query_components(&comps, &ncomp) != UCS_OK) return {};
+  uint64_t rdma_reg = 0;
+  bool gdr_cuda = false, gdr_rocm = false;
+  for (unsigned i = 0; i < ncomp; ++i) {
+    uct_component_attr_t ca{};
+    ca.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME | UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT;
+    if (uct_component_query(comps[i], &ca) != UCS_OK || ca.md_resource_count == 0) continue;
+    std::string name = ca.name;
+    if (name != "ib" && name != "gdr_copy" && name != "rocm_gdr") continue;
+    std::vector<uct_md_resource_desc_t> res(ca.md_resource_count);
+    ca.field_mask = UCT_COMPONENT_ATTR_FIELD_MD_RESOURCES;
+    ca.md_resources = res.data();
+    if (uct_component_query(comps[i], &ca) != UCS_OK) continue;
+    for (auto& r : res) {
+      uct_md_config_t* cfg = nullptr;
+      if (uct_md_config_read(comps[i], nullptr, nullptr, &cfg) != UCS_OK) continue;
+      uct_md_h md = nullptr;
+      ucs_status_t st = uct_md_open(comps[i], r.md_name, cfg, &md);
+      uct_config_release(cfg);
+      if (st != UCS_OK) continue;
+      uct_md_attr_t attr{};
+      if (uct_md_query(md, &attr) == UCS_OK && name == "ib") rdma_reg |= attr.cap.reg_mem_types;
+      if (name == "gdr_copy") gdr_cuda = true;
+      if (name == "rocm_gdr") gdr_rocm = true;
+      uct_md_close(md);
+    }
+  }
+  uct_release_component_list(comps);
+  std::vector<std::string> out;
+  if (gdr_cuda && (rdma_reg & (uint64_t(1) << UCS_MEMORY_TYPE_CUDA))) out.push_back("cuda");
+  if (gdr_rocm && (rdma_reg & (uint64_t(1) << UCS_MEMORY_TYPE_ROCM))) out.push_back("rocm");
+  return out;
+}
+
 // Asks UCX (one UCP context with the user's UCX_* settings) what it can do in this process:
 // memory types it handles (ucp_context_query: "cuda" where cuda_copy loaded and a CUDA driver is
 // present, "rocm" likewise) and the transports it has resources of. Preference 20 (before hetccl's
@@ -1713,9 +1761,14 @@ TransportCaps ucx_caps() {
     for (const char* p : {"rc", "dc", "ud", "srd", "gga"})
       rdma = rdma || t.compare(0, std::strlen(p), p) == 0;
   c.rdma = rdma;
+  if (c.memory.size() > 1)
+    for (auto& m : runtime_free_memory())
+      if (std::find(c.memory.begin(), c.memory.end(), m) != c.memory.end())
+        c.runtime_free.push_back(m);
   if (rdma || c.memory.size() > 1) c.preference = 20;
   c.detail = std::string("UCX ") + ucp_get_version_string() + "; UCX_TLS=" + tls +
-             "; transports " + join(tl) + (rdma ? " (RDMA)" : "");
+             "; transports " + join(tl) + (rdma ? " (RDMA)" : "") +
+             (c.runtime_free.empty() ? "" : "; GPUDirect RDMA + GDRCopy for " + join(c.runtime_free));
   return c;
 }
 

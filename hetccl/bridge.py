@@ -15,8 +15,10 @@ the group's torch store: no rendezvous of our own.
 The collectives' data does not go through this module: the C++ engine (engine.py,
 csrc/engine.h) drives these transports directly. isend/irecv here serve point-to-point
 operations on host tensors; device data crosses through host memory, exactly as between real
-vendors, whose devices share nothing but the host, unless HETCCL_UCX_DEVICE=auto hands it to a
-UCX that takes the device's memory (Choice.device_direct; the engine's direct links).
+vendors, whose devices share nothing but the host, unless the pair's UCX moves the device's
+memory without runtime calls on its own threads (GPUDirect RDMA with GDRCopy, under
+HETCCL_UCX_DEVICE=auto) or HETCCL_UCX_DEVICE=force hands it over anyway (Choice.device_direct;
+the engine's direct links).
 """
 from __future__ import annotations
 
@@ -165,6 +167,14 @@ class Bridge:
         by: dict[str, list[int]] = {}
         for p in self.peers:
             by.setdefault(self.choices[(topo.rank, p)].describe(), []).append(p)
+        if config.get("HETCCL_UCX_DEVICE") == "force" and any(self.device_direct.values()):
+            log.warning("hetccl bridge: rank %d: HETCCL_UCX_DEVICE=force hands device memory to "
+                        "%s, whose own threads then call the device runtime: an application "
+                        "thread blocked in a runtime call behind a collective's stream (a "
+                        "pageable copy such as x.cpu()) deadlocks with them; for diagnostics "
+                        "only (docs/transports.md)", topo.rank,
+                        ",".join(sorted({self.kind_of[p] for p in self.peers
+                                         if self.device_direct[p]})))
         log.info("hetccl bridge: rank %d (vendor %s) reaches %s%s", topo.rank,
                  topo.labels[topo.my_group],
                  "; ".join(f"ranks {ps} via {d}" for d, ps in sorted(by.items())),
@@ -283,6 +293,10 @@ def choose_all(topo: Topology, caps: list[dict]) -> dict:
     capabilities ({"table": ..., "kind": ...}). The same on every rank."""
     forced = config.get("HETCCL_TRANSPORT")
     device = config.get("HETCCL_UCX_DEVICE")
+    # no rank of another vendor on the same real host (emulation aside): such a rank's UCX
+    # context keeps its device paths (transports.ucx_exclusions)
+    alone = [not any(topo.same_host(r, p) for p in range(topo.size)
+                     if topo.group_of[p] != topo.group_of[r]) for r in range(topo.size)]
     out = {}
     for a in range(topo.size):
         for b in range(topo.size):
@@ -290,7 +304,8 @@ def choose_all(topo: Topology, caps: list[dict]) -> dict:
                 continue
             out[(a, b)] = transports.choose(a, b, caps[a]["table"], caps[b]["table"],
                                             pair_same_host(topo, a, b), forced,
-                                            caps[a]["kind"], caps[b]["kind"], device)
+                                            caps[a]["kind"], caps[b]["kind"], device,
+                                            alone[a], alone[b])
     return out
 
 

@@ -60,8 +60,8 @@ def _share_mode(s: str) -> str:
 
 def _device_mode(s: str) -> str:
     v = s.strip().lower()
-    if v not in ("auto", "off"):
-        raise ValueError("expected auto or off")
+    if v not in ("auto", "off", "force"):
+        raise ValueError("expected auto, off or force")
     return v
 
 
@@ -207,14 +207,16 @@ _SETTINGS = [
             "without UCX_), each only where the environment does not set UCX_<KEY> itself; "
             "'none': UCX's own defaults. The default's larger tcp segments cost about 70 MB "
             "more resident memory on a receiving rank. Must be equal on every rank."),
-    Setting("HETCCL_UCX_DEVICE", _device_mode, "off",
-            "Device tensors over UCX: off (default) stages them through pinned host memory in "
-            "the engine; auto hands device memory to UCX directly when both ranks' UCX handle "
-            "their device's memory type. auto is experimental: on the H200 box (UCX 1.22 "
-            "cuda_copy over tcp) a collective whose result the caller copies to the host at once "
-            "stalled; HETCCL_UCX_DEVICE_PREPARE addresses the cause, tests/gpu_ucx_probe.py "
-            "decides whether this default can become auto (docs/transports.md). Must be equal "
-            "on every rank."),
+    Setting("HETCCL_UCX_DEVICE", _device_mode, "auto",
+            "Device tensors over UCX. auto (default): handed to UCX directly only where both "
+            "ranks' UCX moves their device's memory without calling the device runtime on its "
+            "own threads (GPUDirect RDMA with GDRCopy and a peer-memory module, ranks on "
+            "different hosts with no other vendor on theirs), else staged through pinned host "
+            "memory by the engine. off: always staged. force: directly wherever UCX handles the "
+            "memory type (cuda_copy / rocm_copy), for diagnostics only: UCX's thread then calls "
+            "the runtime and deadlocks against an application thread blocked in a runtime call "
+            "behind the collective's stream, e.g. `x.cpu()` right after the collective "
+            "(docs/transports.md, tests/gpu_ucx_probe.py). Must be equal on every rank."),
     Setting("HETCCL_UCX_COPY_THREAD", _bool, True,
             "UCX transport: copies out of the unexpected-message buffer and irecv_reduce's "
             "reductions run on a thread of their own beside UCX's progress thread (0: on the "
@@ -225,7 +227,7 @@ _SETTINGS = [
             "instead of landing the whole message in a bounce buffer first (0: the bounce "
             "buffer, as before; docs/transports.md). Ranks may differ: the wire is the same."),
     Setting("HETCCL_UCX_DEVICE_PREPARE", _bool, True,
-            "With HETCCL_UCX_DEVICE=auto: the thread that issues a collective maps its device "
+            "Where device memory goes to UCX directly: the thread that issues a collective maps its device "
             "buffers for UCX (ucp_mem_map, cached per range) so that the engine's proxy posts "
             "them with the handle and UCX makes no memory query -- whose cuCtxSetFlags takes "
             "the CUDA context's lock in UCX 1.22 -- on the proxy's thread (docs/transports.md). "

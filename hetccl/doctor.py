@@ -112,6 +112,12 @@ def transport_report(kind: str) -> list[str]:
             c = transports.choose(0, 1, mine, mine, same, forced, kind, kind, device)
             got = c.transport + (", device memory direct" if c.device_direct else
                                  ", device data host-staged" if kind in ("cuda", "rocm") else "")
+            if (not c.device_direct and device == "auto" and not same
+                    and kind in mine[c.transport]["memory"]):
+                got += (f" ({c.transport} takes {kind} memory, but would call the runtime from "
+                        "its own threads: direct needs GPUDirect RDMA with GDRCopy and a "
+                        "peer-memory module; HETCCL_UCX_DEVICE=force overrides, see "
+                        "docs/transports.md)")
         except ValueError as e:
             got = f"NONE: {e}"
         lines.append(f"  {where} -> {got}" + (" (HETCCL_EMULATE_HOSTS: every vendor group is a "

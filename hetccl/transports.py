@@ -58,13 +58,46 @@ def local_table() -> tuple[dict, ...]:
     return tuple(dict(t) for t in _C.transport_table())
 
 
-def publishable(table) -> dict[str, dict]:
-    """The part of a table other ranks need, keyed by transport name (JSON-able)."""
+#: kernel modules through which an RDMA NIC registers a vendor's GPU memory as a peer-memory
+#: client (no runtime call at registration; rdma.PEER_MEMORY_MODULES lists them for the doctor)
+PEER_MEMORY_KINDS = {"nvidia_peermem": "cuda", "nv_peer_mem": "cuda", "amdp2p": "rocm"}
+
+
+def peer_memory_kinds(modules=None) -> set[str]:
+    """Device kinds whose memory an RDMA NIC registers through a loaded peer-memory module."""
+    if modules is None:
+        from .rdma import loaded_modules
+        modules = loaded_modules()
+    return {k for m, k in PEER_MEMORY_KINDS.items() if m in modules}
+
+
+def publishable(table, peer_kinds=None) -> dict[str, dict]:
+    """The part of a table other ranks need, keyed by transport name (JSON-able).
+
+    "direct_safe": the device memory types this rank may hand to the transport directly under
+    HETCCL_UCX_DEVICE=auto: those it moves with no runtime call on its own threads
+    (TransportCaps::runtime_free: GPUDirect RDMA and GDRCopy) whose RDMA registration goes
+    through a peer-memory module (``peer_kinds``, default: the loaded modules). A dma-buf
+    registration is not enough: UCX 1.22 gets the dma-buf through cuda_copy's memory query
+    (cuCtxSetFlags, the context's lock) on the thread that registers, the engine's proxy."""
+    peer = peer_memory_kinds() if peer_kinds is None else set(peer_kinds)
     return {t["name"]: {"preference": int(t["preference"]), "same_host": bool(t["same_host"]),
                         "other_host": bool(t["other_host"]), "memory": list(t["memory"]),
                         "rdma": bool(t.get("rdma", False)),
+                        "direct_safe": [m for m in t.get("runtime_free", []) if m in peer],
                         "zero_copy": bool(t.get("zero_copy", False))}
             for t in table}
+
+
+def direct_kinds(entry: dict, device: str) -> list[str]:
+    """Device memory types a rank hands to this transport directly under HETCCL_UCX_DEVICE
+    ``device``: none when off; those it moves without runtime calls on its threads when auto;
+    every device type it handles when force (diagnostics: can deadlock, docs/transports.md)."""
+    if device == "off":
+        return []
+    if device == "force":
+        return [m for m in entry["memory"] if m != "host"]
+    return list(entry.get("direct_safe", []))
 
 
 def shared_ring(tables) -> str | None:
@@ -101,28 +134,35 @@ def _where(same_host: bool) -> str:
 _NO_DEVICE_EDGE_PREFERENCE = 40
 
 
-def _preference(entry: dict, device: str) -> int:
+def _preference(entry: dict, device: str, can_direct: bool = True) -> int:
     """A transport's rank for the automatic choice. A transport that takes device memory
-    (UCX: 20, before tcp, when it brings RDMA or device memory) gains nothing from it while the
-    direct device path is off (HETCCL_UCX_DEVICE=off, the default): staged through host memory,
-    UCX without RDMA is UCX's tcp against hetccl's striped tcp (1.5 against 4.4 GB/s at 64 MiB
-    on the H200 box, docs/benchmarks.md), so without RDMA it then ranks after tcp.
-    ``entry``: a publishable() entry."""
+    (UCX: 20, before tcp, when it brings RDMA or device memory) gains nothing from it where
+    device memory does not go to it directly (HETCCL_UCX_DEVICE=off, or auto where its device
+    path would call the runtime from its threads): staged through host memory, UCX without RDMA
+    is UCX's tcp against hetccl's striped tcp (1.5 against 4.4 GB/s at 64 MiB on the H200 box,
+    docs/benchmarks.md), so without RDMA it then ranks after tcp. ``entry``: a publishable()
+    entry; ``can_direct``: whether the pair could take the direct path at all (choose())."""
     takes_device_memory = any(m != "host" for m in entry["memory"])
-    if device == "off" and takes_device_memory and not entry.get("rdma", False):
+    direct = can_direct and direct_kinds(entry, device)
+    if takes_device_memory and not direct and not entry.get("rdma", False):
         return max(entry["preference"], _NO_DEVICE_EDGE_PREFERENCE)
     return entry["preference"]
 
 
 def choose(a: int, b: int, table_a: dict, table_b: dict, same_host: bool, forced: str = "auto",
-           kind_a: str = "cpu", kind_b: str = "cpu", device: str = "auto") -> Choice:
-    """Transport of the pair (a, b), symmetric in (a, table_a, kind_a) <-> (b, table_b, kind_b).
+           kind_a: str = "cpu", kind_b: str = "cpu", device: str = "auto",
+           alone_a: bool = True, alone_b: bool = True) -> Choice:
+    """Transport of the pair (a, b), symmetric in (a, table_a, kind_a, alone_a) <-> (b, ...).
 
     table_*: publishable() tables of the two ranks; same_host: whether the pair counts as one host
     (shared memory possible); forced: HETCCL_TRANSPORT; kind_*: what each rank's torch drives
-    ("cuda", "rocm", "cpu"); device: HETCCL_UCX_DEVICE ("auto" or "off").
+    ("cuda", "rocm", "cpu"); device: HETCCL_UCX_DEVICE ("auto", "off" or "force"); alone_*:
+    whether no rank of another vendor shares that rank's real host (else its UCX context loses
+    the device paths, GDRCopy included: ucx_exclusions), which auto's direct path needs.
     Raises ValueError naming the pair when no transport (or the forced one) can serve it."""
     reach = "same_host" if same_host else "other_host"
+    # auto's direct path needs the two ranks on different hosts, each keeping its device paths
+    can_direct = device == "force" or (device == "auto" and not same_host and alone_a and alone_b)
     if forced != "auto":
         for r, t in ((a, table_a), (b, table_b)):
             if forced not in t:
@@ -142,10 +182,10 @@ def choose(a: int, b: int, table_a: dict, table_b: dict, same_host: bool, forced
             raise ValueError(
                 f"hetccl: no bridge transport reaches rank {b} from rank {a} ({_where(same_host)}): "
                 f"rank {a} has {sorted(table_a)}, rank {b} has {sorted(table_b)}")
-        name = min(both, key=lambda n: (max(_preference(table_a[n], device),
-                                            _preference(table_b[n], device)), n))
-    direct = (device != "off" and kind_a in table_a[name]["memory"]
-              and kind_b in table_b[name]["memory"])
+        name = min(both, key=lambda n: (max(_preference(table_a[n], device, can_direct),
+                                            _preference(table_b[n], device, can_direct)), n))
+    direct = (can_direct and kind_a in direct_kinds(table_a[name], device)
+              and kind_b in direct_kinds(table_b[name], device))
     zero_copy = table_a[name].get("zero_copy", False) and table_b[name].get("zero_copy", False)
     return Choice(name, direct, zero_copy)
 

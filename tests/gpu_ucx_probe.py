@@ -1,26 +1,33 @@
 """Diagnostic for UCX's direct device path (`.ci/gpu-box.sh ucxprobe`; not a test): 1+1 emulated
 vendors on emulated hosts over UCX, every step bounded in time, one run that decides.
 
-It runs the same steps under four configurations, each in a fresh pair of processes:
-  direct-unprepared  HETCCL_UCX_DEVICE=auto HETCCL_UCX_DEVICE_PREPARE=off: the landed direct
-                     path, where UCX queries every device buffer on the engine's proxy thread
-  direct-prepared    HETCCL_UCX_DEVICE=auto HETCCL_UCX_DEVICE_PREPARE=on: the issuing thread
+It runs the same steps under these configurations, each in a fresh pair of processes:
+  direct-unprepared  HETCCL_UCX_DEVICE=force HETCCL_UCX_DEVICE_PREPARE=off: device memory to
+                     UCX (cuda_copy), UCX querying every device buffer on the engine's proxy
+  direct-prepared    HETCCL_UCX_DEVICE=force HETCCL_UCX_DEVICE_PREPARE=on: the issuing thread
                      maps each buffer once and posts carry the handle (csrc/ucx_transport.cc)
-  direct-prepared-eager  the same with UCX_RNDV_THRESH=inf (no rendezvous fragments, whose first
-                     registration per allocation queries memory on UCX's thread)
+  direct-prepared-eager  the same with UCX_RNDV_THRESH=inf (no rendezvous fragments)
   staged             HETCCL_UCX_DEVICE=off: the engine stages device data through host memory
+  auto               the default: must resolve to staged where UCX's device path is not
+                     runtime-free (no GPUDirect RDMA with GDRCopy: this box)
 Steps: host memory through the transport; synchronized all-reduces (fp32 SUM, bf16 MAX); the
 pattern that stalled on 2026-12-01 -- `x = host.to(dev); all_reduce(x); x.cpu()`, a pageable
 copy right behind the collective -- at four sizes, three times each; eight all-reduces in flight;
 all_gather / reduce_scatter checked; a timed 16 MiB bf16 all-reduce loop.
 
-A step that does not finish within PROBE_STEP_TIMEOUT seconds is a stall: the rank then records
+A step that does not finish within PROBE_STEP_TIMEOUT seconds is a stall: the rank records
 which step, every thread's native stack (tid, thread name, top frames; the raw dump and, where
 gdb exists, gdb's `thread apply all bt` go to $PROBE_OUT), the Python stacks, prints its result
 and exits, so the next configuration still runs. The last lines say per configuration "ok" or
-"STALL at <step>" with the threads that sit in the CUDA driver or UCX, and a verdict.
+"STALL at <step>", the CAUSE where the stacks show a transport thread and an application
+thread both inside the CUDA driver (deadlock()), and a verdict.
 
-Knobs: PROBE_CONFIGS (comma list, default all four), PROBE_STEP_TIMEOUT (10), PROBE_CONFIG_TIMEOUT
+Found on one H100 (2026-12-05): UCX's progress thread in cuMemcpyAsync (uct_cuda_copy_ep_put_short
+<- ucp_mem_type_unpack <- ucp_eager_only_handler: an eager message unpacked into device memory)
+waiting for the driver's lock, while the application thread sat in cuMemcpyDtoHAsync_v2 (x.cpu(),
+pageable) behind the collective's stream (docs/transports.md, docs/benchmarks/ucx_probe_h100x1_2026-12-05.txt).
+
+Knobs: PROBE_CONFIGS (comma list, default all), PROBE_STEP_TIMEOUT (10), PROBE_CONFIG_TIMEOUT
 (50, per configuration), PROBE_OUT (directory for raw stacks; default: none written).
 Earlier results: docs/benchmarks/ucx_probe_h200x1.txt."""
 from __future__ import annotations
@@ -41,13 +48,15 @@ import torch
 import torch.distributed as dist
 
 CONFIGS = {
-    "direct-unprepared": {"HETCCL_UCX_DEVICE": "auto", "HETCCL_UCX_DEVICE_PREPARE": "off"},
-    "direct-prepared": {"HETCCL_UCX_DEVICE": "auto", "HETCCL_UCX_DEVICE_PREPARE": "on"},
+    "direct-unprepared": {"HETCCL_UCX_DEVICE": "force", "HETCCL_UCX_DEVICE_PREPARE": "off"},
+    "direct-prepared": {"HETCCL_UCX_DEVICE": "force", "HETCCL_UCX_DEVICE_PREPARE": "on"},
     # the prepared path with UCX's eager protocol only: no rendezvous fragments, whose first
     # registration per allocation (ucp_memh_get_slow) would still query memory on UCX's thread
-    "direct-prepared-eager": {"HETCCL_UCX_DEVICE": "auto", "HETCCL_UCX_DEVICE_PREPARE": "on",
+    "direct-prepared-eager": {"HETCCL_UCX_DEVICE": "force", "HETCCL_UCX_DEVICE_PREPARE": "on",
                               "UCX_RNDV_THRESH": "inf"},
     "staged": {"HETCCL_UCX_DEVICE": "off"},
+    # the default: must resolve to staged on a box without GPUDirect RDMA + GDRCopy
+    "auto": {"HETCCL_UCX_DEVICE": "auto"},
 }
 # objects whose frames say where a stalled thread waits
 _INTERESTING = ("libcuda", "libuct", "libucp", "libucs", "_C.cpython", "libtorch_cuda", "libcudart")
@@ -142,8 +151,38 @@ def native_stacks(tag: str) -> list:
             exact = _symbolize(obj, off) if base.startswith(("libuc", "_C.")) else "?"
             name = exact if exact != "?" else (f"~{sym}" if sym != "?" else "?")
             top.append(f"{base}:{name}+{off}")
-        summary.append({"tid": t["tid"], "name": t["name"], "top": top})
+        summary.append({"tid": t["tid"], "name": t["name"], "top": top,
+                        # every frame's object and exported symbol (for deadlock())
+                        "all": [f"{os.path.basename(o)}:{sym}" for o, _, sym in t["frames"]]})
     return summary
+
+
+def deadlock(threads: list) -> str:
+    """One line naming the runtime deadlock the stacks show, "" when they do not show one: a
+    transport thread (UCX's progress thread, the engine's proxy or copy thread) inside the CUDA
+    driver, called from UCX, while an application thread (one with torch frames) is inside the
+    driver too -- a blocking call behind the collective's stream, holding the lock that the
+    transport thread's call waits for."""
+    def in_driver(t):
+        return any(f.startswith("libcuda.so") for f in t["all"])
+
+    def first_api(t, prefix):  # the outermost exported driver/runtime entry, e.g. cuMemcpyAsync
+        names = [f.split(":", 1)[1] for f in t["all"]
+                 if f.startswith(prefix) and f.split(":", 1)[1] not in ("?", "")]
+        return names[-1] if names else "?"
+    transport = [t for t in threads if t["name"].startswith("hetccl-") and in_driver(t)
+                 and any(f.startswith(("libuct", "libucp")) for f in t["all"])]
+    app = [t for t in threads if not t["name"].startswith(("hetccl-", "cuda")) and in_driver(t)
+           and any(f.startswith(("libtorch", "libcudart")) for f in t["all"])]
+    if not (transport and app):
+        return ""
+    tt, at = transport[0], app[0]
+    via = [f.split(":", 1)[1] for f in tt["all"] if f.startswith(("libuct", "libucp"))
+           and not f.endswith(":?")][:2]
+    return (f"thread {tt['tid']} {tt['name']} is in the CUDA driver ({first_api(tt, 'libcuda.so')} "
+            f"from {' <- '.join(via) or 'UCX'}) while application thread {at['tid']} is in it "
+            f"too ({first_api(at, 'libcuda.so')}, from torch): the application's call waits for the "
+            "collective's stream, which waits for the message UCX's driver call would finish")
 
 
 def rank_main(ctx) -> dict:
@@ -335,14 +374,15 @@ def main() -> int:
         print(f"unknown PROBE_CONFIGS {bad}; known: {list(CONFIGS)}")
         return 2
     timeout = float(os.environ.get("PROBE_CONFIG_TIMEOUT", "50"))
-    verdicts = {}
+    verdicts, causes, choices = {}, {}, {}
     for name in names:
         res = _run_config(name, CONFIGS[name], timeout)
         for r in sorted(res, key=lambda r: r["rank"]):
             print(json.dumps(r, default=str))
         lines = []
         for r in sorted(res, key=lambda r: r["rank"]):
-            v = f"rank {r['rank']}: {r['verdict']}"
+            choices.setdefault(name, r.get("choice"))
+            v = f"rank {r['rank']}: {r['verdict']} ({r.get('choice')})"
             if "all_reduce_16MiB_bf16" in r:
                 v += f", 16 MiB bf16 all_reduce {r['all_reduce_16MiB_bf16']['busbw_GBps']} GB/s"
             if r.get("device_handles"):
@@ -350,27 +390,35 @@ def main() -> int:
             lines.append(v)
             for th in r.get("stall", {}).get("threads", []):
                 lines.append(f"    thread {th['tid']} {th['name']}: " + " <- ".join(th["top"][:6]))
+            cause = deadlock(r.get("stall", {}).get("threads", []))
+            if cause:
+                causes[name] = cause
+                lines.append(f"  CAUSE: {cause}")
         if len(res) < 2:
             lines.append(f"only {len(res)} of 2 ranks reported (killed before their result)")
         ok = len(res) == 2 and all(r["verdict"] == "ok" for r in res)
         verdicts[name] = ok
         print(f"--- {name}: {'ok' if ok else 'NOT ok'}\n  " + "\n  ".join(lines), flush=True)
     print("=== summary: " + ", ".join(f"{n} {'ok' if v else 'STALL/FAIL'}" for n, v in verdicts.items()))
-    if "direct-unprepared" in verdicts:
-        print("direct-unprepared (the landed path): " + (
-            "stalled, as on 2026-12-01: its stacks above show where" if not verdicts["direct-unprepared"]
-            else "did NOT stall in this run (the stall is timing-dependent; the comparison is weaker)"))
-    if verdicts.get("direct-prepared") and verdicts.get("staged", True):
-        print("VERDICT: the direct device path with prepared handles ran every step, the pageable "
-              "copy-out pattern included: HETCCL_UCX_DEVICE=auto is safe on this box "
-              "(the default can be flipped, docs/transports.md)")
-    elif verdicts.get("direct-prepared-eager"):
-        print("VERDICT: prepared handles alone are not enough, with UCX_RNDV_THRESH=inf (eager only) "
-              "every step ran: keep HETCCL_UCX_DEVICE=off by default; the rendezvous path's "
-              "registration is what remains (docs/transports.md)")
-    elif "direct-prepared" in verdicts:
-        print("VERDICT: the direct device path still stalls or fails with prepared handles: keep "
-              "HETCCL_UCX_DEVICE=off (staged) as the default; the stacks above say where")
+    if "auto" in verdicts:
+        staged = choices.get("auto") == "ucx"
+        print("auto (the default): " + ("ran every step, device data host-staged (no runtime-free "
+                                        "device path on this box)" if verdicts["auto"] and staged
+                                        else f"NOT as expected: {choices.get('auto')}, "
+                                        f"{'ok' if verdicts['auto'] else 'stalled/failed'}"))
+    for n, c in causes.items():
+        print(f"CAUSE ({n}): {c}")
+    forced = [n for n in verdicts if n.startswith("direct")]
+    if forced and not any(verdicts[n] for n in forced):
+        print("VERDICT: every forced direct configuration stalled" + (
+            "; the stacks name the runtime deadlock (UCX's cuda_copy on its own thread against "
+            "the application's blocking call): direct stays limited to runtime-free device paths "
+            "(HETCCL_UCX_DEVICE=auto, docs/transports.md)" if causes else
+            "; the stacks did not show a driver call on a transport thread: read them"))
+    elif forced:
+        print("VERDICT: some forced direct configurations ran every step (" + ", ".join(
+            n for n in forced if verdicts[n]) + "): the deadlock is timing-dependent; a clean "
+            "run does not make force safe")
     return 0
 
 

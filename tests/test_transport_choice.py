@@ -19,13 +19,17 @@ HAS_UCX = "ucx" in _C.transport_names()
 needs_ucx = pytest.mark.skipif(not HAS_UCX, reason="hetccl._C built without the UCX transport")
 
 
-def _t(pref, same=True, other=True, memory=("host",)):
-    return {"preference": pref, "same_host": same, "other_host": other, "memory": list(memory)}
+def _t(pref, same=True, other=True, memory=("host",), direct_safe=()):
+    return {"preference": pref, "same_host": same, "other_host": other, "memory": list(memory),
+            "direct_safe": list(direct_safe)}
 
 
-# What a CPU machine's build declares, and a GPU box whose UCX handles CUDA memory.
+# What a CPU machine's build declares; a GPU box whose UCX handles CUDA memory with cuda_copy
+# (the GPU box: its own threads would call the CUDA runtime); one with GPUDirect RDMA, GDRCopy
+# and a peer-memory module (direct_safe).
 CPU = {"shm": _t(10, other=False), "tcp": _t(30), "ucx": _t(40)}
 GPU = {"shm": _t(10, other=False), "tcp": _t(30), "ucx": _t(20, memory=("host", "cuda"))}
+GPUDIRECT = {**GPU, "ucx": _t(20, memory=("host", "cuda"), direct_safe=("cuda",))}
 
 
 # ------------------------------------------------------------------ the table of this build
@@ -47,6 +51,32 @@ def test_local_table_declares_every_transport_once_in_preference_order():
         assert u["other_host"] and u["detail"].startswith("UCX ")
         if "cuda" not in u["memory"] and "RDMA" not in u["detail"]:
             assert u["preference"] > by["tcp"]["preference"]
+
+
+def test_direct_safe_needs_a_runtime_free_path_and_peer_memory():
+    """publishable() marks a device memory type direct-safe only where the transport moves it
+    without runtime calls on its threads (runtime_free: GPUDirect RDMA + GDRCopy) and the NIC
+    registers that vendor's memory through a peer-memory module (dma-buf goes through the
+    runtime on the registering thread in UCX 1.22); direct_kinds() follows HETCCL_UCX_DEVICE."""
+    row = {"name": "ucx", "preference": 20, "same_host": True, "other_host": True,
+           "memory": ["host", "cuda", "rocm"], "rdma": True, "runtime_free": ["cuda", "rocm"],
+           "detail": "x"}
+    assert transports.publishable([row], peer_kinds=set())["ucx"]["direct_safe"] == []
+    assert transports.publishable([row], peer_kinds={"cuda"})["ucx"]["direct_safe"] == ["cuda"]
+    assert transports.publishable([{**row, "runtime_free": []}], peer_kinds={"cuda", "rocm"})[
+        "ucx"]["direct_safe"] == []
+    assert transports.peer_memory_kinds({"nvidia_peermem", "ib_core"}) == {"cuda"}
+    assert transports.peer_memory_kinds({"amdp2p"}) == {"rocm"}
+    assert transports.peer_memory_kinds(set()) == set()
+    e = transports.publishable([row], peer_kinds={"rocm"})["ucx"]
+    assert transports.direct_kinds(e, "auto") == ["rocm"]
+    assert transports.direct_kinds(e, "off") == []
+    assert transports.direct_kinds(e, "force") == ["cuda", "rocm"]
+    # this build on this machine: no RDMA device, no GDRCopy, so nothing is direct-safe
+    for t in transports.local_table():
+        assert set(t["runtime_free"]) <= set(t["memory"]) - {"host"}, t
+        if "RDMA" not in t["detail"]:
+            assert t["runtime_free"] == [], t
 
 
 def test_published_table_carries_what_the_choice_reads():
@@ -72,13 +102,33 @@ def test_published_table_carries_what_the_choice_reads():
 def test_same_host_gets_shm_other_hosts_get_the_preferred_network_transport():
     assert transports.choose(0, 1, CPU, CPU, True) == transports.Choice("shm", False)
     assert transports.choose(0, 1, CPU, CPU, False) == transports.Choice("tcp", False)
-    # a UCX with device memory (or RDMA) is preferred between hosts, device memory direct
-    assert transports.choose(0, 1, GPU, GPU, False, kind_a="cuda", kind_b="cuda") == \
-        transports.Choice("ucx", True)
+    # a UCX that moves device memory without runtime calls on its threads is preferred between
+    # hosts, device memory direct (HETCCL_UCX_DEVICE=auto, the default)
+    assert transports.choose(0, 1, GPUDIRECT, GPUDIRECT, False, kind_a="cuda",
+                             kind_b="cuda") == transports.Choice("ucx", True)
     # ... still shm on one host
-    assert transports.choose(0, 1, GPU, GPU, True, kind_a="cuda", kind_b="cuda").transport == "shm"
-    # HETCCL_UCX_DEVICE=off (the default): a UCX whose only edge is device memory ranks after
-    # tcp; forced, it carries device data host-staged
+    assert transports.choose(0, 1, GPUDIRECT, GPUDIRECT, True, kind_a="cuda",
+                             kind_b="cuda").transport == "shm"
+    # ... and not direct for a rank that shares its host with another vendor (its UCX context
+    # loses GDRCopy: ucx_exclusions), nor with HETCCL_UCX_DEVICE=off: then it is a UCX whose only
+    # edge is device memory, ranked after tcp
+    for alone in ((False, True), (True, False)):
+        assert transports.choose(0, 1, GPUDIRECT, GPUDIRECT, False, kind_a="cuda", kind_b="cuda",
+                                 alone_a=alone[0], alone_b=alone[1]) == \
+            transports.Choice("tcp", False)
+    assert transports.choose(0, 1, GPUDIRECT, GPUDIRECT, False, kind_a="cuda", kind_b="cuda",
+                             device="off") == transports.Choice("tcp", False)
+    # a UCX whose device path calls the runtime from its threads (cuda_copy: the GPU box) is
+    # not direct under auto, and ranks after tcp; force hands it device memory anyway
+    assert transports.choose(0, 1, GPU, GPU, False, kind_a="cuda", kind_b="cuda") == \
+        transports.Choice("tcp", False)
+    assert transports.choose(0, 1, GPU, GPU, False, kind_a="cuda", kind_b="cuda",
+                             device="force") == transports.Choice("ucx", True)
+    assert transports.choose(0, 1, GPU, GPU, False, "ucx", kind_a="cuda", kind_b="cuda") == \
+        transports.Choice("ucx", False)
+    # one end safe, the other not: staged
+    assert transports.choose(0, 1, GPUDIRECT, GPU, False, "ucx", kind_a="cuda",
+                             kind_b="cuda") == transports.Choice("ucx", False)
     assert transports.choose(0, 1, GPU, GPU, False, kind_a="cuda", kind_b="cuda",
                              device="off") == transports.Choice("tcp", False)
     assert transports.choose(0, 1, GPU, GPU, False, "ucx", kind_a="cuda", kind_b="cuda",
@@ -154,12 +204,16 @@ def test_capabilities_not_names_decide_links_and_rank():
     assert transports.choose(0, 1, ring, ring, True) == transports.Choice("xpmem", False, True)
     # a ring listed by one table only is no ring for the pair
     assert transports.choose(0, 1, ring, pub, True) == transports.Choice("shm", False, True)
-    # any transport that takes device memory without RDMA ranks after tcp while device="off"
-    dev = {**CPU, "gpunet": _t(20, memory=("host", "rocm"))}
+    # any transport that takes device memory without RDMA ranks after tcp where device memory
+    # does not go to it directly: device="off", or auto without a runtime-free device path
+    dev = {**CPU, "gpunet": _t(20, memory=("host", "rocm"), direct_safe=("rocm",))}
     assert transports.choose(0, 1, dev, dev, False, kind_a="rocm", kind_b="rocm",
                              device="off") == transports.Choice("tcp", False)
     assert transports.choose(0, 1, dev, dev, False, kind_a="rocm", kind_b="rocm") == \
         transports.Choice("gpunet", True)
+    unsafe = {**CPU, "gpunet": _t(20, memory=("host", "rocm"))}
+    assert transports.choose(0, 1, unsafe, unsafe, False, kind_a="rocm", kind_b="rocm") == \
+        transports.Choice("tcp", False)
 
 
 # ------------------------------------------------------------------ the override
