@@ -1673,7 +1673,139 @@ void ep_err_cb(void* arg, ucp_ep_h, ucs_status_t status) {
 
 }  // namespace
 
+// Lanes with threads of their own (option lane_threads=on, HETCCL_UCX_LANE_THREADS): each
+// lane is a whole single-lane UcxTransport -- its own UCP context, worker, progress thread and
+// copy thread -- so the lanes' copies into and out of UCX's segments run on as many cores,
+// where the lanes of one UcxTransport share its one progress thread. Messages are spread as
+// there: the k-th message of a (peer, tag, tag space) in one direction goes on lane
+// (tag + k) % lanes on both ends, and each lane keeps FIFO per (peer, tag). The address is the
+// lanes' addresses joined by '|' (an empty one stays empty: no link); a peer with another lane
+// count or lane mode is refused at connect(). cancel() refuses, as any multi-lane UCX does
+// (see UcxTransport::cancel). Each lane authenticates, watches its peers and fails its own
+// requests; info() is lane 0's, with the counters of every lane summed.
+class UcxLaneThreads final : public Transport {
+ public:
+  UcxLaneThreads(int rank, int size, const Options& opts, int lanes) {
+    Options one = opts;
+    one["lanes"] = "1";
+    for (int i = 0; i < lanes; ++i) lanes_.push_back(std::make_unique<UcxTransport>(rank, size, one));
+  }
+  ~UcxLaneThreads() override { close(); }
+
+  std::string name() const override { return "ucx"; }
+  std::string address() override {
+    std::string a;
+    for (auto& l : lanes_) a += (a.empty() ? "" : "|") + l->address();
+    return a;
+  }
+  void connect(const std::vector<std::string>& addresses, int64_t timeout_ms) override {
+    const size_t n = lanes_.size();
+    std::vector<std::vector<std::string>> per(n, std::vector<std::string>(addresses.size()));
+    for (size_t p = 0; p < addresses.size(); ++p) {
+      if (addresses[p].empty()) continue;
+      std::vector<std::string> parts;
+      size_t b = 0;
+      for (;;) {
+        size_t e = addresses[p].find('|', b);
+        parts.push_back(addresses[p].substr(b, e == std::string::npos ? e : e - b));
+        if (e == std::string::npos) break;
+        b = e + 1;
+      }
+      if (parts.size() != n)
+        throw CommError("hetccl ucx: rank " + std::to_string(p) + " runs " +
+                        std::to_string(parts.size()) + " UCX lane(s) with threads of their own, "
+                        "this rank " + std::to_string(n) + " (set HETCCL_UCX_LANES and "
+                        "HETCCL_UCX_LANE_THREADS alike on every rank)");
+      for (size_t i = 0; i < n; ++i) per[i][p] = parts[i];
+    }
+    // lanes connect at once: each waits for its peers' handshakes within the same deadline
+    std::vector<std::thread> th;
+    std::vector<std::exception_ptr> err(n);
+    for (size_t i = 0; i < n; ++i)
+      th.emplace_back([&, i] {
+        try {
+          lanes_[i]->connect(per[i], timeout_ms);
+        } catch (...) {
+          err[i] = std::current_exception();
+        }
+      });
+    for (auto& t : th) t.join();
+    for (auto& e : err)
+      if (e) std::rethrow_exception(e);
+  }
+
+  RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
+    return lane(send_seq_, peer, tag, false).isend(peer, buf, nbytes, tag);
+  }
+  RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {
+    return lane(recv_seq_, peer, tag, false).irecv(peer, buf, nbytes, tag);
+  }
+  RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp op,
+                          DType dtype) override {
+    return lane(recv_seq_, peer, tag, false).irecv_reduce(peer, dst, nbytes, tag, op, dtype);
+  }
+  bool device_direct() const override { return true; }
+  RequestPtr isend_device(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
+    return lane(send_seq_, peer, tag, true).isend_device(peer, buf, nbytes, tag);
+  }
+  RequestPtr irecv_device(int peer, void* buf, size_t nbytes, uint64_t tag) override {
+    return lane(recv_seq_, peer, tag, true).irecv_device(peer, buf, nbytes, tag);
+  }
+  void bind_device(std::function<void()> make_current, const std::string& memory) override {
+    for (auto& l : lanes_) l->bind_device(make_current, memory);
+  }
+  void prepare_device(const void* ptr, size_t nbytes, const std::string& memory) override {
+    for (auto& l : lanes_) l->prepare_device(ptr, nbytes, memory);
+  }
+  void close() override {
+    for (auto& l : lanes_) l->close();
+  }
+  std::map<std::string, std::string> info() override {
+    std::map<std::string, std::string> m = lanes_[0]->info();
+    for (size_t i = 1; i < lanes_.size(); ++i)
+      for (auto& [k, v] : lanes_[i]->info()) {
+        auto it = m.find(k);
+        if (it == m.end() || v.empty() || it->second.empty() ||
+            v.find_first_not_of("0123456789") != std::string::npos ||
+            it->second.find_first_not_of("0123456789") != std::string::npos)
+          continue;
+        it->second = std::to_string(std::stoull(it->second) + std::stoull(v));
+      }
+    m["lanes"] = std::to_string(lanes_.size());
+    m["lane_threads"] = "on";
+    return m;
+  }
+
+ private:
+  // The lane of the next message of (peer, tag, space) in one direction (UcxTransport's rule).
+  UcxTransport& lane(std::unordered_map<uint64_t, uint32_t>& seq, int peer, uint64_t tag, bool device) {
+    const uint64_t n = lanes_.size();
+    if (peer < 0 || tag >= kMaxTag) return *lanes_[0];  // the lane refuses it, naming why
+    std::lock_guard<std::mutex> g(mu_);
+    const uint64_t key = make_tag(uint64_t(peer), tag, device);
+    auto it = seq.find(key);
+    uint32_t k = it == seq.end() ? 0 : it->second;
+    if (k + 1 == n) {
+      if (it != seq.end()) seq.erase(it);
+    } else if (it == seq.end()) {
+      seq.emplace(key, 1);
+    } else {
+      ++it->second;
+    }
+    return *lanes_[(tag + k) % n];
+  }
+
+  std::vector<std::unique_ptr<UcxTransport>> lanes_;
+  std::mutex mu_;
+  std::unordered_map<uint64_t, uint32_t> send_seq_, recv_seq_;
+};
+
 std::unique_ptr<Transport> make_ucx_transport(int rank, int size, const Options& opts) {
+  const int lanes = int(opt_int(opts, "lanes", 1, 1, kMaxLanes));
+  const std::string lt = opt_str(opts, "lane_threads", "off");
+  if (lt != "on" && lt != "off")
+    throw CommError("hetccl ucx: option lane_threads must be on or off, not '" + lt + "'");
+  if (lanes > 1 && lt == "on") return std::make_unique<UcxLaneThreads>(rank, size, opts, lanes);
   return std::make_unique<UcxTransport>(rank, size, opts);
 }
 

@@ -202,6 +202,10 @@ _SETTINGS = [
             "UCX workers per transport (lanes), each with its own connections to every peer; "
             "messages of one (peer, tag) rotate over them (1: measured fastest on 2-core "
             "machines; try 2-4 with several NICs). Must be equal on every rank."),
+    Setting("HETCCL_UCX_LANE_THREADS", _bool, True,
+            "With HETCCL_UCX_LANES > 1: each lane is a UCX context of its own with its own "
+            "progress and copy threads, so lanes copy on as many cores (0: the lanes share one "
+            "progress thread, as before; docs/transports.md). Must be equal on every rank."),
     Setting("HETCCL_UCX_TUNING", str, "TCP_TX_SEG_SIZE=1M;TCP_RX_SEG_SIZE=4M",
             "UCX settings hetccl applies to its UCX contexts ('KEY=VALUE;...', UCX names "
             "without UCX_), each only where the environment does not set UCX_<KEY> itself; "
@@ -280,7 +284,7 @@ SETTINGS = {s.name: s for s in _SETTINGS}
 # values. The bridge compares them across ranks when it starts and names any difference.
 MUST_AGREE = ("HETCCL_TRANSPORT", "HETCCL_ALGO", "HETCCL_CHUNK_BYTES", "HETCCL_HOST_KERNEL",
               "HETCCL_GROUP_LINKS", "HETCCL_FACE_ROUTE",
-              "HETCCL_CHECK_ARGS", "HETCCL_EMULATE_HOSTS", "HETCCL_UCX_LANES",
+              "HETCCL_CHECK_ARGS", "HETCCL_EMULATE_HOSTS", "HETCCL_UCX_LANES", "HETCCL_UCX_LANE_THREADS",
               "HETCCL_UCX_DEVICE")
 
 

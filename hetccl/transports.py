@@ -229,6 +229,7 @@ def options(name: str, *, secret: str, slot_bytes: int, seg_budget: int = 0, bin
         opts["bind_addr"] = bind_addr
     if name == "ucx":
         opts["lanes"] = str(config.get("HETCCL_UCX_LANES"))
+        opts["lane_threads"] = "on" if config.get("HETCCL_UCX_LANE_THREADS") else "off"
         opts["ucx_config"] = config.ucx_tuning()
         opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
         opts["reduce_unpack"] = "on" if config.get("HETCCL_UCX_REDUCE_UNPACK") else "off"

@@ -34,6 +34,8 @@ VARIANTS = {"tcp+lazy": ("tcp", {"lazy": 1})} if "tcp" in NAMES else {}
 # ucx runs the scenarios on three lanes; "ucx+1lane" on one (where a receive can be withdrawn)
 if "ucx" in NAMES:
     VARIANTS["ucx+1lane"] = ("ucx", {"lanes": 1})
+    # three lanes, each a UCX context with its own threads (HETCCL_UCX_LANE_THREADS)
+    VARIANTS["ucx+lanethreads"] = ("ucx", {"lane_threads": "on"})
 SCENARIO_NAMES = list(NAMES) + list(VARIANTS)
 SECRET = "5f1d2c3b4a59687766554433221100ffeeddccbbaa9988776655443322110000"
 SIZES = [0, 1, 4099, 1 << 20, 64 << 20]
