@@ -101,6 +101,7 @@ class Bridge:
         caps = [json.loads(v) for v in rendezvous.all_gather(store, "hetccl/caps", topo.rank, topo.size, json.dumps({
             "table": transports.publishable(transports.local_table()),
             "kind": vendor.build_kind(),
+            "cores": transports.usable_cores(),
             "shm_budget": int(config.get("HETCCL_SHM_BUDGET_BYTES")) or (
                 devices.build_seam().shm_budget_bytes)}), timeout)]
         self.choices = choose_all(topo, caps)
@@ -134,6 +135,10 @@ class Bridge:
         # each transport's options (transports.options knows their names); the peers it serves
         # decide its exclusions, whatever the transport; network transports listen on an address
         real_host = [i.host for i in topo.infos]
+        # UCX lanes: one count for the whole job, from every rank's cores and host (ucx_lanes)
+        self.ucx_lanes = transports.ucx_lanes(
+            config.get("HETCCL_UCX_LANES"), [int(c.get("cores", 1)) for c in caps], real_host,
+            any(c["table"].get("ucx", {}).get("rdma", False) for c in caps))
         bind_addr = _default_bind_addr(topo) if any(local[k]["other_host"] for k in kinds) else None
         opts_of = {}
         for k in kinds:
@@ -143,7 +148,8 @@ class Bridge:
                 bind_addr=bind_addr, my_host=real_host[topo.rank],
                 peer_hosts=[real_host[p] for p in served],
                 emulate_hosts=bool(config.get("HETCCL_EMULATE_HOSTS")),
-                any_direct=any(self.device_direct[p] for p in served))
+                any_direct=any(self.device_direct[p] for p in served),
+                ucx_lanes_in_force=self.ucx_lanes)
         self.transports: dict[str, object] = {}
         try:
             for k in kinds:

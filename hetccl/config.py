@@ -58,6 +58,16 @@ def _share_mode(s: str) -> str:
     return v
 
 
+def _lanes(s: str):
+    v = s.strip().lower()
+    if v == "auto":
+        return "auto"
+    n = int(v)
+    if not 1 <= n <= 16:
+        raise ValueError("expected auto or a lane count from 1 to 16")
+    return n
+
+
 def _device_mode(s: str) -> str:
     v = s.strip().lower()
     if v not in ("auto", "off", "force"):
@@ -198,10 +208,13 @@ _SETTINGS = [
             "TEST ONLY: each vendor group counts as its own host for the bridge: auto picks the "
             "other-host transport (tcp, or ucx per preference) and UCX between the groups is "
             "limited to network transports (no shared memory, no device IPC)."),
-    Setting("HETCCL_UCX_LANES", int, 1,
-            "UCX workers per transport (lanes), each with its own connections to every peer; "
-            "messages of one (peer, tag) rotate over them (1: measured fastest on 2-core "
-            "machines; try 2-4 with several NICs). Must be equal on every rank."),
+    Setting("HETCCL_UCX_LANES", _lanes, "auto",
+            "UCX lanes per transport, each with its own connections to every peer (and, with "
+            "HETCCL_UCX_LANE_THREADS, its own UCX context and threads); messages of one (peer, "
+            "tag) rotate over them. auto: 1 where any rank's UCX has RDMA (UCX stripes over "
+            "rails itself), else the job's smallest cores / (2 x ranks on the host), from 1 to 8 "
+            "(1 on a 2-core machine; 4 for two ranks on a 16-core box, where it is 1.2-2.8x one "
+            "lane: docs/benchmarks.md); or a count from 1 to 16. Must be equal on every rank."),
     Setting("HETCCL_UCX_LANE_THREADS", _bool, True,
             "With HETCCL_UCX_LANES > 1: each lane is a UCX context of its own with its own "
             "progress and copy threads, so lanes copy on as many cores (0: the lanes share one "

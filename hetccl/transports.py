@@ -200,6 +200,30 @@ def ucx_exclusions(my_host: str, peer_hosts: list[str], emulate_hosts: bool) -> 
     return list(UCX_DEVICE_PATHS) + (list(UCX_SHM_PATHS) if emulate_hosts else [])
 
 
+def ucx_lanes(setting, cores: list[int], hosts: list[str], rdma_any: bool) -> int:
+    """The UCX lane count every rank runs (HETCCL_UCX_LANES ``setting``: a count, or "auto").
+    auto: 1 where any rank's UCX has RDMA (UCX stripes over its rails itself; a lane per context
+    would register memory once per lane), else the smallest over the ranks of cores / (2 x
+    ranks on that rank's host) -- a lane has a progress and a copy thread -- clamped to 1..8.
+    ``cores``/``hosts``: every rank's usable cores and host identity (the same lists on every
+    rank, so every rank gets the same count)."""
+    if setting != "auto":
+        return int(setting)
+    if rdma_any or not cores:
+        return 1
+    per_host = {h: hosts.count(h) for h in hosts}
+    return max(1, min(8, min(c // (2 * per_host[h]) for c, h in zip(cores, hosts))))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask), as ucx_lanes counts them."""
+    import os
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def settings_in_force() -> dict[str, object]:
     """Transport settings every rank of a job must share beyond config.MUST_AGREE, as in force
     on this rank (the bridge checks them with the rest): UCX's tcp send segments must fit the
@@ -209,14 +233,15 @@ def settings_in_force() -> dict[str, object]:
 
 def options(name: str, *, secret: str, slot_bytes: int, seg_budget: int = 0, bind_addr: str | None = None,
             my_host: str = "", peer_hosts: list[str] = (), emulate_hosts: bool = False,
-            any_direct: bool = False) -> dict[str, str]:
+            any_direct: bool = False, ucx_lanes_in_force: int | None = None) -> dict[str, str]:
     """The options of transport ``name`` on this rank (it reads the keys it knows,
     csrc/<name>_transport.cc), from the settings in force (config.py) and what the caller
     computed: the group's secret, the ring slot size and this rank's shared-memory budget
     (shm), the address network transports listen on, and for UCX the hosts of its UCX peers
     (which of UCX's own transports to remove: ucx_exclusions) and whether any of them gets
-    device memory directly (ucx_copy_exclusions). The one place that knows each transport's
-    option names besides the transport itself."""
+    device memory directly (ucx_copy_exclusions), and the UCX lane count the job resolved
+    (ucx_lanes; default: HETCCL_UCX_LANES, auto counting this process alone). The one place
+    that knows each transport's option names besides the transport itself."""
     opts = {
         "secret": secret,
         "slot_bytes": str(slot_bytes),
@@ -228,7 +253,8 @@ def options(name: str, *, secret: str, slot_bytes: int, seg_budget: int = 0, bin
     if bind_addr:
         opts["bind_addr"] = bind_addr
     if name == "ucx":
-        opts["lanes"] = str(config.get("HETCCL_UCX_LANES"))
+        opts["lanes"] = str(ucx_lanes_in_force if ucx_lanes_in_force is not None else ucx_lanes(
+            config.get("HETCCL_UCX_LANES"), [usable_cores()], [my_host], False))
         opts["lane_threads"] = "on" if config.get("HETCCL_UCX_LANE_THREADS") else "off"
         opts["ucx_config"] = config.ucx_tuning()
         opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"

@@ -292,6 +292,39 @@ def test_transport_options_come_from_one_place(monkeypatch):
     assert set(transports.settings_in_force()) == {"HETCCL_UCX_TUNING (in force)"}
 
 
+def test_ucx_lanes_auto_counts_cores_per_rank_and_is_one_with_rdma(monkeypatch):
+    """HETCCL_UCX_LANES=auto (the default): the job's smallest cores / (2 x ranks on the host),
+    1..8, from lists every rank has; 1 where any rank's UCX has RDMA; a count is taken as is.
+    A bad value is refused naming the variable."""
+    lanes = transports.ucx_lanes
+    assert lanes("auto", [2, 2], ["h", "h"], False) == 1          # the 2-core CI machine
+    assert lanes("auto", [16, 16], ["h", "h"], False) == 4        # the 16-core GPU box, 1+1
+    assert lanes("auto", [16, 16, 64], ["a", "a", "b"], False) == 4  # the busiest host decides
+    assert lanes("auto", [128, 128], ["a", "b"], False) == 8      # clamped
+    assert lanes("auto", [16, 16], ["a", "b"], True) == 1         # RDMA: UCX stripes itself
+    assert lanes("auto", [1], ["a"], False) == 1
+    assert lanes(3, [2, 2], ["h", "h"], True) == 3
+    # the same count on every rank whatever the rank order
+    cores, hosts = [8, 32, 32, 12], ["a", "b", "b", "a"]
+    assert lanes("auto", cores, hosts, False) == lanes("auto", cores[::-1], hosts[::-1], False) == 2
+    monkeypatch.setenv("HETCCL_UCX_LANES", "auto")
+    assert config.get("HETCCL_UCX_LANES") == "auto"
+    monkeypatch.setenv("HETCCL_UCX_LANES", "17")
+    with pytest.raises(ValueError, match="HETCCL_UCX_LANES"):
+        config.get("HETCCL_UCX_LANES")
+    monkeypatch.setenv("HETCCL_UCX_LANES", "many")
+    with pytest.raises(ValueError, match="HETCCL_UCX_LANES"):
+        config.get("HETCCL_UCX_LANES")
+    monkeypatch.setenv("HETCCL_UCX_LANES", "2")
+    monkeypatch.setenv("HETCCL_UCX_LANE_THREADS", "0")
+    o = transports.options("ucx", secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"])
+    assert o["lanes"] == "2" and o["lane_threads"] == "off"
+    monkeypatch.delenv("HETCCL_UCX_LANE_THREADS")
+    o = transports.options("ucx", secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"],
+                           ucx_lanes_in_force=5)
+    assert o["lanes"] == "5" and o["lane_threads"] == "on"
+
+
 def test_ucx_tuning_leaves_user_settings_alone(monkeypatch):
     monkeypatch.setenv("HETCCL_UCX_TUNING", "TCP_TX_SEG_SIZE=256K; UCX_TCP_RX_SEG_SIZE=1M")
     monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
@@ -362,15 +395,22 @@ def test_ucx_tuning_is_applied_and_bad_keys_are_named(monkeypatch):
 
 # ------------------------------------------------------------------ end to end, emulated hosts
 @needs_ucx
-def test_emulated_hosts_over_ucx_2p1():
+@pytest.mark.parametrize("lanes", ["auto", "3"])
+def test_emulated_hosts_over_ucx_2p1(lanes):
     """2+1 on one machine with HETCCL_EMULATE_HOSTS=1: auto picks tcp (UCX without RDMA or device
     memory ranks after it); forced ucx gets every collective right, and the UCX context the
-    bridge created has neither device IPC nor shared memory (read back from UCX)."""
+    bridge created has neither device IPC nor shared memory (read back from UCX). Lanes: auto
+    (one count for the job from every rank's cores) and three lanes with threads of their own."""
     import gpu_ucx_cases
 
-    env = {"HETCCL_EMULATE_HOSTS": "1", "HETCCL_TRANSPORT": "ucx", "HETCCL_LOG_LEVEL": "INFO"}
+    env = {"HETCCL_EMULATE_HOSTS": "1", "HETCCL_TRANSPORT": "ucx", "HETCCL_LOG_LEVEL": "INFO",
+           "HETCCL_UCX_LANES": lanes}
     res = spawn(gpu_ucx_cases.run, 3, args=("cpu",), vendors="2+1", env=env, timeout=240)
+    want = transports.ucx_lanes("auto", [transports.usable_cores()] * 3, ["h"] * 3, False) \
+        if lanes == "auto" else int(lanes)
     for r, out in enumerate(res):
+        assert out["ucx"]["lanes"] == str(want), out["ucx"]
+        assert out["ucx"].get("lane_threads", "off") == ("on" if want > 1 else "off"), out["ucx"]
         bad = [k for k, v in out["correct"].items() if not v]
         assert not bad, f"rank {r}: wrong {bad}"
         assert set(out["choices"].values()) == {"ucx"}, out["choices"]

@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                          "bridge between emulated hosts")
     ap.add_argument("--nconn", type=int, default=4, help="tcp connections per peer")
     ap.add_argument("--ucx-lanes", type=int, default=None,
-                    help="UCX lanes (default: HETCCL_UCX_LANES); UCX tuning: HETCCL_UCX_TUNING")
+                    help="UCX lanes (default: HETCCL_UCX_LANES, auto as for two ranks on this "
+                         "host); lane threads: HETCCL_UCX_LANE_THREADS; UCX tuning: "
+                         "HETCCL_UCX_TUNING")
     ap.add_argument("--slot-bytes", type=int, default=0, help="shm slot size (default 1 MiB)")
     ap.add_argument("--nslots", type=int, default=0, help="shm slots per ring (default 8)")
     ap.add_argument("--jsonl", default=None, help="append one JSON record per row to FILE")
@@ -219,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown transport(s) {unknown}; this build has {_C.transport_names()}")
     if args.ucx_lanes is None:
         from hetccl import config
-        args.ucx_lanes = int(config.get("HETCCL_UCX_LANES"))
+        from hetccl import transports
+        args.ucx_lanes = transports.ucx_lanes(config.get("HETCCL_UCX_LANES"),
+                                              [transports.usable_cores()] * 2, ["here"] * 2, False)
     args.sizes = [parse_size(x) for x in args.sizes.split(",") if x]
     args.modes = [x for x in args.modes.split(",") if x]
     if bad := [m for m in args.modes if m not in ("uni", "bidir", "reduce")]:
