@@ -58,17 +58,13 @@ def local_table() -> tuple[dict, ...]:
     return tuple(dict(t) for t in _C.transport_table())
 
 
-#: kernel modules through which an RDMA NIC registers a vendor's GPU memory as a peer-memory
-#: client (no runtime call at registration; rdma.PEER_MEMORY_MODULES lists them for the doctor)
-PEER_MEMORY_KINDS = {"nvidia_peermem": "cuda", "nv_peer_mem": "cuda", "amdp2p": "rocm"}
-
-
 def peer_memory_kinds(modules=None) -> set[str]:
-    """Device kinds whose memory an RDMA NIC registers through a loaded peer-memory module."""
+    """Device kinds whose memory an RDMA NIC registers through a loaded peer-memory module (no
+    runtime call at registration; the modules are the device seams')."""
     if modules is None:
         from .rdma import loaded_modules
         modules = loaded_modules()
-    return {k for m, k in PEER_MEMORY_KINDS.items() if m in modules}
+    return devices.peer_memory_kinds(set(modules))
 
 
 def publishable(table, peer_kinds=None) -> dict[str, dict]:

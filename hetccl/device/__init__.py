@@ -25,6 +25,8 @@ Seam interface:
     memory_type: str        the transports' / UCX's name of this memory ("host", "cuda", "rocm")
     ucx_device_paths        UCX transports that move or map this memory between processes
     ucx_copy_paths          UCX's copy transport between this memory and the host
+    peer_memory_modules     kernel modules through which an RDMA NIC registers this memory
+                            (peer-memory clients; dma-buf aside)
     staging_slot_bytes      default shared-memory slot size where this device stages data
     shm_budget_bytes        default bound on the shared memory one rank creates (all its peers)
     reduce_dtypes           dtypes the native library reduces
@@ -124,6 +126,13 @@ def ucx_copy_paths() -> tuple[str, ...]:
     """Every seam's UCX copy transport between its device memory and the host (cuda_copy,
     rocm_copy)."""
     return _every_seams("ucx_copy_paths")
+
+
+def peer_memory_kinds(modules) -> set[str]:
+    """Memory types (every seam's) whose memory an RDMA NIC registers through one of the loaded
+    kernel ``modules`` (a peer-memory client)."""
+    return {c.memory_type for cs in _CANDIDATES.values() for c in cs
+            if any(m in modules for m in getattr(c, "peer_memory_modules", ()))}
 
 
 def native_names() -> tuple[str, ...]:

@@ -190,6 +190,8 @@ class CudaSeam:
     # UCX transports that move or map this vendor's device memory between processes
     ucx_device_paths: tuple[str, ...] = ("cuda_ipc", "gdr_copy")
     ucx_copy_paths: tuple[str, ...] = ("cuda_copy",)
+    # kernel modules through which an RDMA NIC registers this memory as a peer-memory client
+    peer_memory_modules: tuple[str, ...] = ("nvidia_peermem", "nv_peer_mem")
     # default shared-memory and staging slot (bridge.py) where devices stage: the device
     # table's largest chunk (a larger slot would never be filled)
     staging_slot_bytes = tuning.max_chunk(tuning.DEVICE)

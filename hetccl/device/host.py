@@ -26,6 +26,7 @@ class HostSeam:
     memory_type = "host"        # what a transport's capability table calls this memory
     ucx_device_paths: tuple[str, ...] = ()
     ucx_copy_paths: tuple[str, ...] = ()
+    peer_memory_modules: tuple[str, ...] = ()
     # default shared-memory slot (bridge.py): host data only, so the host table's largest chunk
     staging_slot_bytes = tuning.max_chunk(tuning.HOST)
     shm_budget_bytes = 8 << 20  # default shared memory one rank creates (HETCCL_SHM_BUDGET_BYTES)

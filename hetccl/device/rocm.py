@@ -33,6 +33,7 @@ class RocmSeam(CudaSeam):
     memory_type = "rocm"
     ucx_device_paths = ("rocm_ipc", "rocm_gdr")
     ucx_copy_paths = ("rocm_copy",)
+    peer_memory_modules = ("amdp2p",)
     graph_name = "HIP graph"  # torch.cuda.graph on ROCm builds captures a HIP graph
     # dtypes RCCL reduces, as torch's ProcessGroupNCCL on ROCm offers them (NCCL's set)
     reduce_dtypes = CudaSeam.reduce_dtypes
