@@ -24,7 +24,15 @@ SECRET = "0123456789abcdef0123456789abcdef"
 VARIANTS = {
     "tcp": {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"},
     "shm": {"UCX_TLS": "posix,sysv,cma,self"},
+    # three lanes, each a UCX context with its own threads (option lane_threads)
+    "tcp-lanethreads": {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self", "TEST_UCX_LANES": "3"},
 }
+
+
+def _opts(secret=SECRET):
+    """The transport's options in this variant: lane threads where TEST_UCX_LANES says."""
+    lanes = os.environ.get("TEST_UCX_LANES")
+    return {"secret": secret, **({"lanes": lanes, "lane_threads": "on"} if lanes else {})}
 
 needs_ucx = pytest.mark.skipif("ucx" not in _C.transport_names(),
                                reason="hetccl._C built without the UCX transport")
@@ -43,7 +51,7 @@ def test_ucx_built_when_libucx_installed():
 # ------------------------------------------------------------------ rank bodies
 def _connect(ctx, key, secret=SECRET, timeout_ms=20000):
     st = ctx.store()
-    t = _C.Transport("ucx", ctx.rank, 2, {"secret": secret})
+    t = _C.Transport("ucx", ctx.rank, 2, _opts(secret))
     st.set(f"{key}/addr{ctx.rank}", t.address())
     addrs = [b"" if r == ctx.rank else st.get(f"{key}/addr{r}") for r in range(2)]
     t.connect(addrs, timeout_ms)
@@ -98,9 +106,9 @@ def wrong_secret(ctx):
 # The victim is a plain subprocess of rank 1 (killing a spawn rank would fail the spawn): it
 # plays rank 1 of the transport, posts a 64 MiB send and waits to be killed.
 VICTIM = r"""
-import sys, time, numpy as np
+import json, sys, time, numpy as np
 from hetccl import _C
-t = _C.Transport("ucx", 1, 2, {"secret": sys.argv[1]})
+t = _C.Transport("ucx", 1, 2, json.loads(sys.argv[1]))
 sys.stdout.write("ADDR " + t.address().decode() + "\n"); sys.stdout.flush()
 t.connect([sys.stdin.readline().strip().encode(), b""], 20000)
 buf = np.ones(64 << 20, np.uint8)
@@ -127,8 +135,9 @@ def killed(ctx):
 
     st = ctx.store()
     if ctx.rank == 1:
-        p = subprocess.Popen([sys.executable, "-c", VICTIM, SECRET], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+        import json
+        p = subprocess.Popen([sys.executable, "-c", VICTIM, json.dumps(_opts())],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             # UCX writes its own warnings to stdout (UCX_LOG_FILE): skip lines that are not ours
             st.set("kill/addr1", _line(p, "ADDR ")[5:])
@@ -141,7 +150,7 @@ def killed(ctx):
             p.send_signal(signal.SIGKILL)
             p.wait()
         return "ok"
-    t = _C.Transport("ucx", 0, 2, {"secret": SECRET})
+    t = _C.Transport("ucx", 0, 2, _opts())
     st.set("kill/addr0", t.address())
     t.connect([b"", st.get("kill/addr1")], 20000)
     buf = np.zeros(64 << 20, np.uint8)
