@@ -135,10 +135,8 @@ class Bridge:
         # each transport's options (transports.options knows their names); the peers it serves
         # decide its exclusions, whatever the transport; network transports listen on an address
         real_host = [i.host for i in topo.infos]
-        # UCX lanes: one count for the whole job, from every rank's cores and host (ucx_lanes)
-        self.ucx_lanes = transports.ucx_lanes(
-            config.get("HETCCL_UCX_LANES"), [int(c.get("cores", 1)) for c in caps], real_host,
-            any(c["table"].get("ucx", {}).get("rdma", False) for c in caps))
+        # one lane count for the whole job, from every rank's cores, host and table
+        self.ucx_lanes = transports.job_ucx_lanes(caps, real_host)
         bind_addr = _default_bind_addr(topo) if any(local[k]["other_host"] for k in kinds) else None
         opts_of = {}
         for k in kinds:

@@ -211,6 +211,13 @@ def ucx_lanes(setting, cores: list[int], hosts: list[str], rdma_any: bool) -> in
     return max(1, min(8, min(c // (2 * per_host[h]) for c, h in zip(cores, hosts))))
 
 
+def job_ucx_lanes(caps: list[dict], hosts: list[str]) -> int:
+    """ucx_lanes() of the job under HETCCL_UCX_LANES, from every rank's published caps
+    ({"cores", "table"}, as the bridge gathers them) and real host: the same on every rank."""
+    return ucx_lanes(config.get("HETCCL_UCX_LANES"), [int(c.get("cores", 1)) for c in caps],
+                     hosts, any(c["table"].get("ucx", {}).get("rdma", False) for c in caps))
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask), as ucx_lanes counts them."""
     import os

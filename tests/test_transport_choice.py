@@ -309,6 +309,10 @@ def test_ucx_lanes_auto_counts_cores_per_rank_and_is_one_with_rdma(monkeypatch):
     assert lanes("auto", cores, hosts, False) == lanes("auto", cores[::-1], hosts[::-1], False) == 2
     monkeypatch.setenv("HETCCL_UCX_LANES", "auto")
     assert config.get("HETCCL_UCX_LANES") == "auto"
+    caps = [{"cores": 16, "table": {"ucx": {"rdma": False}}}, {"cores": 16, "table": {}}]
+    assert transports.job_ucx_lanes(caps, ["h", "h"]) == 4
+    caps[1]["table"] = {"ucx": {"rdma": True}}
+    assert transports.job_ucx_lanes(caps, ["h", "g"]) == 1
     monkeypatch.setenv("HETCCL_UCX_LANES", "17")
     with pytest.raises(ValueError, match="HETCCL_UCX_LANES"):
         config.get("HETCCL_UCX_LANES")
