@@ -316,10 +316,10 @@ struct TransportCaps {
   bool lazy_connect = false;
   bool rdma = false;        // reaches other hosts over RDMA (rc, dc, ud, ...)
   // Device memory types (a subset of `memory`) the transport moves without calling the device
-  // runtime on its own threads after the issuing thread posted (UCX: GPUDirect RDMA plus
-  // GDRCopy). Only these may go to it directly by default (HETCCL_UCX_DEVICE=auto): a runtime
-  // call on a transport thread can deadlock against an application thread blocked in the
-  // runtime behind the collective's stream (docs/transports.md).
+  // runtime on any thread but the issuing one -- neither its own threads nor the engine's proxy
+  // when it posts. Only these may go to it directly by default (HETCCL_UCX_DEVICE=auto): a
+  // runtime call there can deadlock against an application thread blocked in the runtime behind
+  // the collective's stream (docs/transports.md). UCX lists none yet (ucx_caps() says why).
   std::vector<std::string> runtime_free;
   std::string detail;       // one line for `hetccl doctor` (library version, devices, ...)
 };

@@ -1809,17 +1809,16 @@ std::unique_ptr<Transport> make_ucx_transport(int rank, int size, const Options&
   return std::make_unique<UcxTransport>(rank, size, opts);
 }
 
-// Device memory types UCX can move in this process without a device-runtime call on its own
-// threads (TransportCaps::runtime_free): an RDMA memory domain (UCT component "ib") registers
-// the type (GPUDirect RDMA: rendezvous goes NIC to GPU memory) and a GDRCopy memory domain
-// opens ("gdr_copy" for CUDA, "rocm_gdr" for ROCm: small messages copied through a CPU mapping
-// of GPU memory). Without both, UCX moves device memory with cuda_copy / rocm_copy, which call
-// the runtime (cuMemcpyAsync, stream syncs) from UCX's progress thread; an application thread
-// blocked in a runtime call behind the collective's stream (a pageable copy) holds the
-// context's lock that call needs, and the collective never completes (stacks of the stall:
-// docs/transports.md). Only memory domains UCX can open here count (md_open fails without the
-// gdrdrv / RDMA device).
-std::vector<std::string> runtime_free_memory() {
+// Device memory types for which UCX in this process has GPUDirect RDMA (an RDMA memory domain,
+// UCT component "ib", registers the type: rendezvous goes NIC to GPU memory) and a GDRCopy
+// memory domain ("gdr_copy" for CUDA, "rocm_gdr" for ROCm: small messages copied through a CPU
+// mapping of GPU memory). That is what UCX needs to move device memory without cuda_copy /
+// rocm_copy, which call the runtime (cuMemcpyAsync, stream syncs) from UCX's progress thread; an
+// application thread blocked in a runtime call behind the collective's stream (a pageable copy)
+// holds the context's lock that call needs, and the collective never completes (stacks of the
+// stall: docs/transports.md). Only memory domains UCX can open here count (md_open fails without
+// the gdrdrv / RDMA device). Not enough alone for TransportCaps::runtime_free: see ucx_caps().
+std::vector<std::string> gpudirect_memory() {
   uct_component_h* comps = nullptr;
   unsigned ncomp = 0;
   if (uct_query_components(&comps, &ncomp) != UCS_OK) return {};
@@ -1893,14 +1892,22 @@ TransportCaps ucx_caps() {
     for (const char* p : {"rc", "dc", "ud", "srd", "gga"})
       rdma = rdma || t.compare(0, std::strlen(p), p) == 0;
   c.rdma = rdma;
+  // c.runtime_free stays empty: even with GPUDirect RDMA and GDRCopy, the engine's proxy posts
+  // device buffers without a prepared handle wherever an RDMA transport registers (prepare_device:
+  // a cached registration of memory the framework frees would be stale), and UCP then queries
+  // each buffer's memory through cuda_copy (cuCtxSetFlags, the context's lock in UCX 1.22) on
+  // the posting thread. Direct-by-default needs registrations prepared on the issuing thread
+  // and kept no longer than their operations first; until then the doctor names what UCX offers.
+  std::vector<std::string> gpudirect;
   if (c.memory.size() > 1)
-    for (auto& m : runtime_free_memory())
-      if (std::find(c.memory.begin(), c.memory.end(), m) != c.memory.end())
-        c.runtime_free.push_back(m);
+    for (auto& m : gpudirect_memory())
+      if (std::find(c.memory.begin(), c.memory.end(), m) != c.memory.end()) gpudirect.push_back(m);
   if (rdma || c.memory.size() > 1) c.preference = 20;
   c.detail = std::string("UCX ") + ucp_get_version_string() + "; UCX_TLS=" + tls +
              "; transports " + join(tl) + (rdma ? " (RDMA)" : "") +
-             (c.runtime_free.empty() ? "" : "; GPUDirect RDMA + GDRCopy for " + join(c.runtime_free));
+             (gpudirect.empty() ? "" : "; GPUDirect RDMA + GDRCopy for " + join(gpudirect) +
+                                           " (not used directly yet: posts carry no prepared "
+                                           "registration, docs/transports.md)");
   return c;
 }
 

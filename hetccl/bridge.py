@@ -15,10 +15,10 @@ the group's torch store: no rendezvous of our own.
 The collectives' data does not go through this module: the C++ engine (engine.py,
 csrc/engine.h) drives these transports directly. isend/irecv here serve point-to-point
 operations on host tensors; device data crosses through host memory, exactly as between real
-vendors, whose devices share nothing but the host, unless the pair's UCX moves the device's
-memory without runtime calls on its own threads (GPUDirect RDMA with GDRCopy, under
-HETCCL_UCX_DEVICE=auto) or HETCCL_UCX_DEVICE=force hands it over anyway (Choice.device_direct;
-the engine's direct links).
+vendors, whose devices share nothing but the host, unless the pair's transport moves the
+device's memory without runtime calls off the issuing thread (TransportCaps::runtime_free,
+under HETCCL_UCX_DEVICE=auto) or HETCCL_UCX_DEVICE=force hands it to UCX anyway
+(Choice.device_direct; the engine's direct links).
 """
 from __future__ import annotations
 

@@ -226,10 +226,11 @@ _SETTINGS = [
             "more resident memory on a receiving rank. Must be equal on every rank."),
     Setting("HETCCL_UCX_DEVICE", _device_mode, "auto",
             "Device tensors over UCX. auto (default): handed to UCX directly only where both "
-            "ranks' UCX moves their device's memory without calling the device runtime on its "
-            "own threads (GPUDirect RDMA with GDRCopy and a peer-memory module, ranks on "
-            "different hosts with no other vendor on theirs), else staged through pinned host "
-            "memory by the engine. off: always staged. force: directly wherever UCX handles the "
+            "ranks' transport moves their device's memory without calling the device runtime "
+            "on any thread but the issuing one (its capability table's runtime_free, with a "
+            "peer-memory module; ranks on different hosts with no other vendor on theirs), else "
+            "staged through pinned host memory by the engine; UCX lists no such memory yet, so "
+            "auto stages (docs/transports.md). off: always staged. force: directly wherever UCX handles the "
             "memory type (cuda_copy / rocm_copy), for diagnostics only: UCX's thread then calls "
             "the runtime and deadlocks against an application thread blocked in a runtime call "
             "behind the collective's stream, e.g. `x.cpu()` right after the collective "

@@ -114,8 +114,8 @@ def transport_report(kind: str) -> list[str]:
                                  ", device data host-staged" if kind in ("cuda", "rocm") else "")
             if (not c.device_direct and device == "auto" and not same
                     and kind in mine[c.transport]["memory"]):
-                got += (f" ({c.transport} takes {kind} memory, but would call the runtime from "
-                        "its own threads: direct needs GPUDirect RDMA with GDRCopy and a "
+                got += (f" ({c.transport} takes {kind} memory, but would call the runtime off "
+                        "the issuing thread: direct needs a runtime-free device path and a "
                         "peer-memory module; HETCCL_UCX_DEVICE=force overrides, see "
                         "docs/transports.md)")
         except ValueError as e:

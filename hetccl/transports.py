@@ -22,6 +22,7 @@ matrix and raises the same error.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 from . import config, device as devices
@@ -71,11 +72,11 @@ def publishable(table, peer_kinds=None) -> dict[str, dict]:
     """The part of a table other ranks need, keyed by transport name (JSON-able).
 
     "direct_safe": the device memory types this rank may hand to the transport directly under
-    HETCCL_UCX_DEVICE=auto: those it moves with no runtime call on its own threads
-    (TransportCaps::runtime_free: GPUDirect RDMA and GDRCopy) whose RDMA registration goes
-    through a peer-memory module (``peer_kinds``, default: the loaded modules). A dma-buf
-    registration is not enough: UCX 1.22 gets the dma-buf through cuda_copy's memory query
-    (cuCtxSetFlags, the context's lock) on the thread that registers, the engine's proxy."""
+    HETCCL_UCX_DEVICE=auto: those it moves with no runtime call off the issuing thread
+    (TransportCaps::runtime_free; UCX lists none yet, docs/transports.md) whose RDMA
+    registration goes through a peer-memory module (``peer_kinds``, default: the loaded
+    modules). A dma-buf registration is not enough: UCX 1.22 gets the dma-buf through
+    cuda_copy's memory query (cuCtxSetFlags, the context's lock) on the thread that registers."""
     peer = peer_memory_kinds() if peer_kinds is None else set(peer_kinds)
     return {t["name"]: {"preference": int(t["preference"]), "same_host": bool(t["same_host"]),
                         "other_host": bool(t["other_host"]), "memory": list(t["memory"]),
@@ -220,7 +221,6 @@ def job_ucx_lanes(caps: list[dict], hosts: list[str]) -> int:
 
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask), as ucx_lanes counts them."""
-    import os
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

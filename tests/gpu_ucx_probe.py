@@ -8,8 +8,8 @@ It runs the same steps under these configurations, each in a fresh pair of proce
                      maps each buffer once and posts carry the handle (csrc/ucx_transport.cc)
   direct-prepared-eager  the same with UCX_RNDV_THRESH=inf (no rendezvous fragments)
   staged             HETCCL_UCX_DEVICE=off: the engine stages device data through host memory
-  auto               the default: must resolve to staged where UCX's device path is not
-                     runtime-free (no GPUDirect RDMA with GDRCopy: this box)
+  auto               the default: must resolve to staged where the device path is not
+                     runtime-free (every UCX of this build; docs/transports.md)
 Steps: host memory through the transport; synchronized all-reduces (fp32 SUM, bf16 MAX); the
 pattern that stalled on 2026-12-01 -- `x = host.to(dev); all_reduce(x); x.cpu()`, a pageable
 copy right behind the collective -- at four sizes, three times each; eight all-reduces in flight;
@@ -55,7 +55,7 @@ CONFIGS = {
     "direct-prepared-eager": {"HETCCL_UCX_DEVICE": "force", "HETCCL_UCX_DEVICE_PREPARE": "on",
                               "UCX_RNDV_THRESH": "inf"},
     "staged": {"HETCCL_UCX_DEVICE": "off"},
-    # the default: must resolve to staged on a box without GPUDirect RDMA + GDRCopy
+    # the default: must resolve to staged (no UCX of this build is runtime-free)
     "auto": {"HETCCL_UCX_DEVICE": "auto"},
 }
 # objects whose frames say where a stalled thread waits

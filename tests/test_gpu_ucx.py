@@ -1,8 +1,8 @@
 """UCX bridge with CUDA tensors (runs on the GPU box: `.ci/gpu-box.sh ucx`; skipped with a reason
 elsewhere). Emulated vendors on emulated hosts (HETCCL_EMULATE_HOSTS=1, HETCCL_TRANSPORT=ucx):
 all collectives, 1+1 and 2+1, under HETCCL_UCX_DEVICE=auto (the default) and off: both stage
-device memory through host memory here (no GPUDirect RDMA with GDRCopy between processes of one
-box); the UCX context never has cuda_ipc, cuda_copy (or any device path) or shared memory
+device memory through host memory (no UCX of this build has a runtime-free device path); the
+UCX context never has cuda_ipc, cuda_copy (or any device path) or shared memory
 between the groups."""
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ def _ucx_memory():
 
 @pytest.mark.parametrize("vendors", ["1+1", "2+1"])
 @pytest.mark.parametrize("device", [
-    # the default: direct only where UCX's device path makes no runtime call on its threads
-    # (GPUDirect RDMA + GDRCopy + peer memory, ranks on different real hosts); here (one box,
-    # tcp and cuda_copy only) that is nowhere, so auto must stage, with cuda_copy out of the
-    # context. HETCCL_UCX_DEVICE=force (cuda_copy on UCX's thread) deadlocks against the
+    # the default: direct only where the device path makes no runtime call off the issuing
+    # thread (runtime_free + peer memory, ranks on different real hosts); no UCX of this build
+    # qualifies (here: one box, tcp and cuda_copy only), so auto must stage, with cuda_copy out
+    # of the context. HETCCL_UCX_DEVICE=force (cuda_copy on UCX's thread) deadlocks against the
     # copy-out pattern these cases use: tests/gpu_ucx_probe.py shows it, docs/transports.md.
     "auto",
     "off"])
