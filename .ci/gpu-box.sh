@@ -229,6 +229,9 @@ for w in $what; do
             ucx-auto) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_DEVICE=auto" ;;
             ucx-force) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_DEVICE=force" ;;
             ucx-staged) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_DEVICE=off" ;;
+            # the default's lanes without striping (each message whole on one lane), and 8 lanes
+            ucx-nostripe) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_STRIPE_BYTES=0" ;;
+            ucx-8lanes) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_LANES=8" ;;
             tcp) e="HETCCL_TRANSPORT=tcp" ;;
           esac
           rm -f /tmp/ucx_rows.jsonl
@@ -250,14 +253,15 @@ by = {}
 for r in rows:
     by[(r["collective"], r["size_bytes"], r["mode"])] = r
 keys = sorted({(c, s) for c, s, _ in by})
-print("# busbw GB/s by mode (#wrong); ucx-auto/tcp, ucx-staged/tcp")
+modes = list(dict.fromkeys(r["mode"] for r in rows))
+print("# busbw GB/s by mode; each UCX mode's ratio to tcp; #wrong over all modes")
 for c, s in keys:
-    cell = {m: by.get((c, s, m)) for m in ("ucx-auto", "ucx-staged", "tcp")}
+    cell = {m: by.get((c, s, m)) for m in modes}
     bw = {m: (round(r["busbw_gbs"], 2) if r else None) for m, r in cell.items()}
     wrong = sum(int(r["wrong"]) for r in cell.values() if r)
-    ratio = lambda m: f"{bw[m] / bw['tcp']:.2f}" if bw[m] and bw["tcp"] else "-"
+    ratio = lambda m: f"{bw[m] / bw['tcp']:.2f}" if bw[m] and bw.get("tcp") else "-"
     print(f"{c:<15} {s:>10} " + " ".join(f"{m} {bw[m] if bw[m] is not None else '-'}" for m in cell)
-          + f"  wrong {wrong}  auto/tcp {ratio('ucx-auto')} staged/tcp {ratio('ucx-staged')}")
+          + f"  wrong {wrong}  " + " ".join(f"{m}/tcp {ratio(m)}" for m in modes if m != "tcp"))
 PY
       if [ $((SECONDS - t_ucx)) -lt $((${UCX_BUDGET:-210} - 120)) ]; then
         HETCCL_CRASH_BACKTRACE=1 PYTHONFAULTHANDLER=1 timeout 90 python3 -m pytest -q \

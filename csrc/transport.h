@@ -22,7 +22,10 @@
 //    tags may be received in any order: a message that arrives before its receive is posted is
 //    buffered on the heap (a memory cost, never a deadlock).
 //  * A receive buffer larger than the message is fine (Request::nbytes() says what arrived);
-//    a smaller one fails that request with MessageTruncated.
+//    a smaller one fails that request with MessageTruncated. One exception: UCX lanes with
+//    striping on (option stripe_bytes) may fail a larger receive with MessageTruncated where
+//    the two sizes split into parts that do not fit (ucx_transport.cc, UcxLaneThreads), and may
+//    write past the message; never misplaced bytes. Every caller in hetccl posts exact sizes.
 //  * irecv_reduce applies dst[i] = op(dst[i], incoming[i]) chunk by chunk as data arrives
 //    (saves one full pass over memory compared with recv + reduce). The message must be exactly
 //    `nbytes` long.
@@ -69,23 +72,48 @@ class Request {
 
   // Called by transports exactly once.
   void complete(size_t nbytes_done) {
+    std::function<void()> hook;
     {
       std::lock_guard<std::mutex> g(mu_);
       if (state_ != State::Pending) return;
       done_bytes_ = nbytes_done;
       state_ = State::Done;
+      hook.swap(hook_);
     }
     cv_.notify_all();
+    if (hook) hook();
   }
   void fail(ErrorKind kind, const std::string& msg) {
+    std::function<void()> hook;
     {
       std::lock_guard<std::mutex> g(mu_);
       if (state_ != State::Pending) return;
       error_kind_ = kind;
       error_ = msg;
       state_ = State::Failed;
+      hook.swap(hook_);
     }
     cv_.notify_all();
+    if (hook) hook();
+  }
+  // Runs `fn` once this request is finished (done or failed): at once on the calling thread if
+  // it already is, else on the thread that finishes it, right after the state is set (no lock
+  // held). One hook per request (a second replaces the first). For requests made of others
+  // (a UCX message striped over lanes): fn must be short and must not wait on a transport.
+  void on_finish(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (state_ == State::Pending) {
+        hook_ = std::move(fn);
+        return;
+      }
+    }
+    fn();
+  }
+  // The failure as (kind, text); kind None while pending or done.
+  std::pair<ErrorKind, std::string> error() {
+    std::lock_guard<std::mutex> g(mu_);
+    return {state_ == State::Failed ? error_kind_ : ErrorKind::None, error_};
   }
 
   bool test() {
@@ -144,6 +172,7 @@ class Request {
   ErrorKind error_kind_ = ErrorKind::None;
   std::string error_;
   size_t done_bytes_ = 0;
+  std::function<void()> hook_;
 };
 
 using RequestPtr = std::shared_ptr<Request>;

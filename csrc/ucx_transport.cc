@@ -1683,11 +1683,28 @@ void ep_err_cb(void* arg, ucp_ep_h, ucs_status_t status) {
 // count or lane mode is refused at connect(). cancel() refuses, as any multi-lane UCX does
 // (see UcxTransport::cancel). Each lane authenticates, watches its peers and fails its own
 // requests; info() is lane 0's, with the counters of every lane summed.
+//
+// Striping (option stripe_bytes = S > 0, HETCCL_UCX_STRIPE_BYTES): one large message would
+// otherwise keep one lane's threads busy while the others idle (at 1 MiB the engine's chunks
+// are one or two messages). With S > 0 EVERY host message -- whatever its size, so that each
+// lane sees one part of every message and the lanes' FIFOs stay in step whatever sizes the two
+// ends post -- goes as one part per lane, part i on lane (tag + i) % lanes, each a message of
+// its lane with the same tag: a message of n < S bytes is part 0 whole and empty parts on the
+// other lanes; from S on, part i is bytes [i p, (i + 1) p) with p = ceil(n / lanes) rounded up
+// to 4 KiB (the last part takes the rest). The striped request finishes when every part has
+// (so its buffer is free then). A receive buffer larger than the message: the parts land where
+// the receiver's layout puts them and are moved to the sender's layout (the arrived lengths say
+// what it was; bytes past the message may be overwritten then); where a part of the sender's layout exceeds the receiver's part (the two sizes
+// straddle S, or p steps up while the buffer is only a few bytes larger) that part fails with
+// MessageTruncated -- an error, never misplaced bytes. irecv_reduce: exact sizes, as always.
+// Device messages are not striped (the lane rule above).
 class UcxLaneThreads final : public Transport {
  public:
   UcxLaneThreads(int rank, int size, const Options& opts, int lanes) {
     Options one = opts;
     one["lanes"] = "1";
+    one.erase("stripe_bytes");
+    stripe_ = size_t(opt_int(opts, "stripe_bytes", 0, 0, int64_t(1) << 40));
     for (int i = 0; i < lanes; ++i) lanes_.push_back(std::make_unique<UcxTransport>(rank, size, one));
   }
   ~UcxLaneThreads() override { close(); }
@@ -1735,13 +1752,25 @@ class UcxLaneThreads final : public Transport {
   }
 
   RequestPtr isend(int peer, const void* buf, size_t nbytes, uint64_t tag) override {
+    if (striped(peer, tag))
+      return stripe(peer, tag, nbytes, Kind::Send, [&](UcxTransport& l, size_t off, size_t len) {
+        return l.isend(peer, static_cast<const char*>(buf) + off, len, tag);
+      }, nullptr);
     return lane(send_seq_, peer, tag, false).isend(peer, buf, nbytes, tag);
   }
   RequestPtr irecv(int peer, void* buf, size_t nbytes, uint64_t tag) override {
+    if (striped(peer, tag))
+      return stripe(peer, tag, nbytes, Kind::Recv, [&](UcxTransport& l, size_t off, size_t len) {
+        return l.irecv(peer, static_cast<char*>(buf) + off, len, tag);
+      }, static_cast<char*>(buf));
     return lane(recv_seq_, peer, tag, false).irecv(peer, buf, nbytes, tag);
   }
   RequestPtr irecv_reduce(int peer, void* dst, size_t nbytes, uint64_t tag, ReduceOp op,
                           DType dtype) override {
+    if (striped(peer, tag))  // part offsets are multiples of 4 KiB: whole elements of any dtype
+      return stripe(peer, tag, nbytes, Kind::Reduce, [&](UcxTransport& l, size_t off, size_t len) {
+        return l.irecv_reduce(peer, static_cast<char*>(dst) + off, len, tag, op, dtype);
+      }, nullptr);
     return lane(recv_seq_, peer, tag, false).irecv_reduce(peer, dst, nbytes, tag, op, dtype);
   }
   bool device_direct() const override { return true; }
@@ -1773,10 +1802,108 @@ class UcxLaneThreads final : public Transport {
       }
     m["lanes"] = std::to_string(lanes_.size());
     m["lane_threads"] = "on";
+    m["stripe_bytes"] = std::to_string(stripe_);
     return m;
   }
 
  private:
+  enum class Kind { Send, Recv, Reduce };
+  struct Part {
+    size_t off, len;
+  };
+  // The parts of an n-byte message over L lanes with stripe_bytes S (the rule in the class comment).
+  static std::vector<Part> layout(size_t n, size_t L, size_t S) {
+    size_t p = n;
+    if (n >= S) p = ((n + L - 1) / L + 4095) / 4096 * 4096;
+    std::vector<Part> v(L);
+    for (size_t i = 0; i < L; ++i) {
+      const size_t off = std::min(n, i * p);
+      v[i] = {off, i + 1 == L ? n - off : std::min(p, n - off)};
+    }
+    return v;
+  }
+  bool striped(int peer, uint64_t tag) const {
+    return stripe_ > 0 && peer >= 0 && tag < kMaxTag;  // else the lane refuses it, naming why
+  }
+  // One striped request of kind k: posts part i through post(lane, off, len) and finishes the
+  // whole once every part has. `recv_base`: a plain receive's buffer (its parts may need moving).
+  template <class Post>
+  RequestPtr stripe(int peer, uint64_t tag, size_t nbytes, Kind k, Post&& post, char* recv_base) {
+    struct State {
+      RequestPtr whole;
+      std::vector<RequestPtr> parts;
+      std::vector<Part> mine;
+      std::atomic<size_t> left{0};
+    };
+    auto st = std::make_shared<State>();
+    st->whole = std::make_shared<Request>(peer, tag, nbytes);
+    const size_t L = lanes_.size();
+    st->mine = layout(nbytes, L, stripe_);
+    st->parts.resize(L);
+    st->left = L;
+    for (size_t i = 0; i < L; ++i) {
+      try {
+        st->parts[i] = post(*lanes_[(tag + i) % L], st->mine[i].off, st->mine[i].len);
+      } catch (const std::exception& e) {
+        // a lane refuses what every lane refuses (unknown peer, closed): part 0 raises it to
+        // the caller. After part 0 went out only a close() racing this post can refuse, and
+        // close() fails the parts already posted: the whole fails with the first error.
+        if (i == 0) throw;
+        st->parts[i] = std::make_shared<Request>(peer, tag, st->mine[i].len);
+        st->parts[i]->fail(Request::ErrorKind::Generic, e.what());
+      }
+    }
+    const size_t S = stripe_;
+    auto finish = [st, k, recv_base, nbytes, S, L] {
+      for (size_t i = 0; i < st->parts.size(); ++i) {
+        auto [kind, text] = st->parts[i]->error();
+        if (kind == Request::ErrorKind::Truncated && k != Kind::Send)
+          text += " (part " + std::to_string(i) + " of a message striped over " +
+                  std::to_string(L) + " UCX lanes, stripe_bytes " + std::to_string(S) +
+                  "; the whole receive is " + std::to_string(nbytes) + " bytes)";
+        if (kind != Request::ErrorKind::None) {
+          st->whole->fail(kind, text);
+          return;
+        }
+      }
+      size_t total = 0;
+      bool same = true;
+      for (size_t i = 0; i < st->parts.size(); ++i) {
+        const size_t got = st->parts[i]->nbytes();
+        total += got;
+        same = same && got == st->mine[i].len;
+      }
+      if (same || k == Kind::Send) {
+        st->whole->complete(total);
+        return;
+      }
+      // a shorter message than the buffer: arrived in the sender's parts, which must each be
+      // the length the sender's layout gives; move them down to the sender's offsets (in
+      // ascending order: part i's destination ends before part i + 1's source begins)
+      std::vector<Part> theirs = layout(total, L, S);
+      bool fits = k == Kind::Recv;
+      for (size_t i = 0; fits && i < theirs.size(); ++i) fits = st->parts[i]->nbytes() == theirs[i].len;
+      if (!fits) {
+        st->whole->fail(Request::ErrorKind::Truncated,
+                        "hetccl ucx: a message striped over " + std::to_string(theirs.size()) +
+                        " lanes from rank " + std::to_string(st->whole->peer()) + " (tag " +
+                        std::to_string(st->whole->tag()) + ") arrived as " + std::to_string(total) +
+                        " bytes in parts that do not fit this receive of " + std::to_string(nbytes) +
+                        " bytes (stripe_bytes " + std::to_string(S) + "): send and receive sizes differ");
+        return;
+      }
+      for (size_t i = 0; i < theirs.size(); ++i)
+        if (theirs[i].len && theirs[i].off != st->mine[i].off)
+          std::memmove(recv_base + theirs[i].off, recv_base + st->mine[i].off, theirs[i].len);
+      st->whole->complete(total);
+    };
+    for (auto& r : st->parts)
+      r->on_finish([st, finish] {
+        if (st->left.fetch_sub(1) == 1) finish();
+      });
+    return st->whole;
+  }
+
   // The lane of the next message of (peer, tag, space) in one direction (UcxTransport's rule).
   UcxTransport& lane(std::unordered_map<uint64_t, uint32_t>& seq, int peer, uint64_t tag, bool device) {
     const uint64_t n = lanes_.size();
@@ -1796,6 +1923,7 @@ class UcxLaneThreads final : public Transport {
   }
 
   std::vector<std::unique_ptr<UcxTransport>> lanes_;
+  size_t stripe_ = 0;  // option stripe_bytes; 0: messages go whole, one lane each
   std::mutex mu_;
   std::unordered_map<uint64_t, uint32_t> send_seq_, recv_seq_;
 };

@@ -219,6 +219,11 @@ _SETTINGS = [
             "With HETCCL_UCX_LANES > 1: each lane is a UCX context of its own with its own "
             "progress and copy threads, so lanes copy on as many cores (0: the lanes share one "
             "progress thread, as before; docs/transports.md). Must be equal on every rank."),
+    Setting("HETCCL_UCX_STRIPE_BYTES", int, 256 << 10,
+            "With HETCCL_UCX_LANES > 1 and lane threads: every host message goes as one part per "
+            "lane, split evenly from this size on (smaller ones whole on one lane, empty parts on "
+            "the others), so one large message keeps every lane's threads busy; 0: each message "
+            "whole on one lane (docs/transports.md). Must be equal on every rank."),
     Setting("HETCCL_UCX_TUNING", str, "TCP_TX_SEG_SIZE=1M;TCP_RX_SEG_SIZE=4M",
             "UCX settings hetccl applies to its UCX contexts ('KEY=VALUE;...', UCX names "
             "without UCX_), each only where the environment does not set UCX_<KEY> itself; "
@@ -299,6 +304,7 @@ SETTINGS = {s.name: s for s in _SETTINGS}
 MUST_AGREE = ("HETCCL_TRANSPORT", "HETCCL_ALGO", "HETCCL_CHUNK_BYTES", "HETCCL_HOST_KERNEL",
               "HETCCL_GROUP_LINKS", "HETCCL_FACE_ROUTE",
               "HETCCL_CHECK_ARGS", "HETCCL_EMULATE_HOSTS", "HETCCL_UCX_LANES", "HETCCL_UCX_LANE_THREADS",
+              "HETCCL_UCX_STRIPE_BYTES",
               "HETCCL_UCX_DEVICE")
 
 

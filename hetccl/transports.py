@@ -259,6 +259,7 @@ def options(name: str, *, secret: str, slot_bytes: int, seg_budget: int = 0, bin
         opts["lanes"] = str(ucx_lanes_in_force if ucx_lanes_in_force is not None else ucx_lanes(
             config.get("HETCCL_UCX_LANES"), [usable_cores()], [my_host], False))
         opts["lane_threads"] = "on" if config.get("HETCCL_UCX_LANE_THREADS") else "off"
+        opts["stripe_bytes"] = str(config.get("HETCCL_UCX_STRIPE_BYTES"))
         opts["ucx_config"] = config.ucx_tuning()
         opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
         opts["reduce_unpack"] = "on" if config.get("HETCCL_UCX_REDUCE_UNPACK") else "off"

@@ -36,6 +36,8 @@ if "ucx" in NAMES:
     VARIANTS["ucx+1lane"] = ("ucx", {"lanes": 1})
     # three lanes, each a UCX context with its own threads (HETCCL_UCX_LANE_THREADS)
     VARIANTS["ucx+lanethreads"] = ("ucx", {"lane_threads": "on"})
+    # the same with every message of 4 KiB or more striped over the three lanes
+    VARIANTS["ucx+stripe"] = ("ucx", {"lane_threads": "on", "stripe_bytes": 4096})
 SCENARIO_NAMES = list(NAMES) + list(VARIANTS)
 SECRET = "5f1d2c3b4a59687766554433221100ffeeddccbbaa9988776655443322110000"
 SIZES = [0, 1, 4099, 1 << 20, 64 << 20]
@@ -387,8 +389,67 @@ def sc_cancel(t, st, rank, peer, name):
     _barrier(st, "cancel/done", rank)
 
 
+def _layout(n, lanes, stripe):
+    """UcxLaneThreads' parts of an n-byte message: [(offset, length)] per lane (transport.cc)."""
+    p = n if n < stripe else (-(-n // lanes) + 4095) // 4096 * 4096
+    offs = [min(n, i * p) for i in range(lanes)]
+    return [(o, (n - o) if i == lanes - 1 else min(p, n - o)) for i, o in enumerate(offs)]
+
+
+def sc_stripe_edges(t, st, rank, peer, name):
+    """UCX lanes with striping: the parts of a message land whole (a receive larger than the
+    message, whose parts land in the receiver's layout, is moved to the sender's); where the two
+    layouts do not fit, MessageTruncated and the lanes stay in step (the next message on the tag
+    arrives whole); striped irecv_reduce. Other transports: the same sizes must simply work."""
+    info = t.info()
+    lanes, stripe = int(info.get("lanes", "1")), int(info.get("stripe_bytes", "0"))
+    striped = stripe > 0 and info.get("lane_threads") == "on"
+    if striped:
+        assert (lanes, stripe) == (3, 4096), info
+    # (message, receive buffer): exact, below the stripe size, the parts moved down, straddling
+    cases = [(3 * 40960, 3 * 40960), (4000, 8192), (100_000, 200_000), (5000, 5000 + 4096),
+             (0, 1 << 20), (1 << 20, 1 << 20)]
+    for i, (n, cap) in enumerate(cases):
+        src = _data(7000 * rank + i, n)
+        dst = np.full(cap, 0xAB, np.uint8)
+        rr = t.irecv(peer, dst.ctypes.data, cap, 900 + i)
+        rs = t.isend(peer, src.ctypes.data, n, 900 + i)
+        _C.wait_all([rr, rs], 30000)
+        assert rr.nbytes == n, (n, cap, rr.nbytes)
+        assert np.array_equal(dst[:n], _data(7000 * peer + i, n)), f"corrupt data: {n} into {cap}"
+    # a receive 8 bytes larger where the part size steps up (3 x 40 KiB: parts of 40 KiB sent,
+    # the receiver's last part is 32 KiB + 8): striped, the part does not fit -> MessageTruncated,
+    # then the next message on that tag arrives whole
+    n = 3 * 40960
+    if striped:
+        assert _layout(n + 8, 3, 4096)[2][1] < _layout(n, 3, 4096)[2][1]
+    first, second = _data(8000 + rank, n), _data(9000 + rank, n)
+    sends = [t.isend(peer, first.ctypes.data, n, 950), t.isend(peer, second.ctypes.data, n, 950)]
+    dst = np.zeros(n + 8, np.uint8)
+    r1 = t.irecv(peer, dst.ctypes.data, n + 8, 950)
+    if striped:
+        with pytest.raises(_C.MessageTruncated, match="striped over 3 UCX lanes"):
+            r1.wait(30000)
+    else:
+        assert r1.wait(30000) == n and np.array_equal(dst[:n], _data(8000 + peer, n))
+    dst2 = np.zeros(n, np.uint8)
+    assert t.irecv(peer, dst2.ctypes.data, n, 950).wait(30000) == n
+    assert np.array_equal(dst2, _data(9000 + peer, n)), "the message after the failed one is corrupt"
+    _C.wait_all(sends, 30000)
+    # striped irecv_reduce of float64, bigger and smaller than the stripe size
+    for j, m in enumerate([100, 300_001]):
+        mine = np.random.default_rng(rank + 10 * j).standard_normal(m)
+        theirs = np.random.default_rng(peer + 10 * j).standard_normal(m)
+        acc = mine.copy()
+        rr = t.irecv_reduce(peer, acc.ctypes.data, acc.nbytes, 960 + j, "sum", "float64")
+        rs = t.isend(peer, mine.ctypes.data, mine.nbytes, 960 + j)
+        _C.wait_all([rr, rs], 30000)
+        assert np.array_equal(acc, mine + theirs), f"striped reduce of {m} doubles"
+    _barrier(st, "stripe/done", rank)
+
+
 SCENARIOS = [sc_sizes, sc_many_tags, sc_late_receive, sc_irecv_reduce, sc_truncation,
-             sc_bad_args, sc_zero_copy, sc_foreign_sockets, sc_cancel]
+             sc_bad_args, sc_zero_copy, sc_foreign_sockets, sc_cancel, sc_stripe_edges]
 
 
 def run_scenarios(ctx, name, st):

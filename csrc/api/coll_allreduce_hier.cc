@@ -31,10 +31,9 @@ namespace api {
 void all_reduce_hier(Comm& c, const void* send, void* recv, size_t count, DType dt, size_t es,
                      ReduceOp op) {
   char* buf = static_cast<char*>(recv);
-  if (send != recv && count) std::memmove(buf, send, count * es);
+  uint64_t seq;
+  if (!c.begin_in_place(send, recv, count * es, seq)) return;
   const int n = c.size;
-  uint64_t seq = c.begin();
-  if (n == 1 || count == 0) return;
   const int L = c.vgroup_lcm, G = int(c.vgroups.size());
   if (L <= 0 || G < 2) throw CommError("hetccl: all_reduce_hier: needs two or more vendor groups of at most " +
                                        std::to_string(Comm::kHierMaxBlocks) + " blocks (select.cc)");

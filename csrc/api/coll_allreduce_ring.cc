@@ -16,10 +16,9 @@ namespace api {
 void all_reduce_ring(Comm& c, const void* send, void* recv, size_t count, DType dt, size_t es,
                      ReduceOp op) {
   char* buf = static_cast<char*>(recv);
-  if (send != recv && count) std::memmove(buf, send, count * es);
+  uint64_t seq;
+  if (!c.begin_in_place(send, recv, count * es, seq)) return;
   const int n = c.size, r = c.rank;
-  uint64_t seq = c.begin();
-  if (n == 1 || count == 0) return;
   auto item = [&](int peer, bool s, int b) {
     return Comm::Item{peer, s, buf + block_lo(count, n, b) * es, block_len(count, n, b) * es};
   };

@@ -11,6 +11,8 @@
 // that is never addressed costs nothing but its row of the table.
 #pragma once
 
+#include <cstring>
+
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -123,6 +125,15 @@ class Comm {
   void wait(uint64_t plan);
   // A new collective: its sequence number (the high bits of every tag it uses).
   uint64_t begin() { return ++seq_; }
+  // The host all_reduce algorithms' common start (coll_allreduce_{ring,rd,hier}.cc): sendbuff
+  // copied into recvbuff (they work in place from then on) and the call's sequence number
+  // taken -- every rank takes one per call, even where nothing moves, so tags stay in step.
+  // False where nothing is left to move (one rank, or no bytes).
+  bool begin_in_place(const void* send, void* recv, size_t nbytes, uint64_t& seq) {
+    if (send != recv && nbytes) std::memmove(recv, send, nbytes);
+    seq = begin();
+    return size > 1 && nbytes > 0;
+  }
   // tag of step `s` of collective `seq`; the check's steps have their own range.
   static uint64_t tag(uint64_t seq, uint32_t s, bool check = false);
   static constexpr uint32_t kMaxSteps = 1u << 15;
