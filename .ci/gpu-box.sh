@@ -232,6 +232,10 @@ for w in $what; do
             # the default's lanes without striping (each message whole on one lane), and 8 lanes
             ucx-nostripe) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_STRIPE_BYTES=0" ;;
             ucx-8lanes) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_LANES=8" ;;
+            ucx-stripe128k) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_STRIPE_BYTES=131072" ;;
+            ucx-stripe1m) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_STRIPE_BYTES=1048576" ;;
+            # UCX's eager protocol up to 8 MiB (no rendezvous handshake per message)
+            ucx-eager) e="HETCCL_TRANSPORT=ucx UCX_RNDV_THRESH=8M" ;;
             tcp) e="HETCCL_TRANSPORT=tcp" ;;
           esac
           rm -f /tmp/ucx_rows.jsonl

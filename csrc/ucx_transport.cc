@@ -1685,19 +1685,24 @@ void ep_err_cb(void* arg, ucp_ep_h, ucs_status_t status) {
 // requests; info() is lane 0's, with the counters of every lane summed.
 //
 // Striping (option stripe_bytes = S > 0, HETCCL_UCX_STRIPE_BYTES): one large message would
-// otherwise keep one lane's threads busy while the others idle (at 1 MiB the engine's chunks
-// are one or two messages). With S > 0 EVERY host message -- whatever its size, so that each
-// lane sees one part of every message and the lanes' FIFOs stay in step whatever sizes the two
-// ends post -- goes as one part per lane, part i on lane (tag + i) % lanes, each a message of
-// its lane with the same tag: a message of n < S bytes is part 0 whole and empty parts on the
-// other lanes; from S on, part i is bytes [i p, (i + 1) p) with p = ceil(n / lanes) rounded up
-// to 4 KiB (the last part takes the rest). The striped request finishes when every part has
-// (so its buffer is free then). A receive buffer larger than the message: the parts land where
-// the receiver's layout puts them and are moved to the sender's layout (the arrived lengths say
-// what it was; bytes past the message may be overwritten then); where a part of the sender's layout exceeds the receiver's part (the two sizes
-// straddle S, or p steps up while the buffer is only a few bytes larger) that part fails with
-// MessageTruncated -- an error, never misplaced bytes. irecv_reduce: exact sizes, as always.
-// Device messages are not striped (the lane rule above).
+// otherwise keep one lane's threads busy while the others idle (a plan's few large chunks).
+// With S > 0 EVERY host message -- whatever its size, so that each lane sees one part of every
+// message and the lanes' FIFOs stay in step whatever sizes the two ends post -- goes as one
+// part per lane, part i on lane (tag + i) % lanes, each a message of its lane with the same
+// tag. The message is cut into k = min(lanes, n / S) nonempty parts of at least S bytes (k = 1
+// below 2 S: the message whole in part 0); part i < k is bytes [i p, (i + 1) p) with
+// p = ceil(n / k) rounded up to 4 KiB (part k - 1 takes the rest); the other parts are empty.
+// Trade-off: a message completes only once every lane has moved its part, empty ones too, so
+// each message waits for the slowest lane's threads; on the GPU box that cost more at 1-4 MiB
+// than the parallel parts gained (docs/benchmarks.md, session 22), so hetccl's default is off
+// (HETCCL_UCX_STRIPE_BYTES 0); on the 2-core machine two striped lanes beat whole messages at
+// 4-16 MiB. The striped request finishes when every part has (its buffer is free then). A receive buffer larger than
+// the message: the parts land where the receiver's layout puts them and are moved to the
+// sender's layout (the arrived lengths say what it was; bytes past the message may be
+// overwritten); where a part of the sender's layout exceeds the receiver's part (the two sizes
+// cut into different part counts, or p steps up while the buffer is a few bytes larger) that
+// part fails with MessageTruncated -- an error, never misplaced bytes. irecv_reduce: exact
+// sizes, as always. Device messages are not striped (the lane rule above).
 class UcxLaneThreads final : public Transport {
  public:
   UcxLaneThreads(int rank, int size, const Options& opts, int lanes) {
@@ -1813,12 +1818,12 @@ class UcxLaneThreads final : public Transport {
   };
   // The parts of an n-byte message over L lanes with stripe_bytes S (the rule in the class comment).
   static std::vector<Part> layout(size_t n, size_t L, size_t S) {
-    size_t p = n;
-    if (n >= S) p = ((n + L - 1) / L + 4095) / 4096 * 4096;
+    const size_t k = n < S ? 1 : std::min(L, n / S);  // nonempty parts, each >= S bytes
+    const size_t p = k == 1 ? n : ((n + k - 1) / k + 4095) / 4096 * 4096;
     std::vector<Part> v(L);
     for (size_t i = 0; i < L; ++i) {
       const size_t off = std::min(n, i * p);
-      v[i] = {off, i + 1 == L ? n - off : std::min(p, n - off)};
+      v[i] = {off, i + 1 == k ? n - off : std::min(p, n - off)};
     }
     return v;
   }

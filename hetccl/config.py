@@ -219,11 +219,13 @@ _SETTINGS = [
             "With HETCCL_UCX_LANES > 1: each lane is a UCX context of its own with its own "
             "progress and copy threads, so lanes copy on as many cores (0: the lanes share one "
             "progress thread, as before; docs/transports.md). Must be equal on every rank."),
-    Setting("HETCCL_UCX_STRIPE_BYTES", int, 256 << 10,
-            "With HETCCL_UCX_LANES > 1 and lane threads: every host message goes as one part per "
-            "lane, split evenly from this size on (smaller ones whole on one lane, empty parts on "
-            "the others), so one large message keeps every lane's threads busy; 0: each message "
-            "whole on one lane (docs/transports.md). Must be equal on every rank."),
+    Setting("HETCCL_UCX_STRIPE_BYTES", int, 0,
+            "With HETCCL_UCX_LANES > 1 and lane threads, > 0: every host message goes as one part "
+            "per lane, cut evenly into as many parts of at least this size as there are lanes "
+            "(smaller messages whole on one lane, empty parts on the others), so one large "
+            "message keeps several lanes' threads busy. 0 (default): each message whole on one "
+            "lane; striping was slower at 1-4 MiB on the GPU box, where every message waits for "
+            "every lane (docs/benchmarks.md). Must be equal on every rank."),
     Setting("HETCCL_UCX_TUNING", str, "TCP_TX_SEG_SIZE=1M;TCP_RX_SEG_SIZE=4M",
             "UCX settings hetccl applies to its UCX contexts ('KEY=VALUE;...', UCX names "
             "without UCX_), each only where the environment does not set UCX_<KEY> itself; "

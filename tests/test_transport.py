@@ -391,9 +391,10 @@ def sc_cancel(t, st, rank, peer, name):
 
 def _layout(n, lanes, stripe):
     """UcxLaneThreads' parts of an n-byte message: [(offset, length)] per lane (transport.cc)."""
-    p = n if n < stripe else (-(-n // lanes) + 4095) // 4096 * 4096
+    k = 1 if n < stripe else min(lanes, n // stripe)
+    p = n if k == 1 else (-(-n // k) + 4095) // 4096 * 4096
     offs = [min(n, i * p) for i in range(lanes)]
-    return [(o, (n - o) if i == lanes - 1 else min(p, n - o)) for i, o in enumerate(offs)]
+    return [(o, (n - o) if i == k - 1 else min(p, n - o)) for i, o in enumerate(offs)]
 
 
 def sc_stripe_edges(t, st, rank, peer, name):
