@@ -36,8 +36,9 @@
 #   ucx_tests.log          (ucx) tests/test_gpu_ucx.py (all collectives, 1+1 and 2+1, hosts
 #                          emulated, HETCCL_UCX_DEVICE auto and off: both staged here), test_rdma
 #   ucx_bench.jsonl        (ucx) hetccl 1+1 (BRIDGE_VENDORS), hosts emulated: ucx-auto,
-#                          ucx-staged, tcp in one run; each row tagged {"mode", "vendors"};
-#                          ucx_summary.txt: busbw per mode side by side with ratios to tcp
+#                          ucx-staged, tcp in one run (UCX_MODES), UCX_ROUNDS interleaved rounds;
+#                          each row tagged {"mode", "vendors", "round"}; ucx_summary.txt: the
+#                          median busbw per mode side by side with ratios to tcp
 #   ucx_probe.log          (ucxprobe) tests/gpu_ucx_probe.py: per configuration ok or the
 #                          stalled step, with ucx_probe_stacks_*.txt (every thread's frames)
 # Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [dropin] [passthrough] [slots] [sweep] [train] [host]
@@ -220,6 +221,10 @@ for w in $what; do
       ucx_build || continue
       t_ucx=$SECONDS
       python3 -m hetccl.cli doctor 2>&1 | sed -n '/bridge transports/,/^  host identity/p' | tee "$OUT/ucx_doctor.log"
+      # UCX_ROUNDS (default 1): the modes run that many times, interleaved (round 1's modes,
+      # then round 2's, ...), and the summary gives each cell's median over the rounds, because
+      # single runs on this shared box move by 20-30 % (tcp itself up to 2.6x between runs)
+      for round in $(seq ${UCX_ROUNDS:-1}); do
       for v in ${BRIDGE_VENDORS:-1+1}; do
         # ucx-auto: the default (direct only where UCX's device path is runtime-free, else
         # staged: staged on this box); ucx-force: direct over cuda_copy, which can deadlock
@@ -246,23 +251,27 @@ for w in $what; do
             --jsonl /tmp/ucx_rows.jsonl 2>&1 | grep -E "^ +(all_|reduce_)" | sed "s/^/$mode /"
           rc=${PIPESTATUS[0]}
           echo "$mode: $(cat /tmp/ucx_rows.jsonl 2>/dev/null | wc -l) rows (exit $rc; 124: stopped at UCX_ROW_TIMEOUT)"
-          python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'mode': sys.argv[1], 'vendors': sys.argv[2]})) for l in open('/tmp/ucx_rows.jsonl')]" \
-            $mode $v >> "$OUT/ucx_bench.jsonl" 2>/dev/null
+          python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'mode': sys.argv[1], 'vendors': sys.argv[2], 'round': int(sys.argv[3])})) for l in open('/tmp/ucx_rows.jsonl')]" \
+            $mode $v $round >> "$OUT/ucx_bench.jsonl" 2>/dev/null
         done
       done
+      done
       python3 - "$OUT/ucx_bench.jsonl" <<'PY' 2>/dev/null | tee "$OUT/ucx_summary.txt"
-import json, sys
+import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 by = {}
 for r in rows:
-    by[(r["collective"], r["size_bytes"], r["mode"])] = r
+    by.setdefault((r["collective"], r["size_bytes"], r["mode"]), []).append(r)
 keys = sorted({(c, s) for c, s, _ in by})
 modes = list(dict.fromkeys(r["mode"] for r in rows))
-print("# busbw GB/s by mode; each UCX mode's ratio to tcp; #wrong over all modes")
+rounds = max(r.get("round", 1) for r in rows)
+print(f"# busbw GB/s by mode (median of {rounds} interleaved round(s)); each UCX mode's ratio "
+      "to tcp; #wrong over all modes and rounds")
 for c, s in keys:
-    cell = {m: by.get((c, s, m)) for m in modes}
-    bw = {m: (round(r["busbw_gbs"], 2) if r else None) for m, r in cell.items()}
-    wrong = sum(int(r["wrong"]) for r in cell.values() if r)
+    cell = {m: by.get((c, s, m), []) for m in modes}
+    bw = {m: (round(statistics.median(x["busbw_gbs"] for x in rs), 2) if rs else None)
+          for m, rs in cell.items()}
+    wrong = sum(int(x["wrong"]) for rs in cell.values() for x in rs)
     ratio = lambda m: f"{bw[m] / bw['tcp']:.2f}" if bw[m] and bw.get("tcp") else "-"
     print(f"{c:<15} {s:>10} " + " ".join(f"{m} {bw[m] if bw[m] is not None else '-'}" for m in cell)
           + f"  wrong {wrong}  " + " ".join(f"{m}/tcp {ratio(m)}" for m in modes if m != "tcp"))
