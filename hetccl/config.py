@@ -68,6 +68,16 @@ def _lanes(s: str):
     return n
 
 
+def _byte_count(s: str) -> int:
+    """A size in bytes, 0 or more (K/M/G suffixes: 512K, 1M)."""
+    v = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:], 1)
+    n = int(v[:-1] if mult > 1 else v) * mult
+    if n < 0:
+        raise ValueError("expected a byte count of 0 or more (K/M/G suffixes allowed)")
+    return n
+
+
 def _device_mode(s: str) -> str:
     v = s.strip().lower()
     if v not in ("auto", "off", "force"):
@@ -219,7 +229,7 @@ _SETTINGS = [
             "With HETCCL_UCX_LANES > 1: each lane is a UCX context of its own with its own "
             "progress and copy threads, so lanes copy on as many cores (0: the lanes share one "
             "progress thread, as before; docs/transports.md). Must be equal on every rank."),
-    Setting("HETCCL_UCX_STRIPE_BYTES", int, 0,
+    Setting("HETCCL_UCX_STRIPE_BYTES", _byte_count, 0,
             "With HETCCL_UCX_LANES > 1 and lane threads, > 0: every host message goes as one part "
             "per lane, cut evenly into as many parts of at least this size as there are lanes "
             "(smaller messages whole on one lane, empty parts on the others), so one large "

@@ -326,6 +326,13 @@ def test_ucx_lanes_auto_counts_cores_per_rank_and_is_one_with_rdma(monkeypatch):
     o = transports.options("ucx", secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"],
                            ucx_lanes_in_force=5)
     assert o["lanes"] == "5" and o["lane_threads"] == "on"
+    assert o["stripe_bytes"] == "0"  # striping off unless asked for
+    monkeypatch.setenv("HETCCL_UCX_STRIPE_BYTES", "512K")
+    o = transports.options("ucx", secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"])
+    assert o["stripe_bytes"] == str(512 << 10)
+    monkeypatch.setenv("HETCCL_UCX_STRIPE_BYTES", "-1")
+    with pytest.raises(ValueError, match="HETCCL_UCX_STRIPE_BYTES"):
+        config.get("HETCCL_UCX_STRIPE_BYTES")
 
 
 def test_ucx_tuning_leaves_user_settings_alone(monkeypatch):

@@ -26,13 +26,18 @@ VARIANTS = {
     "shm": {"UCX_TLS": "posix,sysv,cma,self"},
     # three lanes, each a UCX context with its own threads (option lane_threads)
     "tcp-lanethreads": {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self", "TEST_UCX_LANES": "3"},
+    # the same with messages of 128 KiB and more striped over the lanes (option stripe_bytes)
+    "tcp-stripe": {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self", "TEST_UCX_LANES": "3",
+                   "TEST_UCX_STRIPE": str(64 << 10)},
 }
 
 
 def _opts(secret=SECRET):
-    """The transport's options in this variant: lane threads where TEST_UCX_LANES says."""
-    lanes = os.environ.get("TEST_UCX_LANES")
-    return {"secret": secret, **({"lanes": lanes, "lane_threads": "on"} if lanes else {})}
+    """The transport's options in this variant: lane threads where TEST_UCX_LANES says, striped
+    where TEST_UCX_STRIPE says."""
+    lanes, stripe = os.environ.get("TEST_UCX_LANES"), os.environ.get("TEST_UCX_STRIPE", "0")
+    return {"secret": secret,
+            **({"lanes": lanes, "lane_threads": "on", "stripe_bytes": stripe} if lanes else {})}
 
 needs_ucx = pytest.mark.skipif("ucx" not in _C.transport_names(),
                                reason="hetccl._C built without the UCX transport")
@@ -63,6 +68,8 @@ def exchange(ctx):
     posted only after its send completed), float32 irecv_reduce, truncation."""
     t, st = _connect(ctx, "ex")
     rank, peer = ctx.rank, 1 - ctx.rank
+    if os.environ.get("TEST_UCX_STRIPE"):
+        assert t.info()["stripe_bytes"] == os.environ["TEST_UCX_STRIPE"], t.info()
     sizes = [0, 1, 4097, 1 << 20, 16 << 20]
     outs = [np.full(n, (rank + 1) * 3 + i, np.uint8) for i, n in enumerate(sizes)]
     ins = [np.zeros(n + 8, np.uint8) for n in sizes]
