@@ -239,6 +239,9 @@ for w in $what; do
             ucx-8lanes) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_LANES=8" ;;
             ucx-stripe128k) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_STRIPE_BYTES=131072" ;;
             ucx-stripe1m) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_STRIPE_BYTES=1048576" ;;
+            # progress threads polling 1 ms after their last event before they sleep
+            ucx-spin1ms) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_SPIN_US=1000" ;;
+            ucx-stripe1m-spin1ms) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_STRIPE_BYTES=1048576 HETCCL_UCX_SPIN_US=1000" ;;
             # UCX's eager protocol up to 8 MiB (no rendezvous handshake per message)
             ucx-eager) e="HETCCL_TRANSPORT=ucx UCX_RNDV_THRESH=8M" ;;
             tcp) e="HETCCL_TRANSPORT=tcp" ;;

@@ -71,8 +71,11 @@
 //    namespace) and a hung one are noticed only through the caller's timeout.
 //    With UCX_TLS unset (all transports), PEER mode makes UCX pick tcp even between processes on
 //    one host, because posix/sysv cannot carry a PEER-mode lane.
-//  * Progress: a thread that progresses the worker, spins for ~kSpinUs after the last event,
-//    then arms the worker (ucp_worker_arm) and sleeps in poll() on its event fd. Posting
+//  * Progress: a thread that progresses the worker, spins for ~spin_us (option, default kSpinUs
+//    = 50 us; HETCCL_UCX_SPIN_US) after the last event, then arms the worker (ucp_worker_arm)
+//    and sleeps in poll() on its event fd. Trade-off: a longer spin saves the wake-up of a
+//    message that follows soon (and of every lane's part when striped) and costs a core while
+//    it spins -- where cores are scarce (the 2-core machines) it takes them from the peer. Posting
 //    threads wake it with ucp_worker_signal when it sleeps. Finished host receives that still
 //    need a copy (from the stash) or a reduction (irecv_reduce) go to a second thread, the copy
 //    thread (option copy_thread, default on; off: the progress thread runs them), so that UCX
@@ -130,7 +133,7 @@ constexpr char kHelloMagic[8] = {'H', 'C', 'C', 'L', 'H', 'L', 'O', '1'};
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kHelloBytes = sizeof kHelloMagic + 4 + 32;  // magic | rank | proof
 constexpr size_t kHelloMax = 256;                            // receive buffer (longer: rejected)
-constexpr int kSpinUs = 50;                    // busy progress after the last event
+constexpr int kSpinUs = 50;                    // busy progress after the last event (option spin_us)
 constexpr int kPollMs = 100;                   // sleep bound while armed
 constexpr size_t kPoolMaxBytes = size_t(256) << 20;  // bounce buffers kept for reuse
 constexpr int64_t kCloseFlushMs = 2000;        // graceful flush at close, when nothing is pending
@@ -540,6 +543,7 @@ class UcxTransport final : public Transport {
     }
 
     lanes_ = int(opt_int(opts, "lanes", 1, 1, kMaxLanes));
+    spin_us_ = int(opt_int(opts, "spin_us", kSpinUs, 0, 1000000));
     {
       std::string ct = opt_str(opts, "copy_thread", "on");
       if (ct != "on" && ct != "off")
@@ -903,6 +907,7 @@ class UcxTransport final : public Transport {
       if (pr.is_peer) modes += (modes.empty() ? "" : ",") + std::to_string(pr.rank) + ":" + (pr.peer_mode ? "peer" : "none");
     m["error_handling"] = modes;
     m["copy_thread"] = copy_thread_.joinable() ? "on" : "off";
+    m["spin_us"] = std::to_string(spin_us_);
     m["reduce_unpack"] = !reduce_dt_ ? (reduce_unpack_ ? "off (RDMA: zero-copy kept)" : "off") : "on: " + std::to_string(unpack_msgs_) + " messages in " +
                          std::to_string(unpack_pieces_) + " pieces, " + std::to_string(unpack_splits_) +
                          " elements split between pieces";
@@ -1580,7 +1585,7 @@ class UcxTransport final : public Transport {
         last_event = std::chrono::steady_clock::now();
         continue;
       }
-      if (std::chrono::steady_clock::now() - last_event < std::chrono::microseconds(kSpinUs)) {
+      if (std::chrono::steady_clock::now() - last_event < std::chrono::microseconds(spin_us_)) {
         sched_yield();
         continue;
       }
@@ -1596,7 +1601,7 @@ class UcxTransport final : public Transport {
       pollfd pfds[kMaxLanes];
       for (size_t i = 0; i < efds_.size(); ++i) pfds[i] = pollfd{efds_[i], POLLIN, 0};
       poll(pfds, nfds_t(efds_.size()), st == UCS_OK ? kPollMs : 1);
-      last_event = std::chrono::steady_clock::now() - std::chrono::microseconds(kSpinUs / 2);
+      last_event = std::chrono::steady_clock::now() - std::chrono::microseconds(spin_us_ / 2);
     }
   }
 
@@ -1633,6 +1638,7 @@ class UcxTransport final : public Transport {
   std::thread thread_;
   // copy thread (option copy_thread, default on): finished receives to copy / reduce
   bool copy_thread_on_ = true;
+  int spin_us_ = kSpinUs;  // option spin_us: busy progress after the last event, then poll()
   std::mutex copy_mu_;
   std::condition_variable copy_cv_;
   std::vector<Work> copy_q_;

@@ -78,6 +78,13 @@ def _byte_count(s: str) -> int:
     return n
 
 
+def _nonneg_int(s: str) -> int:
+    n = int(s.strip())
+    if n < 0:
+        raise ValueError("expected a whole number of 0 or more")
+    return n
+
+
 def _device_mode(s: str) -> str:
     v = s.strip().lower()
     if v not in ("auto", "off", "force"):
@@ -236,6 +243,10 @@ _SETTINGS = [
             "message keeps several lanes' threads busy. 0 (default): each message whole on one "
             "lane; striping was slower at 1-4 MiB on the GPU box, where every message waits for "
             "every lane (docs/benchmarks.md). Must be equal on every rank."),
+    Setting("HETCCL_UCX_SPIN_US", _nonneg_int, 50,
+            "UCX transport: microseconds each progress thread keeps polling after its last event "
+            "before it sleeps (a message arriving meanwhile needs no wake-up; a spinning thread "
+            "holds a core)."),
     Setting("HETCCL_UCX_TUNING", str, "TCP_TX_SEG_SIZE=1M;TCP_RX_SEG_SIZE=4M",
             "UCX settings hetccl applies to its UCX contexts ('KEY=VALUE;...', UCX names "
             "without UCX_), each only where the environment does not set UCX_<KEY> itself; "

@@ -260,6 +260,7 @@ def options(name: str, *, secret: str, slot_bytes: int, seg_budget: int = 0, bin
             config.get("HETCCL_UCX_LANES"), [usable_cores()], [my_host], False))
         opts["lane_threads"] = "on" if config.get("HETCCL_UCX_LANE_THREADS") else "off"
         opts["stripe_bytes"] = str(config.get("HETCCL_UCX_STRIPE_BYTES"))
+        opts["spin_us"] = str(config.get("HETCCL_UCX_SPIN_US"))
         opts["ucx_config"] = config.ucx_tuning()
         opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
         opts["reduce_unpack"] = "on" if config.get("HETCCL_UCX_REDUCE_UNPACK") else "off"

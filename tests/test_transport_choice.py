@@ -327,6 +327,11 @@ def test_ucx_lanes_auto_counts_cores_per_rank_and_is_one_with_rdma(monkeypatch):
                            ucx_lanes_in_force=5)
     assert o["lanes"] == "5" and o["lane_threads"] == "on"
     assert o["stripe_bytes"] == "0"  # striping off unless asked for
+    assert o["spin_us"] == "50"
+    monkeypatch.setenv("HETCCL_UCX_SPIN_US", "-3")
+    with pytest.raises(ValueError, match="HETCCL_UCX_SPIN_US"):
+        config.get("HETCCL_UCX_SPIN_US")
+    monkeypatch.delenv("HETCCL_UCX_SPIN_US")
     monkeypatch.setenv("HETCCL_UCX_STRIPE_BYTES", "512K")
     o = transports.options("ucx", secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"])
     assert o["stripe_bytes"] == str(512 << 10)

@@ -28,15 +28,16 @@ VARIANTS = {
     "tcp-lanethreads": {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self", "TEST_UCX_LANES": "3"},
     # the same with messages of 128 KiB and more striped over the lanes (option stripe_bytes)
     "tcp-stripe": {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self", "TEST_UCX_LANES": "3",
-                   "TEST_UCX_STRIPE": str(64 << 10)},
+                   "TEST_UCX_STRIPE": str(64 << 10), "TEST_UCX_SPIN_US": "0"},
 }
 
 
 def _opts(secret=SECRET):
     """The transport's options in this variant: lane threads where TEST_UCX_LANES says, striped
-    where TEST_UCX_STRIPE says."""
+    where TEST_UCX_STRIPE says, the progress threads' spin where TEST_UCX_SPIN_US says."""
     lanes, stripe = os.environ.get("TEST_UCX_LANES"), os.environ.get("TEST_UCX_STRIPE", "0")
-    return {"secret": secret,
+    spin = os.environ.get("TEST_UCX_SPIN_US")
+    return {"secret": secret, **({"spin_us": spin} if spin else {}),
             **({"lanes": lanes, "lane_threads": "on", "stripe_bytes": stripe} if lanes else {})}
 
 needs_ucx = pytest.mark.skipif("ucx" not in _C.transport_names(),
@@ -70,6 +71,8 @@ def exchange(ctx):
     rank, peer = ctx.rank, 1 - ctx.rank
     if os.environ.get("TEST_UCX_STRIPE"):
         assert t.info()["stripe_bytes"] == os.environ["TEST_UCX_STRIPE"], t.info()
+    if os.environ.get("TEST_UCX_SPIN_US"):  # no spin: every message after a sleep
+        assert t.info()["spin_us"] == os.environ["TEST_UCX_SPIN_US"], t.info()
     sizes = [0, 1, 4097, 1 << 20, 16 << 20]
     outs = [np.full(n, (rank + 1) * 3 + i, np.uint8) for i, n in enumerate(sizes)]
     ins = [np.zeros(n + 8, np.uint8) for n in sizes]
