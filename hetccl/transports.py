@@ -272,6 +272,14 @@ def options(name: str, *, secret: str, slot_bytes: int, seg_budget: int = 0, bin
 
 def describe(info: dict[str, dict]) -> str:
     """What the log line of a bridge adds about its transports' setup (``info``: name ->
-    Transport.info()), "" when nothing: UCX's version, UCX_TLS and lanes."""
+    Transport.info()), "" when nothing: UCX's version, UCX_TLS, lanes (with threads of their
+    own, striped from how many bytes)."""
     ucx = info.get("ucx")
-    return f" [UCX {ucx.get('version')}: UCX_TLS={ucx.get('tls')}, lanes {ucx.get('lanes')}]" if ucx else ""
+    if not ucx:
+        return ""
+    lanes = f"lanes {ucx.get('lanes')}"
+    if ucx.get("lane_threads") == "on":
+        lanes += " with threads"
+        if int(ucx.get("stripe_bytes") or 0) > 0:
+            lanes += f", messages striped in parts of >= {ucx['stripe_bytes']} bytes"
+    return f" [UCX {ucx.get('version')}: UCX_TLS={ucx.get('tls')}, {lanes}]"

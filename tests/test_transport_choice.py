@@ -435,3 +435,14 @@ def test_emulated_hosts_over_ucx_2p1(lanes):
         assert not set(resources) & set(transports.UCX_DEVICE_PATHS + transports.UCX_SHM_PATHS)
         assert "tcp" in resources, resources
         assert out["stats"].get("msg_host_bytes", 0) > 0, out["stats"]
+
+
+def test_the_log_line_names_ucx_lanes_and_striping():
+    """transports.describe: what the bridge's log line says about UCX's setup."""
+    assert transports.describe({"tcp": {}}) == ""
+    base = {"version": "1.22.0", "tls": "tcp,self", "lanes": "4"}
+    assert transports.describe({"ucx": base}) == " [UCX 1.22.0: UCX_TLS=tcp,self, lanes 4]"
+    threads = {**base, "lane_threads": "on", "stripe_bytes": "0"}
+    assert transports.describe({"ucx": threads}).endswith("lanes 4 with threads]")
+    striped = {**threads, "stripe_bytes": "524288"}
+    assert "striped in parts of >= 524288 bytes" in transports.describe({"ucx": striped})
