@@ -39,6 +39,8 @@ if "ucx" in NAMES:
     # the same with every message of 4 KiB or more striped over the three lanes
     VARIANTS["ucx+stripe"] = ("ucx", {"lane_threads": "on", "stripe_bytes": 4096})
 SCENARIO_NAMES = list(NAMES) + list(VARIANTS)
+# the failure cases (a killed peer, a close during the last copy) also run striped
+FAILURE_NAMES = list(NAMES) + (["ucx+stripe"] if "ucx+stripe" in VARIANTS else [])
 SECRET = "5f1d2c3b4a59687766554433221100ffeeddccbbaa9988776655443322110000"
 SIZES = [0, 1, 4099, 1 << 20, 64 << 20]
 HS_TIMEOUT_MS = 500
@@ -50,6 +52,14 @@ def _opts(**kw):
     o = {"secret": SECRET, "bind_addr": "127.0.0.1", "handshake_timeout_ms": str(HS_TIMEOUT_MS)}
     o.update({k: str(v) for k, v in kw.items()})
     return o
+
+
+def _variant(name):
+    """(transport name, options) of a transport or a "<transport>+<option>" variant (three UCX
+    lanes in a UCX variant, as run_scenarios runs them)."""
+    base, extra = VARIANTS.get(name, (name, {}))
+    lanes = {"lanes": 3} if base == "ucx" and name in VARIANTS else {}
+    return base, _opts(**{**lanes, **extra})
 
 
 def _barrier(store, key, rank, world=2):
@@ -621,8 +631,9 @@ def closed_while_copying(ctx, name, st):
     rank, peer = ctx.rank, 1 - ctx.rank
     n = 128 << 20
     bad = []
+    tname, topts = _variant(name)
     for attempt in range(2):
-        t = _C.Transport(name, rank, 2, _opts())
+        t = _C.Transport(tname, rank, 2, topts)
         _connect(t, st, f"{k}/{attempt}", rank)
         if rank == 0:
             src = _data(40 + attempt, n)
@@ -648,7 +659,9 @@ def run_failures(ctx, names):
     st = ctx.store()
     out = {}
     for name in names:
-        for case in (never_connects, killed_peer, closed_while_copying):
+        cases = (killed_peer, closed_while_copying) if name in VARIANTS else \
+            (never_connects, killed_peer, closed_while_copying)
+        for case in cases:
             try:
                 out[f"{name}/{case.__name__}"] = case(ctx, name, st)
             except BaseException:  # noqa: BLE001
@@ -658,7 +671,7 @@ def run_failures(ctx, names):
 
 @functools.lru_cache(maxsize=None)
 def _failures():
-    return spawn(run_failures, 2, args=(tuple(NAMES),), timeout=180)
+    return spawn(run_failures, 2, args=(tuple(FAILURE_NAMES),), timeout=240)
 
 
 def _check_failure(key):
@@ -693,7 +706,8 @@ while True:
 def killed_peer(ctx, name, st):
     k = f"{name}/kp"
     if ctx.rank == 1:
-        p = subprocess.Popen([sys.executable, "-c", VICTIM, name, repr(_opts())],
+        vname, vopts = _variant(name)
+        p = subprocess.Popen([sys.executable, "-c", VICTIM, vname, repr(vopts)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             st.set(f"{k}/addr1", p.stdout.readline().strip())
@@ -708,7 +722,8 @@ def killed_peer(ctx, name, st):
             p.wait()
         st.set(f"{k}/killed", repr(time.time()))
         return "ok"
-    t = _C.Transport(name, 0, 2, _opts())
+    tname, topts = _variant(name)
+    t = _C.Transport(tname, 0, 2, topts)
     st.set(f"{k}/addr0", t.address())
     t.connect([b"", st.get(f"{k}/addr1")], CONNECT_MS)
     victim_pid = st.get(f"{k}/pid").decode()
@@ -758,11 +773,11 @@ def killed_peer(ctx, name, st):
     return verdict
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FAILURE_NAMES)
 def test_peer_killed_mid_transfer(name):
     _check_failure(f"{name}/killed_peer")
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FAILURE_NAMES)
 def test_close_during_the_last_copy_keeps_the_message(name):
     _check_failure(f"{name}/closed_while_copying")
