@@ -68,11 +68,17 @@ def _lanes(s: str):
     return n
 
 
+def parse_size(s: str) -> int:
+    """A size in bytes as users write it: 4096, 512K, 1M, 1.5G, 64MiB, 2MB (powers of 1024).
+    The one parser for settings and the benchmarks' --sizes / --minbytes."""
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
 def _byte_count(s: str) -> int:
     """A size in bytes, 0 or more (K/M/G suffixes: 512K, 1M)."""
-    v = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:], 1)
-    n = int(v[:-1] if mult > 1 else v) * mult
+    n = parse_size(s)
     if n < 0:
         raise ValueError("expected a byte count of 0 or more (K/M/G suffixes allowed)")
     return n

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from hetccl import config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,3 +75,13 @@ def test_direct_entries_exist_and_still_need_it():
         assert p.exists(), rel
         assert _reads(p.read_text()) or rel == "hetccl/nccl_dropin.py" and "REAL_ENV" in p.read_text(), \
             f"{rel} reads no HETCCL_* variable any more: drop it from DIRECT"
+
+
+def test_sizes_parse_as_users_write_them():
+    """config.parse_size: the one parser of byte sizes (settings, the benchmarks' --sizes)."""
+    cases = {"4096": 4096, "512K": 512 << 10, "1M": 1 << 20, "1.5G": 3 << 29, "64MiB": 64 << 20,
+             "2mb": 2 << 20, " 8k ": 8 << 10, "0": 0}
+    assert {s: config.parse_size(s) for s in cases} == cases
+    for bad in ("", "M", "lots", "1T"):
+        with pytest.raises(ValueError):
+            config.parse_size(bad)

@@ -21,19 +21,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..config import parse_size
 from .report import BUS_FACTOR, Table, hardware, today
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64, "int32": torch.int32}
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if s and s[-1] in mult:
-        return int(float(s[:-1]) * mult[s[-1]])
-    return int(s)
 
 
 def size_list(lo: int, hi: int, factor: int) -> list[int]:

@@ -23,17 +23,13 @@ import sys
 import time
 from typing import Any
 
+from ..config import parse_size
+
 GB = 1e9
 DEFAULT_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]  # 1 MiB .. 64 MiB, powers of 4
 SECRET = "hetccl-bench-" + "0123456789abcdef" * 2
 COLUMNS = [("transport", 9), ("mode", 5), ("size", 10), ("count", 6), ("time_us", 10),
            ("GB/s", 7), ("med", 7), ("memcpy", 7), ("#wrong", 6)]
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
 
 
 def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
