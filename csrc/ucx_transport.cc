@@ -1702,13 +1702,13 @@ void ep_err_cb(void* arg, ucp_ep_h, ucs_status_t status) {
 // each message waits for the slowest lane's threads; on the GPU box that cost more at 1-4 MiB
 // than the parallel parts gained (docs/benchmarks.md, session 22), so hetccl's default is off
 // (HETCCL_UCX_STRIPE_BYTES 0); on the 2-core machine two striped lanes beat whole messages at
-// 4-16 MiB. The striped request finishes when every part has (its buffer is free then). A receive buffer larger than
-// the message: the parts land where the receiver's layout puts them and are moved to the
-// sender's layout (the arrived lengths say what it was; bytes past the message may be
-// overwritten); where a part of the sender's layout exceeds the receiver's part (the two sizes
-// cut into different part counts, or p steps up while the buffer is a few bytes larger) that
-// part fails with MessageTruncated -- an error, never misplaced bytes. irecv_reduce: exact
-// sizes, as always. Device messages are not striped (the lane rule above).
+// 4-16 MiB. The striped request finishes when every part has (its buffer is free then). A
+// receive buffer larger than the message: the parts land where the receiver's layout puts them
+// and are moved to the sender's layout (the arrived lengths say what it was; bytes past the
+// message may be overwritten); where a part of the sender's layout exceeds the receiver's part
+// (the two sizes cut into different part counts, or p steps up while the buffer is a few bytes
+// larger) that part fails with MessageTruncated -- an error, never misplaced bytes.
+// irecv_reduce: exact sizes, as always. Device messages are not striped (the lane rule above).
 class UcxLaneThreads final : public Transport {
  public:
   UcxLaneThreads(int rank, int size, const Options& opts, int lanes) {
@@ -1833,9 +1833,9 @@ class UcxLaneThreads final : public Transport {
     }
     return v;
   }
-  bool striped(int peer, uint64_t tag) const {
-    return stripe_ > 0 && peer >= 0 && tag < kMaxTag;  // else the lane refuses it, naming why
-  }
+  // Whether a lane would take (peer, tag) at all; else lane 0 gets it and refuses, naming why.
+  static bool postable(int peer, uint64_t tag) { return peer >= 0 && tag < kMaxTag; }
+  bool striped(int peer, uint64_t tag) const { return stripe_ > 0 && postable(peer, tag); }
   // One striped request of kind k: posts part i through post(lane, off, len) and finishes the
   // whole once every part has. `recv_base`: a plain receive's buffer (its parts may need moving).
   template <class Post>
@@ -1918,7 +1918,7 @@ class UcxLaneThreads final : public Transport {
   // The lane of the next message of (peer, tag, space) in one direction (UcxTransport's rule).
   UcxTransport& lane(std::unordered_map<uint64_t, uint32_t>& seq, int peer, uint64_t tag, bool device) {
     const uint64_t n = lanes_.size();
-    if (peer < 0 || tag >= kMaxTag) return *lanes_[0];  // the lane refuses it, naming why
+    if (!postable(peer, tag)) return *lanes_[0];
     std::lock_guard<std::mutex> g(mu_);
     const uint64_t key = make_tag(uint64_t(peer), tag, device);
     auto it = seq.find(key);

@@ -11,10 +11,9 @@
 // that is never addressed costs nothing but its row of the table.
 #pragma once
 
-#include <cstring>
-
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <map>
 #include <memory>
