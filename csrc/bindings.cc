@@ -223,6 +223,10 @@ PYBIND11_MODULE(_C, m) {
       .def("close", [](PyTransport& s) { s.t().close(); }, py::call_guard<py::gil_scoped_release>())
       .def("info", [](PyTransport& s) { return s.t().info(); },
            "What this instance runs with (e.g. UCX's transports in force), key -> text.")
+      .def("message_limit", [](PyTransport& s, int peer) { return s.t().message_limit(peer); },
+           py::arg("peer"),
+           "The largest host message worth sending to peer whole, 0 for no bound (transport.h); "
+           "the engine caps its host chunks on the link at it.")
       .def_property_readonly("device_direct", [](PyTransport& s) { return s.t().device_direct(); })
       .def("isend_device",
            [](PyTransport& s, int peer, uintptr_t ptr, size_t nbytes, uint64_t tag) {

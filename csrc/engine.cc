@@ -45,6 +45,7 @@ Engine::Engine(std::map<int, std::shared_ptr<Transport>> links, EngineOptions op
     } else {
       l->out_depth = opts_.device_slots;
       l->slot_bytes = opts_.device_slot_bytes;  // also the chunk bound of direct device data
+      l->msg_limit = l->t->message_limit(l->peer);  // equal on both ends (transport.h)
     }
     links_[kv.first] = std::move(l);
   }

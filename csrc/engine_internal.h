@@ -147,6 +147,7 @@ struct Engine::Link {
   int bound_device = -1;  // device index the transport was bound to (Transport::bind_device)
   uint32_t out_depth = 0;  // zero-copy: outgoing ring slots; message links: staging slots
   size_t slot_bytes = 0;
+  size_t msg_limit = 0;  // message links: Transport::message_limit (host chunks are capped at it)
   uint32_t send_pos = 0, recv_pos = 0;  // next positions to assign (post order)
   std::deque<SendChunk> sq;
   std::deque<RecvChunk> rq;

@@ -34,6 +34,11 @@ bool Engine::send_msg(Link& l) {
     c.plan->send_done[c.idx] = 1;
     if (c.device) l.flags->freed->set(c.pos + 1);
     stats_[c.direct ? "msg_device_direct_bytes" : c.device ? "msg_device_bytes" : "msg_host_bytes"] += c.len;
+    if (!c.device) {  // how host data was cut (message bound: Transport::message_limit)
+      ++stats_["msg_host_chunks"];
+      uint64_t& most = stats_["msg_host_chunk_max"];
+      most = std::max<uint64_t>(most, c.len);
+    }
     auto plan = c.plan;
     l.sq.pop_front();
     finish_chunk(*plan);

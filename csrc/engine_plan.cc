@@ -183,6 +183,16 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
     // Chunks never exceed a slot (zero-copy rings; staging slots of device data). Slot sizes are
     // equal on every rank (checked when the bridge starts), so both ends cut alike.
     if (l.zc || s.device) chunk = std::min(chunk, l.slot_bytes);
+    // Host data on a message link: no chunk above the transport's message bound, equal on both
+    // ends (Transport::message_limit, whole pages; UCX over tcp: its largest zero-copy
+    // message), cut into equal page-rounded parts rather than bound-sized ones and a sliver.
+    // Device data keeps its staging slots' chunks: capping those too is for a GPU run to decide.
+    else if (l.msg_limit && chunk > l.msg_limit && !s.chunk_bytes && !opts_.force_chunk) {
+      const size_t n = total[{l.peer, send}];
+      const size_t parts = (n + l.msg_limit - 1) / l.msg_limit;
+      chunk = parts > 1 ? ((n + parts - 1) / parts + 4095) / 4096 * 4096 : l.msg_limit;
+      chunk = std::min(chunk, l.msg_limit);
+    }
     return std::max<size_t>(chunk, 1);
   };
   for (auto& it : s.items) {

@@ -230,6 +230,18 @@ class Transport {
   // key -> value, e.g. UCX's "tls" as read back from UCX after hetccl's restrictions.
   virtual std::map<std::string, std::string> info() { return {}; }
 
+  // The largest host message worth sending to `peer` in one piece, 0 for no bound (the
+  // default): larger messages still work, but take a slower path in the transport (UCX over
+  // tcp: copies through its segments instead of zero-copy). Equal on both ends of a link after
+  // connect() -- a transport that derives it from its own settings publishes it in its address
+  // and both ends take the same combination -- so callers that cut a stream into messages and
+  // must cut alike on both ends (the engine's host chunks on message links, engine_plan.cc)
+  // may cap their messages at it. A multiple of 4096 (whole elements of every dtype).
+  virtual size_t message_limit(int peer) const {
+    (void)peer;
+    return 0;
+  }
+
   // Device memory handed to the transport directly (only where TransportCaps::memory lists the
   // device's kind; the defaults say "not supported"). Same matching as isend/irecv, but in a
   // tag space of their own (a device message never matches a host receive), and a weaker

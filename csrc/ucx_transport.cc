@@ -5,9 +5,9 @@
 //  * One ucp_context + `lanes` ucp_workers per Transport instance (options["lanes"], default 1).
 //    Workers are in SERIALIZED mode: every UCP call (posting from caller threads, progress from
 //    our thread) holds mu_.
-//  * Addressing: address() is text, "hetccl-ucx2 <rank> <pid> <start> <host id> <nonce hex>
-//    <worker address hex>,..." (one per lane; <start>: the process start time from /proc, "-" if
-//    unknown). connect() creates one endpoint per lane to every peer with a non-empty address
+//  * Addressing: address() is text, "hetccl-ucx3 <rank> <pid> <start> <host id> <nonce hex>
+//    <max message> <worker address hex>,..." (one per lane; <start>: the process start time from
+//    /proc, "-" if unknown; <max message>: this rank's message_limit bound, below). connect() creates one endpoint per lane to every peer with a non-empty address
 //    (UCX wires up lazily; there is no listener).
 //  * Tags: UCP tag = device bit (63) | source rank (bits 48..62) | user tag (< 2^48). Receives match
 //    the full tag, so matching is per (peer, tag); UCP keeps same-tag messages from one endpoint
@@ -127,7 +127,7 @@ constexpr uint64_t kDeviceBit = uint64_t(1) << 63;  // isend_device/irecv_device
 constexpr uint64_t kHandshakeSrc = 0x7FFF;  // reserved source-rank field
 constexpr uint64_t kByeBit = uint64_t(1) << 47;  // with kHandshakeSrc: "sender closed its transport"
 constexpr uint64_t kFullMask = ~uint64_t(0);
-constexpr const char* kAddrMagic = "hetccl-ucx2";
+constexpr const char* kAddrMagic = "hetccl-ucx3";
 constexpr int kMaxLanes = 16;
 constexpr char kHelloMagic[8] = {'H', 'C', 'C', 'L', 'H', 'L', 'O', '1'};
 constexpr size_t kNonceBytes = 16;
@@ -438,6 +438,7 @@ struct Peer {
   std::string nonce;        // its handshake nonce
   pid_t pid = 0;
   std::string start;        // its /proc start time if it is on this host and checkable, else ""
+  size_t max_message = 0;   // its published message bound (option max_message; 0: none)
   std::vector<ucp_ep_h> eps;  // one per lane; null again once closed after a failure
   bool peer_mode = false;  // endpoint created with UCP_ERR_HANDLING_MODE_PEER
   bool failed = false;
@@ -544,6 +545,7 @@ class UcxTransport final : public Transport {
 
     lanes_ = int(opt_int(opts, "lanes", 1, 1, kMaxLanes));
     spin_us_ = int(opt_int(opts, "spin_us", kSpinUs, 0, 1000000));
+    max_message_ = size_t(opt_int(opts, "max_message", 0, 0, int64_t(1) << 40));
     {
       std::string ct = opt_str(opts, "copy_thread", "on");
       if (ct != "on" && ct != "off")
@@ -605,6 +607,13 @@ class UcxTransport final : public Transport {
     for (auto& t : resources_)
       for (const char* r : {"rc", "dc", "ud", "srd", "gga"})
         if (t.compare(0, std::strlen(r), r) == 0) rdma_ = true;
+    // The message bound (message_limit): UCX over tcp moves a host message zero-copy up to a
+    // size its segments set (UCX 1.22: 2 x TCP_TX_SEG_SIZE - 32 bytes; larger ones take
+    // "fragmented copy-in copy-out", one more copy on each end, and the bimodal speed of
+    // docs/benchmarks.md). Python computes it (hetccl/transports.py, HETCCL_UCX_MAX_MESSAGE);
+    // with RDMA UCX's rendezvous is zero-copy at any size, so there is no bound. Whole pages,
+    // so that a chunk cut at the bound holds whole elements of every dtype.
+    max_message_ = rdma_ ? 0 : max_message_ / 4096 * 4096;
     // UCX gives up zero-copy rendezvous for a generic datatype: with RDMA a reducing receive
     // keeps the contiguous bounce buffer (zero-copy into it), until measured there.
     if (reduce_unpack_ && !rdma_) {
@@ -655,7 +664,7 @@ class UcxTransport final : public Transport {
     host_ = host_id();
     address_ = std::string(kAddrMagic) + " " + std::to_string(rank_) + " " + std::to_string(getpid()) +
                " " + (start.empty() ? "-" : start) + " " + host_ + " " + to_hex(nonce_) + " " +
-               join(worker_addrs);
+               std::to_string(max_message_) + " " + join(worker_addrs);
 
     if (copy_thread_on_) copy_thread_ = std::thread([this] { copy_loop(); });
     thread_ = std::thread([this] { progress_loop(); });
@@ -684,10 +693,12 @@ class UcxTransport final : public Transport {
         for (std::string w; in >> w;) f.push_back(w);
         Peer& pr = peers_[p];
         std::vector<std::string> workers;
-        bool ok = f.size() == 7 && f[0] == kAddrMagic && from_hex(f[5], &pr.nonce) &&
-                  pr.nonce.size() == kNonceBytes &&
-                  f[2].find_first_not_of("0123456789") == std::string::npos;
-        for (auto& h : ok ? split_list(f[6]) : std::vector<std::string>{}) {
+        auto digits = [](const std::string& x) {
+          return !x.empty() && x.size() < 19 && x.find_first_not_of("0123456789") == std::string::npos;
+        };
+        bool ok = f.size() == 8 && f[0] == kAddrMagic && from_hex(f[5], &pr.nonce) &&
+                  pr.nonce.size() == kNonceBytes && digits(f[2]) && digits(f[6]);
+        for (auto& h : ok ? split_list(f[7]) : std::vector<std::string>{}) {
           std::string w;
           ok = ok && from_hex(h, &w) && !w.empty();
           workers.push_back(w);
@@ -703,6 +714,7 @@ class UcxTransport final : public Transport {
           throw CommError("hetccl ucx: address published for rank " + std::to_string(p) +
                           " belongs to rank " + f[1]);
         pr.pid = pid_t(std::stol(f[2]));
+        pr.max_message = size_t(std::stoull(f[6]));
         pr.where = "pid " + f[2] + " on host " + f[4].substr(0, f[4].find('/'));
         // Liveness checks only if we see the same process the peer saw as itself.
         pr.start = f[4] == host_ && f[3] != "-" && proc_start(pr.pid, nullptr) == f[3] ? f[3] : "";
@@ -890,10 +902,19 @@ class UcxTransport final : public Transport {
     memh_[a] = MemhEntry{a + nbytes, h};
   }
 
+  // The smaller of this rank's and the peer's published bounds where both have one, else
+  // whichever has one: both ends compute the same value from the same two numbers.
+  size_t message_limit(int peer) const override {
+    if (peer < 0 || peer >= size_ || !peers_[peer].is_peer) return 0;
+    size_t a = max_message_, b = peers_[peer].max_message;
+    return a && b ? std::min(a, b) : std::max(a, b);
+  }
+
   std::map<std::string, std::string> info() override {
     std::lock_guard<std::mutex> g(mu_);
     std::map<std::string, std::string> m;
     m["tls"] = tls_;
+    m["max_message"] = std::to_string(max_message_);
     m["resources"] = join(resources_);
     std::vector<std::string> mem;
     for (int i = 0; i < UCS_MEMORY_TYPE_LAST; ++i)
@@ -1639,6 +1660,7 @@ class UcxTransport final : public Transport {
   // copy thread (option copy_thread, default on): finished receives to copy / reduce
   bool copy_thread_on_ = true;
   int spin_us_ = kSpinUs;  // option spin_us: busy progress after the last event, then poll()
+  size_t max_message_ = 0;  // option max_message (whole pages; 0 with RDMA): message_limit()
   std::mutex copy_mu_;
   std::condition_variable copy_cv_;
   std::vector<Work> copy_q_;
@@ -1688,7 +1710,8 @@ void ep_err_cb(void* arg, ucp_ep_h, ucs_status_t status) {
 // lanes' addresses joined by '|' (an empty one stays empty: no link); a peer with another lane
 // count or lane mode is refused at connect(). cancel() refuses, as any multi-lane UCX does
 // (see UcxTransport::cancel). Each lane authenticates, watches its peers and fails its own
-// requests; info() is lane 0's, with the counters of every lane summed.
+// requests; info() is lane 0's (the lanes share their options; settings such as spin_us are
+// not summed), with lanes, lane_threads and stripe_bytes of the whole.
 //
 // Striping (option stripe_bytes = S > 0, HETCCL_UCX_STRIPE_BYTES): one large message would
 // otherwise keep one lane's threads busy while the others idle (a plan's few large chunks).
@@ -1800,17 +1823,10 @@ class UcxLaneThreads final : public Transport {
   void close() override {
     for (auto& l : lanes_) l->close();
   }
+  // Every lane runs with the same options and connects to the same peers.
+  size_t message_limit(int peer) const override { return lanes_[0]->message_limit(peer); }
   std::map<std::string, std::string> info() override {
     std::map<std::string, std::string> m = lanes_[0]->info();
-    for (size_t i = 1; i < lanes_.size(); ++i)
-      for (auto& [k, v] : lanes_[i]->info()) {
-        auto it = m.find(k);
-        if (it == m.end() || v.empty() || it->second.empty() ||
-            v.find_first_not_of("0123456789") != std::string::npos ||
-            it->second.find_first_not_of("0123456789") != std::string::npos)
-          continue;
-        it->second = std::to_string(std::stoull(it->second) + std::stoull(v));
-      }
     m["lanes"] = std::to_string(lanes_.size());
     m["lane_threads"] = "on";
     m["stripe_bytes"] = std::to_string(stripe_);

@@ -84,6 +84,11 @@ def _byte_count(s: str) -> int:
     return n
 
 
+def _auto_or_bytes(s: str):
+    v = s.strip().lower()
+    return "auto" if v == "auto" else _byte_count(v)
+
+
 def _nonneg_int(s: str) -> int:
     n = int(s.strip())
     if n < 0:
@@ -253,6 +258,14 @@ _SETTINGS = [
             "UCX transport: microseconds each progress thread keeps polling after its last event "
             "before it sleeps (a message arriving meanwhile needs no wake-up; a spinning thread "
             "holds a core)."),
+    Setting("HETCCL_UCX_MAX_MESSAGE", _auto_or_bytes, "auto",
+            "UCX transport without RDMA: the engine cuts host data on UCX links into messages "
+            "of at most this many bytes (each link takes the smaller of its two ends' values). "
+            "auto (default): the largest message UCX's tcp moves zero-copy, 2 x the tcp send "
+            "segment in force (UCX_TCP_TX_SEG_SIZE, else HETCCL_UCX_TUNING's) less 4 KiB, where "
+            "that segment is 256 KiB or more, else no bound; larger messages go through UCX's "
+            "segments (\"fragmented copy-in copy-out\", 0.6x on the 2-core machine: "
+            "docs/benchmarks.md). 0: no bound."),
     Setting("HETCCL_UCX_TUNING", str, "TCP_TX_SEG_SIZE=1M;TCP_RX_SEG_SIZE=4M",
             "UCX settings hetccl applies to its UCX contexts ('KEY=VALUE;...', UCX names "
             "without UCX_), each only where the environment does not set UCX_<KEY> itself; "
@@ -374,6 +387,19 @@ def ucx_tuning() -> str:
         if ("UCX_" + key) not in os.environ:
             keep.append(f"{key}={val.strip()}")
     return ";".join(keep)
+
+
+def ucx_value_in_force(key: str) -> str | None:
+    """The value UCX's contexts get for UCX_<key> (a UCX name without UCX_, upper case): the
+    environment's where it sets it (UCX reads it itself), else HETCCL_UCX_TUNING's, else None
+    (UCX's own default)."""
+    if ("UCX_" + key) in os.environ:
+        return os.environ["UCX_" + key]
+    for item in ucx_tuning().split(";"):
+        k, _, v = item.partition("=")
+        if k.strip().upper() == key:
+            return v.strip()
+    return None
 
 
 def table() -> list[tuple[str, Any, bool, str]]:

@@ -234,6 +234,25 @@ def settings_in_force() -> dict[str, object]:
     return {"HETCCL_UCX_TUNING (in force)": config.ucx_tuning()}
 
 
+def ucx_max_message() -> int:
+    """The ucx transport's "max_message" option (HETCCL_UCX_MAX_MESSAGE; the transport drops it
+    where UCX has RDMA): under auto, 2 x the tcp send segment in force less 4 KiB -- UCX 1.22
+    sends a host message of up to 2 x TCP_TX_SEG_SIZE - 32 bytes as a zero-copy rendezvous over
+    tcp and a larger one through its segments (`UCX_PROTO_INFO=y`: "fragmented copy-in
+    copy-out") -- where the segment is 256 KiB or more (smaller segments would cut the engine's
+    chunks too fine), else 0 (no bound; also for UCX's default segment, 8 KiB, and for a
+    spelling hetccl does not read, such as "inf")."""
+    value = config.get("HETCCL_UCX_MAX_MESSAGE")
+    if value != "auto":
+        return int(value)
+    seg = config.ucx_value_in_force("TCP_TX_SEG_SIZE")
+    try:
+        n = config.parse_size(seg) if seg else 0
+    except (ValueError, OverflowError):
+        n = 0
+    return (2 * n - 4096) // 4096 * 4096 if n >= 256 * 1024 else 0
+
+
 def options(name: str, *, secret: str, slot_bytes: int, seg_budget: int = 0, bind_addr: str | None = None,
             my_host: str = "", peer_hosts: list[str] = (), emulate_hosts: bool = False,
             any_direct: bool = False, ucx_lanes_in_force: int | None = None) -> dict[str, str]:
@@ -262,6 +281,7 @@ def options(name: str, *, secret: str, slot_bytes: int, seg_budget: int = 0, bin
         opts["stripe_bytes"] = str(config.get("HETCCL_UCX_STRIPE_BYTES"))
         opts["spin_us"] = str(config.get("HETCCL_UCX_SPIN_US"))
         opts["ucx_config"] = config.ucx_tuning()
+        opts["max_message"] = str(ucx_max_message())
         opts["copy_thread"] = "on" if config.get("HETCCL_UCX_COPY_THREAD") else "off"
         opts["reduce_unpack"] = "on" if config.get("HETCCL_UCX_REDUCE_UNPACK") else "off"
         opts["device_prepare"] = "on" if config.get("HETCCL_UCX_DEVICE_PREPARE") else "off"

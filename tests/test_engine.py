@@ -496,6 +496,57 @@ def test_engine_device_direct():
         assert issue is not None and issue < 5.0, issue  # issue never waited for the data
 
 
+# ------------------------------------------------------------------ message bound (UCX)
+def _message_limit_rank(ctx, lanes):
+    """Each rank publishes its own bound (a page and a bit, two and a half pages): both take
+    the smaller, whole pages (Transport::message_limit); the engine cuts host data on the link
+    into equal page-rounded chunks under it (the engine's counts of sent host chunks), and
+    every copy and reduce case still gives the reference's bytes."""
+    torch.set_num_threads(1)
+    st = ctx.store()
+    rank, peer = ctx.rank, 1 - ctx.rank
+    res = {}
+    t = _C.Transport("ucx", rank, 2, _opts(lanes=lanes, lane_threads="on",
+                                           max_message=4096 + 100 if rank == 0 else 10240))
+    _connect(t, st, f"limit{lanes}", rank)
+    res["limit"] = t.message_limit(peer)
+    res["own"] = t.info()["max_message"]
+    e = _engine(t, rank)
+    try:
+        x = _rand(torch.float32, 10_000, 40 + rank)  # 40000 bytes: 10 chunks of 4096 (the last 3136)
+        before = dict(e.stats())
+        y = x.clone()
+        e.wait(_post(e, [(peer, True, y.data_ptr(), _b(y)), (peer, False, y.data_ptr(), _b(y))],
+                     10, op="sum", dtype="float32"))
+        after = dict(e.stats())
+        res["chunks"] = after["msg_host_chunks"] - before.get("msg_host_chunks", 0)
+        res["largest"] = after["msg_host_chunk_max"]
+        other = _rand(torch.float32, 10_000, 40 + peer)
+        res["sum"] = "ok" if _same(y, _reference("sum", x, other) if rank == 0 else
+                                   _reference("sum", other, x)) else "wrong result"
+        out, _ = _exchange_cases(e, rank, peer, 100)
+        res.update(out)
+    except BaseException:  # noqa: BLE001
+        res["error"] = traceback.format_exc()
+    _barrier(st, f"limit{lanes}/done", rank)
+    e.close()
+    t.close()
+    return res
+
+
+@pytest.mark.skipif("ucx" not in NAMES, reason="hetccl._C built without the UCX transport")
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_engine_message_limit(lanes):
+    per_rank = spawn(_message_limit_rank, 2, args=(lanes,),
+                     env={"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"}, timeout=300)
+    for r, res in enumerate(per_rank):
+        assert res.pop("own") == ("4096" if r == 0 else "8192"), (r, res)
+        assert res.pop("limit") == 4096, (r, res)
+        assert res.pop("chunks") == 10 and res.pop("largest") == 4096, (r, res)
+        bad = {k: v for k, v in res.items() if v != "ok"}
+        assert not bad, f"rank {r}: " + "\n".join(f"{k}: {v}" for k, v in sorted(bad.items()))
+
+
 def test_engine_direct_refusals():
     """A direct link needs a transport that takes device memory; a direct device plan must not
     receive into memory it sends. Both refused with errors naming what is wrong, before any data

@@ -354,6 +354,34 @@ def test_ucx_tuning_leaves_user_settings_alone(monkeypatch):
         config.ucx_tuning()
 
 
+def test_ucx_max_message_follows_the_send_segment_in_force(monkeypatch):
+    """auto: 2 x the tcp send segment in force less a page (UCX 1.22's largest zero-copy
+    message over tcp, page-rounded), where that segment is 256 KiB or more; the environment's
+    UCX_TCP_TX_SEG_SIZE before the tuning's; a number is taken as given, 0 is no bound."""
+    for k in ("HETCCL_UCX_MAX_MESSAGE", "HETCCL_UCX_TUNING", "UCX_TCP_TX_SEG_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert transports.ucx_max_message() == (2 << 20) - 4096  # the default tuning's 1M segment
+    o = transports.options("ucx", secret="s", slot_bytes=4096, my_host="h1", peer_hosts=["h2"])
+    assert o["max_message"] == str((2 << 20) - 4096)
+    monkeypatch.setenv("HETCCL_UCX_TUNING", "TCP_TX_SEG_SIZE=512K;TCP_RX_SEG_SIZE=4M")
+    assert transports.ucx_max_message() == (1 << 20) - 4096
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "3m")  # the user's segment wins
+    assert transports.ucx_max_message() == (6 << 20) - 4096
+    for small in ("128k", "8k", "inf", "auto"):  # too small to bound, or not a size: no bound
+        monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", small)
+        assert transports.ucx_max_message() == 0, small
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE")
+    monkeypatch.setenv("HETCCL_UCX_TUNING", "none")  # UCX's own 8 KiB segment: no bound
+    assert transports.ucx_max_message() == 0
+    monkeypatch.setenv("HETCCL_UCX_MAX_MESSAGE", "1M")
+    assert transports.ucx_max_message() == 1 << 20
+    monkeypatch.setenv("HETCCL_UCX_MAX_MESSAGE", "0")
+    assert transports.ucx_max_message() == 0
+    monkeypatch.setenv("HETCCL_UCX_MAX_MESSAGE", "-4K")
+    with pytest.raises(ValueError, match="HETCCL_UCX_MAX_MESSAGE"):
+        config.get("HETCCL_UCX_MAX_MESSAGE")
+
+
 # ------------------------------------------------------------------ UCX restrictions, read back
 DEVICE = ",".join(transports.UCX_DEVICE_PATHS)
 HOSTS = ",".join(transports.UCX_DEVICE_PATHS + transports.UCX_SHM_PATHS)
