@@ -244,6 +244,9 @@ for w in $what; do
             ucx-stripe1m-spin1ms) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_STRIPE_BYTES=1048576 HETCCL_UCX_SPIN_US=1000" ;;
             # UCX's eager protocol up to 8 MiB (no rendezvous handshake per message)
             ucx-eager) e="HETCCL_TRANSPORT=ucx UCX_RNDV_THRESH=8M" ;;
+            # no message bound (HETCCL_UCX_MAX_MESSAGE=0): chunks above UCX's largest zero-copy
+            # message go "fragmented copy-in copy-out" (docs/transports.md)
+            ucx-unbounded) e="HETCCL_TRANSPORT=ucx HETCCL_UCX_MAX_MESSAGE=0" ;;
             tcp) e="HETCCL_TRANSPORT=tcp" ;;
           esac
           rm -f /tmp/ucx_rows.jsonl
