@@ -108,6 +108,7 @@ struct Engine::Plan {
   std::vector<HdrIn> hdr_in;
   std::vector<RequestPtr> hdr_out;
   std::vector<uint8_t> send_done;  // per send chunk
+  std::vector<uint8_t> recv_done;  // per host receive chunk (reducing plans: recv-after-recv)
   size_t nbytes_moved = 0;
 };
 
@@ -135,6 +136,10 @@ struct Engine::RecvChunk {
   bool device;
   bool direct = false;  // received straight into device memory (irecv_device)
   std::vector<uint32_t> after;  // send chunks (idx) that read this memory: they go first
+  // Reducing plans: index among the plan's receive chunks, and the earlier receive chunks
+  // (ridx) that reduce into memory this one does: they finish first (engine_plan.cc)
+  uint32_t ridx = 0;
+  std::vector<uint32_t> after_recv;
   bool issued = false;
   RequestPtr req;
 };

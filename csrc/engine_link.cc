@@ -99,6 +99,7 @@ bool Engine::recv_msg(Link& l) {
       l.held.push_back(std::move(c));
       l.rq.pop_front();
     } else {
+      if (c.ridx < plan->recv_done.size()) plan->recv_done[c.ridx] = 1;
       l.rq.pop_front();
       finish_chunk(*plan);
     }
@@ -123,7 +124,7 @@ bool Engine::recv_msg(Link& l) {
       if (!geq(l.flags->consumed.pos(), c.pos + 1 - l.out_depth)) break;
       c.req = l.t->irecv(l.peer, l.stage_in[c.pos % l.out_depth], c.len, c.tag);
     } else {
-      if (!sends_left(p.send_done, c.after)) break;
+      if (!sends_left(p.send_done, c.after) || !sends_left(p.recv_done, c.after_recv)) break;
       c.req = p.spec.reduce ? l.t->irecv_reduce(l.peer, c.dst, c.len, c.tag, p.spec.op, p.spec.dtype)
                             : l.t->irecv(l.peer, c.dst, c.len, c.tag);
     }

@@ -162,7 +162,7 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
     uint32_t idx;
   };
   std::vector<SendRef> sends;
-  uint32_t nsend = 0;
+  uint32_t nsend = 0, nrecv = 0;
   // Chunk size per (peer, direction), from the bytes that direction carries in this plan: both
   // ends of a link see the same bytes, so they cut alike (hetccl/tuning.py).
   std::map<std::pair<int, bool>, size_t> total;
@@ -223,6 +223,7 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
         c.pos = (l.zc || s.device) ? l.recv_pos++ : 0;
         c.device = s.device;
         c.direct = s.device && l.direct;
+        c.ridx = nrecv++;
         l.rq.push_back(std::move(c));
       }
       ++p.pending;
@@ -245,6 +246,39 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
         for (auto s2 = first; s2 != sends.end() && s2->lo < hi; ++s2)
           if (s2->hi > lo) rc.after.push_back(s2->idx);
       }
+  }
+  p.recv_done.assign(nrecv, 0);
+  if (!s.device && s.reduce && nrecv > 1) {
+    // Two reducing receives into overlapping memory never run at once: the message transports
+    // reduce on their own threads (tcp's progress threads, UCX's), the engine reduces zero-copy
+    // chunks on its own, so two peers' contributions to one element would race (a lost update:
+    // a silent wrong sum, seen in 1+1+1 reduce_scatter between hosts). Each receive waits for
+    // the earlier receive chunks of the plan (lower ridx, i.e. earlier in item order) whose
+    // memory it overlaps. The waits point to lower indices only, and a link's chunks are in
+    // increasing order, so they cannot form a cycle; a message that arrives meanwhile waits in
+    // its transport (unexpected messages are buffered; a ring slot stays committed).
+    struct RecvRef {
+      uintptr_t lo, hi;
+      RecvChunk* c;
+    };
+    std::vector<RecvRef> refs;
+    for (auto& kv : links_)
+      for (auto& rc : kv.second->rq)
+        if (rc.plan.get() == &p && rc.len) {
+          uintptr_t lo = reinterpret_cast<uintptr_t>(rc.dst);
+          refs.push_back({lo, lo + rc.len, &rc});
+        }
+    std::sort(refs.begin(), refs.end(), [](const RecvRef& a, const RecvRef& b) { return a.lo < b.lo; });
+    std::vector<const RecvRef*> open;  // intervals that may still overlap the next ones
+    for (auto& r : refs) {
+      open.erase(std::remove_if(open.begin(), open.end(), [&](const RecvRef* o) { return o->hi <= r.lo; }),
+                 open.end());
+      for (const RecvRef* o : open) {  // o->lo <= r.lo < o->hi: they overlap
+        if (o->c->ridx < r.c->ridx) r.c->after_recv.push_back(o->c->ridx);
+        else o->c->after_recv.push_back(r.c->ridx);
+      }
+      open.push_back(&r);
+    }
   }
   p.started = true;
   ++stats_[s.device ? "plans_device" : "plans_host"];

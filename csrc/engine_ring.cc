@@ -96,7 +96,7 @@ bool Engine::recv_zc(Link& l) {
     if (!p.gate) break;
     if (!c.device) {
       if (!l.held.empty()) break;  // releases go in acquisition order
-      if (!sends_left(p.send_done, c.after)) break;
+      if (!sends_left(p.send_done, c.after) || !sends_left(p.recv_done, c.after_recv)) break;
     }
     auto m = l.t->zc_recv_try(l.peer);
     char* src = static_cast<char*>(std::get<0>(m));
@@ -127,6 +127,7 @@ bool Engine::recv_zc(Link& l) {
     l.t->zc_recv_release(l.peer);
     stats_["zc_host_bytes_in"] += c.len;
     auto plan = c.plan;
+    if (c.ridx < plan->recv_done.size()) plan->recv_done[c.ridx] = 1;
     l.rq.pop_front();
     finish_chunk(*plan);
     moved = true;

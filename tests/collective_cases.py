@@ -1058,6 +1058,12 @@ def run_all_gather_paths(ctx) -> dict:
             dist.all_gather(outs, ins[ctx.rank])
             if not all(torch.equal(o, i) for o, i in zip(outs, ins)):
                 bad.append(f"list {dtype} n{n}")
+            # in place: the input is this rank's own slot of the output
+            out = torch.full((W * n,), 3, dtype=dtype)
+            out[ctx.rank * n:(ctx.rank + 1) * n] = ins[ctx.rank]
+            dist.all_gather_into_tensor(out, out[ctx.rank * n:(ctx.rank + 1) * n])
+            if not torch.equal(out, torch.cat(ins)):
+                bad.append(f"in place {dtype} n{n}")
     # reduce_scatter (sum, max) against a float64 reference of every rank's input
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
         for op in ("sum", "max"):
@@ -1069,7 +1075,15 @@ def run_all_gather_paths(ctx) -> dict:
                 err = close(out, ref, dtype, W)
                 if err:
                     bad.append(f"reduce_scatter {dtype} {op} n{n}: {err}")
+                # in place: the output is this rank's own block of the input
+                buf = ins[ctx.rank].clone()
+                dist.reduce_scatter_tensor(buf[ctx.rank * n:(ctx.rank + 1) * n], buf, op=OPS[op])
+                err = close(buf[ctx.rank * n:(ctx.rank + 1) * n], ref, dtype, W)
+                if err:
+                    bad.append(f"reduce_scatter in place {dtype} {op} n{n}: {err}")
     stats = dict(dist.group.WORLD.engine.stats)
     dist.destroy_process_group()
     return {"bad": bad, "pairs": stats.get("algo_all_gather_pairs", 0),
-            "rs_pairs": stats.get("algo_reduce_scatter_pairs", 0)}
+            "rs_pairs": stats.get("algo_reduce_scatter_pairs", 0),
+            "ag_in_place": stats.get("algo_all_gather_hier_in_place", 0),
+            "rs_view": stats.get("algo_reduce_scatter_hier_view", 0)}

@@ -115,24 +115,75 @@ def test_all_reduce_linked_path(split, links, path):
             assert st.get("check_native", 0) == 0, (r, st)
 
 
-@pytest.mark.parametrize("split,algo,pairs", [
-    ("2+2", "", True),                       # hier hands two groups of 2^m over to pairs
-    ("4+4", "", True),                       # three rounds (masks 0, 1, 2)
-    ("2+1", "", False),                      # unequal groups: the hierarchical path
+def _interleaved_gather_paths(ctx):
+    """run_all_gather_paths with vendors v0, v1, v0 by rank: the group of two is not
+    consecutive in rank order."""
+    import os
+    os.environ["HETCCL_VENDOR"] = "v1" if ctx.rank == 1 else "v0"
+    return collective_cases.run_all_gather_paths(ctx)
+
+
+@pytest.mark.parametrize("split,hosts,pairs,in_place,views", [
+    ("2+2", False, True, (), ()),            # hier hands two groups of 2^m over to pairs
+    ("4+4", False, True, (), ()),            # three rounds (masks 0, 1, 2)
+    ("2+1", False, False, (), ()),           # unequal groups: the hierarchical path
+    # each group its own host (message links): a group of one receives another group's block
+    # in place in the output where that group's ranks are consecutive, and sends its
+    # reduce_scatter input as a view where all other ranks are (1+1+1: not for rank 1, whose
+    # others are 0 and 2; v0 v1 v0: rank 1's other group is ranks 0 and 2, staged)
+    ("1+1", True, False, (0, 1), (0, 1)),
+    ("1+1+1", True, False, (0, 1, 2), (0, 2)),
+    ("v0,v1,v0", True, False, (), ()),
 ])
-def test_all_gather_host_paths(split, algo, pairs):
+def test_all_gather_host_paths(split, hosts, pairs, in_place, views):
     """all_gather on host tensors, exact against the concatenation of every rank's input, and
-    reduce_scatter (sum, max) against a float64 reference, for several dtypes and sizes; the
-    path asked for is the one that ran: pairs (m + 1 rounds through the bridge, no native
-    step) for two equal groups of 2^m ranks, else hier."""
-    world = sum(int(x) for x in split.split("+"))
-    env = dict(ENV, **({"HETCCL_ALGO": algo} if algo else {}))
-    per_rank = spawn(collective_cases.run_all_gather_paths, world, vendors=split, env=env,
-                     timeout=300)
+    reduce_scatter (sum, max) against a float64 reference, for several dtypes and sizes, out
+    of place and in place; the path asked for is the one that ran: pairs (m + 1 rounds
+    through the bridge, no native step) for two equal groups of 2^m ranks, else hier, and the
+    groups of one on message links receive in place (`in_place`: those ranks) and send their
+    reduce_scatter input as a view (`views`)."""
+    env = dict(ENV, **({"HETCCL_EMULATE_HOSTS": "1"} if hosts else {}))
+    if split == "v0,v1,v0":
+        per_rank = spawn(_interleaved_gather_paths, 3, env=env, timeout=300)
+    else:
+        world = sum(int(x) for x in split.split("+"))
+        per_rank = spawn(collective_cases.run_all_gather_paths, world, vendors=split, env=env,
+                         timeout=300)
     for r, res in enumerate(per_rank):
         assert not res["bad"], (r, res["bad"])
         assert (res["pairs"] > 0) == pairs, (r, res)
         assert (res["rs_pairs"] > 0) == pairs, (r, res)
+        assert (res["ag_in_place"] > 0) == (r in in_place), (r, res)
+        assert (res["rs_view"] > 0) == (r in views), (r, res)
+
+
+def _repeated_reduce_scatter(ctx):
+    """40 int64 sum reduce_scatters, exact against the sum of every rank's block."""
+    import torch
+    import torch.distributed as dist
+    import hetccl  # noqa: F401
+    dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
+                            world_size=ctx.world_size)
+    W, n, wrong = ctx.world_size, 70_001, 0
+    for it in range(40):
+        g = torch.Generator().manual_seed(it)
+        ins = [torch.randint(-1000, 1000, (W * n,), generator=g, dtype=torch.int64) for _ in range(W)]
+        out = torch.empty(n, dtype=torch.int64)
+        dist.reduce_scatter_tensor(out, ins[ctx.rank].clone())
+        wrong += int((out != sum(x[ctx.rank * n:(ctx.rank + 1) * n] for x in ins)).sum())
+    dist.destroy_process_group()
+    return wrong
+
+
+def test_reductions_from_several_peers_into_one_buffer_do_not_race():
+    """1+1+1 between hosts (message links): each rank's reduce_scatter output takes both
+    peers' contributions, reduced by the tcp transport's threads as they arrive. Before the
+    engine ordered overlapping reducing receives (engine_plan.cc), two peers' chunks of the
+    same range were reduced at once and updates were lost: 2 of 2 runs of this loop had
+    wrong elements (4 and 5911)."""
+    per_rank = spawn(_repeated_reduce_scatter, 3, vendors="1+1+1",
+                     env=dict(ENV, HETCCL_EMULATE_HOSTS="1", HETCCL_TRANSPORT="tcp"), timeout=300)
+    assert per_rank == [0, 0, 0], per_rank
 
 
 @pytest.mark.parametrize("op", ["sum", "max", "prod", "min", "avg", "band"])

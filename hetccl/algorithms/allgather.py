@@ -73,14 +73,21 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
         native = ctx.local.all_gather(own_block, x)
     # Cross: for each other group h, this rank receives shard li (over ng) of h's block, and
     # sends its own input (range [me*n, (me+1)*n) of its group's block) to every other group.
-    sends, recvs, stages = [], [], {}
+    sends, recvs, stages, in_place = [], [], {}, set()
     for h, ranks in enumerate(topo.groups):
         if h == g:
             continue
         nh = len(ranks)
         # what I receive of h's block
         lo, hi = padded_ranges(nh * n, ng)[li]
-        stage = torch.empty(padded_shard(nh * n, ng), dtype=x.dtype, device=x.device)
+        if ng == 1 and x.device.type == "cpu" and ranks == list(range(ranks[0], ranks[0] + nh)):
+            # a group of one receives h's whole block, and h's ranks are consecutive: it lands
+            # in its place in out (no staging buffer, no copy after). Device tensors keep the
+            # staged path until a GPU run has checked this one.
+            stage = out[ranks[0] * n:(ranks[0] + nh) * n]
+            in_place.add(h)
+        else:
+            stage = torch.empty(padded_shard(nh * n, ng), dtype=x.dtype, device=x.device)
         stages[h] = stage
         for j, r in enumerate(ranks):
             x_rng = intersect((lo, hi), (j * n, (j + 1) * n))
@@ -103,6 +110,15 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
     if not stages:
         return
     order = sorted(stages)
+    if ng == 1:
+        # each other group's block arrived whole: in place, or scattered to its ranks' slots
+        if in_place:
+            ctx.count("all_gather_hier_in_place")
+        for h in order:
+            if h not in in_place:
+                for j, r in enumerate(topo.groups[h]):
+                    copy(out[r * n:(r + 1) * n], stages[h][j * n:(j + 1) * n])
+        return
     cat = torch.cat([stages[h] for h in order]) if len(order) > 1 else stages[order[0]]
     if ng > 1:
         gathered = torch.empty(ng * cat.numel(), dtype=x.dtype, device=x.device)
