@@ -162,17 +162,19 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
     uint32_t idx;
   };
   std::vector<SendRef> sends;
+  std::vector<RecvChunk*> host_recvs;  // this plan's receive chunks of host data (deque
+                                       // elements keep their address as more are appended)
   uint32_t nsend = 0, nrecv = 0;
   // Chunk size per (peer, direction), from the bytes that direction carries in this plan: both
   // ends of a link see the same bytes, so they cut alike (hetccl/tuning.py).
   std::map<std::pair<int, bool>, size_t> total;
   for (auto& it : s.items) total[{it.peer, it.send}] += it.nbytes;
   auto chunk_of = [&](const Link& l, bool send) {
+    const size_t n = total[{l.peer, send}];
     size_t chunk = s.chunk_bytes;
     if (!chunk) chunk = size_t(opts_.force_chunk);
     if (!chunk) {
       const auto& table = s.device ? opts_.device_chunks : l.zc ? opts_.host_chunks : opts_.msg_chunks;
-      const size_t n = total[{l.peer, send}];
       chunk = table.empty() ? (1 << 20) : size_t(table.back().second);
       for (auto& row : table)
         if (n <= row.first) {
@@ -188,7 +190,6 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
     // message), cut into equal page-rounded parts rather than bound-sized ones and a sliver.
     // Device data keeps its staging slots' chunks: capping those too is for a GPU run to decide.
     else if (l.msg_limit && chunk > l.msg_limit && !s.chunk_bytes && !opts_.force_chunk) {
-      const size_t n = total[{l.peer, send}];
       const size_t parts = (n + l.msg_limit - 1) / l.msg_limit;
       chunk = parts > 1 ? ((n + parts - 1) / parts + 4095) / 4096 * 4096 : l.msg_limit;
       chunk = std::min(chunk, l.msg_limit);
@@ -225,6 +226,7 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
         c.direct = s.device && l.direct;
         c.ridx = nrecv++;
         l.rq.push_back(std::move(c));
+        if (!s.device) host_recvs.push_back(&l.rq.back());
       }
       ++p.pending;
     }
@@ -236,19 +238,17 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
     std::sort(sends.begin(), sends.end(), [](const SendRef& a, const SendRef& b) { return a.lo < b.lo; });
     uintptr_t maxlen = 0;
     for (auto& sr : sends) maxlen = std::max<uintptr_t>(maxlen, sr.hi - sr.lo);
-    for (auto& kv : links_)
-      for (auto& rc : kv.second->rq) {
-        if (rc.plan.get() != &p) continue;
-        uintptr_t lo = reinterpret_cast<uintptr_t>(rc.dst), hi = lo + rc.len;
-        // first send starting at or after lo - maxlen can overlap
-        auto first = std::lower_bound(sends.begin(), sends.end(), lo > maxlen ? lo - maxlen : 0,
-                                      [](const SendRef& a, uintptr_t v) { return a.lo < v; });
-        for (auto s2 = first; s2 != sends.end() && s2->lo < hi; ++s2)
-          if (s2->hi > lo) rc.after.push_back(s2->idx);
-      }
+    for (RecvChunk* rc : host_recvs) {
+      uintptr_t lo = reinterpret_cast<uintptr_t>(rc->dst), hi = lo + rc->len;
+      // first send starting at or after lo - maxlen can overlap
+      auto first = std::lower_bound(sends.begin(), sends.end(), lo > maxlen ? lo - maxlen : 0,
+                                    [](const SendRef& a, uintptr_t v) { return a.lo < v; });
+      for (auto s2 = first; s2 != sends.end() && s2->lo < hi; ++s2)
+        if (s2->hi > lo) rc->after.push_back(s2->idx);
+    }
   }
   p.recv_done.assign(nrecv, 0);
-  if (!s.device && s.reduce && nrecv > 1) {
+  if (s.reduce && host_recvs.size() > 1) {
     // Two reducing receives into overlapping memory never run at once: the message transports
     // reduce on their own threads (tcp's progress threads, UCX's), the engine reduces zero-copy
     // chunks on its own, so two peers' contributions to one element would race (a lost update:
@@ -262,12 +262,11 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
       RecvChunk* c;
     };
     std::vector<RecvRef> refs;
-    for (auto& kv : links_)
-      for (auto& rc : kv.second->rq)
-        if (rc.plan.get() == &p && rc.len) {
-          uintptr_t lo = reinterpret_cast<uintptr_t>(rc.dst);
-          refs.push_back({lo, lo + rc.len, &rc});
-        }
+    for (RecvChunk* rc : host_recvs)
+      if (rc->len) {
+        uintptr_t lo = reinterpret_cast<uintptr_t>(rc->dst);
+        refs.push_back({lo, lo + rc->len, rc});
+      }
     std::sort(refs.begin(), refs.end(), [](const RecvRef& a, const RecvRef& b) { return a.lo < b.lo; });
     std::vector<const RecvRef*> open;  // intervals that may still overlap the next ones
     for (auto& r : refs) {

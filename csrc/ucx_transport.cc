@@ -7,8 +7,9 @@
 //    our thread) holds mu_.
 //  * Addressing: address() is text, "hetccl-ucx3 <rank> <pid> <start> <host id> <nonce hex>
 //    <max message> <worker address hex>,..." (one per lane; <start>: the process start time from
-//    /proc, "-" if unknown; <max message>: this rank's message_limit bound, below). connect() creates one endpoint per lane to every peer with a non-empty address
-//    (UCX wires up lazily; there is no listener).
+//    /proc, "-" if unknown; <max message>: this rank's message_limit bound, below). connect()
+//    creates one endpoint per lane to every peer with a non-empty address (UCX wires up lazily;
+//    there is no listener).
 //  * Tags: UCP tag = device bit (63) | source rank (bits 48..62) | user tag (< 2^48). Receives match
 //    the full tag, so matching is per (peer, tag); UCP keeps same-tag messages from one endpoint
 //    in order (FIFO). Source-rank field 0x7FFF is reserved for the handshake and the goodbye that
@@ -714,7 +715,7 @@ class UcxTransport final : public Transport {
           throw CommError("hetccl ucx: address published for rank " + std::to_string(p) +
                           " belongs to rank " + f[1]);
         pr.pid = pid_t(std::stol(f[2]));
-        pr.max_message = size_t(std::stoull(f[6]));
+        pr.max_message = size_t(std::stoull(f[6])) / 4096 * 4096;  // whole pages, as ours
         pr.where = "pid " + f[2] + " on host " + f[4].substr(0, f[4].find('/'));
         // Liveness checks only if we see the same process the peer saw as itself.
         pr.start = f[4] == host_ && f[3] != "-" && proc_start(pr.pid, nullptr) == f[3] ? f[3] : "";

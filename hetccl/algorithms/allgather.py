@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .common import CollCtx, copy
-from .layout import intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
+from .layout import consecutive, intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
 from .linked import all_gather_linked, linked_applies
 
 
@@ -80,7 +80,7 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
         nh = len(ranks)
         # what I receive of h's block
         lo, hi = padded_ranges(nh * n, ng)[li]
-        if ng == 1 and x.device.type == "cpu" and ranks == list(range(ranks[0], ranks[0] + nh)):
+        if ng == 1 and x.device.type == "cpu" and consecutive(ranks):
             # a group of one receives h's whole block, and h's ranks are consecutive: it lands
             # in its place in out (no staging buffer, no copy after). Device tensors keep the
             # staged path until a GPU run has checked this one.

@@ -24,6 +24,12 @@ def padded_ranges(n: int, parts: int) -> list[tuple[int, int]]:
     return [(min(i * s, n), min((i + 1) * s, n)) for i in range(parts)]
 
 
+def consecutive(ranks) -> bool:
+    """Whether the ranks are r, r+1, ..., in that order: their blocks of a buffer laid out in
+    rank order are one contiguous range (groups of one receive or send it as one view)."""
+    return bool(ranks) and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks)))
+
+
 def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if lo < hi else None

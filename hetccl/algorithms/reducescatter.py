@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .common import CollCtx, copy, pad_to
-from .layout import intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
+from .layout import consecutive, intersect, padded_ranges, padded_shard, pair_set, pairs_masks, peer_pieces
 from .linked import linked_applies, reduce_scatter_linked
 
 
@@ -85,7 +85,7 @@ def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: 
     else:
         own = out
         copy(own, inp[topo.rank * n:(topo.rank + 1) * n])
-        if o and inp.device.type == "cpu" and o == list(range(o[0], o[0] + len(o))):
+        if inp.device.type == "cpu" and consecutive(o):
             share = inp[o[0] * n:(o[-1] + 1) * n]  # a view (the sends only read it): no copy
             ctx.count("reduce_scatter_hier_view")
         else:  # (device tensors keep the copy until a GPU run has checked the view)
