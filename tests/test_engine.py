@@ -511,6 +511,7 @@ def _message_limit_rank(ctx, lanes):
     _connect(t, st, f"limit{lanes}", rank)
     res["limit"] = t.message_limit(peer)
     res["own"] = t.info()["max_message"]
+    res["spin_us"] = t.info()["spin_us"]  # a setting, not summed over lanes
     e = _engine(t, rank)
     try:
         x = _rand(torch.float32, 10_000, 40 + rank)  # 40000 bytes: 10 chunks of 4096 (the last 3136)
@@ -542,6 +543,7 @@ def test_engine_message_limit(lanes):
     for r, res in enumerate(per_rank):
         assert res.pop("own") == ("4096" if r == 0 else "8192"), (r, res)
         assert res.pop("limit") == 4096, (r, res)
+        assert res.pop("spin_us") == "50", (r, res)
         assert res.pop("chunks") == 10 and res.pop("largest") == 4096, (r, res)
         bad = {k: v for k, v in res.items() if v != "ok"}
         assert not bad, f"rank {r}: " + "\n".join(f"{k}: {v}" for k, v in sorted(bad.items()))
