@@ -1038,47 +1038,52 @@ def _requires_grad_cases(c: Cases, rank: int, W: int, dev, put) -> None:
     c.run("requires_grad/irecv", f)
 
 
-def run_all_gather_paths(ctx) -> dict:
+def run_all_gather_paths(ctx, device: str = "cpu") -> dict:
     """all_gather (into one tensor and into a list) for several dtypes and sizes (0, 1, odd,
     multi-chunk), each rank's input distinct random data, compared exactly with the
-    concatenation; plus which path carried it (engine stats)."""
+    concatenation; plus which path carried it (engine stats). device "cuda": the same cases on
+    GPU rank % count (inputs made on the CPU and moved there; results compared on the CPU)."""
     import hetccl  # noqa: F401
 
     dist.init_process_group("hetccl", init_method=ctx.init_method(), rank=ctx.rank,
                             world_size=ctx.world_size)
     W, bad = ctx.world_size, []
+    dev = case_device(ctx.rank, device)
+
+    def on(t):
+        return t.to(dev)
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8):
         for n in (0, 1, 7, 1000, 70001):
             ins = [data(r, 17 + n, n, dtype) for r in range(W)]
-            out = torch.empty(W * n, dtype=dtype)
-            dist.all_gather_into_tensor(out, ins[ctx.rank])
-            if not torch.equal(out, torch.cat(ins)):
+            out = torch.empty(W * n, dtype=dtype, device=dev)
+            dist.all_gather_into_tensor(out, on(ins[ctx.rank]))
+            if not torch.equal(out.cpu(), torch.cat(ins)):
                 bad.append(f"into_tensor {dtype} n{n}")
-            outs = [torch.empty(n, dtype=dtype) for _ in range(W)]
-            dist.all_gather(outs, ins[ctx.rank])
-            if not all(torch.equal(o, i) for o, i in zip(outs, ins)):
+            outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(W)]
+            dist.all_gather(outs, on(ins[ctx.rank]))
+            if not all(torch.equal(o.cpu(), i) for o, i in zip(outs, ins)):
                 bad.append(f"list {dtype} n{n}")
             # in place: the input is this rank's own slot of the output
-            out = torch.full((W * n,), 3, dtype=dtype)
-            out[ctx.rank * n:(ctx.rank + 1) * n] = ins[ctx.rank]
+            out = torch.full((W * n,), 3, dtype=dtype, device=dev)
+            out[ctx.rank * n:(ctx.rank + 1) * n] = on(ins[ctx.rank])
             dist.all_gather_into_tensor(out, out[ctx.rank * n:(ctx.rank + 1) * n])
-            if not torch.equal(out, torch.cat(ins)):
+            if not torch.equal(out.cpu(), torch.cat(ins)):
                 bad.append(f"in place {dtype} n{n}")
     # reduce_scatter (sum, max) against a float64 reference of every rank's input
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
         for op in ("sum", "max"):
             for n in (0, 1, 7, 1000, 70001):
                 ins = [data(r, 31 + n, W * n, dtype, op) for r in range(W)]
-                out = torch.empty(n, dtype=dtype)
-                dist.reduce_scatter_tensor(out, ins[ctx.rank].clone(), op=OPS[op])
+                out = torch.empty(n, dtype=dtype, device=dev)
+                dist.reduce_scatter_tensor(out, on(ins[ctx.rank].clone()), op=OPS[op])
                 ref = reference([x[ctx.rank * n:(ctx.rank + 1) * n] for x in ins], op, dtype)
-                err = close(out, ref, dtype, W)
+                err = close(out.cpu(), ref, dtype, W)
                 if err:
                     bad.append(f"reduce_scatter {dtype} {op} n{n}: {err}")
                 # in place: the output is this rank's own block of the input
-                buf = ins[ctx.rank].clone()
+                buf = on(ins[ctx.rank]).clone()
                 dist.reduce_scatter_tensor(buf[ctx.rank * n:(ctx.rank + 1) * n], buf, op=OPS[op])
-                err = close(buf[ctx.rank * n:(ctx.rank + 1) * n], ref, dtype, W)
+                err = close(buf[ctx.rank * n:(ctx.rank + 1) * n].cpu(), ref, dtype, W)
                 if err:
                     bad.append(f"reduce_scatter in place {dtype} {op} n{n}: {err}")
     stats = dict(dist.group.WORLD.engine.stats)

@@ -202,6 +202,25 @@ def test_collectives_ranks_exit_cleanly(split, mode):
     assert len(res) > 300, len(res)
 
 
+@pytest.mark.parametrize("split,in_place,views", [("1+1", (0, 1), (0, 1)),
+                                                   ("1+1+1", (0, 1, 2), (0, 2))])
+def test_all_gather_reduce_scatter_between_hosts(split, in_place, views):
+    """Each group its own host (message links) on device tensors: all_gather exact and
+    reduce_scatter (sum, max) against a float64 reference, out of place and in place, several
+    dtypes and sizes; a group of one receives another group's block straight into its place in
+    the output and sends its reduce_scatter input as a view (the engine's stats say which ran,
+    as tests/test_backend.py test_all_gather_host_paths on host tensors)."""
+    why = _split_skip(split)
+    if why:
+        pytest.skip(why)
+    per_rank = spawn(collective_cases.run_all_gather_paths, _world(split), args=(DEVICE,),
+                     vendors=split, env={"HETCCL_EMULATE_HOSTS": "1"}, timeout=300)
+    for r, res in enumerate(per_rank):
+        assert not res["bad"], (r, res["bad"])
+        assert (res["ag_in_place"] > 0) == (r in in_place), (r, res)
+        assert (res["rs_view"] > 0) == (r in views), (r, res)
+
+
 # ===================================================================== 2. bad input
 ERROR_ENV = {"HETCCL_ASYNC_ERROR_HANDLING": "raise"}
 ERROR_SPLITS = ["1+1", "1+1+1"]

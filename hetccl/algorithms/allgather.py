@@ -80,10 +80,9 @@ def all_gather_hier(ctx: CollCtx, out: torch.Tensor, x: torch.Tensor, phase: int
         nh = len(ranks)
         # what I receive of h's block
         lo, hi = padded_ranges(nh * n, ng)[li]
-        if ng == 1 and x.device.type == "cpu" and consecutive(ranks):
+        if ng == 1 and consecutive(ranks):
             # a group of one receives h's whole block, and h's ranks are consecutive: it lands
-            # in its place in out (no staging buffer, no copy after). Device tensors keep the
-            # staged path until a GPU run has checked this one.
+            # in its place in out (no staging buffer, no copy after), host or device memory.
             stage = out[ranks[0] * n:(ranks[0] + nh) * n]
             in_place.add(h)
         else:

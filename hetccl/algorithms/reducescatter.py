@@ -85,10 +85,10 @@ def reduce_scatter_hier(ctx: CollCtx, out: torch.Tensor, inp: torch.Tensor, op: 
     else:
         own = out
         copy(own, inp[topo.rank * n:(topo.rank + 1) * n])
-        if inp.device.type == "cpu" and consecutive(o):
+        if consecutive(o):
             share = inp[o[0] * n:(o[-1] + 1) * n]  # a view (the sends only read it): no copy
             ctx.count("reduce_scatter_hier_view")
-        else:  # (device tensors keep the copy until a GPU run has checked the view)
+        else:
             share = torch.cat([inp[q * n:(q + 1) * n] for q in o]) if o else inp[:0]
     my_lo, my_hi = padded_ranges(region, ng)[li]
     sends = []
