@@ -32,6 +32,11 @@
 #                          (dropin.txt: the tables)
 #   passthrough.jsonl      one vendor (hetccl:1v, native pass-through) beside nccl, interleaved
 #   megatron.txt           (megatron) recipes/megatron/gpu.sh's summary, ITERS=${MEG_ITERS:-10}
+#   pingpong.txt           (pingpong) tests/gpu_pingpong.cu: two processes on the one GPU hand a
+#                          word back and forth through pinned memory, waiting by a kernel's
+#                          spin, by a kernel per round, by stream memory operations, and on the
+#                          CPU (us per round trip): whether a one-launch device route can poll
+#                          across processes sharing one GPU (docs/capi.md)
 #   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
 #   ucx_tests.log          (ucx) tests/test_gpu_ucx.py (all collectives, 1+1 and 2+1, hosts
 #                          emulated, HETCCL_UCX_DEVICE auto and off: both staged here), test_rdma
@@ -42,7 +47,7 @@
 #   ucx_probe.log          (ucxprobe) tests/gpu_ucx_probe.py: per configuration ok or the
 #                          stalled step, with ucx_probe_stacks_*.txt (every thread's frames)
 # Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [dropin] [passthrough] [slots] [sweep] [train] [host]
-#                            [profile] [p2p] [doctor] [ucx] [ucxprobe] [megatron]
+#                            [profile] [p2p] [doctor] [ucx] [ucxprobe] [megatron] [pingpong]
 # (default: build tests bench sweep train host doctor, in that order). Each step is bounded by
 # STEP_TIMEOUT seconds (default 240), the tests step by TESTS_TIMEOUT (default 540: the suite
 # is meant to take <= ~8 minutes on one H200; run `build` and `tests` as two device commands
@@ -202,6 +207,11 @@ for w in $what; do
         || echo "no megatron summary (/tmp/hetccl-megatron/megatron_gpu.log on the box)" ;;
     doctor)
       timeout $T python3 -m hetccl.cli doctor --copy-test 2>&1 | tee "$OUT/doctor.log" | tail -4 ;;
+    pingpong)
+      # needs nvcc (the box's CUDA toolkit); no hetccl build
+      nvcc -O2 -o /tmp/gpu_pingpong tests/gpu_pingpong.cu &&
+        timeout "$T" /tmp/gpu_pingpong "${PINGPONG_ROUNDS:-2000}" 2>&1 | tee "$OUT/pingpong.txt"
+      ;;
     ucxprobe)
       # Which thread and call stall UCX's direct device path (HETCCL_UCX_DEVICE=force over
       # cuda_copy: without / with prepared handles, the latter also eager-only), staged, and the
