@@ -188,7 +188,8 @@ void Engine::start_locked(std::shared_ptr<Plan> pp) {
     // Host data on a message link: no chunk above the transport's message bound, equal on both
     // ends (Transport::message_limit, whole pages; UCX over tcp: its largest zero-copy
     // message), cut into equal page-rounded parts rather than bound-sized ones and a sliver.
-    // Device data keeps its staging slots' chunks: capping those too is for a GPU run to decide.
+    // Device data keeps its staging slots' chunks: capping those too was slower on one H100 at
+    // 16-64 MiB (docs/transports.md, docs/benchmarks.md session 24).
     else if (l.msg_limit && chunk > l.msg_limit && !s.chunk_bytes && !opts_.force_chunk) {
       const size_t parts = (n + l.msg_limit - 1) / l.msg_limit;
       chunk = parts > 1 ? ((n + parts - 1) / parts + 4095) / 4096 * 4096 : l.msg_limit;
