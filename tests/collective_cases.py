@@ -1092,3 +1092,16 @@ def run_all_gather_paths(ctx, device: str = "cpu") -> dict:
             "rs_pairs": stats.get("algo_reduce_scatter_pairs", 0),
             "ag_in_place": stats.get("algo_all_gather_hier_in_place", 0),
             "rs_view": stats.get("algo_reduce_scatter_hier_view", 0)}
+
+
+def check_gather_paths(per_rank: list, in_place, views, pairs: bool | None = None) -> None:
+    """Asserts on run_all_gather_paths' results: no wrong case on any rank; the ranks in
+    `in_place` (only they) received a block in place, those in `views` (only they) sent their
+    reduce_scatter input as a view; and, unless pairs is None, whether the pairs path ran."""
+    for r, res in enumerate(per_rank):
+        assert not res["bad"], (r, res["bad"])
+        if pairs is not None:
+            assert (res["pairs"] > 0) == pairs, (r, res)
+            assert (res["rs_pairs"] > 0) == pairs, (r, res)
+        assert (res["ag_in_place"] > 0) == (r in in_place), (r, res)
+        assert (res["rs_view"] > 0) == (r in views), (r, res)
