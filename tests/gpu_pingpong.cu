@@ -5,7 +5,10 @@
 //              call's whole work in one launch: O(1) stream operations per call);
 //   launches : one short kernel per round and side (write, or spin then write);
 //   memops   : stream memory operations (wait value / write value), as the device route uses;
-//   host     : two CPU threads (the floor).
+//   host     : two CPU threads (the floor);
+//   kern-host: side 0's spinning kernel against side 1's CPU thread (one context on the GPU:
+//              with "kernel", tells a time slice between the two contexts from the hand-over
+//              itself).
 // Each process is forked before CUDA is initialised; the words live in one shared mapping that
 // each process registers as mapped pinned memory. Prints one line per mode: us per round trip.
 // A spin that lasts more than 5 s gives up and reports it (no hang on the box).
@@ -130,12 +133,12 @@ static void child(Shared* s, int side, int rounds) {
   volatile unsigned int* peer = &d->word[1 - side][0];
   unsigned int base = 0;
   int phase = 1;
-  const char* modes[] = {"kernel", "launches", "memops", "host"};
-  for (int m = 0; m < 4; ++m) {
+  const char* modes[] = {"kernel", "launches", "memops", "host", "kern-host"};
+  for (int m = 0; m < 5; ++m) {
     for (int rep = 0; rep < 2; ++rep) {  // rep 0 warms up
       barrier(s, side, phase++);
       double t0 = now_us(), issue = 0;
-      if (m == 0) {
+      if (m == 0 || (m == 4 && side == 0)) {
         whole<<<1, 1, 0, st>>>(mine, peer, side, base, rounds, &d->gave_up);
         issue = now_us() - t0;
         CK(cudaStreamSynchronize(st));
@@ -157,7 +160,7 @@ static void child(Shared* s, int side, int rounds) {
         }
         issue = now_us() - t0;
         CK(cudaStreamSynchronize(st));
-      } else {
+      } else {  // host, and kern-host's side 1
         volatile unsigned int* hm = &s->word[side][0];
         volatile unsigned int* hp = &s->word[1 - side][0];
         for (int i = 1; i <= rounds; ++i) {
