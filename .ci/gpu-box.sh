@@ -34,9 +34,10 @@
 #   megatron.txt           (megatron) recipes/megatron/gpu.sh's summary, ITERS=${MEG_ITERS:-10}
 #   pingpong.txt           (pingpong) tests/gpu_pingpong.cu: two processes on the one GPU hand a
 #                          word back and forth through pinned memory, waiting by a kernel's
-#                          spin, by a kernel per round, by stream memory operations, and on the
-#                          CPU (us per round trip): whether a one-launch device route can poll
-#                          across processes sharing one GPU (docs/capi.md)
+#                          spin, by a kernel per round, by stream memory operations, on the
+#                          CPU, and by one side's kernel against the other's CPU thread (us
+#                          per round trip): whether a one-launch device route can poll across
+#                          processes sharing one GPU (docs/capi.md)
 #   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
 #   ucx_tests.log          (ucx) tests/test_gpu_ucx.py (all collectives, 1+1 and 2+1, hosts
 #                          emulated, HETCCL_UCX_DEVICE auto and off: both staged here), test_rdma
