@@ -135,6 +135,17 @@ class DeviceOps {
     unsupported("scale_mul");
   }
 
+  // ---- Device programs (device/program.h): a device-route call as one launch on the caller's
+  // stream, whose kernel takes its instructions from a pinned slot as the executor writes them.
+  // A module that answers false keeps the route's stream operations (device_route.h).
+  virtual bool program_route() { return false; }
+  // Launches the program kernel of `slot` (pinned and registered; slot_dev: its device address)
+  // on `stream`: one block per group (program::kGroups) of program::kThreads threads.
+  virtual void launch_program(void* stream, void* slot, uint64_t slot_dev) { unsupported("launch_program"); }
+  // The words' rule (the contract above): true for 64-bit counters (HIP's), false for the low
+  // 32 bits, wrap-aware (CUDA's).
+  virtual bool wide_words() const { return false; }
+
  protected:
   [[noreturn]] void unsupported(const char* what) const {
     throw CommError("hetccl: the " + name() + " device runtime module has no " + what);

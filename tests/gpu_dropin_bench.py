@@ -188,6 +188,8 @@ def main() -> None:
     p.add_argument("--only", default="", help="CONFIG,... run only these configurations (e.g. "
                    "facecapi-1+1,nccl-1)")
     p.add_argument("--variants", default="", help="NAME:VAR=VALUE[;VAR=VALUE],... more 1+1 drop-in configs")
+    p.add_argument("--face-variants", default="", help="NAME:VAR=VALUE[;VAR=VALUE],... more 1+1 configs of the "
+                   "torch face on the C API (facecapi-1+1-NAME), e.g. kernel:HETCCL_CAPI_ROUTE_LAUNCH=kernel")
     a = p.parse_args()
     if a.rank_main:
         rank_main(a)
@@ -206,10 +208,18 @@ def main() -> None:
         env = dict(kv.split("=", 1) for kv in settings.split(";") if kv)
         variants.append(name)
         plan.append((f"dropin-1+1-{name}", "nccl", "1+1", True, env))
+    face_variants = []
     if not a.skip_face:
         plan.append(("face-1+1", "hetccl", "1+1", False, {}))
         # the torch face on the C API (HETCCL_FACE_ROUTE=capi, hetccl/face_capi.py)
         plan.append(("facecapi-1+1", "hetccl", "1+1", False, {"HETCCL_FACE_ROUTE": "capi"}))
+        for v in a.face_variants.split(","):
+            if not v.strip():
+                continue
+            name, _, settings = v.partition(":")
+            env = dict(kv.split("=", 1) for kv in settings.split(";") if kv)
+            face_variants.append(name)
+            plan.append((f"facecapi-1+1-{name}", "hetccl", "1+1", False, {"HETCCL_FACE_ROUTE": "capi", **env}))
     if a.only:
         plan = [x for x in plan if x[0] in a.only.split(",")]
     allrows = []
@@ -266,6 +276,18 @@ def main() -> None:
         for size in sorted(by["facecapi-1+1"]):
             vals = [by[c].get(size, [{}])[0].get("issue_idle_us") for c in sorted(by)]
             print(f"{size:>10} " + " ".join(f"{v:9.1f}" if v is not None else f"{'-':>9}" for v in vals))
+    for name in face_variants:
+        cfg = f"facecapi-1+1-{name}"
+        print(f"\n1+1 torch face on the C API, variant {name}: size, us, / facecapi, / face (engine), "
+              f"issue us queued, idle, nccl-1 issue us, wrong")
+        for size in sorted(by.get(cfg, {})):
+            r = by[cfg][size][0]
+            w = by.get("facecapi-1+1", {}).get(size, [{}])[0].get("time_us")
+            fc = by.get("face-1+1", {}).get(size, [{}])[0].get("time_us")
+            ni = by.get("nccl-1", {}).get(size, [{}])[0].get("issue_us")
+            print(f"{size:>10} {r['time_us']:9.1f} {r['time_us'] / w if w else float('nan'):6.3f} "
+                  f"{r['time_us'] / fc if fc else float('nan'):6.3f} {r.get('issue_us') or '-'} "
+                  f"{r.get('issue_idle_us') or '-'} {ni or '-'} {r['wrong']}")
     for name in variants:
         cfg = f"dropin-1+1-{name}"
         print(f"\n1+1 drop-in, variant {name}: size, us, / default drop-in, / torch face, issue us, wrong")

@@ -120,10 +120,13 @@ def test_collectives_against_references(tmp_path, split, algo):
         assert len(set(vals.values())) == 1, (key, vals)
 
 
-@pytest.mark.parametrize("route", ["auto", "device"])
-@pytest.mark.parametrize("split,runtime", [("1", "emulated"), ("1+1", "emulated"),
-                                           ("2+1", "emulated"), ("1+1+1", "emulated-hip"),
-                                           ("2+2", "emulated"), ("3+2+2", "emulated")])
+STREAM_SPLITS = [("1", "emulated"), ("1+1", "emulated"), ("2+1", "emulated"), ("1+1+1", "emulated-hip"),
+                 ("2+2", "emulated"), ("3+2+2", "emulated")]
+
+
+@pytest.mark.parametrize("route,split,runtime",
+                         [(r, s, rt) for r in ("auto", "device") for s, rt in STREAM_SPLITS] +
+                         [("kernel", s, rt) for s, rt in STREAM_SPLITS if s in ("1+1", "2+1", "1+1+1")])
 def test_stream_path(tmp_path, split, runtime, route):
     """Calls with a stream (csrc/api/stream_path.h) on the emulated device runtime, CUDA's and
     HIP's comparison rules: every collective case of the host test, on a stream, against the
@@ -133,10 +136,14 @@ def test_stream_path(tmp_path, split, runtime, route):
     (csrc/api/device_route.h), the others are staged; device: every stream call with data takes
     the device route (HETCCL_STREAM_DEVICE_BYTES=1): engine device plans and the runtime's
     kernels for every collective, dtype and op, the PreMulSum scalars, and a count mismatch
-    refused before any plan."""
+    refused before any plan; kernel: the same with each device-route call one program kernel
+    on the caller's stream (HETCCL_CAPI_ROUTE_LAUNCH=kernel, csrc/api/device_program.h; the
+    emulated runtime's kernel is program_host.cc's interpreter)."""
     env = {"HETCCL_CAPI_DEVICE": runtime}
-    if route == "device":
+    if route in ("device", "kernel"):
         env["HETCCL_STREAM_DEVICE_BYTES"] = "1"
+    if route == "kernel":
+        env["HETCCL_CAPI_ROUTE_LAUNCH"] = "kernel"
     res, procs, logs = launch(tmp_path, split, "stream", env=env)
     n = len(SPLITS[split])
     assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
@@ -152,10 +159,13 @@ def test_stream_path(tmp_path, split, runtime, route):
         info = res[r]["info"]
         assert info["stream_device_route"] == "1", info
         device_jobs = int(info["stream_device_jobs"])
-        if route == "device":
+        # every device call was a program in kernel mode, none elsewhere
+        assert (int(info["stream_program_jobs"]) == device_jobs) == (route == "kernel" or device_jobs == 0), info
+        if route in ("device", "kernel"):
             assert device_jobs > 200, info
-            # the route's issue cost by phase (stream_path.h), counted on every device call
-            for phase in ("check", "enqueue", "issue_wait"):
+            # the route's issue cost by phase (stream_path.h), counted on every device call (a
+            # program's issuing thread does not wait for the executor)
+            for phase in ("check", "enqueue") + (("issue_wait",) if route == "device" else ()):
                 assert int(info[f"stream_route_{phase}_ns"]) > 0 or n == 1, (phase, info)
             for coll in ("all_reduce_ring", "reduce_scatter_ring", "all_gather_ring", "broadcast_chain"):
                 assert int(info.get(f"algo_{coll}_device", 0)) > 0 or n == 1, (coll, info)
@@ -164,7 +174,7 @@ def test_stream_path(tmp_path, split, runtime, route):
             assert (int(info["stream_staged_fallbacks"]) > 0) == (r % 2 == 1 and n > 1), (r, info)
         else:
             assert 0 < device_jobs < 30 or n == 1, info  # the large cases only
-    if route == "device" and n > 1:
+    if route in ("device", "kernel") and n > 1:
         assert "stream/device_mismatch_breaks_every_rank" in res[0]["cases"]
 
 
@@ -236,14 +246,15 @@ def test_killed_peer_is_a_clear_error(tmp_path, algo):
         assert d["watchdog_async"] == capi.REMOTE_ERROR and re.search(r"rank \d", d["watchdog_text"]), d
 
 
-@pytest.mark.parametrize("route", ["device", "staged"])
+@pytest.mark.parametrize("route", ["device", "kernel", "staged"])
 def test_killed_peer_during_stream_calls(tmp_path, route):
     """A peer dies while stream calls are in flight (the device route's plans on its streams,
     or staged calls on the executor): no survivor's stream stays blocked, each survivor's
     communicator reports hetcclRemoteError as its async error, and a later call fails at once
     naming the failure."""
     env = {"HETCCL_TIMEOUT_S": "20", "HETCCL_CAPI_DEVICE": "emulated",
-           "HETCCL_STREAM_DEVICE_BYTES": "1" if route == "device" else "off"}
+           "HETCCL_STREAM_DEVICE_BYTES": "off" if route == "staged" else "1",
+           "HETCCL_CAPI_ROUTE_LAUNCH": "kernel" if route == "kernel" else "streams"}
     res, procs, logs = launch(tmp_path, "2+1", "death_stream", env=env, timeout=150, kill_at=3)
     assert procs[2].returncode == 17
     for r in (0, 1):
@@ -253,7 +264,8 @@ def test_killed_peer_during_stream_calls(tmp_path, route):
         assert d.get("again_code") == capi.REMOTE_ERROR, d
         assert re.search(r"rank \d|peer", d["again"]), d["again"]
         assert d["again_s"] < 1, d
-        assert (int(d["info"]["stream_device_jobs"]) > 0) == (route == "device"), d["info"]
+        assert (int(d["info"]["stream_device_jobs"]) > 0) == (route != "staged"), d["info"]
+        assert (int(d["info"]["stream_program_jobs"]) > 0) == (route == "kernel"), d["info"]
 
 
 @pytest.mark.parametrize("call", ["host", "device_route"])
@@ -273,7 +285,7 @@ def test_abort_from_another_thread_ends_a_hung_call(tmp_path, call):
     assert d["call_s"] < 4 and d["abort_s"] < 4, d
 
 
-@pytest.mark.parametrize("route", ["staged", "device_route"])
+@pytest.mark.parametrize("route", ["staged", "device_route", "kernel"])
 def test_abort_keeps_memory_queued_stream_work_uses(tmp_path, route):
     """An abort with stream calls still queued on the caller's stream (the peer silent): the
     stream runs their copies and flag writes once released, and no operation may touch host
@@ -281,7 +293,8 @@ def test_abort_keeps_memory_queued_stream_work_uses(tmp_path, route):
     strict: the process aborts on the first). The abort returns within a few seconds."""
     env = {"HETCCL_TIMEOUT_S": "60", "HETCCL_CAPI_DEVICE": "emulated", "HETCCL_CHECK_ARGS": "off",
            "HETCCL_EMULATED_STRICT": "1",
-           "HETCCL_STREAM_DEVICE_BYTES": "1" if route == "device_route" else "off"}
+           "HETCCL_STREAM_DEVICE_BYTES": "off" if route == "staged" else "1",
+           "HETCCL_CAPI_ROUTE_LAUNCH": "kernel" if route == "kernel" else "streams"}
     res, procs, logs = launch(tmp_path, "1+1", "abort_queued", env=env, timeout=90, sleep_s=10)
     out = "\n".join(logs)
     assert "use after unregister" not in out, out[-3000:]

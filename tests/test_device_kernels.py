@@ -4,6 +4,9 @@
     that made it) the PTX nvcc makes of it now (gen_kernels.py --check);
   * ptxas accepts the embedded PTX (ISA 6.4) for the oldest and a current architecture;
   * the PTX has every kernel the CUDA module asks for (csrc/device/cuda_ops.cc);
+  * the device-program kernel (hetccl_program, csrc/device/program.h) compiled for the host,
+    each group's block on a host thread: a program of every instruction against numpy, the
+    slot's words after it, and an aborted slot ending at once;
   * the kernels' arithmetic is reduce.cc's, bit for bit: the source compiled for the host (a
     prelude stands in for the CUDA built-ins; one thread walks the grid-stride loop) against
     hetccl._C.reduce_into / scale_div and numpy on random data with NaN, infinities,
@@ -73,10 +76,11 @@ def test_ptxas_accepts_the_ptx(tmp_path, arch):
 def test_every_kernel_the_module_loads_is_in_the_ptx():
     entries = set(re.findall(r"\.entry\s+(\w+)\(", _embedded("ptx")))
     want = {f"hetccl_reduce_{d}_{o}" for d in DTYPES for o in OPS}
-    want |= {f"hetccl_div_{d}" for d in DTYPES} | {f"hetccl_mul_{d}" for d in DTYPES}
+    want |= {f"hetccl_div_{d}" for d in DTYPES} | {f"hetccl_mul_{d}" for d in DTYPES} | {"hetccl_program"}
     assert want <= entries, sorted(want - entries)
     cuda = open(os.path.join(ROOT, "csrc", "device", "cuda_ops.cc")).read()
-    for pattern in ('"hetccl_reduce_" + dn + "_" + ops[o]', '"hetccl_div_" + dn', '"hetccl_mul_" + dn'):
+    for pattern in ('"hetccl_reduce_" + dn + "_" + ops[o]', '"hetccl_div_" + dn', '"hetccl_mul_" + dn',
+                    'fn("hetccl_program")'):
         assert pattern in cuda, pattern
 
 
@@ -86,10 +90,21 @@ PRELUDE = r"""
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __shared__ static thread_local
 struct HetcclDim { unsigned x; };
-static HetcclDim blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
+static thread_local HetcclDim blockIdx = {0};
+static HetcclDim threadIdx = {0}, blockDim = {1}, gridDim = {1};
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline void __syncthreads() {}
+inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+"""
+# after the source: one block of the program kernel on the calling host thread
+POSTLUDE = r"""
+extern "C" void hetccl_test_program_block(u64* slot, unsigned group) {
+  blockIdx.x = group;
+  hetccl_program(slot);
+}
 """
 
 
@@ -98,7 +113,7 @@ def host_kernels(tmp_path_factory):
     cxx = compiler("c++", "the kernels for the host")
     d = tmp_path_factory.mktemp("kernels")
     src = d / "k.cc"
-    src.write_text(PRELUDE + open(SRC).read())
+    src.write_text(PRELUDE + open(SRC).read() + POSTLUDE)
     lib = d / "k.so"
     out = subprocess.run([cxx, "-std=c++17", "-O2", "-shared", "-fPIC", str(src), "-o", str(lib)],
                          capture_output=True, text=True)
@@ -176,3 +191,78 @@ def test_premul_kernel_is_a_product(host_kernels, dt):
         if dt in ("float32", "float64", "float16"):
             ok |= np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
         assert ok.all(), np.flatnonzero(~ok)[:3]
+
+
+# device programs (csrc/device/program.h): the slot's layout in words
+HDR, RING, ROPS = 64, 256, {"END": 0, "WAIT": 1, "WRITE": 2, "COPY": 3, "REDUCE": 4, "DIV": 5, "MUL": 6,
+                           "SIGNAL": 7, "AWAIT": 8}
+
+
+def _slot():
+    return np.zeros(HDR + 2 * RING * 8, dtype=np.uint64)
+
+
+def _put(slot, group, prog):
+    for k, (op, *args) in enumerate(prog):
+        w = HDR + (group * RING + k) * 8
+        slot[w] = ROPS[op]
+        slot[w + 1:w + 1 + len(args)] = args
+    slot[8 + group] = len(prog)
+
+
+def _run_program(host_kernels, slot):
+    import threading
+    ts = [threading.Thread(target=host_kernels.hetccl_test_program_block,
+                           args=(ctypes.c_void_p(slot.ctypes.data), ctypes.c_uint(g))) for g in (1, 0)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert not any(t.is_alive() for t in ts), "the program did not end"
+
+
+def test_program_kernel_runs_every_instruction(host_kernels):
+    """hetccl_program, one thread per block on the host: group 0 copies (aligned, then at an odd
+    offset), reduces, divides and multiplies (host scalar bits and a scalar in memory), writes a
+    32-bit word and signals; group 1 waits for the signal and the word, copies the result and
+    reduces int8 MAX; both end and the kernel writes fin and ended, taken counts every read."""
+    n = 1000
+    g = np.random.default_rng(7)
+    b, c = g.standard_normal(n).astype(np.float32), g.standard_normal(n).astype(np.float32)
+    a, d = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    raw_src, raw_dst = g.integers(0, 255, 301, dtype=np.uint8), np.zeros(301, np.uint8)
+    x8, y8 = g.integers(-128, 127, 77, dtype=np.int8), g.integers(-128, 127, 77, dtype=np.int8)
+    words = np.zeros(4, np.uint64)
+    scalar = np.array([0.5], np.float32)
+    three = int(np.array([3.0], np.float32).view(np.uint32)[0])
+    p = lambda arr, off=0: arr.ctypes.data + off  # noqa: E731
+    slot = _slot()
+    slot[0], slot[2], slot[3], slot[5] = 9, p(words, 8), 99, 0  # seq, fin_addr, fin_value, 32-bit words
+    _put(slot, 0, [("COPY", p(a), p(b), 4 * n), ("COPY", p(raw_dst, 3), p(raw_src, 5), 290),
+                   ("REDUCE", p(a), p(c), n, 0, 0), ("DIV", p(a), n, 0, 2), ("MUL", p(a), n, 0, 0, three),
+                   ("MUL", p(a), n, 0, p(scalar), 0), ("WRITE", p(words), 7), ("SIGNAL", 3, 5), ("END",)])
+    _put(slot, 1, [("AWAIT", 3, 5), ("WAIT", p(words), 7), ("COPY", p(d), p(a), 4 * n),
+                   ("REDUCE", p(x8), p(y8), 77, 4, 3), ("END",)])
+    x8_want = np.maximum(x8, y8)
+    _run_program(host_kernels, slot)
+    want = (b + c) / np.float32(2) * np.float32(3) * np.float32(0.5)
+    np.testing.assert_array_equal(a, want)
+    np.testing.assert_array_equal(d, want)
+    np.testing.assert_array_equal(raw_dst[3:293], raw_src[5:295])
+    assert not raw_dst[:3].any() and not raw_dst[293:].any()
+    np.testing.assert_array_equal(x8, x8_want)
+    assert words[0] == 7 and words[1] == 99, words  # the WRITE, then fin (32 bits, low half)
+    assert slot[4] == 9 and list(slot[12:14]) == [9, 9], slot[:16]  # ended, gend
+    assert list(slot[10:12]) == [9, 5], slot[:16]  # taken: every instruction was read
+    assert slot[16 + 3] == 5
+
+
+def test_program_kernel_aborted_ends_at_once(host_kernels):
+    """An aborted slot: a wait that would never pass passes, a group with nothing published
+    ends, and the kernel still writes fin (64-bit words) and ended."""
+    words = np.zeros(2, np.uint64)
+    slot = _slot()
+    slot[0], slot[1], slot[2], slot[3], slot[5] = 4, 1, words.ctypes.data + 8, 1 << 40, 1
+    _put(slot, 0, [("WAIT", words.ctypes.data, 1 << 50)])  # never written; no END published
+    _run_program(host_kernels, slot)
+    assert words[1] == 1 << 40 and slot[4] == 4

@@ -23,12 +23,17 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("route", ["device", "auto"])
+@pytest.mark.parametrize("route", ["device", "auto", "kernel"])
 @pytest.mark.parametrize("split", ["1+1", "1+1+1"])
 def test_capi_cases_on_cuda(tmp_path, split, route):
+    # kernel: every device-route call one program kernel on the caller's stream
+    # (HETCCL_CAPI_ROUTE_LAUNCH=kernel, csrc/api/device_program.h; reduce_kernels.cu's
+    # hetccl_program on the GPU)
     env = {"HETCCL_TIMEOUT_S": "60"}
-    if route == "device":
+    if route in ("device", "kernel"):
         env["HETCCL_STREAM_DEVICE_BYTES"] = "1"
+    if route == "kernel":
+        env["HETCCL_CAPI_ROUTE_LAUNCH"] = "kernel"
     if DEVICE == "cpu":
         env["HETCCL_CAPI_DEVICE"] = "emulated"
     res, procs, logs = launch(tmp_path, split, "cuda", env=env, timeout=300, worker="capi_cuda.py",
@@ -42,7 +47,8 @@ def test_capi_cases_on_cuda(tmp_path, split, route):
         info = res[r]["info"]
         assert info["stream_device_route"] == "1", info  # the kernels loaded, the route exists
         dev = int(info["stream_device_jobs"])
-        assert dev > (200 if route == "device" else 40), info
-        if route == "device":
+        assert dev > (40 if route == "auto" else 200), info
+        assert (int(info["stream_program_jobs"]) == dev) == (route == "kernel"), info
+        if route != "auto":
             for coll in ("all_reduce_ring", "reduce_scatter_ring", "all_gather_ring", "broadcast_chain"):
                 assert int(info.get(f"algo_{coll}_device", 0)) > 0, (coll, info)

@@ -63,6 +63,10 @@ struct Settings {
   // larger of input and output) take the device route (device_route.h) where the runtime has
   // one; "off" (SIZE_MAX) never
   size_t stream_device_bytes = 1 << 20;
+  // HETCCL_CAPI_ROUTE_LAUNCH: how the device route runs a call: "streams" (default: its plans'
+  // stream operations on the route's own streams, device_route.h) or "kernel" (one program
+  // kernel per call on the caller's stream, device_program.h)
+  bool route_program = false;
   // engine chunk tables: hetccl/tuning.py's HOST, MESSAGE and DEVICE rows (tests/test_capi.py
   // checks they are equal)
   EngineOptions::Table host_chunks, msg_chunks, device_chunks;

@@ -73,6 +73,12 @@ Settings read_settings() {
     s.stream_device_bytes = SIZE_MAX;
   else
     s.stream_device_bytes = size_t(env_int("HETCCL_STREAM_DEVICE_BYTES", int64_t(s.stream_device_bytes), 0, int64_t(1) << 50));
+  {
+    std::string l = env("HETCCL_CAPI_ROUTE_LAUNCH");
+    if (!l.empty() && l != "streams" && l != "kernel")
+      throw CommError("hetccl: HETCCL_CAPI_ROUTE_LAUNCH=" + l + " is not one of streams, kernel");
+    s.route_program = l == "kernel";
+  }
   // hetccl/tuning.py HOST, MESSAGE and DEVICE (see its docstring for how the rows were chosen)
   s.host_chunks = {{256 * KiB, 256 * KiB}, {INF, 128 * KiB}};
   s.msg_chunks = {{1 * MiB, 1 * MiB}, {INF, 4 * MiB}};

@@ -86,11 +86,20 @@ StreamPath::StreamPath(Comm& c, const std::string& runtime, const std::string& l
   // is on a stream. A route that cannot be made (kernels refused by an old driver) leaves every
   // call on the host route.
   if (ops_->device_route() && c_.settings.stream_device_bytes != SIZE_MAX) {
+    if (c_.settings.route_program && ops_->program_route()) {
+      try {
+        programs_ = std::make_shared<ProgramOps>(ops_, c_.settings.timeout_ms);
+      } catch (const std::exception& e) {
+        log_warn("capi", std::string("device programs are off for this communicator: ") + e.what());
+      }
+    }
     try {
-      route_ = std::make_unique<DeviceRoute>(*ops_);
-      c_.attach_device(ops_, route_->device);
+      route_ = std::make_unique<DeviceRoute>(programs_ ? static_cast<DeviceOps&>(*programs_) : *ops_);
+      if (programs_) c_.attach_device(programs_, route_->device);
+      else c_.attach_device(ops_, route_->device);
     } catch (const std::exception& e) {
       route_.reset();
+      programs_.reset();
       log_warn("capi", std::string("the device route is off for this communicator: ") + e.what());
     }
   }
@@ -237,6 +246,25 @@ void StreamPath::issue(StreamJob j) {
   }
   // only this (issuing) thread advances issued_: NCCL's one-thread rule
   for (uint32_t k = 0; k < m; ++k) wait_slot_free(seq + k);
+  if (j.device && programs_) {
+    // Program mode (device_program.h): the call is one kernel on the caller's stream, which
+    // writes the call's freed word when it ends; the executor writes its instructions.
+    if (abort_.load()) throw CommError("hetccl: the communicator was aborted");
+    programs_->launch(j.stream, seq, page_dev_ + (kSlots + seq % kSlots) * sizeof(uint64_t), seq);
+    g.lock();
+    Job job;
+    job.seq = seq;
+    job.issued_ns = now_ns();
+    ++jobs_;
+    ++device_jobs_;
+    ++program_jobs_;
+    job.j = std::move(j);
+    issued_ = seq;
+    q_.push_back(std::move(job));
+    g.unlock();
+    cv_.notify_one();
+    return;
+  }
   g.lock();
   reclaim_locked();
   Job job;
@@ -366,6 +394,35 @@ void StreamPath::release_done(uint64_t seq) {
 void StreamPath::run_device_job(Job& job) {
   const uint64_t q = job.seq;
   DeviceRoute& d = *route_;
+  if (programs_) {
+    // Program mode: the call's stream work is recorded into its program (device_program.h);
+    // a call not run (aborted, or the communicator broken) gets an empty one, which ends.
+    const int64_t t0 = now_ns();
+    route_queue_ns_ += uint64_t(std::max<int64_t>(0, t0 - job.issued_ns));
+    const uint64_t check0 = route_check_ns.load();
+    bool written = false;
+    try {
+      programs_->bind(q);
+      if (!abort_.load() && c_.broken_code() == hetcclSuccess) {
+        ops_->set_device(d.device);
+        job.j.device(c_, d);
+        d.ops.write(d.main, done_addr_[q % kSlots], q);
+        executed_.store(q);
+        written = true;
+      }
+    } catch (...) {
+      c_.note_failure(std::current_exception(), true);
+    }
+    try {
+      programs_->unbind();
+    } catch (...) {
+      c_.note_failure(std::current_exception(), true);
+      programs_->abort_all();  // its kernel would wait for instructions that never come
+    }
+    if (!written) release_done(q);
+    route_turn_ns_ += uint64_t(std::max<int64_t>(0, now_ns() - t0 - int64_t(route_check_ns.load() - check0)));
+    return;
+  }
   bool enqueued = false;
   const int64_t t0 = now_ns();
   route_queue_ns_ += uint64_t(std::max<int64_t>(0, t0 - job.issued_ns));
@@ -415,11 +472,13 @@ void StreamPath::staged_on(void* stream, const StreamJob& j) {
       p->free_[cap].push_back(st);
     }
   } give{this, st, cap};
-  for (auto& cp : j.in) ops_->memcpy_async(st + cp.off, cp.dev, cp.bytes, stream);
-  ops_->sync(stream);
+  // the route's runtime: in program mode the route's streams are its program's groups
+  DeviceOps& o = route_ ? route_->ops : *ops_;
+  for (auto& cp : j.in) o.memcpy_async(st + cp.off, cp.dev, cp.bytes, stream);
+  o.sync(stream);
   if (j.host) j.host(c_, st);
-  for (auto& cp : j.out) ops_->memcpy_async(cp.dev, st + cp.off, cp.bytes, stream);
-  ops_->sync(stream);
+  for (auto& cp : j.out) o.memcpy_async(cp.dev, st + cp.off, cp.bytes, stream);
+  o.sync(stream);
 }
 
 void StreamPath::run_job(Job& job) {
@@ -498,6 +557,7 @@ void StreamPath::loop() {
 
 void StreamPath::request_abort() {
   abort_.store(true);
+  if (programs_) programs_->abort_all();
   std::lock_guard<std::mutex> g(mu_);
   route_cv_.notify_all();
   host_cv_.notify_all();
@@ -505,7 +565,10 @@ void StreamPath::request_abort() {
 }
 
 void StreamPath::finish(bool abort) {
-  if (abort) abort_.store(true);
+  if (abort) {
+    abort_.store(true);
+    if (programs_) programs_->abort_all();
+  }
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
@@ -523,8 +586,8 @@ void StreamPath::finish(bool abort) {
   // engine's close) before the communicator frees what they copy from.
   if (route_) {
     try {
-      ops_->sync(route_->main);
-      ops_->sync(route_->side);
+      route_->ops.sync(route_->main);
+      route_->ops.sync(route_->side);
     } catch (const std::exception& e) {
       log_warn("capi", std::string("waiting for the device route's streams: ") + e.what());
     }
@@ -541,7 +604,8 @@ std::map<std::string, uint64_t> StreamPath::stats() {
           {"device_jobs", device_jobs_}, {"staged_fallbacks", staged_fallbacks_},
           {"device_route", route_ ? 1u : 0u}, {"route_check_ns", route_check_ns.load()},
           {"route_enqueue_ns", route_turn_ns_.load()}, {"route_queue_ns", route_queue_ns_.load()},
-          {"route_issue_wait_ns", route_issue_wait_ns_.load()}};
+          {"route_issue_wait_ns", route_issue_wait_ns_.load()}, {"program_jobs", program_jobs_},
+          {"program_instructions", programs_ ? programs_->instructions() : 0}};
 }
 
 }  // namespace api

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "../device_ops.h"
+#include "device_program.h"
 #include "device_route.h"
 
 namespace hetccl {
@@ -155,6 +156,10 @@ class StreamPath {
   void run_device_job(Job& job);
   Comm& c_;
   std::shared_ptr<DeviceOps> ops_;
+  // Program mode (device_program.h; HETCCL_CAPI_ROUTE_LAUNCH=kernel): the route's runtime,
+  // recording its streams' work as each call's one kernel; null: the route's own streams.
+  // Declared before route_, which refers to it, so it is destroyed after.
+  std::shared_ptr<ProgramOps> programs_;
   std::unique_ptr<DeviceRoute> route_;
   uint64_t* page_ = nullptr;  // kSlots ready words, then kSlots freed words (registered)
   uint64_t page_dev_ = 0;     // its device address
@@ -184,7 +189,7 @@ class StreamPath {
   std::map<size_t, std::vector<char*>> free_;       // capacity -> buffers (under mu_)
   std::vector<std::pair<char*, size_t>> all_;       // every buffer (freed at the end)
   uint64_t jobs_ = 0, staged_bytes_ = 0, waits_ = 0, chunked_jobs_ = 0, chunks_ = 0, device_jobs_ = 0;
-  uint64_t staged_fallbacks_ = 0;
+  uint64_t staged_fallbacks_ = 0, program_jobs_ = 0;
   std::atomic<uint64_t> route_queue_ns_{0}, route_turn_ns_{0}, route_issue_wait_ns_{0};
 };
 

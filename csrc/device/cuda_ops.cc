@@ -2,6 +2,8 @@
 // resolved with dlsym from the libcuda the framework already loaded. Nothing here is compiled
 // against a vendor header: the few types and constants used are spelled out below, from cuda.h.
 #include <algorithm>
+#include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -10,6 +12,7 @@
 
 #include "errors.h"
 #include "kernels/reduce_kernels_gen.h"
+#include "program.h"
 #include "runtime.h"
 
 namespace hetccl {
@@ -159,6 +162,7 @@ class CudaOps final : public DeviceOps {
       m.div[t] = fn("hetccl_div_" + dn);
       m.mul[t] = fn("hetccl_mul_" + dn);
     }
+    m.program = fn("hetccl_program");
     // One launch of each on an idle stream of our own, so that lazy loading (the driver's
     // default) finishes here and never behind a stream that waits on an engine word.
     void* s = nullptr;
@@ -176,9 +180,32 @@ class CudaOps final : public DeviceOps {
       void* margs[] = {&null, &zero, &null, &zero};
       launch(m.mul[t], 1, margs, s);
     }
-    check("cuStreamSynchronize", sync_(s));
+    // the program kernel on an aborted, empty slot (it ends at once and writes its fin word)
+    void* page = nullptr;
+    if (posix_memalign(&page, 4096, sizeof(program::Slot)) != 0) throw CommError("hetccl: out of memory");
+    std::memset(page, 0, sizeof(program::Slot));
+    auto* slot = static_cast<program::Slot*>(page);
+    try {
+      check("cuMemHostRegister", reg_(page, sizeof(program::Slot), kRegPortableMapped));
+      uint64_t dev_slot = device_address(page);
+      slot->abort = 1;
+      slot->fin_addr = dev_slot + offsetof(program::Slot, pad0);
+      launch_program_fn(m.program, s, dev_slot);
+      check("cuStreamSynchronize", sync_(s));
+      unreg_(page);
+    } catch (...) {
+      unreg_(page);  // (an error if it was not registered: nothing to undo)
+      std::free(page);
+      stream_destroy_(s);
+      throw;
+    }
+    std::free(page);
     stream_destroy_(s);
     modules()[dev] = m;
+  }
+  bool program_route() override { return device_route(); }
+  void launch_program(void* stream, void*, uint64_t slot_dev) override {
+    launch_program_fn(kernels().program, stream, slot_dev);
   }
   void* stream_create() override {
     void* s = nullptr;
@@ -240,6 +267,7 @@ class CudaOps final : public DeviceOps {
     void* reduce[kDtypes][4] = {};
     void* div[kDtypes] = {};
     void* mul[kDtypes] = {};
+    void* program = nullptr;
   };
   // Loaded once per device and process, whichever module instance asks first: every later
   // communicator finds them, so no module is ever loaded while a stream of an earlier one is
@@ -260,6 +288,12 @@ class CudaOps final : public DeviceOps {
       throw CommError("hetccl: the reduction kernels are not loaded on device " + std::to_string(dev) +
                       " (prepare_kernels was not called there)");
     return it->second;
+  }
+  void launch_program_fn(void* f, void* stream, uint64_t slot_dev) {
+    unsigned long long a = slot_dev;
+    void* args[] = {&a};
+    check("cuLaunchKernel (hetccl_program)",
+          launch_(f, program::kGroups, 1, 1, program::kThreads, 1, 1, 0, stream, args, nullptr));
   }
   // Grid-stride kernels: 256 threads a block, at most 4096 blocks (enough to fill any GPU).
   void launch(void* f, size_t count, void** args, void* stream) {

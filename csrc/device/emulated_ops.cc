@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "program.h"
 #include "runtime.h"
 
 namespace hetccl {
@@ -227,6 +228,13 @@ class EmulatedOps final : public DeviceOps {
     if (!scalar_dev) std::memcpy(&imm, scalar_host, dtype_size(dt));
     enqueue(stream, [=] { hetccl::scale_mul(dt, p, count, scalar_dev ? scalar_dev : &imm, 1); });
   }
+  // Device programs: the "kernel" is program_host.cc's interpreter, run in stream order.
+  bool program_route() override { return true; }
+  void launch_program(void* stream, void* slot, uint64_t) override {
+    auto* s = static_cast<program::Slot*>(slot);
+    enqueue(stream, [s] { program::run_on_host(s); });
+  }
+  bool wide_words() const override { return hip_; }
 
  private:
   // The registration holding address a (its id), or 0 (not registered memory).

@@ -53,6 +53,7 @@
 //     hipDeviceAttributeMemoryPoolsSupported; never a size of 0 (5.6 changed what it returns)
 //     nor a free of NULL (an error before 7.0).
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -62,6 +63,7 @@
 #include "errors.h"
 #include "hip_api.h"
 #include "kernels/reduce_kernels_gen.h"
+#include "program.h"
 #include "runtime.h"
 
 namespace hetccl {
@@ -212,6 +214,7 @@ class HipOps final : public DeviceOps {
         m.div[t] = fn("hetccl_div_" + dn);
         m.mul[t] = fn("hetccl_mul_" + dn);
       }
+      m.program = fn("hetccl_program");
       warm_up(m);
     } catch (...) {
       hipModuleUnload_(m.module);
@@ -255,6 +258,11 @@ class HipOps final : public DeviceOps {
     if (!scalar_dev) std::memcpy(&a.imm, scalar_host, dtype_size(dt));
     launch(kernels().mul[int(dt)], count, &a, sizeof a, stream);
   }
+  bool program_route() override { return device_route(); }
+  void launch_program(void* stream, void*, uint64_t slot_dev) override {
+    launch_program_fn(kernels().program, stream, slot_dev);
+  }
+  bool wide_words() const override { return true; }  // 64-bit counters (device_ops.h)
 
  private:
   void check(const char* what, Res r) {
@@ -284,6 +292,7 @@ class HipOps final : public DeviceOps {
     void* reduce[kDtypes][4] = {};
     void* div[kDtypes] = {};
     void* mul[kDtypes] = {};
+    void* program = nullptr;
   };
   // Loaded once per device and process, whichever module instance asks first: every later
   // communicator finds them, so no module is ever loaded while a stream of an earlier one is
@@ -385,11 +394,37 @@ class HipOps final : public DeviceOps {
         launch(m.mul[t], 1, &x, sizeof x, s);
       }
       check("hipStreamSynchronize", hipStreamSynchronize_(s));
+      // the program kernel on an aborted, empty slot (it ends at once and writes its fin word)
+      std::vector<char> page(sizeof(program::Slot) + 4096, 0);
+      auto* slot = reinterpret_cast<program::Slot*>((uintptr_t(page.data()) + 4095) & ~uintptr_t(4095));
+      if (!host_register(slot, sizeof(program::Slot)))
+        throw CommError("hetccl: hipHostRegister refused the device program's warm-up slot");
+      try {
+        uint64_t dev_slot = device_address(slot);
+        slot->abort = 1;
+        slot->wide = 1;
+        slot->fin_addr = dev_slot + offsetof(program::Slot, pad0);
+        launch_program_fn(m.program, s, dev_slot);
+        check("hipStreamSynchronize", hipStreamSynchronize_(s));
+      } catch (...) {
+        host_unregister(slot);
+        throw;
+      }
+      host_unregister(slot);
     } catch (...) {
       stream_destroy(s);
       throw;
     }
     stream_destroy(s);
+  }
+  void launch_program_fn(void* f, void* stream, uint64_t slot_dev) {
+    uint64_t a = slot_dev;
+    size_t nbytes = sizeof a;
+    void* extra[] = {reinterpret_cast<void*>(uintptr_t(hip::kLaunchParamBufferPointer)), &a,
+                     reinterpret_cast<void*>(uintptr_t(hip::kLaunchParamBufferSize)), &nbytes,
+                     reinterpret_cast<void*>(uintptr_t(hip::kLaunchParamEnd))};
+    check("hipModuleLaunchKernel (hetccl_program)",
+          hipModuleLaunchKernel_(f, program::kGroups, 1, 1, program::kThreads, 1, 1, 0, stream, nullptr, extra));
   }
   // Grid-stride kernels: 256 threads a block, at most 4096 blocks (cuda_ops.cc's grid); the
   // arguments as one naturally aligned block in `extra`.

@@ -100,11 +100,14 @@ template <class T, class U> struct Apply<Int<T, U>, 0> {
 template <class T, class U> struct Apply<Int<T, U>, 1> {
   static __device__ __forceinline__ T f(T a, T b) { return T(U(U(a) * U(b))); } };
 
+// Every loop below covers elements i0, i0 + step, ... of [0, n): the kernels' grid-stride loops
+// (i0 = the global thread index, step = the grid's threads) and a device program's block
+// (hetccl_program: i0 = the thread's index in its block, step = the block's threads).
 template <class D, int OP>
-__device__ __forceinline__ void reduce(void* dv, const void* sv, u64 n) {
+__device__ __forceinline__ void reduce(void* dv, const void* sv, u64 n, u64 i0, u64 step) {
   typename D::S* d = static_cast<typename D::S*>(dv);
   const typename D::S* s = static_cast<const typename D::S*>(sv);
-  for (u64 i = u64(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += u64(gridDim.x) * blockDim.x)
+  for (u64 i = i0; i < n; i += step)
     d[i] = D::store(Apply<D, OP>::f(D::load(d[i]), D::load(s[i])));
 }
 
@@ -117,14 +120,14 @@ template <class D> struct Div<D, 1> {
     return typename D::S(i64(v) / by); } };
 
 template <class D>
-__device__ __forceinline__ void div(void* dv, u64 n, i64 by) {
+__device__ __forceinline__ void div(void* dv, u64 n, i64 by, u64 i0, u64 step) {
   typename D::S* d = static_cast<typename D::S*>(dv);
-  for (u64 i = u64(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += u64(gridDim.x) * blockDim.x)
+  for (u64 i = i0; i < n; i += step)
     d[i] = Div<D, IsInt<D>::v>::f(d[i], by);
 }
 
 template <class D>
-__device__ __forceinline__ void mul(void* dv, u64 n, const void* sp, u64 imm) {
+__device__ __forceinline__ void mul(void* dv, u64 n, const void* sp, u64 imm, u64 i0, u64 step) {
   typename D::S* d = static_cast<typename D::S*>(dv);
   typename D::S sc;
   if (sp) {
@@ -135,19 +138,21 @@ __device__ __forceinline__ void mul(void* dv, u64 n, const void* sp, u64 imm) {
     sc = b.s;
   }
   const typename D::C c = D::load(sc);
-  for (u64 i = u64(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += u64(gridDim.x) * blockDim.x)
+  for (u64 i = i0; i < n; i += step)
     d[i] = D::store(Apply<D, 1>::f(D::load(d[i]), c));
 }
 
 }  // namespace hk
 
+#define HK_I0 (u64(blockIdx.x) * blockDim.x + threadIdx.x)
+#define HK_STEP (u64(gridDim.x) * blockDim.x)
 #define HETCCL_KERNELS(name, D)                                                                  \
-  extern "C" __global__ void hetccl_reduce_##name##_sum(void* d, const void* s, u64 n) { hk::reduce<hk::D, 0>(d, s, n); } \
-  extern "C" __global__ void hetccl_reduce_##name##_prod(void* d, const void* s, u64 n) { hk::reduce<hk::D, 1>(d, s, n); } \
-  extern "C" __global__ void hetccl_reduce_##name##_min(void* d, const void* s, u64 n) { hk::reduce<hk::D, 2>(d, s, n); } \
-  extern "C" __global__ void hetccl_reduce_##name##_max(void* d, const void* s, u64 n) { hk::reduce<hk::D, 3>(d, s, n); } \
-  extern "C" __global__ void hetccl_div_##name(void* d, u64 n, i64 by) { hk::div<hk::D>(d, n, by); } \
-  extern "C" __global__ void hetccl_mul_##name(void* d, u64 n, const void* sp, u64 imm) { hk::mul<hk::D>(d, n, sp, imm); }
+  extern "C" __global__ void hetccl_reduce_##name##_sum(void* d, const void* s, u64 n) { hk::reduce<hk::D, 0>(d, s, n, HK_I0, HK_STEP); } \
+  extern "C" __global__ void hetccl_reduce_##name##_prod(void* d, const void* s, u64 n) { hk::reduce<hk::D, 1>(d, s, n, HK_I0, HK_STEP); } \
+  extern "C" __global__ void hetccl_reduce_##name##_min(void* d, const void* s, u64 n) { hk::reduce<hk::D, 2>(d, s, n, HK_I0, HK_STEP); } \
+  extern "C" __global__ void hetccl_reduce_##name##_max(void* d, const void* s, u64 n) { hk::reduce<hk::D, 3>(d, s, n, HK_I0, HK_STEP); } \
+  extern "C" __global__ void hetccl_div_##name(void* d, u64 n, i64 by) { hk::div<hk::D>(d, n, by, HK_I0, HK_STEP); } \
+  extern "C" __global__ void hetccl_mul_##name(void* d, u64 n, const void* sp, u64 imm) { hk::mul<hk::D>(d, n, sp, imm, HK_I0, HK_STEP); }
 
 HETCCL_KERNELS(float32, F32)
 HETCCL_KERNELS(float64, F64)
@@ -157,3 +162,187 @@ HETCCL_KERNELS(int8, I8)
 HETCCL_KERNELS(uint8, U8)
 HETCCL_KERNELS(int32, I32)
 HETCCL_KERNELS(int64, I64)
+
+// ---- Device programs (csrc/device/program.h: the format, the slot's layout and the contract).
+// One block per group (blockIdx.x), every thread of it executing the group's instructions in
+// order; the slot is pinned host memory, read and written with volatile accesses and system
+// fences. Word indices of the slot (program.h's Slot): 0 seq, 1 abort, 2 fin_addr,
+// 3 fin_value, 4 ended, 5 wide, 8 + g len, 10 + g taken, 12 + g gend, 16 + e ev, 64 the rings
+// (8 words an instruction, 256 instructions a group).
+namespace hp {
+enum { kRing = 256, kGroups = 2, kBatch = 32, kRingWord = 64 };
+enum { END = 0, WAIT = 1, WRITE = 2, COPY = 3, REDUCE = 4, DIV = 5, MUL = 6, SIGNAL = 7, AWAIT = 8 };
+
+__device__ __forceinline__ u64 ld(const volatile u64* p) { return *p; }
+__device__ __forceinline__ bool reached(u64 addr, u64 v, bool wide) {
+  if (wide) return *reinterpret_cast<const volatile u64*>(addr) >= v;
+  u32 lo = *reinterpret_cast<const volatile u32*>(addr);
+  return int(lo - u32(v)) >= 0;
+}
+struct alignas(16) V16 { u64 x, y; };
+
+// dst[0, n) = src[0, n) by the block's threads, 16 bytes a load where both are 16-aligned,
+// four loads in flight per thread (the source may be host memory across the bus)
+__device__ __forceinline__ void copy(char* d, const char* s, u64 n, u64 t, u64 nt) {
+  u64 done = 0;
+  if (((u64(d) | u64(s)) & 15) == 0) {
+    const u64 m = n / 16;
+    V16* D = reinterpret_cast<V16*>(d);
+    const V16* S = reinterpret_cast<const V16*>(s);
+    u64 i = t;
+    for (; i + 3 * nt < m; i += 4 * nt) {
+      V16 a = S[i], b = S[i + nt], c = S[i + 2 * nt], e = S[i + 3 * nt];
+      D[i] = a;
+      D[i + nt] = b;
+      D[i + 2 * nt] = c;
+      D[i + 3 * nt] = e;
+    }
+    for (; i < m; i += nt) D[i] = S[i];
+    done = m * 16;
+  } else if (((u64(d) | u64(s)) & 7) == 0) {
+    const u64 m = n / 8;
+    for (u64 i = t; i < m; i += nt) reinterpret_cast<u64*>(d)[i] = reinterpret_cast<const u64*>(s)[i];
+    done = m * 8;
+  }
+  for (u64 i = done + t; i < n; i += nt) d[i] = s[i];
+}
+
+template <int OP>
+__device__ __forceinline__ void reduce_as(int dt, void* d, const void* s, u64 n, u64 t, u64 nt) {
+  switch (dt) {
+    case 0: hk::reduce<hk::F32, OP>(d, s, n, t, nt); break;
+    case 1: hk::reduce<hk::F64, OP>(d, s, n, t, nt); break;
+    case 2: hk::reduce<hk::F16, OP>(d, s, n, t, nt); break;
+    case 3: hk::reduce<hk::BF16, OP>(d, s, n, t, nt); break;
+    case 4: hk::reduce<hk::I8, OP>(d, s, n, t, nt); break;
+    case 5: hk::reduce<hk::U8, OP>(d, s, n, t, nt); break;
+    case 6: hk::reduce<hk::I32, OP>(d, s, n, t, nt); break;
+    case 7: hk::reduce<hk::I64, OP>(d, s, n, t, nt); break;
+  }
+}
+__device__ __forceinline__ void div_as(int dt, void* p, u64 n, i64 by, u64 t, u64 nt) {
+  switch (dt) {
+    case 0: hk::div<hk::F32>(p, n, by, t, nt); break;
+    case 1: hk::div<hk::F64>(p, n, by, t, nt); break;
+    case 2: hk::div<hk::F16>(p, n, by, t, nt); break;
+    case 3: hk::div<hk::BF16>(p, n, by, t, nt); break;
+    case 4: hk::div<hk::I8>(p, n, by, t, nt); break;
+    case 5: hk::div<hk::U8>(p, n, by, t, nt); break;
+    case 6: hk::div<hk::I32>(p, n, by, t, nt); break;
+    case 7: hk::div<hk::I64>(p, n, by, t, nt); break;
+  }
+}
+__device__ __forceinline__ void mul_as(int dt, void* p, u64 n, const void* sp, u64 imm, u64 t, u64 nt) {
+  switch (dt) {
+    case 0: hk::mul<hk::F32>(p, n, sp, imm, t, nt); break;
+    case 1: hk::mul<hk::F64>(p, n, sp, imm, t, nt); break;
+    case 2: hk::mul<hk::F16>(p, n, sp, imm, t, nt); break;
+    case 3: hk::mul<hk::BF16>(p, n, sp, imm, t, nt); break;
+    case 4: hk::mul<hk::I8>(p, n, sp, imm, t, nt); break;
+    case 5: hk::mul<hk::U8>(p, n, sp, imm, t, nt); break;
+    case 6: hk::mul<hk::I32>(p, n, sp, imm, t, nt); break;
+    case 7: hk::mul<hk::I64>(p, n, sp, imm, t, nt); break;
+  }
+}
+}  // namespace hp
+
+extern "C" __global__ void hetccl_program(u64* slot) {
+  volatile u64* S = slot;
+  const int g = blockIdx.x;
+  const u64 t = threadIdx.x, nt = blockDim.x;
+  __shared__ u64 ins[hp::kBatch][8];
+  __shared__ u64 avail;
+  const u64 seq = S[0];
+  const bool wide = S[5] != 0;
+  u64 pos = 0;
+  bool end = false;
+  while (!end) {
+    if (t == 0) {
+      u64 L;
+      while ((L = S[8 + g]) <= pos && S[1] == 0) {
+      }
+      __threadfence_system();  // the instructions were written before len
+      avail = L;
+    }
+    __syncthreads();
+    const u64 L = avail;
+    if (L <= pos) break;  // aborted with nothing more published
+    const u64 nb = L - pos < hp::kBatch ? L - pos : u64(hp::kBatch);
+    for (u64 i = t; i < nb * 8; i += nt)
+      ins[i / 8][i % 8] = S[hp::kRingWord + (u64(g) * hp::kRing + (pos + i / 8) % hp::kRing) * 8 + i % 8];
+    __syncthreads();
+    if (t == 0) S[10 + g] = pos + nb;  // read: the ring entries may be reused
+    for (u64 k = 0; k < nb && !end; ++k) {
+      const u64* I = ins[k];
+      switch (I[0]) {
+        case hp::END:
+          end = true;
+          break;
+        case hp::WAIT:
+        case hp::AWAIT:
+          if (t == 0) {
+            const u64 addr = I[0] == hp::WAIT ? I[1] : u64(slot + 16 + I[1]);
+            const bool w = I[0] == hp::AWAIT || wide;
+            while (!hp::reached(addr, I[2], w) && S[1] == 0) {
+            }
+            __threadfence_system();
+          }
+          __syncthreads();
+          break;
+        case hp::WRITE:
+        case hp::SIGNAL:
+          __threadfence_system();  // every thread's earlier writes, before the word
+          __syncthreads();
+          if (t == 0) {
+            if (I[0] == hp::SIGNAL) S[16 + I[1]] = I[2];
+            else if (wide) *reinterpret_cast<volatile u64*>(I[1]) = I[2];
+            else *reinterpret_cast<volatile u32*>(I[1]) = u32(I[2]);
+            __threadfence_system();
+          }
+          break;
+        case hp::COPY:
+          hp::copy(reinterpret_cast<char*>(I[1]), reinterpret_cast<const char*>(I[2]), I[3], t, nt);
+          __syncthreads();
+          break;
+        case hp::REDUCE: {
+          void* d = reinterpret_cast<void*>(I[1]);
+          const void* s = reinterpret_cast<const void*>(I[2]);
+          const int dt = int(I[4]);
+          switch (int(I[5])) {
+            case 1: hp::reduce_as<1>(dt, d, s, I[3], t, nt); break;
+            case 2: hp::reduce_as<2>(dt, d, s, I[3], t, nt); break;
+            case 3: hp::reduce_as<3>(dt, d, s, I[3], t, nt); break;
+            default: hp::reduce_as<0>(dt, d, s, I[3], t, nt); break;  // SUM, and AVG as SUM
+          }
+          __syncthreads();
+          break;
+        }
+        case hp::DIV:
+          hp::div_as(int(I[3]), reinterpret_cast<void*>(I[1]), I[2], i64(I[4]), t, nt);
+          __syncthreads();
+          break;
+        case hp::MUL:
+          hp::mul_as(int(I[3]), reinterpret_cast<void*>(I[1]), I[2], reinterpret_cast<const void*>(I[4]), I[5], t, nt);
+          __syncthreads();
+          break;
+      }
+      ++pos;
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    // Both groups ended: whichever sees the other's mark writes fin (both may: the same values)
+    __threadfence_system();
+    S[12 + g] = seq;
+    __threadfence_system();
+    bool last = true;
+    for (int o = 0; o < hp::kGroups; ++o)
+      if (o != g && S[12 + o] != seq) last = false;
+    if (last) {
+      if (wide) *reinterpret_cast<volatile u64*>(S[2]) = S[3];
+      else *reinterpret_cast<volatile u32*>(S[2]) = u32(S[3]);
+      __threadfence_system();
+      S[4] = seq;
+    }
+  }
+}
