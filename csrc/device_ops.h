@@ -140,8 +140,12 @@ class DeviceOps {
   // A module that answers false keeps the route's stream operations (device_route.h).
   virtual bool program_route() { return false; }
   // Launches the program kernel of `slot` (pinned and registered; slot_dev: its device address)
-  // on `stream`: one block per group (program::kGroups) of program::kThreads threads.
-  virtual void launch_program(void* stream, void* slot, uint64_t slot_dev) { unsupported("launch_program"); }
+  // on `stream`: `blocks` blocks per group (program::kGroups) of program::kThreads threads;
+  // `bar`: the group barriers' zeroed device memory (program::kGroups * 32 uint32), left as
+  // found (unused for one block).
+  virtual void launch_program(void* stream, void* slot, uint64_t slot_dev, void* bar, uint32_t blocks) {
+    unsupported("launch_program");
+  }
   // The words' rule (the contract above): true for 64-bit counters (HIP's), false for the low
   // 32 bits, wrap-aware (CUDA's).
   virtual bool wide_words() const { return false; }

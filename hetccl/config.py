@@ -208,6 +208,17 @@ _SETTINGS = [
             "(at most one ring slot; 0, default: the device table's chunk for the plan's "
             "size). Fewer, larger chunks mean fewer stream operations per call (issue cost) "
             "and less copy overlap. Must be equal on every rank."),
+    Setting("HETCCL_CAPI_ROUTE_LAUNCH", str, "streams",
+            "C API / drop-in only: how the device route runs a call. 'streams' (default): its "
+            "plans' stream operations on the communicator's own streams, enqueued by the "
+            "executor (the issuing thread waits until they are). 'kernel': one program kernel "
+            "per call on the caller's stream, launched by the issuing thread, its instructions "
+            "written by the executor (csrc/api/device_program.h): the issue is one launch at "
+            "any size."),
+    Setting("HETCCL_CAPI_PROGRAM_BLOCKS", int, 4,
+            "C API / drop-in only, with HETCCL_CAPI_ROUTE_LAUNCH=kernel: thread blocks per stream "
+            "of a device program (1-16): more move and reduce a call's data faster, each takes an "
+            "SM for the call's whole time."),
     Setting("HETCCL_EMULATED_STRICT", _bool, False,
             "Tests only: the emulated device (csrc/device/emulated_ops.cc) aborts the process "
             "on a stream operation that touches registered host memory after it was "

@@ -98,12 +98,14 @@ inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; 
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline void __syncthreads() {}
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 """
 # after the source: one block of the program kernel on the calling host thread
 POSTLUDE = r"""
-extern "C" void hetccl_test_program_block(u64* slot, unsigned group) {
-  blockIdx.x = group;
-  hetccl_program(slot);
+extern "C" void hetccl_test_program_block(u64* slot, u32* bar, unsigned block, unsigned blocks) {
+  blockIdx.x = block;
+  hetccl_program(slot, bar, blocks);
 }
 """
 
@@ -210,22 +212,33 @@ def _put(slot, group, prog):
     slot[8 + group] = len(prog)
 
 
-def _run_program(host_kernels, slot):
+def _run_program(host_kernels, slot, blocks=1):
+    """Each block of the grid (groups x blocks) on a host thread of its own, one thread a
+    block: the group barriers meet across the threads."""
     import threading
+    bar = np.zeros(64, np.uint32)
+    slot[6] = blocks
     ts = [threading.Thread(target=host_kernels.hetccl_test_program_block,
-                           args=(ctypes.c_void_p(slot.ctypes.data), ctypes.c_uint(g))) for g in (1, 0)]
+                           args=(ctypes.c_void_p(slot.ctypes.data), ctypes.c_void_p(bar.ctypes.data),
+                                 ctypes.c_uint(k), ctypes.c_uint(blocks)))
+          for k in reversed(range(2 * blocks))]
     for t in ts:
         t.start()
     for t in ts:
         t.join(30)
     assert not any(t.is_alive() for t in ts), "the program did not end"
+    assert not bar[0] and not bar[32], bar  # the barriers' counts are left as found
+    return bar
 
 
-def test_program_kernel_runs_every_instruction(host_kernels):
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_program_kernel_runs_every_instruction(host_kernels, blocks):
     """hetccl_program, one thread per block on the host: group 0 copies (aligned, then at an odd
     offset), reduces, divides and multiplies (host scalar bits and a scalar in memory), writes a
     32-bit word and signals; group 1 waits for the signal and the word, copies the result and
-    reduces int8 MAX; both end and the kernel writes fin and ended, taken counts every read."""
+    reduces int8 MAX; both end and the kernel writes fin and ended, taken counts every read.
+    With 3 blocks a group, the data instructions are spread over the blocks and their barriers
+    run after each."""
     n = 1000
     g = np.random.default_rng(7)
     b, c = g.standard_normal(n).astype(np.float32), g.standard_normal(n).astype(np.float32)
@@ -244,7 +257,7 @@ def test_program_kernel_runs_every_instruction(host_kernels):
     _put(slot, 1, [("AWAIT", 3, 5), ("WAIT", p(words), 7), ("COPY", p(d), p(a), 4 * n),
                    ("REDUCE", p(x8), p(y8), 77, 4, 3), ("END",)])
     x8_want = np.maximum(x8, y8)
-    _run_program(host_kernels, slot)
+    bar = _run_program(host_kernels, slot, blocks)
     want = (b + c) / np.float32(2) * np.float32(3) * np.float32(0.5)
     np.testing.assert_array_equal(a, want)
     np.testing.assert_array_equal(d, want)
@@ -253,8 +266,11 @@ def test_program_kernel_runs_every_instruction(host_kernels):
     np.testing.assert_array_equal(x8, x8_want)
     assert words[0] == 7 and words[1] == 99, words  # the WRITE, then fin (32 bits, low half)
     assert slot[4] == 9 and list(slot[12:14]) == [9, 9], slot[:16]  # ended, gend
-    assert list(slot[10:12]) == [9, 5], slot[:16]  # taken: every instruction was read
+    # taken, per block: every instruction was read
+    assert list(slot[32:32 + blocks]) == [9] * blocks and list(slot[48:48 + blocks]) == [5] * blocks, slot[32:64]
     assert slot[16 + 3] == 5
+    if blocks > 1:  # group 0 met 9 times (6 data instructions, the write, the signal, the end),
+        assert bar[16] == 9 and bar[48] == 3, bar  # group 1 3 times (2 data instructions, the end)
 
 
 def test_program_kernel_aborted_ends_at_once(host_kernels):

@@ -67,6 +67,7 @@ struct Settings {
   // stream operations on the route's own streams, device_route.h) or "kernel" (one program
   // kernel per call on the caller's stream, device_program.h)
   bool route_program = false;
+  uint32_t program_blocks = 4;  // HETCCL_CAPI_PROGRAM_BLOCKS: a program's blocks per group
   // engine chunk tables: hetccl/tuning.py's HOST, MESSAGE and DEVICE rows (tests/test_capi.py
   // checks they are equal)
   EngineOptions::Table host_chunks, msg_chunks, device_chunks;

@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "../common.h"
@@ -35,9 +36,13 @@ Ins ins(uint64_t op, uint64_t a0 = 0, uint64_t a1 = 0, uint64_t a2 = 0, uint64_t
 uint64_t addr(const void* p) { return uint64_t(reinterpret_cast<uintptr_t>(p)); }
 }  // namespace
 
-ProgramOps::ProgramOps(std::shared_ptr<DeviceOps> real, int64_t timeout_ms)
-    : real_(std::move(real)), timeout_ms_(timeout_ms) {
-  const size_t bytes = sizeof(Slot) * kSlots + 4096;
+ProgramOps::ProgramOps(std::shared_ptr<DeviceOps> real, int64_t timeout_ms, uint32_t blocks)
+    : real_(std::move(real)), timeout_ms_(timeout_ms), blocks_(blocks) {
+  if (blocks_ < 1 || blocks_ > program::kMaxBlocks)
+    throw CommError("hetccl: HETCCL_CAPI_PROGRAM_BLOCKS=" + std::to_string(blocks_) + " is not in 1.." +
+                    std::to_string(program::kMaxBlocks));
+  // the slots, then a page for the sync word, then zeroed pages (the barriers' first value)
+  const size_t bytes = sizeof(Slot) * kSlots + 4096 + kBarBytes;
   void* p = nullptr;
   if (posix_memalign(&p, 4096, bytes) != 0) throw CommError("hetccl: out of memory for the device programs");
   std::memset(p, 0, bytes);
@@ -57,6 +62,9 @@ ProgramOps::ProgramOps(std::shared_ptr<DeviceOps> real, int64_t timeout_ms)
   sync_word_ = reinterpret_cast<uint64_t*>(static_cast<char*>(p) + sizeof(Slot) * kSlots);
   sync_word_dev_ = addr(sync_word_);
   alloc_stream_ = real_->stream_create();
+  bar_ = real_->mem_alloc_async(kBarBytes, alloc_stream_);
+  real_->memcpy_async(bar_, static_cast<char*>(p) + sizeof(Slot) * kSlots + 4096, kBarBytes, alloc_stream_);
+  real_->sync(alloc_stream_);
 }
 
 ProgramOps::~ProgramOps() {
@@ -74,6 +82,7 @@ ProgramOps::~ProgramOps() {
     give_back_ended();
     if (alloc_stream_) {
       for (void* q : leftovers_) real_->mem_free_async(q, alloc_stream_);
+      if (bar_) real_->mem_free_async(bar_, alloc_stream_);
       real_->sync(alloc_stream_);
       real_->stream_destroy(alloc_stream_);
     }
@@ -112,12 +121,13 @@ void ProgramOps::launch(void* stream, uint64_t seq, uint64_t fin_addr, uint64_t 
   s->fin_addr = fin_addr;
   s->fin_value = fin_value;
   s->wide = real_->wide_words() ? 1 : 0;
+  s->blocks = blocks_;
   for (uint32_t k = 0; k < program::kGroups; ++k) {
     s->len[k] = 0;
-    s->taken[k] = 0;
+    for (uint32_t b = 0; b < program::kMaxBlocks; ++b) s->taken[k][b] = 0;
   }
   st(&s->abort, 0);
-  real_->launch_program(stream, s, addr(s));
+  real_->launch_program(stream, s, addr(s), static_cast<uint32_t*>(bar_) + idx * 64, blocks_);
   std::lock_guard<std::mutex> g(mu_);
   pending_.push_back({seq, idx});
   ++launched_;
@@ -187,7 +197,7 @@ void ProgramOps::append(uint32_t g, const Ins& i) {
   const uint64_t pos = cur_len_[g];
   const int64_t deadline = now_ms() + timeout_ms_;
   int spins = 0;
-  while (ld(&cur_->taken[g]) + program::kRing <= pos) {  // the ring is full: the kernel reads on
+  while (taken(g) + program::kRing <= pos) {  // the ring is full: the kernel reads on
     if (ld(&cur_->abort)) throw CommError("hetccl: the communicator was aborted");
     if (now_ms() > deadline)
       throw CommTimeout("hetccl: Timed out: the device program of call " + std::to_string(cur_seq_) +
@@ -198,6 +208,14 @@ void ProgramOps::append(uint32_t g, const Ins& i) {
   cur_len_[g] = pos + 1;
   st(&cur_->len[g], pos + 1);
   ++instructions_;
+}
+
+uint64_t ProgramOps::taken(uint32_t g) const {
+  // the emulated runtime's interpreter is one "block" a group whatever blocks_ says
+  const uint32_t n = real_->name() == "emulated" ? 1 : blocks_;
+  uint64_t least = ld(&cur_->taken[g][0]);
+  for (uint32_t b = 1; b < n; ++b) least = std::min(least, ld(&cur_->taken[g][b]));
+  return least;
 }
 
 [[noreturn]] void ProgramOps::unbound(const char* what) const {

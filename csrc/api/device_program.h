@@ -55,8 +55,10 @@ namespace api {
 class ProgramOps final : public DeviceOps {
  public:
   static constexpr uint32_t kSlots = 32;  // programs in flight at most
+  static constexpr size_t kBarBytes = kSlots * 64 * sizeof(uint32_t);  // the group barriers
   // Throws CommError where the runtime cannot run programs at host addresses (see above).
-  ProgramOps(std::shared_ptr<DeviceOps> real, int64_t timeout_ms);
+  // blocks: per group (HETCCL_CAPI_PROGRAM_BLOCKS, 1 .. program::kMaxBlocks)
+  ProgramOps(std::shared_ptr<DeviceOps> real, int64_t timeout_ms, uint32_t blocks);
   ~ProgramOps() override;
 
   // ---- issuing thread
@@ -121,6 +123,7 @@ class ProgramOps final : public DeviceOps {
   // the group of a route stream, or -1 for any other stream
   int group_of(void* stream) const;
   void append(uint32_t group, const program::Ins& ins);
+  uint64_t taken(uint32_t group) const;  // the least of the bound slot's blocks' counts
   bool ended(uint32_t idx) const;  // the slot's program ended (or never launched)
   void give_back_ended();          // scratch of ended programs back to the pool
   bool wait_all_ended(int64_t within_ms);  // false: not all within the bound
@@ -128,6 +131,8 @@ class ProgramOps final : public DeviceOps {
 
   std::shared_ptr<DeviceOps> real_;
   const int64_t timeout_ms_;
+  const uint32_t blocks_;
+  void* bar_ = nullptr;  // device memory: kSlots x the group barriers (64 uint32 a slot), zeroed
   program::Slot* slots_ = nullptr;  // kSlots, page-aligned, registered
   uint64_t slots_dev_ = 0;
   SlotState state_[kSlots];

@@ -79,6 +79,7 @@ Settings read_settings() {
       throw CommError("hetccl: HETCCL_CAPI_ROUTE_LAUNCH=" + l + " is not one of streams, kernel");
     s.route_program = l == "kernel";
   }
+  s.program_blocks = uint32_t(env_int("HETCCL_CAPI_PROGRAM_BLOCKS", 4, 1, 16));
   // hetccl/tuning.py HOST, MESSAGE and DEVICE (see its docstring for how the rows were chosen)
   s.host_chunks = {{256 * KiB, 256 * KiB}, {INF, 128 * KiB}};
   s.msg_chunks = {{1 * MiB, 1 * MiB}, {INF, 4 * MiB}};

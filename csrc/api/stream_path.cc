@@ -88,7 +88,7 @@ StreamPath::StreamPath(Comm& c, const std::string& runtime, const std::string& l
   if (ops_->device_route() && c_.settings.stream_device_bytes != SIZE_MAX) {
     if (c_.settings.route_program && ops_->program_route()) {
       try {
-        programs_ = std::make_shared<ProgramOps>(ops_, c_.settings.timeout_ms);
+        programs_ = std::make_shared<ProgramOps>(ops_, c_.settings.timeout_ms, c_.settings.program_blocks);
       } catch (const std::exception& e) {
         log_warn("capi", std::string("device programs are off for this communicator: ") + e.what());
       }

@@ -189,8 +189,8 @@ class CudaOps final : public DeviceOps {
       check("cuMemHostRegister", reg_(page, sizeof(program::Slot), kRegPortableMapped));
       uint64_t dev_slot = device_address(page);
       slot->abort = 1;
-      slot->fin_addr = dev_slot + offsetof(program::Slot, pad0);
-      launch_program_fn(m.program, s, dev_slot);
+      slot->fin_addr = dev_slot + offsetof(program::Slot, spare);
+      launch_program_fn(m.program, s, dev_slot, nullptr, 1);
       check("cuStreamSynchronize", sync_(s));
       unreg_(page);
     } catch (...) {
@@ -204,8 +204,8 @@ class CudaOps final : public DeviceOps {
     modules()[dev] = m;
   }
   bool program_route() override { return device_route(); }
-  void launch_program(void* stream, void*, uint64_t slot_dev) override {
-    launch_program_fn(kernels().program, stream, slot_dev);
+  void launch_program(void* stream, void*, uint64_t slot_dev, void* bar, uint32_t blocks) override {
+    launch_program_fn(kernels().program, stream, slot_dev, bar, blocks);
   }
   void* stream_create() override {
     void* s = nullptr;
@@ -289,11 +289,12 @@ class CudaOps final : public DeviceOps {
                       " (prepare_kernels was not called there)");
     return it->second;
   }
-  void launch_program_fn(void* f, void* stream, uint64_t slot_dev) {
+  void launch_program_fn(void* f, void* stream, uint64_t slot_dev, void* bar, uint32_t blocks) {
     unsigned long long a = slot_dev;
-    void* args[] = {&a};
+    unsigned long long b = blocks;
+    void* args[] = {&a, &bar, &b};
     check("cuLaunchKernel (hetccl_program)",
-          launch_(f, program::kGroups, 1, 1, program::kThreads, 1, 1, 0, stream, args, nullptr));
+          launch_(f, program::kGroups * blocks, 1, 1, program::kThreads, 1, 1, 0, stream, args, nullptr));
   }
   // Grid-stride kernels: 256 threads a block, at most 4096 blocks (enough to fill any GPU).
   void launch(void* f, size_t count, void** args, void* stream) {

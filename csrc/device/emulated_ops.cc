@@ -230,7 +230,7 @@ class EmulatedOps final : public DeviceOps {
   }
   // Device programs: the "kernel" is program_host.cc's interpreter, run in stream order.
   bool program_route() override { return true; }
-  void launch_program(void* stream, void* slot, uint64_t) override {
+  void launch_program(void* stream, void* slot, uint64_t, void*, uint32_t) override {  // one thread a group
     auto* s = static_cast<program::Slot*>(slot);
     enqueue(stream, [s] { program::run_on_host(s); });
   }

@@ -259,8 +259,8 @@ class HipOps final : public DeviceOps {
     launch(kernels().mul[int(dt)], count, &a, sizeof a, stream);
   }
   bool program_route() override { return device_route(); }
-  void launch_program(void* stream, void*, uint64_t slot_dev) override {
-    launch_program_fn(kernels().program, stream, slot_dev);
+  void launch_program(void* stream, void*, uint64_t slot_dev, void* bar, uint32_t blocks) override {
+    launch_program_fn(kernels().program, stream, slot_dev, bar, blocks);
   }
   bool wide_words() const override { return true; }  // 64-bit counters (device_ops.h)
 
@@ -403,8 +403,8 @@ class HipOps final : public DeviceOps {
         uint64_t dev_slot = device_address(slot);
         slot->abort = 1;
         slot->wide = 1;
-        slot->fin_addr = dev_slot + offsetof(program::Slot, pad0);
-        launch_program_fn(m.program, s, dev_slot);
+        slot->fin_addr = dev_slot + offsetof(program::Slot, spare);
+        launch_program_fn(m.program, s, dev_slot, nullptr, 1);
         check("hipStreamSynchronize", hipStreamSynchronize_(s));
       } catch (...) {
         host_unregister(slot);
@@ -417,14 +417,19 @@ class HipOps final : public DeviceOps {
     }
     stream_destroy(s);
   }
-  void launch_program_fn(void* f, void* stream, uint64_t slot_dev) {
-    uint64_t a = slot_dev;
+  void launch_program_fn(void* f, void* stream, uint64_t slot_dev, void* bar, uint32_t blocks) {
+    struct {
+      uint64_t slot;
+      void* bar;
+      uint64_t blocks;
+    } a{slot_dev, bar, blocks};  // the kernel's parameters (u64*, u32*, u64), naturally aligned
     size_t nbytes = sizeof a;
     void* extra[] = {reinterpret_cast<void*>(uintptr_t(hip::kLaunchParamBufferPointer)), &a,
                      reinterpret_cast<void*>(uintptr_t(hip::kLaunchParamBufferSize)), &nbytes,
                      reinterpret_cast<void*>(uintptr_t(hip::kLaunchParamEnd))};
     check("hipModuleLaunchKernel (hetccl_program)",
-          hipModuleLaunchKernel_(f, program::kGroups, 1, 1, program::kThreads, 1, 1, 0, stream, nullptr, extra));
+          hipModuleLaunchKernel_(f, program::kGroups * blocks, 1, 1, program::kThreads, 1, 1, 0, stream, nullptr,
+                                 extra));
   }
   // Grid-stride kernels: 256 threads a block, at most 4096 blocks (cuda_ops.cc's grid); the
   // arguments as one naturally aligned block in `extra`.

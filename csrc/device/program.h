@@ -15,7 +15,9 @@
 // What a program is. The executor's turn for the call records what it would have enqueued on
 // the route's two streams (main and side: csrc/api/device_program.h) as two instruction
 // rings, one per group; the kernel runs one block per group, each block executing its ring in
-// order with all its threads. Instructions (8 words: op, a[0..6]):
+// order with all its threads (or B blocks per group, HETCCL_CAPI_PROGRAM_BLOCKS: the data
+// instructions spread over the group's threads, a barrier of the group's blocks in device
+// memory after each of them and before each write). Instructions (8 words: op, a[0..6]):
 //   END                         the group is done
 //   WAIT   a0 word, a1 counter  until the word's position reached the counter (the runtime's
 //                               rule, device_ops.h: wide = 64-bit unsigned, else the low 32
@@ -33,9 +35,9 @@
 //
 // A slot (pinned host memory, device-mapped): a header of 64 words, then the two rings. The
 // issuing thread fills the header and launches; the executor appends instructions at
-// ring[g][len % kRing] and publishes len[g] (release); the block reads what is published,
-// reports taken[g] (instructions it has read), and the executor reuses a ring entry only once
-// taken says so. When both groups ended, the kernel writes fin_value to fin_addr (the call's
+// ring[g][len % kRing] and publishes len[g] (release); each block reads what is published and
+// reports taken[g][b] (instructions it has read), and the executor reuses a ring entry only once
+// every block's taken says so. When both groups ended, the kernel writes fin_value to fin_addr (the call's
 // freed word: the caller's stream has passed the call) and then ended = seq. Aborted (abort
 // nonzero): every wait passes and a group with nothing more published ends, so no kernel
 // outlives its communicator (the engine's release of its own words, engine_failure.cc, does
@@ -54,6 +56,7 @@ constexpr uint32_t kGroups = 2;        // main, side
 constexpr uint32_t kRing = 256;        // instructions per group ring
 constexpr uint32_t kEvents = 16;       // event words per slot
 constexpr uint32_t kThreads = 512;     // threads per block
+constexpr uint32_t kMaxBlocks = 16;    // blocks per group at most (HETCCL_CAPI_PROGRAM_BLOCKS)
 
 enum Op : uint64_t { END = 0, WAIT = 1, WRITE = 2, COPY = 3, REDUCE = 4, DIV = 5, MUL = 6, SIGNAL = 7, AWAIT = 8 };
 
@@ -70,13 +73,14 @@ struct Slot {
   uint64_t fin_value;          // 3
   uint64_t ended;              // 4  device: seq once both groups ended and fin was written
   uint64_t wide;               // 5  1: 64-bit words (HIP's rule), 0: the low 32 bits (CUDA's)
-  uint64_t pad0[2];            // 6, 7
+  uint64_t blocks;             // 6  blocks per group (host, before launch)
+  uint64_t spare;              // 7  (the runtimes' warm-up launch writes its fin here)
   uint64_t len[kGroups];       // 8, 9    host: instructions published per group
-  uint64_t taken[kGroups];     // 10, 11  device: instructions read per group
+  uint64_t pad1[2];            // 10, 11
   uint64_t gend[kGroups];      // 12, 13  device: seq once the group ended
-  uint64_t pad1[2];            // 14, 15
+  uint64_t pad2[2];            // 14, 15
   uint64_t ev[kEvents];        // 16..31  device: events between the groups
-  uint64_t pad2[32];           // 32..63
+  uint64_t taken[kGroups][kMaxBlocks];  // 32..63  device: instructions read, per block
   Ins ring[kGroups][kRing];    // from word 64
 };
 static_assert(sizeof(Slot) == 512 + kGroups * kRing * 64, "the slot's layout is the kernel's");

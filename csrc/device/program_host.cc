@@ -38,7 +38,7 @@ void run_group(Slot* s, uint32_t g) {
     if (L <= pos) break;  // aborted with nothing more published
     while (pos < L && !end) {
       const Ins I = s->ring[g][pos % kRing];
-      st(&s->taken[g], pos + 1);
+      st(&s->taken[g][0], pos + 1);  // one "block" per group here
       spins = 0;
       switch (I.op) {
         case END:

@@ -164,16 +164,18 @@ HETCCL_KERNELS(int32, I32)
 HETCCL_KERNELS(int64, I64)
 
 // ---- Device programs (csrc/device/program.h: the format, the slot's layout and the contract).
-// One block per group (blockIdx.x), every thread of it executing the group's instructions in
-// order; the slot is pinned host memory, read and written with volatile accesses and system
-// fences. Word indices of the slot (program.h's Slot): 0 seq, 1 abort, 2 fin_addr,
-// 3 fin_value, 4 ended, 5 wide, 8 + g len, 10 + g taken, 12 + g gend, 16 + e ev, 64 the rings
-// (8 words an instruction, 256 instructions a group).
+// B blocks per group (blockIdx.x / B: the group, blockIdx.x % B: the block in it), every thread
+// of the group executing the group's instructions in order: waits by each block's first thread,
+// data instructions spread over the group's threads, and a barrier of the group's blocks (in
+// device memory, `bar`: per group a count and a generation) after each data instruction and
+// before each write, signal and end. The slot is pinned host memory, read and written with
+// volatile accesses and system fences. Word indices of the slot (program.h's Slot): 0 seq,
+// 1 abort, 2 fin_addr, 3 fin_value, 4 ended, 5 wide, 8 + g len, 12 + g gend, 16 + e ev,
+// 32 + 16 g + b taken by block b, 64 the rings (8 words an instruction, 256 a group).
 namespace hp {
 enum { kRing = 256, kGroups = 2, kBatch = 32, kRingWord = 64 };
 enum { END = 0, WAIT = 1, WRITE = 2, COPY = 3, REDUCE = 4, DIV = 5, MUL = 6, SIGNAL = 7, AWAIT = 8 };
 
-__device__ __forceinline__ u64 ld(const volatile u64* p) { return *p; }
 __device__ __forceinline__ bool reached(u64 addr, u64 v, bool wide) {
   if (wide) return *reinterpret_cast<const volatile u64*>(addr) >= v;
   u32 lo = *reinterpret_cast<const volatile u32*>(addr);
@@ -181,8 +183,8 @@ __device__ __forceinline__ bool reached(u64 addr, u64 v, bool wide) {
 }
 struct alignas(16) V16 { u64 x, y; };
 
-// dst[0, n) = src[0, n) by the block's threads, 16 bytes a load where both are 16-aligned,
-// four loads in flight per thread (the source may be host memory across the bus)
+// dst[0, n) = src[0, n) by threads t, t + nt, ... of the group, 16 bytes a load where both are
+// 16-aligned, four loads in flight per thread (the source may be host memory across the bus)
 __device__ __forceinline__ void copy(char* d, const char* s, u64 n, u64 t, u64 nt) {
   u64 done = 0;
   if (((u64(d) | u64(s)) & 15) == 0) {
@@ -205,6 +207,26 @@ __device__ __forceinline__ void copy(char* d, const char* s, u64 n, u64 t, u64 n
     done = m * 8;
   }
   for (u64 i = done + t; i < n; i += nt) d[i] = s[i];
+}
+
+// the group's blocks meet (cooperative groups' grid barrier, for B blocks): their earlier
+// writes are visible to each other after it; gives up once the slot is aborted
+__device__ __forceinline__ void group_barrier(u32* cnt, volatile u32* gen, u32 B, volatile u64* S) {
+  __syncthreads();
+  if (B > 1 && threadIdx.x == 0) {
+    const u32 g0 = *gen;
+    __threadfence();
+    if (atomicAdd(cnt, 1u) == B - 1) {
+      *cnt = 0;
+      __threadfence();
+      atomicAdd(const_cast<u32*>(gen), 1u);
+    } else {
+      while (*gen == g0 && S[1] == 0) {
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
 }
 
 template <int OP>
@@ -246,10 +268,15 @@ __device__ __forceinline__ void mul_as(int dt, void* p, u64 n, const void* sp, u
 }
 }  // namespace hp
 
-extern "C" __global__ void hetccl_program(u64* slot) {
+// slot: the program's slot (device address of pinned host memory); bar: 32 zeroed u32 of
+// device memory per group (count at 0, generation at 16, left as found); B: blocks per group
+extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   volatile u64* S = slot;
-  const int g = blockIdx.x;
-  const u64 t = threadIdx.x, nt = blockDim.x;
+  const u32 B = u32(blocks);
+  const u32 g = blockIdx.x / B, b = blockIdx.x % B;
+  const u64 t = u64(b) * blockDim.x + threadIdx.x, nt = u64(B) * blockDim.x;
+  u32* cnt = bar + 32 * g;
+  volatile u32* gen = bar + 32 * g + 16;
   __shared__ u64 ins[hp::kBatch][8];
   __shared__ u64 avail;
   const u64 seq = S[0];
@@ -257,7 +284,7 @@ extern "C" __global__ void hetccl_program(u64* slot) {
   u64 pos = 0;
   bool end = false;
   while (!end) {
-    if (t == 0) {
+    if (threadIdx.x == 0) {
       u64 L;
       while ((L = S[8 + g]) <= pos && S[1] == 0) {
       }
@@ -268,10 +295,10 @@ extern "C" __global__ void hetccl_program(u64* slot) {
     const u64 L = avail;
     if (L <= pos) break;  // aborted with nothing more published
     const u64 nb = L - pos < hp::kBatch ? L - pos : u64(hp::kBatch);
-    for (u64 i = t; i < nb * 8; i += nt)
+    for (u64 i = threadIdx.x; i < nb * 8; i += blockDim.x)
       ins[i / 8][i % 8] = S[hp::kRingWord + (u64(g) * hp::kRing + (pos + i / 8) % hp::kRing) * 8 + i % 8];
     __syncthreads();
-    if (t == 0) S[10 + g] = pos + nb;  // read: the ring entries may be reused
+    if (threadIdx.x == 0) S[32 + 16 * g + b] = pos + nb;  // read: the ring entries may be reused
     for (u64 k = 0; k < nb && !end; ++k) {
       const u64* I = ins[k];
       switch (I[0]) {
@@ -280,7 +307,7 @@ extern "C" __global__ void hetccl_program(u64* slot) {
           break;
         case hp::WAIT:
         case hp::AWAIT:
-          if (t == 0) {
+          if (threadIdx.x == 0) {
             const u64 addr = I[0] == hp::WAIT ? I[1] : u64(slot + 16 + I[1]);
             const bool w = I[0] == hp::AWAIT || wide;
             while (!hp::reached(addr, I[2], w) && S[1] == 0) {
@@ -292,8 +319,8 @@ extern "C" __global__ void hetccl_program(u64* slot) {
         case hp::WRITE:
         case hp::SIGNAL:
           __threadfence_system();  // every thread's earlier writes, before the word
-          __syncthreads();
-          if (t == 0) {
+          hp::group_barrier(cnt, gen, B, S);
+          if (b == 0 && threadIdx.x == 0) {
             if (I[0] == hp::SIGNAL) S[16 + I[1]] = I[2];
             else if (wide) *reinterpret_cast<volatile u64*>(I[1]) = I[2];
             else *reinterpret_cast<volatile u32*>(I[1]) = u32(I[2]);
@@ -302,7 +329,7 @@ extern "C" __global__ void hetccl_program(u64* slot) {
           break;
         case hp::COPY:
           hp::copy(reinterpret_cast<char*>(I[1]), reinterpret_cast<const char*>(I[2]), I[3], t, nt);
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
         case hp::REDUCE: {
           void* d = reinterpret_cast<void*>(I[1]);
@@ -314,30 +341,31 @@ extern "C" __global__ void hetccl_program(u64* slot) {
             case 3: hp::reduce_as<3>(dt, d, s, I[3], t, nt); break;
             default: hp::reduce_as<0>(dt, d, s, I[3], t, nt); break;  // SUM, and AVG as SUM
           }
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
         }
         case hp::DIV:
           hp::div_as(int(I[3]), reinterpret_cast<void*>(I[1]), I[2], i64(I[4]), t, nt);
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
         case hp::MUL:
           hp::mul_as(int(I[3]), reinterpret_cast<void*>(I[1]), I[2], reinterpret_cast<const void*>(I[4]), I[5], t, nt);
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
       }
       ++pos;
     }
     __syncthreads();
   }
-  if (t == 0) {
+  __threadfence_system();
+  hp::group_barrier(cnt, gen, B, S);  // every block of the group is done
+  if (b == 0 && threadIdx.x == 0) {
     // Both groups ended: whichever sees the other's mark writes fin (both may: the same values)
-    __threadfence_system();
     S[12 + g] = seq;
     __threadfence_system();
     bool last = true;
     for (int o = 0; o < hp::kGroups; ++o)
-      if (o != g && S[12 + o] != seq) last = false;
+      if (o != int(g) && S[12 + o] != seq) last = false;
     if (last) {
       if (wide) *reinterpret_cast<volatile u64*>(S[2]) = S[3];
       else *reinterpret_cast<volatile u32*>(S[2]) = u32(S[3]);

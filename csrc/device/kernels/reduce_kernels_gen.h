@@ -3174,2456 +3174,2695 @@ $L__BB47_5:
 }
 	// .globl	hetccl_program
 .visible .entry hetccl_program(
-	.param .u64 hetccl_program_param_0
+	.param .u64 hetccl_program_param_0,
+	.param .u64 hetccl_program_param_1,
+	.param .u64 hetccl_program_param_2
 )
 {
-	.reg .pred 	%p<311>;
+	.reg .pred 	%p<340>;
 	.reg .b16 	%rs<137>;
 	.reg .f32 	%f<147>;
-	.reg .b32 	%r<392>;
+	.reg .b32 	%r<436>;
 	.reg .f64 	%fd<22>;
-	.reg .b64 	%rd<464>;
+	.reg .b64 	%rd<502>;
 	// demoted variable
 	.shared .align 8 .b8 _ZZ14hetccl_programE3ins[2048];
 	// demoted variable
 	.shared .align 8 .u64 _ZZ14hetccl_programE5avail;
 
-	ld.param.u64 	%rd194, [hetccl_program_param_0];
-	cvta.to.global.u64 	%rd1, %rd194;
-	mov.u32 	%r66, %tid.x;
-	cvt.u64.u32 	%rd2, %r66;
-	mov.u32 	%r67, %ntid.x;
-	cvt.u64.u32 	%rd3, %r67;
-	ld.volatile.global.u64 	%rd4, [%rd1];
-	mov.u64 	%rd463, 0;
-	ld.volatile.global.u64 	%rd5, [%rd1+40];
+	ld.param.u64 	%rd193, [hetccl_program_param_0];
+	ld.param.u64 	%rd195, [hetccl_program_param_1];
+	ld.param.u64 	%rd196, [hetccl_program_param_2];
+	cvta.to.global.u64 	%rd197, %rd195;
 	mov.u32 	%r1, %ctaid.x;
-	mul.wide.s32 	%rd196, %r1, 8;
-	add.s64 	%rd6, %rd1, %rd196;
-	mul.wide.s32 	%rd7, %r1, 256;
-	mul.wide.u32 	%rd8, %r67, 3;
-	add.s64 	%rd9, %rd8, %rd2;
-	mul.wide.u32 	%rd10, %r66, 8;
-	mul.wide.u32 	%rd11, %r67, 8;
-	mul.wide.u32 	%rd12, %r67, 16;
-	mul.wide.u32 	%rd13, %r66, 16;
-	cvt.u32.u64 	%r68, %rd2;
+	cvt.u32.u64 	%r2, %rd196;
+	div.u32 	%r3, %r1, %r2;
+	mul.lo.s32 	%r76, %r3, %r2;
+	sub.s32 	%r77, %r1, %r76;
+	mov.u32 	%r78, %ntid.x;
+	cvt.u64.u32 	%rd1, %r78;
+	mul.wide.u32 	%rd198, %r77, %r78;
+	mov.u32 	%r79, %tid.x;
+	cvt.u64.u32 	%rd2, %r79;
+	add.s64 	%rd3, %rd198, %rd2;
+	and.b64  	%rd199, %rd196, 4294967295;
+	mul.lo.s64 	%rd4, %rd199, %rd1;
+	shl.b32 	%r80, %r3, 5;
+	mul.wide.u32 	%rd200, %r80, 4;
+	add.s64 	%rd5, %rd197, %rd200;
+	cvta.to.global.u64 	%rd6, %rd193;
+	ld.volatile.global.u64 	%rd7, [%rd6];
+	mov.u64 	%rd501, 0;
+	ld.volatile.global.u64 	%rd8, [%rd6+40];
+	setp.eq.s32 	%p3, %r79, 0;
+	add.s32 	%r81, %r3, 8;
+	mul.wide.u32 	%rd201, %r81, 8;
+	add.s64 	%rd9, %rd6, %rd201;
+	mul.wide.u32 	%rd10, %r3, 256;
+	shl.b32 	%r82, %r3, 4;
+	add.s32 	%r83, %r82, %r77;
+	add.s32 	%r84, %r83, 32;
+	mul.wide.u32 	%rd202, %r84, 8;
+	add.s64 	%rd11, %rd6, %rd202;
+	setp.gt.u32 	%p4, %r2, 1;
+	and.pred  	%p1, %p3, %p4;
+	add.s32 	%r4, %r2, -1;
+	or.b32  	%r5, %r77, %r79;
+	mul.lo.s64 	%rd12, %rd4, 3;
+	add.s64 	%rd13, %rd3, %rd12;
+	shl.b64 	%rd203, %rd198, 4;
+	mul.wide.u32 	%rd204, %r79, 16;
+	add.s64 	%rd15, %rd203, %rd204;
+	not.pred 	%p70, %p1;
 
 $L__BB48_1:
-	setp.ne.s32 	%p2, %r68, 0;
-	@%p2 bra 	$L__BB48_5;
+	cvt.u32.u64 	%r85, %rd2;
+	setp.ne.s32 	%p5, %r85, 0;
+	@%p5 bra 	$L__BB48_5;
 
 $L__BB48_2:
-	ld.volatile.global.u64 	%rd16, [%rd6+64];
-	setp.gt.u64 	%p3, %rd16, %rd463;
-	@%p3 bra 	$L__BB48_4;
+	ld.volatile.global.u64 	%rd18, [%rd9];
+	setp.gt.u64 	%p6, %rd18, %rd501;
+	@%p6 bra 	$L__BB48_4;
 
-	ld.volatile.global.u64 	%rd197, [%rd1+8];
-	setp.eq.s64 	%p4, %rd197, 0;
-	@%p4 bra 	$L__BB48_2;
+	ld.volatile.global.u64 	%rd205, [%rd6+8];
+	setp.eq.s64 	%p7, %rd205, 0;
+	@%p7 bra 	$L__BB48_2;
 
 $L__BB48_4:
 	membar.sys;
-	st.shared.u64 	[_ZZ14hetccl_programE5avail], %rd16;
+	st.shared.u64 	[_ZZ14hetccl_programE5avail], %rd18;
 
 $L__BB48_5:
 	bar.sync 	0;
-	ld.shared.u64 	%rd17, [_ZZ14hetccl_programE5avail];
-	setp.le.u64 	%p5, %rd17, %rd463;
-	@%p5 bra 	$L__BB48_390;
-
-	sub.s64 	%rd198, %rd17, %rd463;
-	min.u64 	%rd18, %rd198, 32;
-	shl.b64 	%rd19, %rd18, 3;
-	setp.le.u64 	%p6, %rd19, %rd2;
-	@%p6 bra 	$L__BB48_9;
-
-	mov.u64 	%rd399, %rd2;
-
-$L__BB48_8:
-	shr.u64 	%rd199, %rd399, 3;
-	add.s64 	%rd200, %rd199, %rd463;
-	and.b64  	%rd201, %rd200, 255;
-	add.s64 	%rd202, %rd201, %rd7;
-	and.b64  	%rd203, %rd399, 7;
-	bfi.b64 	%rd204, %rd202, %rd203, 3, 61;
-	shl.b64 	%rd205, %rd204, 3;
-	add.s64 	%rd206, %rd1, %rd205;
-	ld.volatile.global.u64 	%rd207, [%rd206+512];
-	cvt.u32.u64 	%r69, %rd199;
-	cvt.u32.u64 	%r70, %rd399;
-	shl.b32 	%r71, %r69, 6;
-	mov.u32 	%r72, _ZZ14hetccl_programE3ins;
-	add.s32 	%r73, %r72, %r71;
-	shl.b32 	%r74, %r70, 3;
-	and.b32  	%r75, %r74, 56;
-	add.s32 	%r76, %r73, %r75;
-	st.shared.u64 	[%r76], %rd207;
-	add.s64 	%rd399, %rd399, %rd3;
-	setp.lt.u64 	%p7, %rd399, %rd19;
-	@%p7 bra 	$L__BB48_8;
-
-$L__BB48_9:
-	bar.sync 	0;
-	@%p2 bra 	$L__BB48_11;
-
-	add.s64 	%rd208, %rd18, %rd463;
-	st.volatile.global.u64 	[%rd6+80], %rd208;
-
-$L__BB48_11:
-	setp.eq.s64 	%p9, %rd18, 0;
-	mov.u16 	%rs133, 0;
-	@%p9 bra 	$L__BB48_389;
-
-	mov.u64 	%rd400, 0;
-
-$L__BB48_13:
-	cvt.u32.u64 	%r78, %rd400;
-	shl.b32 	%r79, %r78, 6;
-	mov.u32 	%r80, _ZZ14hetccl_programE3ins;
-	add.s32 	%r2, %r80, %r79;
-	ld.shared.u64 	%rd24, [%r2];
-	mov.u16 	%rs133, 1;
-	setp.gt.s64 	%p10, %rd24, 3;
-	@%p10 bra 	$L__BB48_29;
-	bra.uni 	$L__BB48_14;
-
-$L__BB48_29:
-	setp.gt.s64 	%p11, %rd24, 5;
-	@%p11 bra 	$L__BB48_33;
-	bra.uni 	$L__BB48_30;
-
-$L__BB48_33:
-	setp.eq.s64 	%p12, %rd24, 8;
-	@%p12 bra 	$L__BB48_17;
-
-	setp.eq.s64 	%p13, %rd24, 7;
-	@%p13 bra 	$L__BB48_376;
-
-	setp.ne.s64 	%p14, %rd24, 6;
-	@%p14 bra 	$L__BB48_32;
-
-	ld.shared.u32 	%r81, [%r2+24];
-	ld.shared.u64 	%rd25, [%r2+8];
-	ld.shared.u64 	%rd26, [%r2+16];
-	ld.shared.u64 	%rd27, [%r2+32];
-	ld.shared.u64 	%rd28, [%r2+40];
-	setp.gt.s32 	%p22, %r81, 3;
-	@%p22 bra 	$L__BB48_46;
-
-	setp.gt.s32 	%p28, %r81, 1;
-	@%p28 bra 	$L__BB48_42;
-
-	setp.eq.s32 	%p31, %r81, 0;
-	@%p31 bra 	$L__BB48_103;
-
-	setp.eq.s32 	%p32, %r81, 1;
-	@%p32 bra 	$L__BB48_40;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_40:
-	setp.eq.s64 	%p61, %rd27, 0;
-	@%p61 bra 	$L__BB48_99;
-
-	ld.f64 	%fd21, [%rd27];
-	bra.uni 	$L__BB48_100;
-
-$L__BB48_14:
-	setp.gt.s64 	%p17, %rd24, 1;
-	@%p17 bra 	$L__BB48_21;
-
-	setp.eq.s64 	%p20, %rd24, 0;
-	@%p20 bra 	$L__BB48_388;
-
-	setp.eq.s64 	%p21, %rd24, 1;
-	@%p21 bra 	$L__BB48_17;
-	bra.uni 	$L__BB48_32;
-
-$L__BB48_17:
-	@%p2 bra 	$L__BB48_387;
-
-	setp.ne.s64 	%p294, %rd5, 0;
-	ld.shared.u64 	%rd382, [%r2+8];
-	shl.b64 	%rd383, %rd382, 3;
-	add.s64 	%rd384, %rd194, %rd383;
-	add.s64 	%rd385, %rd384, 128;
-	setp.eq.s64 	%p295, %rd24, 1;
-	selp.b64 	%rd188, %rd382, %rd385, %p295;
-	setp.eq.s64 	%p296, %rd24, 8;
-	or.pred  	%p1, %p294, %p296;
-	ld.shared.u64 	%rd189, [%r2+16];
-	cvt.u32.u64 	%r65, %rd189;
-
-$L__BB48_19:
-	@%p1 bra 	$L__BB48_383;
-	bra.uni 	$L__BB48_20;
-
-$L__BB48_383:
-	ld.volatile.u64 	%rd386, [%rd188];
-	setp.ge.u64 	%p297, %rd386, %rd189;
-	selp.u16 	%rs132, 1, 0, %p297;
-	bra.uni 	$L__BB48_384;
-
-$L__BB48_20:
-	ld.volatile.u32 	%r381, [%rd188];
-	sub.s32 	%r382, %r381, %r65;
-	shr.u32 	%r383, %r382, 31;
-	cvt.u16.u32 	%rs124, %r383;
-	xor.b16  	%rs132, %rs124, 1;
-
-$L__BB48_384:
-	setp.ne.s16 	%p298, %rs132, 0;
-	@%p298 bra 	$L__BB48_386;
-
-	ld.volatile.global.u64 	%rd387, [%rd1+8];
-	setp.eq.s64 	%p299, %rd387, 0;
-	@%p299 bra 	$L__BB48_19;
-
-$L__BB48_386:
-	membar.sys;
-
-$L__BB48_387:
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_388;
-
-$L__BB48_30:
-	setp.eq.s64 	%p15, %rd24, 4;
-	@%p15 bra 	$L__BB48_163;
-
-	setp.eq.s64 	%p16, %rd24, 5;
-	@%p16 bra 	$L__BB48_109;
-	bra.uni 	$L__BB48_32;
-
-$L__BB48_109:
-	ld.shared.u32 	%r129, [%r2+24];
-	ld.shared.u64 	%rd51, [%r2+8];
-	ld.shared.u64 	%rd52, [%r2+16];
-	ld.shared.u64 	%rd53, [%r2+32];
-	setp.gt.s32 	%p67, %r129, 3;
-	@%p67 bra 	$L__BB48_121;
-
-	setp.gt.s32 	%p73, %r129, 1;
-	@%p73 bra 	$L__BB48_116;
-
-	setp.eq.s32 	%p76, %r129, 0;
-	@%p76 bra 	$L__BB48_159;
-
-	setp.eq.s32 	%p77, %r129, 1;
-	@%p77 bra 	$L__BB48_113;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_113:
-	setp.le.u64 	%p101, %rd52, %rd2;
-	@%p101 bra 	$L__BB48_162;
-
-	cvt.rn.f64.s64 	%fd4, %rd53;
-	mov.u64 	%rd422, %rd2;
-
-$L__BB48_115:
-	shl.b64 	%rd235, %rd422, 3;
-	add.s64 	%rd236, %rd51, %rd235;
-	ld.f64 	%fd7, [%rd236];
-	div.rn.f64 	%fd8, %fd7, %fd4;
-	st.f64 	[%rd236], %fd8;
-	add.s64 	%rd422, %rd422, %rd3;
-	setp.lt.u64 	%p102, %rd422, %rd52;
-	@%p102 bra 	$L__BB48_115;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_21:
-	setp.eq.s64 	%p18, %rd24, 2;
-	@%p18 bra 	$L__BB48_376;
-
-	setp.eq.s64 	%p19, %rd24, 3;
-	@%p19 bra 	$L__BB48_23;
-	bra.uni 	$L__BB48_32;
-
-$L__BB48_23:
-	ld.shared.u64 	%rd165, [%r2+24];
-	ld.shared.u64 	%rd166, [%r2+8];
-	ld.shared.u64 	%rd167, [%r2+16];
-	or.b64  	%rd168, %rd167, %rd166;
-	and.b64  	%rd339, %rd168, 15;
-	setp.eq.s64 	%p280, %rd339, 0;
-	@%p280 bra 	$L__BB48_367;
-
-	and.b64  	%rd341, %rd168, 7;
-	setp.ne.s64 	%p281, %rd341, 0;
-	mov.u64 	%rd461, 0;
-	@%p281 bra 	$L__BB48_373;
-
-	shr.u64 	%rd169, %rd165, 3;
-	setp.le.u64 	%p282, %rd169, %rd2;
-	@%p282 bra 	$L__BB48_28;
-
-	mov.u64 	%rd456, %rd2;
-
-$L__BB48_27:
-	shl.b64 	%rd342, %rd456, 3;
-	add.s64 	%rd343, %rd167, %rd342;
-	ld.u64 	%rd344, [%rd343];
-	add.s64 	%rd345, %rd166, %rd342;
-	st.u64 	[%rd345], %rd344;
-	add.s64 	%rd456, %rd456, %rd3;
-	setp.lt.u64 	%p283, %rd456, %rd169;
-	@%p283 bra 	$L__BB48_27;
-
-$L__BB48_28:
-	and.b64  	%rd461, %rd165, -8;
-	bra.uni 	$L__BB48_373;
-
-$L__BB48_376:
-	membar.sys;
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	@%p2 bra 	$L__BB48_388;
-
-	ld.shared.u64 	%rd376, [%r2];
-	setp.eq.s64 	%p291, %rd376, 7;
-	ld.shared.u64 	%rd187, [%r2+16];
-	@%p291 bra 	$L__BB48_381;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_381:
-	ld.shared.u64 	%rd379, [%r2+8];
-	shl.b64 	%rd380, %rd379, 3;
-	add.s64 	%rd381, %rd1, %rd380;
-	st.volatile.global.u64 	[%rd381+128], %rd187;
-	bra.uni 	$L__BB48_382;
-
-$L__BB48_163:
-	ld.shared.u64 	%rd91, [%r2+8];
-	ld.shared.u64 	%rd92, [%r2+16];
-	ld.shared.u32 	%r24, [%r2+32];
-	ld.shared.u32 	%r174, [%r2+40];
-	setp.eq.s32 	%p105, %r174, 1;
-	@%p105 bra 	$L__BB48_266;
-
-	setp.eq.s32 	%p106, %r174, 2;
-	@%p106 bra 	$L__BB48_216;
-
-	setp.ne.s32 	%p107, %r174, 3;
-	@%p107 bra 	$L__BB48_316;
-
-	ld.shared.u64 	%rd93, [%r2+24];
-	setp.gt.s32 	%p108, %r24, 3;
-	@%p108 bra 	$L__BB48_178;
-
-	setp.gt.s32 	%p114, %r24, 1;
-	@%p114 bra 	$L__BB48_173;
-
-	setp.eq.s32 	%p117, %r24, 0;
-	@%p117 bra 	$L__BB48_213;
-
-	setp.eq.s32 	%p118, %r24, 1;
-	@%p118 bra 	$L__BB48_170;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_170:
-	setp.le.u64 	%p147, %rd93, %rd2;
-	@%p147 bra 	$L__BB48_366;
-
-	mov.u64 	%rd430, %rd2;
-
-$L__BB48_172:
-	shl.b64 	%rd258, %rd430, 3;
-	add.s64 	%rd259, %rd91, %rd258;
-	add.s64 	%rd260, %rd92, %rd258;
-	ld.f64 	%fd9, [%rd260];
-	ld.f64 	%fd10, [%rd259];
-	setp.gt.f64 	%p148, %fd9, %fd10;
-	setp.nan.f64 	%p149, %fd9, %fd9;
-	or.pred  	%p150, %p148, %p149;
-	selp.f64 	%fd11, %fd9, %fd10, %p150;
-	st.f64 	[%rd259], %fd11;
-	add.s64 	%rd430, %rd430, %rd3;
-	setp.lt.u64 	%p151, %rd430, %rd93;
-	@%p151 bra 	$L__BB48_172;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_32:
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_388;
-
-$L__BB48_46:
-	setp.gt.s32 	%p23, %r81, 5;
-	@%p23 bra 	$L__BB48_51;
-
-	setp.eq.s32 	%p26, %r81, 4;
-	@%p26 bra 	$L__BB48_68;
-
-	setp.eq.s32 	%p27, %r81, 5;
-	@%p27 bra 	$L__BB48_49;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_49:
-	setp.eq.s64 	%p39, %rd27, 0;
-	@%p39 bra 	$L__BB48_64;
-
-	ld.u8 	%rs128, [%rd27];
-	bra.uni 	$L__BB48_65;
-
-$L__BB48_121:
-	setp.gt.s32 	%p68, %r129, 5;
-	@%p68 bra 	$L__BB48_127;
-
-	setp.eq.s32 	%p71, %r129, 4;
-	@%p71 bra 	$L__BB48_141;
-
-	setp.eq.s32 	%p72, %r129, 5;
-	@%p72 bra 	$L__BB48_124;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_124:
-	setp.le.u64 	%p84, %rd52, %rd2;
-	mov.u64 	%rd416, %rd2;
-	@%p84 bra 	$L__BB48_162;
-
-$L__BB48_125:
-	add.s64 	%rd69, %rd51, %rd416;
-	ld.u8 	%rd70, [%rd69];
-	and.b64  	%rd229, %rd53, -4294967296;
-	setp.eq.s64 	%p85, %rd229, 0;
-	@%p85 bra 	$L__BB48_139;
-
-	div.s64 	%rd417, %rd70, %rd53;
-	bra.uni 	$L__BB48_140;
-
-$L__BB48_139:
-	cvt.u32.u64 	%r136, %rd53;
-	cvt.u32.u64 	%r137, %rd70;
-	div.u32 	%r138, %r137, %r136;
-	cvt.u64.u32 	%rd417, %r138;
-
-$L__BB48_140:
-	st.u8 	[%rd69], %rd417;
-	add.s64 	%rd416, %rd416, %rd3;
-	setp.lt.u64 	%p86, %rd416, %rd52;
-	@%p86 bra 	$L__BB48_125;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_367:
-	shr.u64 	%rd173, %rd165, 4;
-	setp.ge.u64 	%p284, %rd9, %rd173;
-	mov.u64 	%rd459, %rd2;
-	@%p284 bra 	$L__BB48_370;
-
-	add.s64 	%rd458, %rd166, %rd13;
-	mov.u64 	%rd459, %rd2;
-
-$L__BB48_369:
-	neg.s64 	%rd397, %rd3;
-	shl.b64 	%rd396, %rd397, 4;
-	shl.b64 	%rd346, %rd459, 4;
-	add.s64 	%rd347, %rd167, %rd346;
-	shl.b64 	%rd348, %rd3, 4;
-	add.s64 	%rd349, %rd347, %rd348;
-	ld.v2.u64 	{%rd350, %rd351}, [%rd349];
-	add.s64 	%rd354, %rd349, %rd12;
-	ld.v2.u64 	{%rd355, %rd356}, [%rd354];
-	add.s64 	%rd359, %rd354, %rd12;
-	ld.v2.u64 	{%rd360, %rd361}, [%rd359];
-	add.s64 	%rd365, %rd349, %rd396;
-	ld.v4.u32 	{%r363, %r364, %r365, %r366}, [%rd365];
-	st.v4.u32 	[%rd458], {%r363, %r364, %r365, %r366};
-	add.s64 	%rd366, %rd458, %rd12;
-	st.v2.u64 	[%rd366], {%rd350, %rd351};
-	add.s64 	%rd367, %rd366, %rd12;
-	st.v2.u64 	[%rd367], {%rd355, %rd356};
-	add.s64 	%rd368, %rd367, %rd12;
-	add.s64 	%rd458, %rd368, %rd12;
-	st.v2.u64 	[%rd368], {%rd360, %rd361};
-	add.s64 	%rd369, %rd459, %rd3;
-	add.s64 	%rd459, %rd8, %rd369;
-	add.s64 	%rd370, %rd459, %rd8;
-	setp.lt.u64 	%p285, %rd370, %rd173;
-	@%p285 bra 	$L__BB48_369;
-
-$L__BB48_370:
-	setp.ge.u64 	%p286, %rd459, %rd173;
-	@%p286 bra 	$L__BB48_372;
-
-$L__BB48_371:
-	shl.b64 	%rd371, %rd459, 4;
-	add.s64 	%rd372, %rd166, %rd371;
-	add.s64 	%rd373, %rd167, %rd371;
-	ld.v4.u32 	{%r371, %r372, %r373, %r374}, [%rd373];
-	st.v4.u32 	[%rd372], {%r371, %r372, %r373, %r374};
-	add.s64 	%rd459, %rd459, %rd3;
-	setp.lt.u64 	%p287, %rd459, %rd173;
-	@%p287 bra 	$L__BB48_371;
-
-$L__BB48_372:
-	and.b64  	%rd461, %rd165, -16;
-
-$L__BB48_373:
-	add.s64 	%rd462, %rd461, %rd2;
-	setp.ge.u64 	%p288, %rd462, %rd165;
-	@%p288 bra 	$L__BB48_375;
-
-$L__BB48_374:
-	add.s64 	%rd374, %rd167, %rd462;
-	ld.u8 	%rs120, [%rd374];
-	add.s64 	%rd375, %rd166, %rd462;
-	st.u8 	[%rd375], %rs120;
-	add.s64 	%rd462, %rd462, %rd3;
-	setp.lt.u64 	%p289, %rd462, %rd165;
-	@%p289 bra 	$L__BB48_374;
-
-$L__BB48_375:
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_388;
-
-$L__BB48_378:
-	setp.ne.s64 	%p292, %rd5, 0;
-	@%p292 bra 	$L__BB48_380;
-	bra.uni 	$L__BB48_379;
-
-$L__BB48_380:
-	ld.shared.u64 	%rd378, [%r2+8];
-	st.volatile.u64 	[%rd378], %rd187;
-	bra.uni 	$L__BB48_382;
-
-$L__BB48_42:
-	setp.eq.s32 	%p29, %r81, 2;
-	@%p29 bra 	$L__BB48_78;
-
-	setp.eq.s32 	%p30, %r81, 3;
-	@%p30 bra 	$L__BB48_44;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_44:
-	setp.eq.s64 	%p45, %rd27, 0;
-	@%p45 bra 	$L__BB48_74;
-
-	ld.u16 	%rs130, [%rd27];
-	bra.uni 	$L__BB48_75;
-
-$L__BB48_116:
-	setp.eq.s32 	%p74, %r129, 2;
-	@%p74 bra 	$L__BB48_146;
-
-	setp.eq.s32 	%p75, %r129, 3;
-	@%p75 bra 	$L__BB48_118;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_118:
-	setp.le.u64 	%p90, %rd52, %rd2;
-	@%p90 bra 	$L__BB48_162;
-
-	cvt.rn.f32.s64 	%f13, %rd53;
-	mov.u64 	%rd420, %rd2;
-
-$L__BB48_120:
-	shl.b64 	%rd232, %rd420, 1;
-	add.s64 	%rd233, %rd51, %rd232;
-	ld.u16 	%r142, [%rd233];
-	shl.b32 	%r143, %r142, 16;
-	mov.b32 	%f65, %r143;
-	div.rn.f32 	%f66, %f65, %f13;
-	mov.b32 	%r144, %f66;
-	shr.u32 	%r145, %r144, 16;
-	and.b32  	%r146, %r145, 1;
-	add.s32 	%r147, %r144, %r146;
-	add.s32 	%r148, %r147, 32767;
-	shr.u32 	%r149, %r148, 16;
-	or.b32  	%r150, %r145, 64;
-	and.b32  	%r151, %r144, 2147483647;
-	setp.gt.u32 	%p91, %r151, 2139095040;
-	selp.b32 	%r152, %r150, %r149, %p91;
-	st.u16 	[%rd233], %r152;
-	add.s64 	%rd420, %rd420, %rd3;
-	setp.lt.u64 	%p92, %rd420, %rd52;
-	@%p92 bra 	$L__BB48_120;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_266:
-	ld.shared.u64 	%rd129, [%r2+24];
-	setp.gt.s32 	%p206, %r24, 3;
-	@%p206 bra 	$L__BB48_278;
-
-	setp.gt.s32 	%p212, %r24, 1;
-	@%p212 bra 	$L__BB48_273;
-
-	setp.eq.s32 	%p215, %r24, 0;
-	@%p215 bra 	$L__BB48_313;
-
-	setp.eq.s32 	%p216, %r24, 1;
-	@%p216 bra 	$L__BB48_270;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_270:
-	setp.le.u64 	%p239, %rd129, %rd2;
-	@%p239 bra 	$L__BB48_366;
-
-	mov.u64 	%rd446, %rd2;
-
-$L__BB48_272:
-	shl.b64 	%rd308, %rd446, 3;
-	add.s64 	%rd309, %rd91, %rd308;
-	add.s64 	%rd310, %rd92, %rd308;
-	ld.f64 	%fd15, [%rd310];
-	ld.f64 	%fd16, [%rd309];
-	mul.f64 	%fd17, %fd16, %fd15;
-	st.f64 	[%rd309], %fd17;
-	add.s64 	%rd446, %rd446, %rd3;
-	setp.lt.u64 	%p240, %rd446, %rd129;
-	@%p240 bra 	$L__BB48_272;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_216:
-	ld.shared.u64 	%rd111, [%r2+24];
-	setp.gt.s32 	%p157, %r24, 3;
-	@%p157 bra 	$L__BB48_228;
-
-	setp.gt.s32 	%p163, %r24, 1;
-	@%p163 bra 	$L__BB48_223;
-
-	setp.eq.s32 	%p166, %r24, 0;
-	@%p166 bra 	$L__BB48_263;
-
-	setp.eq.s32 	%p167, %r24, 1;
-	@%p167 bra 	$L__BB48_220;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_220:
-	setp.le.u64 	%p196, %rd111, %rd2;
-	@%p196 bra 	$L__BB48_366;
+	ld.shared.u64 	%rd19, [_ZZ14hetccl_programE5avail];
+	setp.le.u64 	%p8, %rd19, %rd501;
+	@%p8 bra 	$L__BB48_420;
+
+	sub.s64 	%rd206, %rd19, %rd501;
+	min.u64 	%rd20, %rd206, 32;
+	shl.b64 	%rd21, %rd20, 3;
+	setp.le.u64 	%p9, %rd21, %rd2;
+	@%p9 bra 	$L__BB48_9;
 
 	mov.u64 	%rd438, %rd2;
 
-$L__BB48_222:
-	shl.b64 	%rd283, %rd438, 3;
-	add.s64 	%rd284, %rd91, %rd283;
-	add.s64 	%rd285, %rd92, %rd283;
-	ld.f64 	%fd12, [%rd285];
-	ld.f64 	%fd13, [%rd284];
-	setp.lt.f64 	%p197, %fd12, %fd13;
-	setp.nan.f64 	%p198, %fd12, %fd12;
-	or.pred  	%p199, %p197, %p198;
-	selp.f64 	%fd14, %fd12, %fd13, %p199;
-	st.f64 	[%rd284], %fd14;
-	add.s64 	%rd438, %rd438, %rd3;
-	setp.lt.u64 	%p200, %rd438, %rd111;
-	@%p200 bra 	$L__BB48_222;
-	bra.uni 	$L__BB48_366;
+$L__BB48_8:
+	shr.u64 	%rd207, %rd438, 3;
+	add.s64 	%rd208, %rd207, %rd501;
+	and.b64  	%rd209, %rd208, 255;
+	add.s64 	%rd210, %rd209, %rd10;
+	and.b64  	%rd211, %rd438, 7;
+	bfi.b64 	%rd212, %rd210, %rd211, 3, 61;
+	shl.b64 	%rd213, %rd212, 3;
+	add.s64 	%rd214, %rd6, %rd213;
+	ld.volatile.global.u64 	%rd215, [%rd214+512];
+	cvt.u32.u64 	%r86, %rd207;
+	cvt.u32.u64 	%r87, %rd438;
+	shl.b32 	%r88, %r86, 6;
+	mov.u32 	%r89, _ZZ14hetccl_programE3ins;
+	add.s32 	%r90, %r89, %r88;
+	shl.b32 	%r91, %r87, 3;
+	and.b32  	%r92, %r91, 56;
+	add.s32 	%r93, %r90, %r92;
+	st.shared.u64 	[%r93], %rd215;
+	add.s64 	%rd438, %rd438, %rd1;
+	setp.lt.u64 	%p10, %rd438, %rd21;
+	@%p10 bra 	$L__BB48_8;
 
-$L__BB48_316:
-	ld.shared.u64 	%rd147, [%r2+24];
-	setp.gt.s32 	%p243, %r24, 3;
-	@%p243 bra 	$L__BB48_328;
+$L__BB48_9:
+	cvt.u32.u64 	%r427, %rd2;
+	setp.ne.s32 	%p338, %r427, 0;
+	bar.sync 	0;
+	@%p338 bra 	$L__BB48_11;
 
-	setp.gt.s32 	%p249, %r24, 1;
-	@%p249 bra 	$L__BB48_323;
+	add.s64 	%rd216, %rd20, %rd501;
+	st.volatile.global.u64 	[%rd11], %rd216;
 
-	setp.eq.s32 	%p252, %r24, 0;
-	@%p252 bra 	$L__BB48_363;
+$L__BB48_11:
+	setp.eq.s64 	%p12, %rd20, 0;
+	mov.u16 	%rs133, 0;
+	@%p12 bra 	$L__BB48_419;
 
-	setp.eq.s32 	%p253, %r24, 1;
-	@%p253 bra 	$L__BB48_320;
-	bra.uni 	$L__BB48_366;
+	mov.u64 	%rd439, 0;
 
-$L__BB48_320:
-	setp.le.u64 	%p276, %rd147, %rd2;
-	@%p276 bra 	$L__BB48_366;
+$L__BB48_13:
+	cvt.u32.u64 	%r95, %rd439;
+	shl.b32 	%r96, %r95, 6;
+	mov.u32 	%r97, _ZZ14hetccl_programE3ins;
+	add.s32 	%r6, %r97, %r96;
+	ld.shared.u64 	%rd26, [%r6];
+	mov.u16 	%rs133, 1;
+	setp.gt.s64 	%p13, %rd26, 3;
+	@%p13 bra 	$L__BB48_29;
+	bra.uni 	$L__BB48_14;
 
-	mov.u64 	%rd454, %rd2;
+$L__BB48_29:
+	setp.gt.s64 	%p14, %rd26, 5;
+	@%p14 bra 	$L__BB48_33;
+	bra.uni 	$L__BB48_30;
 
-$L__BB48_322:
-	shl.b64 	%rd333, %rd454, 3;
-	add.s64 	%rd334, %rd91, %rd333;
-	add.s64 	%rd335, %rd92, %rd333;
-	ld.f64 	%fd18, [%rd335];
-	ld.f64 	%fd19, [%rd334];
-	add.f64 	%fd20, %fd19, %fd18;
-	st.f64 	[%rd334], %fd20;
-	add.s64 	%rd454, %rd454, %rd3;
-	setp.lt.u64 	%p277, %rd454, %rd147;
-	@%p277 bra 	$L__BB48_322;
-	bra.uni 	$L__BB48_366;
+$L__BB48_33:
+	setp.eq.s64 	%p15, %rd26, 8;
+	@%p15 bra 	$L__BB48_17;
 
-$L__BB48_51:
-	setp.eq.s32 	%p24, %r81, 6;
-	@%p24 bra 	$L__BB48_58;
+	setp.eq.s64 	%p16, %rd26, 7;
+	@%p16 bra 	$L__BB48_400;
 
-	setp.ne.s32 	%p25, %r81, 7;
-	@%p25 bra 	$L__BB48_108;
+	setp.ne.s64 	%p17, %rd26, 6;
+	@%p17 bra 	$L__BB48_32;
 
-	setp.eq.s64 	%p33, %rd27, 0;
-	@%p33 bra 	$L__BB48_55;
+	ld.shared.u32 	%r98, [%r6+24];
+	ld.shared.u64 	%rd27, [%r6+8];
+	ld.shared.u64 	%rd28, [%r6+16];
+	ld.shared.u64 	%rd29, [%r6+32];
+	ld.shared.u64 	%rd30, [%r6+40];
+	setp.gt.s32 	%p25, %r98, 3;
+	@%p25 bra 	$L__BB48_46;
 
-	ld.u64 	%rd28, [%rd27];
+	setp.gt.s32 	%p31, %r98, 1;
+	@%p31 bra 	$L__BB48_42;
 
-$L__BB48_55:
-	setp.le.u64 	%p34, %rd26, %rd2;
-	@%p34 bra 	$L__BB48_108;
+	setp.eq.s32 	%p34, %r98, 0;
+	@%p34 bra 	$L__BB48_103;
 
-	add.s64 	%rd403, %rd25, %rd10;
-	mov.u64 	%rd404, %rd2;
-
-$L__BB48_57:
-	ld.u64 	%rd210, [%rd403];
-	mul.lo.s64 	%rd211, %rd210, %rd28;
-	st.u64 	[%rd403], %rd211;
-	add.s64 	%rd403, %rd403, %rd11;
-	add.s64 	%rd404, %rd404, %rd3;
-	setp.lt.u64 	%p35, %rd404, %rd26;
-	@%p35 bra 	$L__BB48_57;
+	setp.eq.s32 	%p35, %r98, 1;
+	@%p35 bra 	$L__BB48_40;
 	bra.uni 	$L__BB48_108;
+
+$L__BB48_40:
+	setp.eq.s64 	%p64, %rd29, 0;
+	@%p64 bra 	$L__BB48_99;
+
+	ld.f64 	%fd21, [%rd29];
+	bra.uni 	$L__BB48_100;
+
+$L__BB48_14:
+	setp.gt.s64 	%p20, %rd26, 1;
+	@%p20 bra 	$L__BB48_21;
+
+	setp.eq.s64 	%p23, %rd26, 0;
+	@%p23 bra 	$L__BB48_418;
+
+	setp.eq.s64 	%p24, %rd26, 1;
+	@%p24 bra 	$L__BB48_17;
+	bra.uni 	$L__BB48_32;
+
+$L__BB48_17:
+	cvt.u32.u64 	%r428, %rd2;
+	setp.ne.s32 	%p339, %r428, 0;
+	@%p339 bra 	$L__BB48_417;
+
+	ld.param.u64 	%rd418, [hetccl_program_param_0];
+	setp.ne.s64 	%p317, %rd8, 0;
+	ld.shared.u64 	%rd402, [%r6+8];
+	shl.b64 	%rd403, %rd402, 3;
+	add.s64 	%rd404, %rd418, %rd403;
+	add.s64 	%rd405, %rd404, 128;
+	setp.eq.s64 	%p318, %rd26, 1;
+	selp.b64 	%rd187, %rd402, %rd405, %p318;
+	setp.eq.s64 	%p319, %rd26, 8;
+	or.pred  	%p2, %p317, %p319;
+	ld.shared.u64 	%rd188, [%r6+16];
+	cvt.u32.u64 	%r74, %rd188;
+
+$L__BB48_19:
+	@%p2 bra 	$L__BB48_413;
+	bra.uni 	$L__BB48_20;
+
+$L__BB48_413:
+	ld.volatile.u64 	%rd406, [%rd187];
+	setp.ge.u64 	%p320, %rd406, %rd188;
+	selp.u16 	%rs132, 1, 0, %p320;
+	bra.uni 	$L__BB48_414;
+
+$L__BB48_20:
+	ld.volatile.u32 	%r417, [%rd187];
+	sub.s32 	%r418, %r417, %r74;
+	shr.u32 	%r419, %r418, 31;
+	cvt.u16.u32 	%rs124, %r419;
+	xor.b16  	%rs132, %rs124, 1;
+
+$L__BB48_414:
+	setp.ne.s16 	%p321, %rs132, 0;
+	@%p321 bra 	$L__BB48_416;
+
+	ld.volatile.global.u64 	%rd407, [%rd6+8];
+	setp.eq.s64 	%p322, %rd407, 0;
+	@%p322 bra 	$L__BB48_19;
+
+$L__BB48_416:
+	membar.sys;
+
+$L__BB48_417:
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_418;
+
+$L__BB48_30:
+	setp.eq.s64 	%p18, %rd26, 4;
+	@%p18 bra 	$L__BB48_175;
+
+	setp.eq.s64 	%p19, %rd26, 5;
+	@%p19 bra 	$L__BB48_115;
+	bra.uni 	$L__BB48_32;
+
+$L__BB48_115:
+	ld.shared.u32 	%r150, [%r6+24];
+	ld.shared.u64 	%rd50, [%r6+8];
+	ld.shared.u64 	%rd51, [%r6+16];
+	ld.shared.u64 	%rd52, [%r6+32];
+	setp.gt.s32 	%p74, %r150, 3;
+	@%p74 bra 	$L__BB48_127;
+
+	setp.gt.s32 	%p80, %r150, 1;
+	@%p80 bra 	$L__BB48_122;
+
+	setp.eq.s32 	%p83, %r150, 0;
+	@%p83 bra 	$L__BB48_165;
+
+	setp.eq.s32 	%p84, %r150, 1;
+	@%p84 bra 	$L__BB48_119;
+	bra.uni 	$L__BB48_168;
+
+$L__BB48_119:
+	setp.ge.u64 	%p108, %rd3, %rd51;
+	@%p108 bra 	$L__BB48_168;
+
+	cvt.rn.f64.s64 	%fd4, %rd52;
+	mov.u64 	%rd460, %rd3;
+
+$L__BB48_121:
+	shl.b64 	%rd247, %rd460, 3;
+	add.s64 	%rd248, %rd50, %rd247;
+	ld.f64 	%fd7, [%rd248];
+	div.rn.f64 	%fd8, %fd7, %fd4;
+	st.f64 	[%rd248], %fd8;
+	add.s64 	%rd460, %rd460, %rd4;
+	setp.lt.u64 	%p109, %rd460, %rd51;
+	@%p109 bra 	$L__BB48_121;
+	bra.uni 	$L__BB48_168;
+
+$L__BB48_21:
+	setp.eq.s64 	%p21, %rd26, 2;
+	@%p21 bra 	$L__BB48_400;
+
+	setp.eq.s64 	%p22, %rd26, 3;
+	@%p22 bra 	$L__BB48_23;
+	bra.uni 	$L__BB48_32;
+
+$L__BB48_23:
+	ld.shared.u64 	%rd164, [%r6+24];
+	ld.shared.u64 	%rd165, [%r6+8];
+	ld.shared.u64 	%rd166, [%r6+16];
+	or.b64  	%rd167, %rd166, %rd165;
+	and.b64  	%rd355, %rd167, 15;
+	setp.eq.s64 	%p295, %rd355, 0;
+	@%p295 bra 	$L__BB48_385;
+
+	and.b64  	%rd357, %rd167, 7;
+	setp.ne.s64 	%p296, %rd357, 0;
+	mov.u64 	%rd499, 0;
+	@%p296 bra 	$L__BB48_391;
+
+	shr.u64 	%rd168, %rd164, 3;
+	setp.ge.u64 	%p297, %rd3, %rd168;
+	@%p297 bra 	$L__BB48_28;
+
+	mov.u64 	%rd494, %rd3;
+
+$L__BB48_27:
+	shl.b64 	%rd358, %rd494, 3;
+	add.s64 	%rd359, %rd166, %rd358;
+	ld.u64 	%rd360, [%rd359];
+	add.s64 	%rd361, %rd165, %rd358;
+	st.u64 	[%rd361], %rd360;
+	add.s64 	%rd494, %rd494, %rd4;
+	setp.lt.u64 	%p298, %rd494, %rd168;
+	@%p298 bra 	$L__BB48_27;
+
+$L__BB48_28:
+	and.b64  	%rd499, %rd164, -8;
+	bra.uni 	$L__BB48_391;
+
+$L__BB48_400:
+	membar.sys;
+	bar.sync 	0;
+	@%p70 bra 	$L__BB48_406;
+
+	ld.volatile.global.u32 	%r73, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r412, [%rd5], 1;
+	setp.eq.s32 	%p310, %r412, %r4;
+	@%p310 bra 	$L__BB48_404;
+	bra.uni 	$L__BB48_402;
+
+$L__BB48_404:
+	mov.u32 	%r414, 0;
+	st.global.u32 	[%rd5], %r414;
+	membar.gl;
+	add.s64 	%rd395, %rd5, 64;
+	atom.global.add.u32 	%r415, [%rd395], 1;
+	bra.uni 	$L__BB48_405;
+
+$L__BB48_402:
+	ld.volatile.global.u32 	%r413, [%rd5+64];
+	setp.ne.s32 	%p311, %r413, %r73;
+	@%p311 bra 	$L__BB48_405;
+
+	ld.volatile.global.u64 	%rd394, [%rd6+8];
+	setp.eq.s64 	%p312, %rd394, 0;
+	@%p312 bra 	$L__BB48_402;
+
+$L__BB48_405:
+	membar.gl;
+
+$L__BB48_406:
+	setp.ne.s32 	%p313, %r5, 0;
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	@%p313 bra 	$L__BB48_418;
+
+	ld.shared.u64 	%rd396, [%r6];
+	setp.eq.s64 	%p314, %rd396, 7;
+	ld.shared.u64 	%rd186, [%r6+16];
+	@%p314 bra 	$L__BB48_411;
+	bra.uni 	$L__BB48_408;
+
+$L__BB48_411:
+	ld.shared.u64 	%rd399, [%r6+8];
+	shl.b64 	%rd400, %rd399, 3;
+	add.s64 	%rd401, %rd6, %rd400;
+	st.volatile.global.u64 	[%rd401+128], %rd186;
+	bra.uni 	$L__BB48_412;
+
+$L__BB48_175:
+	ld.shared.u64 	%rd90, [%r6+8];
+	ld.shared.u64 	%rd91, [%r6+16];
+	ld.shared.u32 	%r30, [%r6+32];
+	ld.shared.u32 	%r199, [%r6+40];
+	setp.eq.s32 	%p116, %r199, 1;
+	@%p116 bra 	$L__BB48_278;
+
+	setp.eq.s32 	%p117, %r199, 2;
+	@%p117 bra 	$L__BB48_228;
+
+	setp.ne.s32 	%p118, %r199, 3;
+	@%p118 bra 	$L__BB48_328;
+
+	ld.shared.u64 	%rd92, [%r6+24];
+	setp.gt.s32 	%p119, %r30, 3;
+	@%p119 bra 	$L__BB48_190;
+
+	setp.gt.s32 	%p125, %r30, 1;
+	@%p125 bra 	$L__BB48_185;
+
+	setp.eq.s32 	%p128, %r30, 0;
+	@%p128 bra 	$L__BB48_225;
+
+	setp.eq.s32 	%p129, %r30, 1;
+	@%p129 bra 	$L__BB48_182;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_182:
+	setp.ge.u64 	%p158, %rd3, %rd92;
+	@%p158 bra 	$L__BB48_378;
+
+	mov.u64 	%rd468, %rd3;
+
+$L__BB48_184:
+	shl.b64 	%rd272, %rd468, 3;
+	add.s64 	%rd273, %rd90, %rd272;
+	add.s64 	%rd274, %rd91, %rd272;
+	ld.f64 	%fd9, [%rd274];
+	ld.f64 	%fd10, [%rd273];
+	setp.gt.f64 	%p159, %fd9, %fd10;
+	setp.nan.f64 	%p160, %fd9, %fd9;
+	or.pred  	%p161, %p159, %p160;
+	selp.f64 	%fd11, %fd9, %fd10, %p161;
+	st.f64 	[%rd273], %fd11;
+	add.s64 	%rd468, %rd468, %rd4;
+	setp.lt.u64 	%p162, %rd468, %rd92;
+	@%p162 bra 	$L__BB48_184;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_32:
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_418;
+
+$L__BB48_46:
+	setp.gt.s32 	%p26, %r98, 5;
+	@%p26 bra 	$L__BB48_51;
+
+	setp.eq.s32 	%p29, %r98, 4;
+	@%p29 bra 	$L__BB48_68;
+
+	setp.eq.s32 	%p30, %r98, 5;
+	@%p30 bra 	$L__BB48_49;
+	bra.uni 	$L__BB48_108;
+
+$L__BB48_49:
+	setp.eq.s64 	%p42, %rd29, 0;
+	@%p42 bra 	$L__BB48_64;
+
+	ld.u8 	%rs128, [%rd29];
+	bra.uni 	$L__BB48_65;
 
 $L__BB48_127:
-	setp.eq.s32 	%p69, %r129, 6;
-	@%p69 bra 	$L__BB48_134;
+	setp.gt.s32 	%p75, %r150, 5;
+	@%p75 bra 	$L__BB48_133;
 
-	setp.ne.s32 	%p70, %r129, 7;
-	@%p70 bra 	$L__BB48_162;
+	setp.eq.s32 	%p78, %r150, 4;
+	@%p78 bra 	$L__BB48_147;
 
-	setp.le.u64 	%p78, %rd52, %rd2;
-	mov.u64 	%rd412, %rd2;
-	@%p78 bra 	$L__BB48_162;
+	setp.eq.s32 	%p79, %r150, 5;
+	@%p79 bra 	$L__BB48_130;
+	bra.uni 	$L__BB48_168;
 
 $L__BB48_130:
-	shl.b64 	%rd223, %rd412, 3;
-	add.s64 	%rd55, %rd51, %rd223;
-	ld.u64 	%rd56, [%rd55];
-	or.b64  	%rd224, %rd56, %rd53;
-	and.b64  	%rd225, %rd224, -4294967296;
-	setp.eq.s64 	%p79, %rd225, 0;
-	@%p79 bra 	$L__BB48_132;
+	setp.ge.u64 	%p91, %rd3, %rd51;
+	mov.u64 	%rd454, %rd3;
+	@%p91 bra 	$L__BB48_168;
 
-	div.s64 	%rd413, %rd56, %rd53;
-	bra.uni 	$L__BB48_133;
+$L__BB48_131:
+	add.s64 	%rd68, %rd50, %rd454;
+	ld.u8 	%rd69, [%rd68];
+	and.b64  	%rd241, %rd52, -4294967296;
+	setp.eq.s64 	%p92, %rd241, 0;
+	@%p92 bra 	$L__BB48_145;
 
-$L__BB48_132:
-	cvt.u32.u64 	%r130, %rd53;
-	cvt.u32.u64 	%r131, %rd56;
-	div.u32 	%r132, %r131, %r130;
-	cvt.u64.u32 	%rd413, %r132;
-
-$L__BB48_133:
-	st.u64 	[%rd55], %rd413;
-	add.s64 	%rd412, %rd412, %rd3;
-	setp.lt.u64 	%p80, %rd412, %rd52;
-	@%p80 bra 	$L__BB48_130;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_379:
-	ld.shared.u64 	%rd377, [%r2+8];
-	st.volatile.u32 	[%rd377], %rd187;
-
-$L__BB48_382:
-	membar.sys;
-	bra.uni 	$L__BB48_388;
-
-$L__BB48_178:
-	setp.gt.s32 	%p109, %r24, 5;
-	@%p109 bra 	$L__BB48_184;
-
-	setp.eq.s32 	%p112, %r24, 4;
-	@%p112 bra 	$L__BB48_192;
-
-	setp.eq.s32 	%p113, %r24, 5;
-	@%p113 bra 	$L__BB48_181;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_181:
-	setp.le.u64 	%p123, %rd93, %rd2;
-	@%p123 bra 	$L__BB48_366;
-
-	mov.u64 	%rd426, %rd2;
-
-$L__BB48_183:
-	add.s64 	%rd248, %rd92, %rd426;
-	ld.u8 	%rs71, [%rd248];
-	add.s64 	%rd249, %rd91, %rd426;
-	ld.u8 	%rs72, [%rd249];
-	max.u16 	%rs73, %rs71, %rs72;
-	st.u8 	[%rd249], %rs73;
-	add.s64 	%rd426, %rd426, %rd3;
-	setp.lt.u64 	%p124, %rd426, %rd93;
-	@%p124 bra 	$L__BB48_183;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_278:
-	setp.gt.s32 	%p207, %r24, 5;
-	@%p207 bra 	$L__BB48_284;
-
-	setp.eq.s32 	%p210, %r24, 4;
-	@%p210 bra 	$L__BB48_292;
-
-	setp.eq.s32 	%p211, %r24, 5;
-	@%p211 bra 	$L__BB48_281;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_281:
-	setp.le.u64 	%p221, %rd129, %rd2;
-	@%p221 bra 	$L__BB48_366;
-
-	mov.u64 	%rd442, %rd2;
-
-$L__BB48_283:
-	add.s64 	%rd298, %rd92, %rd442;
-	ld.u8 	%rs95, [%rd298];
-	add.s64 	%rd299, %rd91, %rd442;
-	ld.u8 	%rs96, [%rd299];
-	mul.lo.s16 	%rs97, %rs95, %rs96;
-	st.u8 	[%rd299], %rs97;
-	add.s64 	%rd442, %rd442, %rd3;
-	setp.lt.u64 	%p222, %rd442, %rd129;
-	@%p222 bra 	$L__BB48_283;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_228:
-	setp.gt.s32 	%p158, %r24, 5;
-	@%p158 bra 	$L__BB48_234;
-
-	setp.eq.s32 	%p161, %r24, 4;
-	@%p161 bra 	$L__BB48_242;
-
-	setp.eq.s32 	%p162, %r24, 5;
-	@%p162 bra 	$L__BB48_231;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_231:
-	setp.le.u64 	%p172, %rd111, %rd2;
-	@%p172 bra 	$L__BB48_366;
-
-	mov.u64 	%rd434, %rd2;
-
-$L__BB48_233:
-	add.s64 	%rd273, %rd92, %rd434;
-	ld.u8 	%rs83, [%rd273];
-	add.s64 	%rd274, %rd91, %rd434;
-	ld.u8 	%rs84, [%rd274];
-	min.u16 	%rs85, %rs83, %rs84;
-	st.u8 	[%rd274], %rs85;
-	add.s64 	%rd434, %rd434, %rd3;
-	setp.lt.u64 	%p173, %rd434, %rd111;
-	@%p173 bra 	$L__BB48_233;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_328:
-	setp.gt.s32 	%p244, %r24, 5;
-	@%p244 bra 	$L__BB48_334;
-
-	setp.eq.s32 	%p247, %r24, 4;
-	@%p247 bra 	$L__BB48_342;
-
-	setp.eq.s32 	%p248, %r24, 5;
-	@%p248 bra 	$L__BB48_331;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_331:
-	setp.le.u64 	%p258, %rd147, %rd2;
-	@%p258 bra 	$L__BB48_366;
-
-	mov.u64 	%rd450, %rd2;
-
-$L__BB48_333:
-	add.s64 	%rd323, %rd92, %rd450;
-	ld.u8 	%rs107, [%rd323];
-	add.s64 	%rd324, %rd91, %rd450;
-	ld.u8 	%rs108, [%rd324];
-	add.s16 	%rs109, %rs107, %rs108;
-	st.u8 	[%rd324], %rs109;
-	add.s64 	%rd450, %rd450, %rd3;
-	setp.lt.u64 	%p259, %rd450, %rd147;
-	@%p259 bra 	$L__BB48_333;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_103:
-	cvt.u32.u64 	%r128, %rd28;
-	mov.b32 	%f137, %r128;
-	setp.eq.s64 	%p64, %rd27, 0;
-	@%p64 bra 	$L__BB48_105;
-
-	ld.f32 	%f137, [%rd27];
-
-$L__BB48_105:
-	setp.le.u64 	%p65, %rd26, %rd2;
-	@%p65 bra 	$L__BB48_108;
-
-	mov.u64 	%rd411, %rd2;
-
-$L__BB48_107:
-	shl.b64 	%rd221, %rd411, 2;
-	add.s64 	%rd222, %rd25, %rd221;
-	ld.f32 	%f63, [%rd222];
-	mul.f32 	%f64, %f137, %f63;
-	st.f32 	[%rd222], %f64;
-	add.s64 	%rd411, %rd411, %rd3;
-	setp.lt.u64 	%p66, %rd411, %rd26;
-	@%p66 bra 	$L__BB48_107;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_159:
-	setp.le.u64 	%p103, %rd52, %rd2;
-	@%p103 bra 	$L__BB48_162;
-
-	cvt.rn.f32.s64 	%f19, %rd53;
-	mov.u64 	%rd423, %rd2;
-
-$L__BB48_161:
-	shl.b64 	%rd237, %rd423, 2;
-	add.s64 	%rd238, %rd51, %rd237;
-	ld.f32 	%f73, [%rd238];
-	div.rn.f32 	%f74, %f73, %f19;
-	st.f32 	[%rd238], %f74;
-	add.s64 	%rd423, %rd423, %rd3;
-	setp.lt.u64 	%p104, %rd423, %rd52;
-	@%p104 bra 	$L__BB48_161;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_68:
-	setp.eq.s64 	%p42, %rd27, 0;
-	@%p42 bra 	$L__BB48_70;
-
-	ld.u8 	%rs129, [%rd27];
-	bra.uni 	$L__BB48_71;
-
-$L__BB48_141:
-	setp.le.u64 	%p87, %rd52, %rd2;
-	mov.u64 	%rd418, %rd2;
-	@%p87 bra 	$L__BB48_162;
-
-$L__BB48_142:
-	add.s64 	%rd76, %rd51, %rd418;
-	ld.s8 	%rd77, [%rd76];
-	or.b64  	%rd230, %rd77, %rd53;
-	and.b64  	%rd231, %rd230, -4294967296;
-	setp.eq.s64 	%p88, %rd231, 0;
-	@%p88 bra 	$L__BB48_144;
-
-	div.s64 	%rd419, %rd77, %rd53;
-	bra.uni 	$L__BB48_145;
-
-$L__BB48_144:
-	cvt.u32.u64 	%r139, %rd53;
-	cvt.u32.u64 	%r140, %rd77;
-	div.u32 	%r141, %r140, %r139;
-	cvt.u64.u32 	%rd419, %r141;
+	div.s64 	%rd455, %rd69, %rd52;
+	bra.uni 	$L__BB48_146;
 
 $L__BB48_145:
-	st.u8 	[%rd76], %rd419;
-	add.s64 	%rd418, %rd418, %rd3;
-	setp.lt.u64 	%p89, %rd418, %rd52;
-	@%p89 bra 	$L__BB48_142;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_78:
-	setp.eq.s64 	%p49, %rd27, 0;
-	@%p49 bra 	$L__BB48_80;
-
-	ld.u16 	%rs131, [%rd27];
-	bra.uni 	$L__BB48_81;
+	cvt.u32.u64 	%r157, %rd52;
+	cvt.u32.u64 	%r158, %rd69;
+	div.u32 	%r159, %r158, %r157;
+	cvt.u64.u32 	%rd455, %r159;
 
 $L__BB48_146:
-	setp.le.u64 	%p93, %rd52, %rd2;
-	@%p93 bra 	$L__BB48_162;
+	st.u8 	[%rd68], %rd455;
+	add.s64 	%rd454, %rd454, %rd4;
+	setp.lt.u64 	%p93, %rd454, %rd51;
+	@%p93 bra 	$L__BB48_131;
+	bra.uni 	$L__BB48_168;
 
-	cvt.rn.f32.s64 	%f14, %rd53;
-	mov.u64 	%rd421, %rd2;
+$L__BB48_385:
+	shr.u64 	%rd172, %rd164, 4;
+	setp.ge.u64 	%p299, %rd13, %rd172;
+	mov.u64 	%rd497, %rd3;
+	@%p299 bra 	$L__BB48_388;
+
+	add.s64 	%rd496, %rd165, %rd15;
+	mov.u64 	%rd497, %rd3;
+
+$L__BB48_387:
+	shr.u64 	%rd423, %rd164, 4;
+	neg.s64 	%rd422, %rd4;
+	shl.b64 	%rd421, %rd422, 4;
+	shl.b64 	%rd420, %rd4, 4;
+	shl.b64 	%rd362, %rd497, 4;
+	add.s64 	%rd363, %rd166, %rd362;
+	add.s64 	%rd365, %rd363, %rd420;
+	ld.v2.u64 	{%rd366, %rd367}, [%rd365];
+	add.s64 	%rd370, %rd365, %rd420;
+	ld.v2.u64 	{%rd371, %rd372}, [%rd370];
+	add.s64 	%rd375, %rd370, %rd420;
+	ld.v2.u64 	{%rd376, %rd377}, [%rd375];
+	add.s64 	%rd381, %rd365, %rd421;
+	ld.v4.u32 	{%r392, %r393, %r394, %r395}, [%rd381];
+	st.v4.u32 	[%rd496], {%r392, %r393, %r394, %r395};
+	add.s64 	%rd382, %rd496, %rd420;
+	st.v2.u64 	[%rd382], {%rd366, %rd367};
+	add.s64 	%rd383, %rd382, %rd420;
+	st.v2.u64 	[%rd383], {%rd371, %rd372};
+	add.s64 	%rd384, %rd383, %rd420;
+	add.s64 	%rd496, %rd384, %rd420;
+	st.v2.u64 	[%rd384], {%rd376, %rd377};
+	add.s64 	%rd385, %rd497, %rd4;
+	add.s64 	%rd497, %rd12, %rd385;
+	add.s64 	%rd386, %rd497, %rd12;
+	setp.lt.u64 	%p300, %rd386, %rd423;
+	@%p300 bra 	$L__BB48_387;
+
+$L__BB48_388:
+	shr.u64 	%rd416, %rd164, 4;
+	setp.ge.u64 	%p301, %rd497, %rd416;
+	@%p301 bra 	$L__BB48_390;
+
+$L__BB48_389:
+	shr.u64 	%rd419, %rd164, 4;
+	shl.b64 	%rd387, %rd497, 4;
+	add.s64 	%rd388, %rd165, %rd387;
+	add.s64 	%rd389, %rd166, %rd387;
+	ld.v4.u32 	{%r400, %r401, %r402, %r403}, [%rd389];
+	st.v4.u32 	[%rd388], {%r400, %r401, %r402, %r403};
+	add.s64 	%rd497, %rd497, %rd4;
+	setp.lt.u64 	%p302, %rd497, %rd419;
+	@%p302 bra 	$L__BB48_389;
+
+$L__BB48_390:
+	and.b64  	%rd499, %rd164, -16;
+
+$L__BB48_391:
+	add.s64 	%rd500, %rd499, %rd3;
+	setp.ge.u64 	%p303, %rd500, %rd164;
+	@%p303 bra 	$L__BB48_393;
+
+$L__BB48_392:
+	add.s64 	%rd390, %rd166, %rd500;
+	ld.u8 	%rs120, [%rd390];
+	add.s64 	%rd391, %rd165, %rd500;
+	st.u8 	[%rd391], %rs120;
+	add.s64 	%rd500, %rd500, %rd4;
+	setp.lt.u64 	%p304, %rd500, %rd164;
+	@%p304 bra 	$L__BB48_392;
+
+$L__BB48_393:
+	bar.sync 	0;
+	@%p70 bra 	$L__BB48_399;
+
+	ld.volatile.global.u32 	%r72, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r408, [%rd5], 1;
+	setp.eq.s32 	%p306, %r408, %r4;
+	@%p306 bra 	$L__BB48_397;
+	bra.uni 	$L__BB48_395;
+
+$L__BB48_397:
+	mov.u32 	%r410, 0;
+	st.global.u32 	[%rd5], %r410;
+	membar.gl;
+	add.s64 	%rd393, %rd5, 64;
+	atom.global.add.u32 	%r411, [%rd393], 1;
+	bra.uni 	$L__BB48_398;
+
+$L__BB48_395:
+	ld.volatile.global.u32 	%r409, [%rd5+64];
+	setp.ne.s32 	%p307, %r409, %r72;
+	@%p307 bra 	$L__BB48_398;
+
+	ld.volatile.global.u64 	%rd392, [%rd6+8];
+	setp.eq.s64 	%p308, %rd392, 0;
+	@%p308 bra 	$L__BB48_395;
+
+$L__BB48_398:
+	membar.gl;
+
+$L__BB48_399:
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_418;
+
+$L__BB48_408:
+	setp.ne.s64 	%p315, %rd8, 0;
+	@%p315 bra 	$L__BB48_410;
+	bra.uni 	$L__BB48_409;
+
+$L__BB48_410:
+	ld.shared.u64 	%rd398, [%r6+8];
+	st.volatile.u64 	[%rd398], %rd186;
+	bra.uni 	$L__BB48_412;
+
+$L__BB48_42:
+	setp.eq.s32 	%p32, %r98, 2;
+	@%p32 bra 	$L__BB48_78;
+
+	setp.eq.s32 	%p33, %r98, 3;
+	@%p33 bra 	$L__BB48_44;
+	bra.uni 	$L__BB48_108;
+
+$L__BB48_44:
+	setp.eq.s64 	%p48, %rd29, 0;
+	@%p48 bra 	$L__BB48_74;
+
+	ld.u16 	%rs130, [%rd29];
+	bra.uni 	$L__BB48_75;
+
+$L__BB48_122:
+	setp.eq.s32 	%p81, %r150, 2;
+	@%p81 bra 	$L__BB48_152;
+
+	setp.eq.s32 	%p82, %r150, 3;
+	@%p82 bra 	$L__BB48_124;
+	bra.uni 	$L__BB48_168;
+
+$L__BB48_124:
+	setp.ge.u64 	%p97, %rd3, %rd51;
+	@%p97 bra 	$L__BB48_168;
+
+	cvt.rn.f32.s64 	%f13, %rd52;
+	mov.u64 	%rd458, %rd3;
+
+$L__BB48_126:
+	shl.b64 	%rd244, %rd458, 1;
+	add.s64 	%rd245, %rd50, %rd244;
+	ld.u16 	%r163, [%rd245];
+	shl.b32 	%r164, %r163, 16;
+	mov.b32 	%f65, %r164;
+	div.rn.f32 	%f66, %f65, %f13;
+	mov.b32 	%r165, %f66;
+	shr.u32 	%r166, %r165, 16;
+	and.b32  	%r167, %r166, 1;
+	add.s32 	%r168, %r165, %r167;
+	add.s32 	%r169, %r168, 32767;
+	shr.u32 	%r170, %r169, 16;
+	or.b32  	%r171, %r166, 64;
+	and.b32  	%r172, %r165, 2147483647;
+	setp.gt.u32 	%p98, %r172, 2139095040;
+	selp.b32 	%r173, %r171, %r170, %p98;
+	st.u16 	[%rd245], %r173;
+	add.s64 	%rd458, %rd458, %rd4;
+	setp.lt.u64 	%p99, %rd458, %rd51;
+	@%p99 bra 	$L__BB48_126;
+	bra.uni 	$L__BB48_168;
+
+$L__BB48_278:
+	ld.shared.u64 	%rd128, [%r6+24];
+	setp.gt.s32 	%p217, %r30, 3;
+	@%p217 bra 	$L__BB48_290;
+
+	setp.gt.s32 	%p223, %r30, 1;
+	@%p223 bra 	$L__BB48_285;
+
+	setp.eq.s32 	%p226, %r30, 0;
+	@%p226 bra 	$L__BB48_325;
+
+	setp.eq.s32 	%p227, %r30, 1;
+	@%p227 bra 	$L__BB48_282;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_282:
+	setp.ge.u64 	%p250, %rd3, %rd128;
+	@%p250 bra 	$L__BB48_378;
+
+	mov.u64 	%rd484, %rd3;
+
+$L__BB48_284:
+	shl.b64 	%rd322, %rd484, 3;
+	add.s64 	%rd323, %rd90, %rd322;
+	add.s64 	%rd324, %rd91, %rd322;
+	ld.f64 	%fd15, [%rd324];
+	ld.f64 	%fd16, [%rd323];
+	mul.f64 	%fd17, %fd16, %fd15;
+	st.f64 	[%rd323], %fd17;
+	add.s64 	%rd484, %rd484, %rd4;
+	setp.lt.u64 	%p251, %rd484, %rd128;
+	@%p251 bra 	$L__BB48_284;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_228:
+	ld.shared.u64 	%rd110, [%r6+24];
+	setp.gt.s32 	%p168, %r30, 3;
+	@%p168 bra 	$L__BB48_240;
+
+	setp.gt.s32 	%p174, %r30, 1;
+	@%p174 bra 	$L__BB48_235;
+
+	setp.eq.s32 	%p177, %r30, 0;
+	@%p177 bra 	$L__BB48_275;
+
+	setp.eq.s32 	%p178, %r30, 1;
+	@%p178 bra 	$L__BB48_232;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_232:
+	setp.ge.u64 	%p207, %rd3, %rd110;
+	@%p207 bra 	$L__BB48_378;
+
+	mov.u64 	%rd476, %rd3;
+
+$L__BB48_234:
+	shl.b64 	%rd297, %rd476, 3;
+	add.s64 	%rd298, %rd90, %rd297;
+	add.s64 	%rd299, %rd91, %rd297;
+	ld.f64 	%fd12, [%rd299];
+	ld.f64 	%fd13, [%rd298];
+	setp.lt.f64 	%p208, %fd12, %fd13;
+	setp.nan.f64 	%p209, %fd12, %fd12;
+	or.pred  	%p210, %p208, %p209;
+	selp.f64 	%fd14, %fd12, %fd13, %p210;
+	st.f64 	[%rd298], %fd14;
+	add.s64 	%rd476, %rd476, %rd4;
+	setp.lt.u64 	%p211, %rd476, %rd110;
+	@%p211 bra 	$L__BB48_234;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_328:
+	ld.shared.u64 	%rd146, [%r6+24];
+	setp.gt.s32 	%p254, %r30, 3;
+	@%p254 bra 	$L__BB48_340;
+
+	setp.gt.s32 	%p260, %r30, 1;
+	@%p260 bra 	$L__BB48_335;
+
+	setp.eq.s32 	%p263, %r30, 0;
+	@%p263 bra 	$L__BB48_375;
+
+	setp.eq.s32 	%p264, %r30, 1;
+	@%p264 bra 	$L__BB48_332;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_332:
+	setp.ge.u64 	%p287, %rd3, %rd146;
+	@%p287 bra 	$L__BB48_378;
+
+	mov.u64 	%rd492, %rd3;
+
+$L__BB48_334:
+	shl.b64 	%rd347, %rd492, 3;
+	add.s64 	%rd348, %rd90, %rd347;
+	add.s64 	%rd349, %rd91, %rd347;
+	ld.f64 	%fd18, [%rd349];
+	ld.f64 	%fd19, [%rd348];
+	add.f64 	%fd20, %fd19, %fd18;
+	st.f64 	[%rd348], %fd20;
+	add.s64 	%rd492, %rd492, %rd4;
+	setp.lt.u64 	%p288, %rd492, %rd146;
+	@%p288 bra 	$L__BB48_334;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_51:
+	setp.eq.s32 	%p27, %r98, 6;
+	@%p27 bra 	$L__BB48_58;
+
+	setp.ne.s32 	%p28, %r98, 7;
+	@%p28 bra 	$L__BB48_108;
+
+	setp.eq.s64 	%p36, %rd29, 0;
+	@%p36 bra 	$L__BB48_55;
+
+	ld.u64 	%rd30, [%rd29];
+
+$L__BB48_55:
+	setp.ge.u64 	%p37, %rd3, %rd28;
+	@%p37 bra 	$L__BB48_108;
+
+	mov.u64 	%rd442, %rd3;
+
+$L__BB48_57:
+	shl.b64 	%rd218, %rd442, 3;
+	add.s64 	%rd219, %rd27, %rd218;
+	ld.u64 	%rd220, [%rd219];
+	mul.lo.s64 	%rd221, %rd220, %rd30;
+	st.u64 	[%rd219], %rd221;
+	add.s64 	%rd442, %rd442, %rd4;
+	setp.lt.u64 	%p38, %rd442, %rd28;
+	@%p38 bra 	$L__BB48_57;
+	bra.uni 	$L__BB48_108;
+
+$L__BB48_133:
+	setp.eq.s32 	%p76, %r150, 6;
+	@%p76 bra 	$L__BB48_140;
+
+	setp.ne.s32 	%p77, %r150, 7;
+	@%p77 bra 	$L__BB48_168;
+
+	setp.ge.u64 	%p85, %rd3, %rd51;
+	mov.u64 	%rd450, %rd3;
+	@%p85 bra 	$L__BB48_168;
+
+$L__BB48_136:
+	shl.b64 	%rd235, %rd450, 3;
+	add.s64 	%rd54, %rd50, %rd235;
+	ld.u64 	%rd55, [%rd54];
+	or.b64  	%rd236, %rd55, %rd52;
+	and.b64  	%rd237, %rd236, -4294967296;
+	setp.eq.s64 	%p86, %rd237, 0;
+	@%p86 bra 	$L__BB48_138;
+
+	div.s64 	%rd451, %rd55, %rd52;
+	bra.uni 	$L__BB48_139;
+
+$L__BB48_138:
+	cvt.u32.u64 	%r151, %rd52;
+	cvt.u32.u64 	%r152, %rd55;
+	div.u32 	%r153, %r152, %r151;
+	cvt.u64.u32 	%rd451, %r153;
+
+$L__BB48_139:
+	st.u64 	[%rd54], %rd451;
+	add.s64 	%rd450, %rd450, %rd4;
+	setp.lt.u64 	%p87, %rd450, %rd51;
+	@%p87 bra 	$L__BB48_136;
+	bra.uni 	$L__BB48_168;
+
+$L__BB48_409:
+	ld.shared.u64 	%rd397, [%r6+8];
+	st.volatile.u32 	[%rd397], %rd186;
+
+$L__BB48_412:
+	membar.sys;
+	bra.uni 	$L__BB48_418;
+
+$L__BB48_190:
+	setp.gt.s32 	%p120, %r30, 5;
+	@%p120 bra 	$L__BB48_196;
+
+	setp.eq.s32 	%p123, %r30, 4;
+	@%p123 bra 	$L__BB48_204;
+
+	setp.eq.s32 	%p124, %r30, 5;
+	@%p124 bra 	$L__BB48_193;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_193:
+	setp.ge.u64 	%p134, %rd3, %rd92;
+	@%p134 bra 	$L__BB48_378;
+
+	mov.u64 	%rd464, %rd3;
+
+$L__BB48_195:
+	add.s64 	%rd262, %rd91, %rd464;
+	ld.u8 	%rs71, [%rd262];
+	add.s64 	%rd263, %rd90, %rd464;
+	ld.u8 	%rs72, [%rd263];
+	max.u16 	%rs73, %rs71, %rs72;
+	st.u8 	[%rd263], %rs73;
+	add.s64 	%rd464, %rd464, %rd4;
+	setp.lt.u64 	%p135, %rd464, %rd92;
+	@%p135 bra 	$L__BB48_195;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_290:
+	setp.gt.s32 	%p218, %r30, 5;
+	@%p218 bra 	$L__BB48_296;
+
+	setp.eq.s32 	%p221, %r30, 4;
+	@%p221 bra 	$L__BB48_304;
+
+	setp.eq.s32 	%p222, %r30, 5;
+	@%p222 bra 	$L__BB48_293;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_293:
+	setp.ge.u64 	%p232, %rd3, %rd128;
+	@%p232 bra 	$L__BB48_378;
+
+	mov.u64 	%rd480, %rd3;
+
+$L__BB48_295:
+	add.s64 	%rd312, %rd91, %rd480;
+	ld.u8 	%rs95, [%rd312];
+	add.s64 	%rd313, %rd90, %rd480;
+	ld.u8 	%rs96, [%rd313];
+	mul.lo.s16 	%rs97, %rs95, %rs96;
+	st.u8 	[%rd313], %rs97;
+	add.s64 	%rd480, %rd480, %rd4;
+	setp.lt.u64 	%p233, %rd480, %rd128;
+	@%p233 bra 	$L__BB48_295;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_240:
+	setp.gt.s32 	%p169, %r30, 5;
+	@%p169 bra 	$L__BB48_246;
+
+	setp.eq.s32 	%p172, %r30, 4;
+	@%p172 bra 	$L__BB48_254;
+
+	setp.eq.s32 	%p173, %r30, 5;
+	@%p173 bra 	$L__BB48_243;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_243:
+	setp.ge.u64 	%p183, %rd3, %rd110;
+	@%p183 bra 	$L__BB48_378;
+
+	mov.u64 	%rd472, %rd3;
+
+$L__BB48_245:
+	add.s64 	%rd287, %rd91, %rd472;
+	ld.u8 	%rs83, [%rd287];
+	add.s64 	%rd288, %rd90, %rd472;
+	ld.u8 	%rs84, [%rd288];
+	min.u16 	%rs85, %rs83, %rs84;
+	st.u8 	[%rd288], %rs85;
+	add.s64 	%rd472, %rd472, %rd4;
+	setp.lt.u64 	%p184, %rd472, %rd110;
+	@%p184 bra 	$L__BB48_245;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_340:
+	setp.gt.s32 	%p255, %r30, 5;
+	@%p255 bra 	$L__BB48_346;
+
+	setp.eq.s32 	%p258, %r30, 4;
+	@%p258 bra 	$L__BB48_354;
+
+	setp.eq.s32 	%p259, %r30, 5;
+	@%p259 bra 	$L__BB48_343;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_343:
+	setp.ge.u64 	%p269, %rd3, %rd146;
+	@%p269 bra 	$L__BB48_378;
+
+	mov.u64 	%rd488, %rd3;
+
+$L__BB48_345:
+	add.s64 	%rd337, %rd91, %rd488;
+	ld.u8 	%rs107, [%rd337];
+	add.s64 	%rd338, %rd90, %rd488;
+	ld.u8 	%rs108, [%rd338];
+	add.s16 	%rs109, %rs107, %rs108;
+	st.u8 	[%rd338], %rs109;
+	add.s64 	%rd488, %rd488, %rd4;
+	setp.lt.u64 	%p270, %rd488, %rd146;
+	@%p270 bra 	$L__BB48_345;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_103:
+	cvt.u32.u64 	%r145, %rd30;
+	mov.b32 	%f137, %r145;
+	setp.eq.s64 	%p67, %rd29, 0;
+	@%p67 bra 	$L__BB48_105;
+
+	ld.f32 	%f137, [%rd29];
+
+$L__BB48_105:
+	setp.ge.u64 	%p68, %rd3, %rd28;
+	@%p68 bra 	$L__BB48_108;
+
+	mov.u64 	%rd449, %rd3;
+
+$L__BB48_107:
+	shl.b64 	%rd231, %rd449, 2;
+	add.s64 	%rd232, %rd27, %rd231;
+	ld.f32 	%f63, [%rd232];
+	mul.f32 	%f64, %f137, %f63;
+	st.f32 	[%rd232], %f64;
+	add.s64 	%rd449, %rd449, %rd4;
+	setp.lt.u64 	%p69, %rd449, %rd28;
+	@%p69 bra 	$L__BB48_107;
+	bra.uni 	$L__BB48_108;
+
+$L__BB48_165:
+	setp.ge.u64 	%p110, %rd3, %rd51;
+	@%p110 bra 	$L__BB48_168;
+
+	cvt.rn.f32.s64 	%f19, %rd52;
+	mov.u64 	%rd461, %rd3;
+
+$L__BB48_167:
+	shl.b64 	%rd249, %rd461, 2;
+	add.s64 	%rd250, %rd50, %rd249;
+	ld.f32 	%f73, [%rd250];
+	div.rn.f32 	%f74, %f73, %f19;
+	st.f32 	[%rd250], %f74;
+	add.s64 	%rd461, %rd461, %rd4;
+	setp.lt.u64 	%p111, %rd461, %rd51;
+	@%p111 bra 	$L__BB48_167;
+	bra.uni 	$L__BB48_168;
+
+$L__BB48_68:
+	setp.eq.s64 	%p45, %rd29, 0;
+	@%p45 bra 	$L__BB48_70;
+
+	ld.u8 	%rs129, [%rd29];
+	bra.uni 	$L__BB48_71;
+
+$L__BB48_147:
+	setp.ge.u64 	%p94, %rd3, %rd51;
+	mov.u64 	%rd456, %rd3;
+	@%p94 bra 	$L__BB48_168;
 
 $L__BB48_148:
-	shl.b64 	%rd234, %rd421, 1;
-	add.s64 	%rd85, %rd51, %rd234;
-	ld.u16 	%rs67, [%rd85];
+	add.s64 	%rd75, %rd50, %rd456;
+	ld.s8 	%rd76, [%rd75];
+	or.b64  	%rd242, %rd76, %rd52;
+	and.b64  	%rd243, %rd242, -4294967296;
+	setp.eq.s64 	%p95, %rd243, 0;
+	@%p95 bra 	$L__BB48_150;
+
+	div.s64 	%rd457, %rd76, %rd52;
+	bra.uni 	$L__BB48_151;
+
+$L__BB48_150:
+	cvt.u32.u64 	%r160, %rd52;
+	cvt.u32.u64 	%r161, %rd76;
+	div.u32 	%r162, %r161, %r160;
+	cvt.u64.u32 	%rd457, %r162;
+
+$L__BB48_151:
+	add.s64 	%rd424, %rd50, %rd456;
+	st.u8 	[%rd424], %rd457;
+	add.s64 	%rd456, %rd456, %rd4;
+	setp.lt.u64 	%p96, %rd456, %rd51;
+	@%p96 bra 	$L__BB48_148;
+	bra.uni 	$L__BB48_168;
+
+$L__BB48_78:
+	setp.eq.s64 	%p52, %rd29, 0;
+	@%p52 bra 	$L__BB48_80;
+
+	ld.u16 	%rs131, [%rd29];
+	bra.uni 	$L__BB48_81;
+
+$L__BB48_152:
+	setp.ge.u64 	%p100, %rd3, %rd51;
+	@%p100 bra 	$L__BB48_168;
+
+	cvt.rn.f32.s64 	%f14, %rd52;
+	mov.u64 	%rd459, %rd3;
+
+$L__BB48_154:
+	shl.b64 	%rd246, %rd459, 1;
+	add.s64 	%rd84, %rd50, %rd246;
+	ld.u16 	%rs67, [%rd84];
 	and.b16  	%rs19, %rs67, -32768;
-	cvt.u32.u16 	%r153, %rs67;
-	shl.b32 	%r154, %r153, 16;
-	and.b32  	%r16, %r154, -2147483648;
+	cvt.u32.u16 	%r174, %rs67;
+	shl.b32 	%r175, %r174, 16;
+	and.b32  	%r21, %r175, -2147483648;
 	shr.u16 	%rs68, %rs67, 10;
 	and.b16  	%rs20, %rs68, 31;
 	and.b16  	%rs21, %rs67, 1023;
-	cvt.u32.u16 	%r17, %rs21;
-	setp.eq.s16 	%p94, %rs20, 0;
-	@%p94 bra 	$L__BB48_152;
+	cvt.u32.u16 	%r22, %rs21;
+	setp.eq.s16 	%p101, %rs20, 0;
+	@%p101 bra 	$L__BB48_158;
 
-	setp.eq.s16 	%p95, %rs20, 31;
-	@%p95 bra 	$L__BB48_151;
-	bra.uni 	$L__BB48_150;
+	setp.eq.s16 	%p102, %rs20, 31;
+	@%p102 bra 	$L__BB48_157;
+	bra.uni 	$L__BB48_156;
 
-$L__BB48_151:
-	shl.b32 	%r160, %r17, 13;
-	or.b32  	%r161, %r16, %r160;
-	or.b32  	%r162, %r161, 2139095040;
-	mov.b32 	%f138, %r162;
-	bra.uni 	$L__BB48_153;
+$L__BB48_157:
+	shl.b32 	%r181, %r22, 13;
+	or.b32  	%r182, %r21, %r181;
+	or.b32  	%r183, %r182, 2139095040;
+	mov.b32 	%f138, %r183;
+	bra.uni 	$L__BB48_159;
 
-$L__BB48_152:
+$L__BB48_158:
 	cvt.rn.f32.u16 	%f67, %rs21;
 	mul.f32 	%f68, %f67, 0f33800000;
 	mul.f32 	%f69, %f67, 0fB3800000;
-	setp.eq.s16 	%p96, %rs19, 0;
-	selp.f32 	%f138, %f68, %f69, %p96;
-	bra.uni 	$L__BB48_153;
-
-$L__BB48_150:
-	add.s16 	%rs69, %rs20, 112;
-	cvt.u32.u16 	%r155, %rs69;
-	shl.b32 	%r156, %r155, 23;
-	shl.b32 	%r157, %r17, 13;
-	or.b32  	%r158, %r157, %r16;
-	or.b32  	%r159, %r158, %r156;
-	mov.b32 	%f138, %r159;
-
-$L__BB48_153:
-	div.rn.f32 	%f70, %f138, %f14;
-	mov.b32 	%r18, %f70;
-	and.b32  	%r19, %r18, 2147483647;
-	setp.gt.u32 	%p97, %r19, 1199570943;
-	@%p97 bra 	$L__BB48_157;
-	bra.uni 	$L__BB48_154;
-
-$L__BB48_157:
-	setp.gt.u32 	%p99, %r19, 2139095040;
-	shr.u32 	%r168, %r18, 13;
-	and.b32  	%r169, %r168, 511;
-	or.b32  	%r170, %r169, 32256;
-	selp.b32 	%r387, %r170, 31744, %p99;
-	bra.uni 	$L__BB48_158;
-
-$L__BB48_154:
-	setp.lt.u32 	%p98, %r19, 947912704;
-	@%p98 bra 	$L__BB48_156;
-	bra.uni 	$L__BB48_155;
+	setp.eq.s16 	%p103, %rs19, 0;
+	selp.f32 	%f138, %f68, %f69, %p103;
+	bra.uni 	$L__BB48_159;
 
 $L__BB48_156:
-	mov.b32 	%f71, %r19;
-	add.f32 	%f72, %f71, 0f3F000000;
-	mov.b32 	%r167, %f72;
-	add.s32 	%r387, %r167, -1056964608;
-	bra.uni 	$L__BB48_158;
+	add.s16 	%rs69, %rs20, 112;
+	cvt.u32.u16 	%r176, %rs69;
+	shl.b32 	%r177, %r176, 23;
+	shl.b32 	%r178, %r22, 13;
+	or.b32  	%r179, %r178, %r21;
+	or.b32  	%r180, %r179, %r177;
+	mov.b32 	%f138, %r180;
 
-$L__BB48_155:
-	shr.u32 	%r163, %r18, 13;
-	and.b32  	%r164, %r163, 1;
-	add.s32 	%r165, %r19, %r164;
-	add.s32 	%r166, %r165, -939520001;
-	shr.u32 	%r387, %r166, 13;
+$L__BB48_159:
+	div.rn.f32 	%f70, %f138, %f14;
+	mov.b32 	%r23, %f70;
+	and.b32  	%r24, %r23, 2147483647;
+	setp.gt.u32 	%p104, %r24, 1199570943;
+	@%p104 bra 	$L__BB48_163;
+	bra.uni 	$L__BB48_160;
 
-$L__BB48_158:
-	and.b32  	%r171, %r18, -2147483648;
-	shr.u32 	%r172, %r171, 16;
-	or.b32  	%r173, %r387, %r172;
-	st.u16 	[%rd85], %r173;
-	add.s64 	%rd421, %rd421, %rd3;
-	setp.lt.u64 	%p100, %rd421, %rd52;
-	@%p100 bra 	$L__BB48_148;
-	bra.uni 	$L__BB48_162;
+$L__BB48_163:
+	setp.gt.u32 	%p106, %r24, 2139095040;
+	shr.u32 	%r189, %r23, 13;
+	and.b32  	%r190, %r189, 511;
+	or.b32  	%r191, %r190, 32256;
+	selp.b32 	%r431, %r191, 31744, %p106;
+	bra.uni 	$L__BB48_164;
 
-$L__BB48_58:
-	setp.eq.s64 	%p36, %rd27, 0;
-	@%p36 bra 	$L__BB48_60;
-
-	ld.u32 	%r385, [%rd27];
-	bra.uni 	$L__BB48_61;
-
-$L__BB48_134:
-	setp.le.u64 	%p81, %rd52, %rd2;
-	mov.u64 	%rd414, %rd2;
-	@%p81 bra 	$L__BB48_162;
-
-$L__BB48_135:
-	shl.b64 	%rd226, %rd414, 2;
-	add.s64 	%rd62, %rd51, %rd226;
-	ld.s32 	%rd63, [%rd62];
-	or.b64  	%rd227, %rd63, %rd53;
-	and.b64  	%rd228, %rd227, -4294967296;
-	setp.eq.s64 	%p82, %rd228, 0;
-	@%p82 bra 	$L__BB48_137;
-
-	div.s64 	%rd415, %rd63, %rd53;
-	bra.uni 	$L__BB48_138;
-
-$L__BB48_137:
-	cvt.u32.u64 	%r133, %rd53;
-	cvt.u32.u64 	%r134, %rd63;
-	div.u32 	%r135, %r134, %r133;
-	cvt.u64.u32 	%rd415, %r135;
-
-$L__BB48_138:
-	st.u32 	[%rd62], %rd415;
-	add.s64 	%rd414, %rd414, %rd3;
-	setp.lt.u64 	%p83, %rd414, %rd52;
-	@%p83 bra 	$L__BB48_135;
+$L__BB48_160:
+	setp.lt.u32 	%p105, %r24, 947912704;
+	@%p105 bra 	$L__BB48_162;
+	bra.uni 	$L__BB48_161;
 
 $L__BB48_162:
+	mov.b32 	%f71, %r24;
+	add.f32 	%f72, %f71, 0f3F000000;
+	mov.b32 	%r188, %f72;
+	add.s32 	%r431, %r188, -1056964608;
+	bra.uni 	$L__BB48_164;
+
+$L__BB48_161:
+	shr.u32 	%r184, %r23, 13;
+	and.b32  	%r185, %r184, 1;
+	add.s32 	%r186, %r24, %r185;
+	add.s32 	%r187, %r186, -939520001;
+	shr.u32 	%r431, %r187, 13;
+
+$L__BB48_164:
+	and.b32  	%r192, %r23, -2147483648;
+	shr.u32 	%r193, %r192, 16;
+	or.b32  	%r194, %r431, %r193;
+	st.u16 	[%rd84], %r194;
+	add.s64 	%rd459, %rd459, %rd4;
+	setp.lt.u64 	%p107, %rd459, %rd51;
+	@%p107 bra 	$L__BB48_154;
+	bra.uni 	$L__BB48_168;
+
+$L__BB48_58:
+	setp.eq.s64 	%p39, %rd29, 0;
+	@%p39 bra 	$L__BB48_60;
+
+	ld.u32 	%r429, [%rd29];
+	bra.uni 	$L__BB48_61;
+
+$L__BB48_140:
+	setp.ge.u64 	%p88, %rd3, %rd51;
+	mov.u64 	%rd452, %rd3;
+	@%p88 bra 	$L__BB48_168;
+
+$L__BB48_141:
+	shl.b64 	%rd238, %rd452, 2;
+	add.s64 	%rd61, %rd50, %rd238;
+	ld.s32 	%rd62, [%rd61];
+	or.b64  	%rd239, %rd62, %rd52;
+	and.b64  	%rd240, %rd239, -4294967296;
+	setp.eq.s64 	%p89, %rd240, 0;
+	@%p89 bra 	$L__BB48_143;
+
+	div.s64 	%rd453, %rd62, %rd52;
+	bra.uni 	$L__BB48_144;
+
+$L__BB48_143:
+	cvt.u32.u64 	%r154, %rd52;
+	cvt.u32.u64 	%r155, %rd62;
+	div.u32 	%r156, %r155, %r154;
+	cvt.u64.u32 	%rd453, %r156;
+
+$L__BB48_144:
+	st.u32 	[%rd61], %rd453;
+	add.s64 	%rd452, %rd452, %rd4;
+	setp.lt.u64 	%p90, %rd452, %rd51;
+	@%p90 bra 	$L__BB48_141;
+
+$L__BB48_168:
 	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_388;
+	@%p70 bra 	$L__BB48_174;
+
+	ld.volatile.global.u32 	%r29, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r195, [%rd5], 1;
+	setp.eq.s32 	%p113, %r195, %r4;
+	@%p113 bra 	$L__BB48_172;
+	bra.uni 	$L__BB48_170;
+
+$L__BB48_172:
+	mov.u32 	%r197, 0;
+	st.global.u32 	[%rd5], %r197;
+	membar.gl;
+	add.s64 	%rd252, %rd5, 64;
+	atom.global.add.u32 	%r198, [%rd252], 1;
+	bra.uni 	$L__BB48_173;
+
+$L__BB48_170:
+	ld.volatile.global.u32 	%r196, [%rd5+64];
+	setp.ne.s32 	%p114, %r196, %r29;
+	@%p114 bra 	$L__BB48_173;
+
+	ld.volatile.global.u64 	%rd251, [%rd6+8];
+	setp.eq.s64 	%p115, %rd251, 0;
+	@%p115 bra 	$L__BB48_170;
 
 $L__BB48_173:
-	setp.eq.s32 	%p115, %r24, 2;
-	@%p115 bra 	$L__BB48_195;
+	membar.gl;
 
-	setp.eq.s32 	%p116, %r24, 3;
-	@%p116 bra 	$L__BB48_175;
-	bra.uni 	$L__BB48_366;
+$L__BB48_174:
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_418;
 
-$L__BB48_175:
-	setp.le.u64 	%p127, %rd93, %rd2;
-	@%p127 bra 	$L__BB48_366;
+$L__BB48_185:
+	setp.eq.s32 	%p126, %r30, 2;
+	@%p126 bra 	$L__BB48_207;
 
-	mov.u64 	%rd428, %rd2;
+	setp.eq.s32 	%p127, %r30, 3;
+	@%p127 bra 	$L__BB48_187;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_177:
-	shl.b64 	%rd252, %rd428, 1;
-	add.s64 	%rd253, %rd91, %rd252;
-	ld.u16 	%r178, [%rd253];
-	shl.b32 	%r179, %r178, 16;
-	mov.b32 	%f75, %r179;
-	add.s64 	%rd254, %rd92, %rd252;
-	ld.u16 	%r180, [%rd254];
-	shl.b32 	%r181, %r180, 16;
-	mov.b32 	%f76, %r181;
-	setp.gt.f32 	%p128, %f76, %f75;
-	setp.nan.f32 	%p129, %f76, %f76;
-	or.pred  	%p130, %p128, %p129;
-	selp.f32 	%f77, %f76, %f75, %p130;
-	mov.b32 	%r182, %f77;
-	shr.u32 	%r183, %r182, 16;
-	and.b32  	%r184, %r183, 1;
-	or.b32  	%r185, %r182, %r184;
-	add.s32 	%r186, %r185, 32767;
-	shr.u32 	%r187, %r186, 16;
-	or.b32  	%r188, %r183, 64;
-	and.b32  	%r189, %r182, 2147418112;
-	setp.gt.u32 	%p131, %r189, 2139095040;
-	selp.b32 	%r190, %r188, %r187, %p131;
-	st.u16 	[%rd253], %r190;
-	add.s64 	%rd428, %rd428, %rd3;
-	setp.lt.u64 	%p132, %rd428, %rd93;
-	@%p132 bra 	$L__BB48_177;
-	bra.uni 	$L__BB48_366;
+$L__BB48_187:
+	setp.ge.u64 	%p138, %rd3, %rd92;
+	@%p138 bra 	$L__BB48_378;
 
-$L__BB48_273:
-	setp.eq.s32 	%p213, %r24, 2;
-	@%p213 bra 	$L__BB48_295;
+	mov.u64 	%rd466, %rd3;
 
-	setp.eq.s32 	%p214, %r24, 3;
-	@%p214 bra 	$L__BB48_275;
-	bra.uni 	$L__BB48_366;
+$L__BB48_189:
+	shl.b64 	%rd266, %rd466, 1;
+	add.s64 	%rd267, %rd90, %rd266;
+	ld.u16 	%r203, [%rd267];
+	shl.b32 	%r204, %r203, 16;
+	mov.b32 	%f75, %r204;
+	add.s64 	%rd268, %rd91, %rd266;
+	ld.u16 	%r205, [%rd268];
+	shl.b32 	%r206, %r205, 16;
+	mov.b32 	%f76, %r206;
+	setp.gt.f32 	%p139, %f76, %f75;
+	setp.nan.f32 	%p140, %f76, %f76;
+	or.pred  	%p141, %p139, %p140;
+	selp.f32 	%f77, %f76, %f75, %p141;
+	mov.b32 	%r207, %f77;
+	shr.u32 	%r208, %r207, 16;
+	and.b32  	%r209, %r208, 1;
+	or.b32  	%r210, %r207, %r209;
+	add.s32 	%r211, %r210, 32767;
+	shr.u32 	%r212, %r211, 16;
+	or.b32  	%r213, %r208, 64;
+	and.b32  	%r214, %r207, 2147418112;
+	setp.gt.u32 	%p142, %r214, 2139095040;
+	selp.b32 	%r215, %r213, %r212, %p142;
+	st.u16 	[%rd267], %r215;
+	add.s64 	%rd466, %rd466, %rd4;
+	setp.lt.u64 	%p143, %rd466, %rd92;
+	@%p143 bra 	$L__BB48_189;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_275:
-	setp.le.u64 	%p225, %rd129, %rd2;
-	@%p225 bra 	$L__BB48_366;
+$L__BB48_285:
+	setp.eq.s32 	%p224, %r30, 2;
+	@%p224 bra 	$L__BB48_307;
 
-	mov.u64 	%rd444, %rd2;
+	setp.eq.s32 	%p225, %r30, 3;
+	@%p225 bra 	$L__BB48_287;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_277:
-	shl.b64 	%rd302, %rd444, 1;
-	add.s64 	%rd303, %rd91, %rd302;
-	ld.u16 	%r272, [%rd303];
-	shl.b32 	%r273, %r272, 16;
-	mov.b32 	%f105, %r273;
-	add.s64 	%rd304, %rd92, %rd302;
-	ld.u16 	%r274, [%rd304];
-	shl.b32 	%r275, %r274, 16;
-	mov.b32 	%f106, %r275;
+$L__BB48_287:
+	setp.ge.u64 	%p236, %rd3, %rd128;
+	@%p236 bra 	$L__BB48_378;
+
+	mov.u64 	%rd482, %rd3;
+
+$L__BB48_289:
+	shl.b64 	%rd316, %rd482, 1;
+	add.s64 	%rd317, %rd90, %rd316;
+	ld.u16 	%r297, [%rd317];
+	shl.b32 	%r298, %r297, 16;
+	mov.b32 	%f105, %r298;
+	add.s64 	%rd318, %rd91, %rd316;
+	ld.u16 	%r299, [%rd318];
+	shl.b32 	%r300, %r299, 16;
+	mov.b32 	%f106, %r300;
 	mul.f32 	%f107, %f105, %f106;
-	mov.b32 	%r276, %f107;
-	shr.u32 	%r277, %r276, 16;
-	and.b32  	%r278, %r277, 1;
-	add.s32 	%r279, %r276, %r278;
-	add.s32 	%r280, %r279, 32767;
-	shr.u32 	%r281, %r280, 16;
-	or.b32  	%r282, %r277, 64;
-	and.b32  	%r283, %r276, 2147483647;
-	setp.gt.u32 	%p226, %r283, 2139095040;
-	selp.b32 	%r284, %r282, %r281, %p226;
-	st.u16 	[%rd303], %r284;
-	add.s64 	%rd444, %rd444, %rd3;
-	setp.lt.u64 	%p227, %rd444, %rd129;
-	@%p227 bra 	$L__BB48_277;
-	bra.uni 	$L__BB48_366;
+	mov.b32 	%r301, %f107;
+	shr.u32 	%r302, %r301, 16;
+	and.b32  	%r303, %r302, 1;
+	add.s32 	%r304, %r301, %r303;
+	add.s32 	%r305, %r304, 32767;
+	shr.u32 	%r306, %r305, 16;
+	or.b32  	%r307, %r302, 64;
+	and.b32  	%r308, %r301, 2147483647;
+	setp.gt.u32 	%p237, %r308, 2139095040;
+	selp.b32 	%r309, %r307, %r306, %p237;
+	st.u16 	[%rd317], %r309;
+	add.s64 	%rd482, %rd482, %rd4;
+	setp.lt.u64 	%p238, %rd482, %rd128;
+	@%p238 bra 	$L__BB48_289;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_223:
-	setp.eq.s32 	%p164, %r24, 2;
-	@%p164 bra 	$L__BB48_245;
+$L__BB48_235:
+	setp.eq.s32 	%p175, %r30, 2;
+	@%p175 bra 	$L__BB48_257;
 
-	setp.eq.s32 	%p165, %r24, 3;
-	@%p165 bra 	$L__BB48_225;
-	bra.uni 	$L__BB48_366;
+	setp.eq.s32 	%p176, %r30, 3;
+	@%p176 bra 	$L__BB48_237;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_225:
-	setp.le.u64 	%p176, %rd111, %rd2;
-	@%p176 bra 	$L__BB48_366;
+$L__BB48_237:
+	setp.ge.u64 	%p187, %rd3, %rd110;
+	@%p187 bra 	$L__BB48_378;
 
-	mov.u64 	%rd436, %rd2;
+	mov.u64 	%rd474, %rd3;
 
-$L__BB48_227:
-	shl.b64 	%rd277, %rd436, 1;
-	add.s64 	%rd278, %rd91, %rd277;
-	ld.u16 	%r225, [%rd278];
-	shl.b32 	%r226, %r225, 16;
-	mov.b32 	%f90, %r226;
-	add.s64 	%rd279, %rd92, %rd277;
-	ld.u16 	%r227, [%rd279];
-	shl.b32 	%r228, %r227, 16;
-	mov.b32 	%f91, %r228;
-	setp.lt.f32 	%p177, %f91, %f90;
-	setp.nan.f32 	%p178, %f91, %f91;
-	or.pred  	%p179, %p177, %p178;
-	selp.f32 	%f92, %f91, %f90, %p179;
-	mov.b32 	%r229, %f92;
-	shr.u32 	%r230, %r229, 16;
-	and.b32  	%r231, %r230, 1;
-	or.b32  	%r232, %r229, %r231;
-	add.s32 	%r233, %r232, 32767;
-	shr.u32 	%r234, %r233, 16;
-	or.b32  	%r235, %r230, 64;
-	and.b32  	%r236, %r229, 2147418112;
-	setp.gt.u32 	%p180, %r236, 2139095040;
-	selp.b32 	%r237, %r235, %r234, %p180;
-	st.u16 	[%rd278], %r237;
-	add.s64 	%rd436, %rd436, %rd3;
-	setp.lt.u64 	%p181, %rd436, %rd111;
-	@%p181 bra 	$L__BB48_227;
-	bra.uni 	$L__BB48_366;
+$L__BB48_239:
+	shl.b64 	%rd291, %rd474, 1;
+	add.s64 	%rd292, %rd90, %rd291;
+	ld.u16 	%r250, [%rd292];
+	shl.b32 	%r251, %r250, 16;
+	mov.b32 	%f90, %r251;
+	add.s64 	%rd293, %rd91, %rd291;
+	ld.u16 	%r252, [%rd293];
+	shl.b32 	%r253, %r252, 16;
+	mov.b32 	%f91, %r253;
+	setp.lt.f32 	%p188, %f91, %f90;
+	setp.nan.f32 	%p189, %f91, %f91;
+	or.pred  	%p190, %p188, %p189;
+	selp.f32 	%f92, %f91, %f90, %p190;
+	mov.b32 	%r254, %f92;
+	shr.u32 	%r255, %r254, 16;
+	and.b32  	%r256, %r255, 1;
+	or.b32  	%r257, %r254, %r256;
+	add.s32 	%r258, %r257, 32767;
+	shr.u32 	%r259, %r258, 16;
+	or.b32  	%r260, %r255, 64;
+	and.b32  	%r261, %r254, 2147418112;
+	setp.gt.u32 	%p191, %r261, 2139095040;
+	selp.b32 	%r262, %r260, %r259, %p191;
+	st.u16 	[%rd292], %r262;
+	add.s64 	%rd474, %rd474, %rd4;
+	setp.lt.u64 	%p192, %rd474, %rd110;
+	@%p192 bra 	$L__BB48_239;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_323:
-	setp.eq.s32 	%p250, %r24, 2;
-	@%p250 bra 	$L__BB48_345;
+$L__BB48_335:
+	setp.eq.s32 	%p261, %r30, 2;
+	@%p261 bra 	$L__BB48_357;
 
-	setp.eq.s32 	%p251, %r24, 3;
-	@%p251 bra 	$L__BB48_325;
-	bra.uni 	$L__BB48_366;
+	setp.eq.s32 	%p262, %r30, 3;
+	@%p262 bra 	$L__BB48_337;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_325:
-	setp.le.u64 	%p262, %rd147, %rd2;
-	@%p262 bra 	$L__BB48_366;
+$L__BB48_337:
+	setp.ge.u64 	%p273, %rd3, %rd146;
+	@%p273 bra 	$L__BB48_378;
 
-	mov.u64 	%rd452, %rd2;
+	mov.u64 	%rd490, %rd3;
 
-$L__BB48_327:
-	shl.b64 	%rd327, %rd452, 1;
-	add.s64 	%rd328, %rd91, %rd327;
-	ld.u16 	%r319, [%rd328];
-	shl.b32 	%r320, %r319, 16;
-	mov.b32 	%f120, %r320;
-	add.s64 	%rd329, %rd92, %rd327;
-	ld.u16 	%r321, [%rd329];
-	shl.b32 	%r322, %r321, 16;
-	mov.b32 	%f121, %r322;
+$L__BB48_339:
+	shl.b64 	%rd341, %rd490, 1;
+	add.s64 	%rd342, %rd90, %rd341;
+	ld.u16 	%r344, [%rd342];
+	shl.b32 	%r345, %r344, 16;
+	mov.b32 	%f120, %r345;
+	add.s64 	%rd343, %rd91, %rd341;
+	ld.u16 	%r346, [%rd343];
+	shl.b32 	%r347, %r346, 16;
+	mov.b32 	%f121, %r347;
 	add.f32 	%f122, %f120, %f121;
-	mov.b32 	%r323, %f122;
-	shr.u32 	%r324, %r323, 16;
-	and.b32  	%r325, %r324, 1;
-	add.s32 	%r326, %r323, %r325;
-	add.s32 	%r327, %r326, 32767;
-	shr.u32 	%r328, %r327, 16;
-	or.b32  	%r329, %r324, 64;
-	and.b32  	%r330, %r323, 2147483647;
-	setp.gt.u32 	%p263, %r330, 2139095040;
-	selp.b32 	%r331, %r329, %r328, %p263;
-	st.u16 	[%rd328], %r331;
-	add.s64 	%rd452, %rd452, %rd3;
-	setp.lt.u64 	%p264, %rd452, %rd147;
-	@%p264 bra 	$L__BB48_327;
-	bra.uni 	$L__BB48_366;
+	mov.b32 	%r348, %f122;
+	shr.u32 	%r349, %r348, 16;
+	and.b32  	%r350, %r349, 1;
+	add.s32 	%r351, %r348, %r350;
+	add.s32 	%r352, %r351, 32767;
+	shr.u32 	%r353, %r352, 16;
+	or.b32  	%r354, %r349, 64;
+	and.b32  	%r355, %r348, 2147483647;
+	setp.gt.u32 	%p274, %r355, 2139095040;
+	selp.b32 	%r356, %r354, %r353, %p274;
+	st.u16 	[%rd342], %r356;
+	add.s64 	%rd490, %rd490, %rd4;
+	setp.lt.u64 	%p275, %rd490, %rd146;
+	@%p275 bra 	$L__BB48_339;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_184:
-	setp.eq.s32 	%p110, %r24, 6;
-	@%p110 bra 	$L__BB48_189;
+$L__BB48_196:
+	setp.eq.s32 	%p121, %r30, 6;
+	@%p121 bra 	$L__BB48_201;
 
-	setp.ne.s32 	%p111, %r24, 7;
-	@%p111 bra 	$L__BB48_366;
+	setp.ne.s32 	%p122, %r30, 7;
+	@%p122 bra 	$L__BB48_378;
 
-	setp.le.u64 	%p119, %rd93, %rd2;
-	@%p119 bra 	$L__BB48_366;
+	setp.ge.u64 	%p130, %rd3, %rd92;
+	@%p130 bra 	$L__BB48_378;
 
-	mov.u64 	%rd424, %rd2;
+	mov.u64 	%rd462, %rd3;
 
-$L__BB48_188:
-	shl.b64 	%rd239, %rd424, 3;
-	add.s64 	%rd240, %rd91, %rd239;
-	add.s64 	%rd241, %rd92, %rd239;
-	ld.u64 	%rd242, [%rd241];
-	ld.u64 	%rd243, [%rd240];
-	max.s64 	%rd244, %rd242, %rd243;
-	st.u64 	[%rd240], %rd244;
-	add.s64 	%rd424, %rd424, %rd3;
-	setp.lt.u64 	%p120, %rd424, %rd93;
-	@%p120 bra 	$L__BB48_188;
-	bra.uni 	$L__BB48_366;
+$L__BB48_200:
+	shl.b64 	%rd253, %rd462, 3;
+	add.s64 	%rd254, %rd90, %rd253;
+	add.s64 	%rd255, %rd91, %rd253;
+	ld.u64 	%rd256, [%rd255];
+	ld.u64 	%rd257, [%rd254];
+	max.s64 	%rd258, %rd256, %rd257;
+	st.u64 	[%rd254], %rd258;
+	add.s64 	%rd462, %rd462, %rd4;
+	setp.lt.u64 	%p131, %rd462, %rd92;
+	@%p131 bra 	$L__BB48_200;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_284:
-	setp.eq.s32 	%p208, %r24, 6;
-	@%p208 bra 	$L__BB48_289;
+$L__BB48_296:
+	setp.eq.s32 	%p219, %r30, 6;
+	@%p219 bra 	$L__BB48_301;
 
-	setp.ne.s32 	%p209, %r24, 7;
-	@%p209 bra 	$L__BB48_366;
+	setp.ne.s32 	%p220, %r30, 7;
+	@%p220 bra 	$L__BB48_378;
 
-	setp.le.u64 	%p217, %rd129, %rd2;
-	@%p217 bra 	$L__BB48_366;
+	setp.ge.u64 	%p228, %rd3, %rd128;
+	@%p228 bra 	$L__BB48_378;
 
-	mov.u64 	%rd440, %rd2;
+	mov.u64 	%rd478, %rd3;
 
-$L__BB48_288:
-	shl.b64 	%rd289, %rd440, 3;
-	add.s64 	%rd290, %rd91, %rd289;
-	add.s64 	%rd291, %rd92, %rd289;
-	ld.u64 	%rd292, [%rd291];
-	ld.u64 	%rd293, [%rd290];
-	mul.lo.s64 	%rd294, %rd292, %rd293;
-	st.u64 	[%rd290], %rd294;
-	add.s64 	%rd440, %rd440, %rd3;
-	setp.lt.u64 	%p218, %rd440, %rd129;
-	@%p218 bra 	$L__BB48_288;
-	bra.uni 	$L__BB48_366;
+$L__BB48_300:
+	shl.b64 	%rd303, %rd478, 3;
+	add.s64 	%rd304, %rd90, %rd303;
+	add.s64 	%rd305, %rd91, %rd303;
+	ld.u64 	%rd306, [%rd305];
+	ld.u64 	%rd307, [%rd304];
+	mul.lo.s64 	%rd308, %rd306, %rd307;
+	st.u64 	[%rd304], %rd308;
+	add.s64 	%rd478, %rd478, %rd4;
+	setp.lt.u64 	%p229, %rd478, %rd128;
+	@%p229 bra 	$L__BB48_300;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_234:
-	setp.eq.s32 	%p159, %r24, 6;
-	@%p159 bra 	$L__BB48_239;
+$L__BB48_246:
+	setp.eq.s32 	%p170, %r30, 6;
+	@%p170 bra 	$L__BB48_251;
 
-	setp.ne.s32 	%p160, %r24, 7;
-	@%p160 bra 	$L__BB48_366;
+	setp.ne.s32 	%p171, %r30, 7;
+	@%p171 bra 	$L__BB48_378;
 
-	setp.le.u64 	%p168, %rd111, %rd2;
-	@%p168 bra 	$L__BB48_366;
+	setp.ge.u64 	%p179, %rd3, %rd110;
+	@%p179 bra 	$L__BB48_378;
 
-	mov.u64 	%rd432, %rd2;
+	mov.u64 	%rd470, %rd3;
 
-$L__BB48_238:
-	shl.b64 	%rd264, %rd432, 3;
-	add.s64 	%rd265, %rd91, %rd264;
-	add.s64 	%rd266, %rd92, %rd264;
-	ld.u64 	%rd267, [%rd266];
-	ld.u64 	%rd268, [%rd265];
-	min.s64 	%rd269, %rd267, %rd268;
-	st.u64 	[%rd265], %rd269;
-	add.s64 	%rd432, %rd432, %rd3;
-	setp.lt.u64 	%p169, %rd432, %rd111;
-	@%p169 bra 	$L__BB48_238;
-	bra.uni 	$L__BB48_366;
+$L__BB48_250:
+	shl.b64 	%rd278, %rd470, 3;
+	add.s64 	%rd279, %rd90, %rd278;
+	add.s64 	%rd280, %rd91, %rd278;
+	ld.u64 	%rd281, [%rd280];
+	ld.u64 	%rd282, [%rd279];
+	min.s64 	%rd283, %rd281, %rd282;
+	st.u64 	[%rd279], %rd283;
+	add.s64 	%rd470, %rd470, %rd4;
+	setp.lt.u64 	%p180, %rd470, %rd110;
+	@%p180 bra 	$L__BB48_250;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_334:
-	setp.eq.s32 	%p245, %r24, 6;
-	@%p245 bra 	$L__BB48_339;
+$L__BB48_346:
+	setp.eq.s32 	%p256, %r30, 6;
+	@%p256 bra 	$L__BB48_351;
 
-	setp.ne.s32 	%p246, %r24, 7;
-	@%p246 bra 	$L__BB48_366;
+	setp.ne.s32 	%p257, %r30, 7;
+	@%p257 bra 	$L__BB48_378;
 
-	setp.le.u64 	%p254, %rd147, %rd2;
-	@%p254 bra 	$L__BB48_366;
+	setp.ge.u64 	%p265, %rd3, %rd146;
+	@%p265 bra 	$L__BB48_378;
 
-	mov.u64 	%rd448, %rd2;
+	mov.u64 	%rd486, %rd3;
 
-$L__BB48_338:
-	shl.b64 	%rd314, %rd448, 3;
-	add.s64 	%rd315, %rd91, %rd314;
-	add.s64 	%rd316, %rd92, %rd314;
-	ld.u64 	%rd317, [%rd316];
-	ld.u64 	%rd318, [%rd315];
-	add.s64 	%rd319, %rd317, %rd318;
-	st.u64 	[%rd315], %rd319;
-	add.s64 	%rd448, %rd448, %rd3;
-	setp.lt.u64 	%p255, %rd448, %rd147;
-	@%p255 bra 	$L__BB48_338;
-	bra.uni 	$L__BB48_366;
+$L__BB48_350:
+	shl.b64 	%rd328, %rd486, 3;
+	add.s64 	%rd329, %rd90, %rd328;
+	add.s64 	%rd330, %rd91, %rd328;
+	ld.u64 	%rd331, [%rd330];
+	ld.u64 	%rd332, [%rd329];
+	add.s64 	%rd333, %rd331, %rd332;
+	st.u64 	[%rd329], %rd333;
+	add.s64 	%rd486, %rd486, %rd4;
+	setp.lt.u64 	%p266, %rd486, %rd146;
+	@%p266 bra 	$L__BB48_350;
+	bra.uni 	$L__BB48_378;
 
 $L__BB48_99:
-	mov.b64 	%fd21, %rd28;
+	mov.b64 	%fd21, %rd30;
 
 $L__BB48_100:
-	setp.le.u64 	%p62, %rd26, %rd2;
-	@%p62 bra 	$L__BB48_108;
+	setp.ge.u64 	%p65, %rd3, %rd28;
+	@%p65 bra 	$L__BB48_108;
 
-	mov.u64 	%rd410, %rd2;
+	mov.u64 	%rd448, %rd3;
 
 $L__BB48_102:
-	shl.b64 	%rd219, %rd410, 3;
-	add.s64 	%rd220, %rd25, %rd219;
-	ld.f64 	%fd5, [%rd220];
+	shl.b64 	%rd229, %rd448, 3;
+	add.s64 	%rd230, %rd27, %rd229;
+	ld.f64 	%fd5, [%rd230];
 	mul.f64 	%fd6, %fd21, %fd5;
-	st.f64 	[%rd220], %fd6;
-	add.s64 	%rd410, %rd410, %rd3;
-	setp.lt.u64 	%p63, %rd410, %rd26;
-	@%p63 bra 	$L__BB48_102;
+	st.f64 	[%rd230], %fd6;
+	add.s64 	%rd448, %rd448, %rd4;
+	setp.lt.u64 	%p66, %rd448, %rd28;
+	@%p66 bra 	$L__BB48_102;
 	bra.uni 	$L__BB48_108;
 
 $L__BB48_64:
-	cvt.u16.u64 	%rs128, %rd28;
+	cvt.u16.u64 	%rs128, %rd30;
 
 $L__BB48_65:
-	setp.le.u64 	%p40, %rd26, %rd2;
-	@%p40 bra 	$L__BB48_108;
+	setp.ge.u64 	%p43, %rd3, %rd28;
+	@%p43 bra 	$L__BB48_108;
 
-	mov.u64 	%rd406, %rd2;
+	mov.u64 	%rd444, %rd3;
 
 $L__BB48_67:
-	add.s64 	%rd214, %rd25, %rd406;
-	ld.u8 	%rs57, [%rd214];
+	add.s64 	%rd224, %rd27, %rd444;
+	ld.u8 	%rs57, [%rd224];
 	mul.lo.s16 	%rs58, %rs57, %rs128;
-	st.u8 	[%rd214], %rs58;
-	add.s64 	%rd406, %rd406, %rd3;
-	setp.lt.u64 	%p41, %rd406, %rd26;
-	@%p41 bra 	$L__BB48_67;
+	st.u8 	[%rd224], %rs58;
+	add.s64 	%rd444, %rd444, %rd4;
+	setp.lt.u64 	%p44, %rd444, %rd28;
+	@%p44 bra 	$L__BB48_67;
 	bra.uni 	$L__BB48_108;
 
 $L__BB48_74:
-	cvt.u16.u64 	%rs130, %rd28;
+	cvt.u16.u64 	%rs130, %rd30;
 
 $L__BB48_75:
-	setp.le.u64 	%p46, %rd26, %rd2;
-	@%p46 bra 	$L__BB48_108;
+	setp.ge.u64 	%p49, %rd3, %rd28;
+	@%p49 bra 	$L__BB48_108;
 
-	cvt.u32.u16 	%r84, %rs130;
-	shl.b32 	%r85, %r84, 16;
-	mov.b32 	%f1, %r85;
-	mov.u64 	%rd408, %rd2;
+	cvt.u32.u16 	%r101, %rs130;
+	shl.b32 	%r102, %r101, 16;
+	mov.b32 	%f1, %r102;
+	mov.u64 	%rd446, %rd3;
 
 $L__BB48_77:
-	shl.b64 	%rd216, %rd408, 1;
-	add.s64 	%rd217, %rd25, %rd216;
-	ld.u16 	%r86, [%rd217];
-	shl.b32 	%r87, %r86, 16;
-	mov.b32 	%f52, %r87;
+	shl.b64 	%rd226, %rd446, 1;
+	add.s64 	%rd227, %rd27, %rd226;
+	ld.u16 	%r103, [%rd227];
+	shl.b32 	%r104, %r103, 16;
+	mov.b32 	%f52, %r104;
 	mul.f32 	%f53, %f1, %f52;
-	mov.b32 	%r88, %f53;
-	shr.u32 	%r89, %r88, 16;
-	and.b32  	%r90, %r89, 1;
-	add.s32 	%r91, %r88, %r90;
-	add.s32 	%r92, %r91, 32767;
-	shr.u32 	%r93, %r92, 16;
-	or.b32  	%r94, %r89, 64;
-	and.b32  	%r95, %r88, 2147483647;
-	setp.gt.u32 	%p47, %r95, 2139095040;
-	selp.b32 	%r96, %r94, %r93, %p47;
-	st.u16 	[%rd217], %r96;
-	add.s64 	%rd408, %rd408, %rd3;
-	setp.lt.u64 	%p48, %rd408, %rd26;
-	@%p48 bra 	$L__BB48_77;
+	mov.b32 	%r105, %f53;
+	shr.u32 	%r106, %r105, 16;
+	and.b32  	%r107, %r106, 1;
+	add.s32 	%r108, %r105, %r107;
+	add.s32 	%r109, %r108, 32767;
+	shr.u32 	%r110, %r109, 16;
+	or.b32  	%r111, %r106, 64;
+	and.b32  	%r112, %r105, 2147483647;
+	setp.gt.u32 	%p50, %r112, 2139095040;
+	selp.b32 	%r113, %r111, %r110, %p50;
+	st.u16 	[%rd227], %r113;
+	add.s64 	%rd446, %rd446, %rd4;
+	setp.lt.u64 	%p51, %rd446, %rd28;
+	@%p51 bra 	$L__BB48_77;
 	bra.uni 	$L__BB48_108;
 
 $L__BB48_70:
-	cvt.u16.u64 	%rs129, %rd28;
+	cvt.u16.u64 	%rs129, %rd30;
 
 $L__BB48_71:
-	setp.le.u64 	%p43, %rd26, %rd2;
-	@%p43 bra 	$L__BB48_108;
+	setp.ge.u64 	%p46, %rd3, %rd28;
+	@%p46 bra 	$L__BB48_108;
 
-	mov.u64 	%rd407, %rd2;
+	mov.u64 	%rd445, %rd3;
 
 $L__BB48_73:
-	add.s64 	%rd215, %rd25, %rd407;
-	ld.u8 	%rs59, [%rd215];
+	add.s64 	%rd225, %rd27, %rd445;
+	ld.u8 	%rs59, [%rd225];
 	mul.lo.s16 	%rs60, %rs59, %rs129;
-	st.u8 	[%rd215], %rs60;
-	add.s64 	%rd407, %rd407, %rd3;
-	setp.lt.u64 	%p44, %rd407, %rd26;
-	@%p44 bra 	$L__BB48_73;
+	st.u8 	[%rd225], %rs60;
+	add.s64 	%rd445, %rd445, %rd4;
+	setp.lt.u64 	%p47, %rd445, %rd28;
+	@%p47 bra 	$L__BB48_73;
 	bra.uni 	$L__BB48_108;
 
 $L__BB48_80:
-	cvt.u16.u64 	%rs131, %rd28;
+	cvt.u16.u64 	%rs131, %rd30;
 
 $L__BB48_81:
 	and.b16  	%rs13, %rs131, -32768;
-	cvt.u32.u16 	%r97, %rs131;
-	shl.b32 	%r98, %r97, 16;
-	and.b32  	%r6, %r98, -2147483648;
+	cvt.u32.u16 	%r114, %rs131;
+	shl.b32 	%r115, %r114, 16;
+	and.b32  	%r10, %r115, -2147483648;
 	shr.u16 	%rs61, %rs131, 10;
 	and.b16  	%rs14, %rs61, 31;
 	and.b16  	%rs15, %rs131, 1023;
-	cvt.u32.u16 	%r7, %rs15;
-	setp.eq.s16 	%p50, %rs14, 0;
-	@%p50 bra 	$L__BB48_85;
+	cvt.u32.u16 	%r11, %rs15;
+	setp.eq.s16 	%p53, %rs14, 0;
+	@%p53 bra 	$L__BB48_85;
 
-	setp.eq.s16 	%p51, %rs14, 31;
-	@%p51 bra 	$L__BB48_84;
+	setp.eq.s16 	%p54, %rs14, 31;
+	@%p54 bra 	$L__BB48_84;
 	bra.uni 	$L__BB48_83;
 
 $L__BB48_84:
-	shl.b32 	%r104, %r7, 13;
-	or.b32  	%r105, %r104, %r6;
-	or.b32  	%r106, %r105, 2139095040;
-	mov.b32 	%f135, %r106;
+	shl.b32 	%r121, %r11, 13;
+	or.b32  	%r122, %r121, %r10;
+	or.b32  	%r123, %r122, 2139095040;
+	mov.b32 	%f135, %r123;
 	bra.uni 	$L__BB48_86;
 
 $L__BB48_60:
-	cvt.u32.u64 	%r385, %rd28;
+	cvt.u32.u64 	%r429, %rd30;
 
 $L__BB48_61:
-	setp.le.u64 	%p37, %rd26, %rd2;
-	@%p37 bra 	$L__BB48_108;
+	setp.ge.u64 	%p40, %rd3, %rd28;
+	@%p40 bra 	$L__BB48_108;
 
-	mov.u64 	%rd405, %rd2;
+	mov.u64 	%rd443, %rd3;
 
 $L__BB48_63:
-	shl.b64 	%rd212, %rd405, 2;
-	add.s64 	%rd213, %rd25, %rd212;
-	ld.u32 	%r82, [%rd213];
-	mul.lo.s32 	%r83, %r82, %r385;
-	st.u32 	[%rd213], %r83;
-	add.s64 	%rd405, %rd405, %rd3;
-	setp.lt.u64 	%p38, %rd405, %rd26;
-	@%p38 bra 	$L__BB48_63;
+	shl.b64 	%rd222, %rd443, 2;
+	add.s64 	%rd223, %rd27, %rd222;
+	ld.u32 	%r99, [%rd223];
+	mul.lo.s32 	%r100, %r99, %r429;
+	st.u32 	[%rd223], %r100;
+	add.s64 	%rd443, %rd443, %rd4;
+	setp.lt.u64 	%p41, %rd443, %rd28;
+	@%p41 bra 	$L__BB48_63;
 	bra.uni 	$L__BB48_108;
 
 $L__BB48_85:
 	cvt.rn.f32.u16 	%f54, %rs15;
 	mul.f32 	%f55, %f54, 0f33800000;
 	mul.f32 	%f56, %f54, 0fB3800000;
-	setp.eq.s16 	%p52, %rs13, 0;
-	selp.f32 	%f135, %f55, %f56, %p52;
+	setp.eq.s16 	%p55, %rs13, 0;
+	selp.f32 	%f135, %f55, %f56, %p55;
 	bra.uni 	$L__BB48_86;
 
 $L__BB48_83:
 	add.s16 	%rs62, %rs14, 112;
-	cvt.u32.u16 	%r99, %rs62;
-	shl.b32 	%r100, %r99, 23;
-	shl.b32 	%r101, %r7, 13;
-	or.b32  	%r102, %r101, %r6;
-	or.b32  	%r103, %r102, %r100;
-	mov.b32 	%f135, %r103;
+	cvt.u32.u16 	%r116, %rs62;
+	shl.b32 	%r117, %r116, 23;
+	shl.b32 	%r118, %r11, 13;
+	or.b32  	%r119, %r118, %r10;
+	or.b32  	%r120, %r119, %r117;
+	mov.b32 	%f135, %r120;
 
 $L__BB48_86:
-	setp.le.u64 	%p53, %rd26, %rd2;
-	@%p53 bra 	$L__BB48_108;
+	setp.ge.u64 	%p56, %rd3, %rd28;
+	@%p56 bra 	$L__BB48_108;
 
-	mov.u64 	%rd409, %rd2;
+	mov.u64 	%rd447, %rd3;
 
 $L__BB48_88:
-	shl.b64 	%rd218, %rd409, 1;
-	add.s64 	%rd45, %rd25, %rd218;
-	ld.u16 	%rs63, [%rd45];
+	shl.b64 	%rd228, %rd447, 1;
+	add.s64 	%rd44, %rd27, %rd228;
+	ld.u16 	%rs63, [%rd44];
 	and.b16  	%rs16, %rs63, -32768;
-	cvt.u32.u16 	%r107, %rs63;
-	shl.b32 	%r108, %r107, 16;
-	and.b32  	%r8, %r108, -2147483648;
+	cvt.u32.u16 	%r124, %rs63;
+	shl.b32 	%r125, %r124, 16;
+	and.b32  	%r12, %r125, -2147483648;
 	shr.u16 	%rs64, %rs63, 10;
 	and.b16  	%rs17, %rs64, 31;
 	and.b16  	%rs18, %rs63, 1023;
-	cvt.u32.u16 	%r9, %rs18;
-	setp.eq.s16 	%p54, %rs17, 0;
-	@%p54 bra 	$L__BB48_92;
+	cvt.u32.u16 	%r13, %rs18;
+	setp.eq.s16 	%p57, %rs17, 0;
+	@%p57 bra 	$L__BB48_92;
 
-	setp.eq.s16 	%p55, %rs17, 31;
-	@%p55 bra 	$L__BB48_91;
+	setp.eq.s16 	%p58, %rs17, 31;
+	@%p58 bra 	$L__BB48_91;
 	bra.uni 	$L__BB48_90;
 
 $L__BB48_91:
-	shl.b32 	%r114, %r9, 13;
-	or.b32  	%r115, %r114, %r8;
-	or.b32  	%r116, %r115, 2139095040;
-	mov.b32 	%f136, %r116;
+	shl.b32 	%r131, %r13, 13;
+	or.b32  	%r132, %r131, %r12;
+	or.b32  	%r133, %r132, 2139095040;
+	mov.b32 	%f136, %r133;
 	bra.uni 	$L__BB48_93;
 
 $L__BB48_92:
 	cvt.rn.f32.u16 	%f57, %rs18;
 	mul.f32 	%f58, %f57, 0f33800000;
 	mul.f32 	%f59, %f57, 0fB3800000;
-	setp.eq.s16 	%p56, %rs16, 0;
-	selp.f32 	%f136, %f58, %f59, %p56;
+	setp.eq.s16 	%p59, %rs16, 0;
+	selp.f32 	%f136, %f58, %f59, %p59;
 	bra.uni 	$L__BB48_93;
 
 $L__BB48_90:
 	add.s16 	%rs65, %rs17, 112;
-	cvt.u32.u16 	%r109, %rs65;
-	shl.b32 	%r110, %r109, 23;
-	shl.b32 	%r111, %r9, 13;
-	or.b32  	%r112, %r111, %r8;
-	or.b32  	%r113, %r112, %r110;
-	mov.b32 	%f136, %r113;
+	cvt.u32.u16 	%r126, %rs65;
+	shl.b32 	%r127, %r126, 23;
+	shl.b32 	%r128, %r13, 13;
+	or.b32  	%r129, %r128, %r12;
+	or.b32  	%r130, %r129, %r127;
+	mov.b32 	%f136, %r130;
 
 $L__BB48_93:
 	mul.f32 	%f60, %f135, %f136;
-	mov.b32 	%r10, %f60;
-	and.b32  	%r11, %r10, 2147483647;
-	setp.gt.u32 	%p57, %r11, 1199570943;
-	@%p57 bra 	$L__BB48_97;
+	mov.b32 	%r14, %f60;
+	and.b32  	%r15, %r14, 2147483647;
+	setp.gt.u32 	%p60, %r15, 1199570943;
+	@%p60 bra 	$L__BB48_97;
 	bra.uni 	$L__BB48_94;
 
 $L__BB48_97:
-	setp.gt.u32 	%p59, %r11, 2139095040;
-	shr.u32 	%r122, %r10, 13;
-	and.b32  	%r123, %r122, 511;
-	or.b32  	%r124, %r123, 32256;
-	selp.b32 	%r386, %r124, 31744, %p59;
+	setp.gt.u32 	%p62, %r15, 2139095040;
+	shr.u32 	%r139, %r14, 13;
+	and.b32  	%r140, %r139, 511;
+	or.b32  	%r141, %r140, 32256;
+	selp.b32 	%r430, %r141, 31744, %p62;
 	bra.uni 	$L__BB48_98;
 
 $L__BB48_94:
-	setp.lt.u32 	%p58, %r11, 947912704;
-	@%p58 bra 	$L__BB48_96;
+	setp.lt.u32 	%p61, %r15, 947912704;
+	@%p61 bra 	$L__BB48_96;
 	bra.uni 	$L__BB48_95;
 
 $L__BB48_96:
-	mov.b32 	%f61, %r11;
+	mov.b32 	%f61, %r15;
 	add.f32 	%f62, %f61, 0f3F000000;
-	mov.b32 	%r121, %f62;
-	add.s32 	%r386, %r121, -1056964608;
+	mov.b32 	%r138, %f62;
+	add.s32 	%r430, %r138, -1056964608;
 	bra.uni 	$L__BB48_98;
 
 $L__BB48_95:
-	shr.u32 	%r117, %r10, 13;
-	and.b32  	%r118, %r117, 1;
-	add.s32 	%r119, %r11, %r118;
-	add.s32 	%r120, %r119, -939520001;
-	shr.u32 	%r386, %r120, 13;
+	shr.u32 	%r134, %r14, 13;
+	and.b32  	%r135, %r134, 1;
+	add.s32 	%r136, %r15, %r135;
+	add.s32 	%r137, %r136, -939520001;
+	shr.u32 	%r430, %r137, 13;
 
 $L__BB48_98:
-	and.b32  	%r125, %r10, -2147483648;
-	shr.u32 	%r126, %r125, 16;
-	or.b32  	%r127, %r386, %r126;
-	st.u16 	[%rd45], %r127;
-	add.s64 	%rd409, %rd409, %rd3;
-	setp.lt.u64 	%p60, %rd409, %rd26;
-	@%p60 bra 	$L__BB48_88;
+	and.b32  	%r142, %r14, -2147483648;
+	shr.u32 	%r143, %r142, 16;
+	or.b32  	%r144, %r430, %r143;
+	st.u16 	[%rd44], %r144;
+	add.s64 	%rd447, %rd447, %rd4;
+	setp.lt.u64 	%p63, %rd447, %rd28;
+	@%p63 bra 	$L__BB48_88;
 
 $L__BB48_108:
 	bar.sync 	0;
+	@%p70 bra 	$L__BB48_114;
+
+	ld.volatile.global.u32 	%r20, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r146, [%rd5], 1;
+	setp.eq.s32 	%p71, %r146, %r4;
+	@%p71 bra 	$L__BB48_112;
+	bra.uni 	$L__BB48_110;
+
+$L__BB48_112:
+	mov.u32 	%r148, 0;
+	st.global.u32 	[%rd5], %r148;
+	membar.gl;
+	add.s64 	%rd234, %rd5, 64;
+	atom.global.add.u32 	%r149, [%rd234], 1;
+	bra.uni 	$L__BB48_113;
+
+$L__BB48_110:
+	ld.volatile.global.u32 	%r147, [%rd5+64];
+	setp.ne.s32 	%p72, %r147, %r20;
+	@%p72 bra 	$L__BB48_113;
+
+	ld.volatile.global.u64 	%rd233, [%rd6+8];
+	setp.eq.s64 	%p73, %rd233, 0;
+	@%p73 bra 	$L__BB48_110;
+
+$L__BB48_113:
+	membar.gl;
+
+$L__BB48_114:
+	bar.sync 	0;
 	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_388;
+	bra.uni 	$L__BB48_418;
 
-$L__BB48_213:
-	setp.le.u64 	%p152, %rd93, %rd2;
-	@%p152 bra 	$L__BB48_366;
+$L__BB48_225:
+	setp.ge.u64 	%p163, %rd3, %rd92;
+	@%p163 bra 	$L__BB48_378;
 
-	mov.u64 	%rd431, %rd2;
+	mov.u64 	%rd469, %rd3;
 
-$L__BB48_215:
-	shl.b64 	%rd261, %rd431, 2;
-	add.s64 	%rd262, %rd91, %rd261;
-	add.s64 	%rd263, %rd92, %rd261;
-	ld.f32 	%f87, [%rd263];
-	ld.f32 	%f88, [%rd262];
-	setp.gt.f32 	%p153, %f87, %f88;
-	setp.nan.f32 	%p154, %f87, %f87;
-	or.pred  	%p155, %p153, %p154;
-	selp.f32 	%f89, %f87, %f88, %p155;
-	st.f32 	[%rd262], %f89;
-	add.s64 	%rd431, %rd431, %rd3;
-	setp.lt.u64 	%p156, %rd431, %rd93;
-	@%p156 bra 	$L__BB48_215;
-	bra.uni 	$L__BB48_366;
+$L__BB48_227:
+	shl.b64 	%rd275, %rd469, 2;
+	add.s64 	%rd276, %rd90, %rd275;
+	add.s64 	%rd277, %rd91, %rd275;
+	ld.f32 	%f87, [%rd277];
+	ld.f32 	%f88, [%rd276];
+	setp.gt.f32 	%p164, %f87, %f88;
+	setp.nan.f32 	%p165, %f87, %f87;
+	or.pred  	%p166, %p164, %p165;
+	selp.f32 	%f89, %f87, %f88, %p166;
+	st.f32 	[%rd276], %f89;
+	add.s64 	%rd469, %rd469, %rd4;
+	setp.lt.u64 	%p167, %rd469, %rd92;
+	@%p167 bra 	$L__BB48_227;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_313:
-	setp.le.u64 	%p241, %rd129, %rd2;
-	@%p241 bra 	$L__BB48_366;
+$L__BB48_325:
+	setp.ge.u64 	%p252, %rd3, %rd128;
+	@%p252 bra 	$L__BB48_378;
 
-	mov.u64 	%rd447, %rd2;
+	mov.u64 	%rd485, %rd3;
 
-$L__BB48_315:
-	shl.b64 	%rd311, %rd447, 2;
-	add.s64 	%rd312, %rd91, %rd311;
-	add.s64 	%rd313, %rd92, %rd311;
-	ld.f32 	%f117, [%rd313];
-	ld.f32 	%f118, [%rd312];
+$L__BB48_327:
+	shl.b64 	%rd325, %rd485, 2;
+	add.s64 	%rd326, %rd90, %rd325;
+	add.s64 	%rd327, %rd91, %rd325;
+	ld.f32 	%f117, [%rd327];
+	ld.f32 	%f118, [%rd326];
 	mul.f32 	%f119, %f118, %f117;
-	st.f32 	[%rd312], %f119;
-	add.s64 	%rd447, %rd447, %rd3;
-	setp.lt.u64 	%p242, %rd447, %rd129;
-	@%p242 bra 	$L__BB48_315;
-	bra.uni 	$L__BB48_366;
+	st.f32 	[%rd326], %f119;
+	add.s64 	%rd485, %rd485, %rd4;
+	setp.lt.u64 	%p253, %rd485, %rd128;
+	@%p253 bra 	$L__BB48_327;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_263:
-	setp.le.u64 	%p201, %rd111, %rd2;
-	@%p201 bra 	$L__BB48_366;
+$L__BB48_275:
+	setp.ge.u64 	%p212, %rd3, %rd110;
+	@%p212 bra 	$L__BB48_378;
 
-	mov.u64 	%rd439, %rd2;
+	mov.u64 	%rd477, %rd3;
 
-$L__BB48_265:
-	shl.b64 	%rd286, %rd439, 2;
-	add.s64 	%rd287, %rd91, %rd286;
-	add.s64 	%rd288, %rd92, %rd286;
-	ld.f32 	%f102, [%rd288];
-	ld.f32 	%f103, [%rd287];
-	setp.lt.f32 	%p202, %f102, %f103;
-	setp.nan.f32 	%p203, %f102, %f102;
-	or.pred  	%p204, %p202, %p203;
-	selp.f32 	%f104, %f102, %f103, %p204;
-	st.f32 	[%rd287], %f104;
-	add.s64 	%rd439, %rd439, %rd3;
-	setp.lt.u64 	%p205, %rd439, %rd111;
-	@%p205 bra 	$L__BB48_265;
-	bra.uni 	$L__BB48_366;
+$L__BB48_277:
+	shl.b64 	%rd300, %rd477, 2;
+	add.s64 	%rd301, %rd90, %rd300;
+	add.s64 	%rd302, %rd91, %rd300;
+	ld.f32 	%f102, [%rd302];
+	ld.f32 	%f103, [%rd301];
+	setp.lt.f32 	%p213, %f102, %f103;
+	setp.nan.f32 	%p214, %f102, %f102;
+	or.pred  	%p215, %p213, %p214;
+	selp.f32 	%f104, %f102, %f103, %p215;
+	st.f32 	[%rd301], %f104;
+	add.s64 	%rd477, %rd477, %rd4;
+	setp.lt.u64 	%p216, %rd477, %rd110;
+	@%p216 bra 	$L__BB48_277;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_363:
-	setp.le.u64 	%p278, %rd147, %rd2;
-	@%p278 bra 	$L__BB48_366;
+$L__BB48_375:
+	setp.ge.u64 	%p289, %rd3, %rd146;
+	@%p289 bra 	$L__BB48_378;
 
-	mov.u64 	%rd455, %rd2;
+	mov.u64 	%rd493, %rd3;
 
-$L__BB48_365:
-	shl.b64 	%rd336, %rd455, 2;
-	add.s64 	%rd337, %rd91, %rd336;
-	add.s64 	%rd338, %rd92, %rd336;
-	ld.f32 	%f132, [%rd338];
-	ld.f32 	%f133, [%rd337];
+$L__BB48_377:
+	shl.b64 	%rd350, %rd493, 2;
+	add.s64 	%rd351, %rd90, %rd350;
+	add.s64 	%rd352, %rd91, %rd350;
+	ld.f32 	%f132, [%rd352];
+	ld.f32 	%f133, [%rd351];
 	add.f32 	%f134, %f133, %f132;
-	st.f32 	[%rd337], %f134;
-	add.s64 	%rd455, %rd455, %rd3;
-	setp.lt.u64 	%p279, %rd455, %rd147;
-	@%p279 bra 	$L__BB48_365;
-	bra.uni 	$L__BB48_366;
+	st.f32 	[%rd351], %f134;
+	add.s64 	%rd493, %rd493, %rd4;
+	setp.lt.u64 	%p290, %rd493, %rd146;
+	@%p290 bra 	$L__BB48_377;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_192:
-	setp.le.u64 	%p125, %rd93, %rd2;
-	@%p125 bra 	$L__BB48_366;
+$L__BB48_204:
+	setp.ge.u64 	%p136, %rd3, %rd92;
+	@%p136 bra 	$L__BB48_378;
 
-	mov.u64 	%rd427, %rd2;
+	mov.u64 	%rd465, %rd3;
 
-$L__BB48_194:
-	add.s64 	%rd250, %rd92, %rd427;
-	ld.s8 	%rs74, [%rd250];
-	add.s64 	%rd251, %rd91, %rd427;
-	ld.s8 	%rs75, [%rd251];
+$L__BB48_206:
+	add.s64 	%rd264, %rd91, %rd465;
+	ld.s8 	%rs74, [%rd264];
+	add.s64 	%rd265, %rd90, %rd465;
+	ld.s8 	%rs75, [%rd265];
 	max.s16 	%rs76, %rs74, %rs75;
-	st.u8 	[%rd251], %rs76;
-	add.s64 	%rd427, %rd427, %rd3;
-	setp.lt.u64 	%p126, %rd427, %rd93;
-	@%p126 bra 	$L__BB48_194;
-	bra.uni 	$L__BB48_366;
+	st.u8 	[%rd265], %rs76;
+	add.s64 	%rd465, %rd465, %rd4;
+	setp.lt.u64 	%p137, %rd465, %rd92;
+	@%p137 bra 	$L__BB48_206;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_292:
-	setp.le.u64 	%p223, %rd129, %rd2;
-	@%p223 bra 	$L__BB48_366;
+$L__BB48_304:
+	setp.ge.u64 	%p234, %rd3, %rd128;
+	@%p234 bra 	$L__BB48_378;
 
-	mov.u64 	%rd443, %rd2;
+	mov.u64 	%rd481, %rd3;
 
-$L__BB48_294:
-	add.s64 	%rd300, %rd92, %rd443;
-	ld.u8 	%rs98, [%rd300];
-	add.s64 	%rd301, %rd91, %rd443;
-	ld.u8 	%rs99, [%rd301];
+$L__BB48_306:
+	add.s64 	%rd314, %rd91, %rd481;
+	ld.u8 	%rs98, [%rd314];
+	add.s64 	%rd315, %rd90, %rd481;
+	ld.u8 	%rs99, [%rd315];
 	mul.lo.s16 	%rs100, %rs98, %rs99;
-	st.u8 	[%rd301], %rs100;
-	add.s64 	%rd443, %rd443, %rd3;
-	setp.lt.u64 	%p224, %rd443, %rd129;
-	@%p224 bra 	$L__BB48_294;
-	bra.uni 	$L__BB48_366;
+	st.u8 	[%rd315], %rs100;
+	add.s64 	%rd481, %rd481, %rd4;
+	setp.lt.u64 	%p235, %rd481, %rd128;
+	@%p235 bra 	$L__BB48_306;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_242:
-	setp.le.u64 	%p174, %rd111, %rd2;
-	@%p174 bra 	$L__BB48_366;
+$L__BB48_254:
+	setp.ge.u64 	%p185, %rd3, %rd110;
+	@%p185 bra 	$L__BB48_378;
 
-	mov.u64 	%rd435, %rd2;
+	mov.u64 	%rd473, %rd3;
 
-$L__BB48_244:
-	add.s64 	%rd275, %rd92, %rd435;
-	ld.s8 	%rs86, [%rd275];
-	add.s64 	%rd276, %rd91, %rd435;
-	ld.s8 	%rs87, [%rd276];
+$L__BB48_256:
+	add.s64 	%rd289, %rd91, %rd473;
+	ld.s8 	%rs86, [%rd289];
+	add.s64 	%rd290, %rd90, %rd473;
+	ld.s8 	%rs87, [%rd290];
 	min.s16 	%rs88, %rs86, %rs87;
-	st.u8 	[%rd276], %rs88;
-	add.s64 	%rd435, %rd435, %rd3;
-	setp.lt.u64 	%p175, %rd435, %rd111;
-	@%p175 bra 	$L__BB48_244;
-	bra.uni 	$L__BB48_366;
+	st.u8 	[%rd290], %rs88;
+	add.s64 	%rd473, %rd473, %rd4;
+	setp.lt.u64 	%p186, %rd473, %rd110;
+	@%p186 bra 	$L__BB48_256;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_342:
-	setp.le.u64 	%p260, %rd147, %rd2;
-	@%p260 bra 	$L__BB48_366;
+$L__BB48_354:
+	setp.ge.u64 	%p271, %rd3, %rd146;
+	@%p271 bra 	$L__BB48_378;
 
-	mov.u64 	%rd451, %rd2;
+	mov.u64 	%rd489, %rd3;
 
-$L__BB48_344:
-	add.s64 	%rd325, %rd92, %rd451;
-	ld.u8 	%rs110, [%rd325];
-	add.s64 	%rd326, %rd91, %rd451;
-	ld.u8 	%rs111, [%rd326];
+$L__BB48_356:
+	add.s64 	%rd339, %rd91, %rd489;
+	ld.u8 	%rs110, [%rd339];
+	add.s64 	%rd340, %rd90, %rd489;
+	ld.u8 	%rs111, [%rd340];
 	add.s16 	%rs112, %rs110, %rs111;
-	st.u8 	[%rd326], %rs112;
-	add.s64 	%rd451, %rd451, %rd3;
-	setp.lt.u64 	%p261, %rd451, %rd147;
-	@%p261 bra 	$L__BB48_344;
-	bra.uni 	$L__BB48_366;
+	st.u8 	[%rd340], %rs112;
+	add.s64 	%rd489, %rd489, %rd4;
+	setp.lt.u64 	%p272, %rd489, %rd146;
+	@%p272 bra 	$L__BB48_356;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_195:
-	setp.le.u64 	%p133, %rd93, %rd2;
-	@%p133 bra 	$L__BB48_366;
+$L__BB48_207:
+	setp.ge.u64 	%p144, %rd3, %rd92;
+	@%p144 bra 	$L__BB48_378;
 
-	mov.u64 	%rd429, %rd2;
+	mov.u64 	%rd467, %rd3;
 
-$L__BB48_197:
-	shl.b64 	%rd255, %rd429, 1;
-	add.s64 	%rd105, %rd91, %rd255;
-	ld.u16 	%rs77, [%rd105];
+$L__BB48_209:
+	shl.b64 	%rd269, %rd467, 1;
+	add.s64 	%rd104, %rd90, %rd269;
+	ld.u16 	%rs77, [%rd104];
 	and.b16  	%rs22, %rs77, -32768;
-	cvt.u32.u16 	%r191, %rs77;
-	shl.b32 	%r192, %r191, 16;
-	and.b32  	%r25, %r192, -2147483648;
+	cvt.u32.u16 	%r216, %rs77;
+	shl.b32 	%r217, %r216, 16;
+	and.b32  	%r31, %r217, -2147483648;
 	shr.u16 	%rs78, %rs77, 10;
 	and.b16  	%rs23, %rs78, 31;
 	and.b16  	%rs24, %rs77, 1023;
-	cvt.u32.u16 	%r26, %rs24;
-	setp.eq.s16 	%p134, %rs23, 0;
-	@%p134 bra 	$L__BB48_201;
+	cvt.u32.u16 	%r32, %rs24;
+	setp.eq.s16 	%p145, %rs23, 0;
+	@%p145 bra 	$L__BB48_213;
 
-	setp.eq.s16 	%p135, %rs23, 31;
-	@%p135 bra 	$L__BB48_200;
-	bra.uni 	$L__BB48_199;
+	setp.eq.s16 	%p146, %rs23, 31;
+	@%p146 bra 	$L__BB48_212;
+	bra.uni 	$L__BB48_211;
 
-$L__BB48_200:
-	shl.b32 	%r198, %r26, 13;
-	or.b32  	%r199, %r198, %r25;
-	or.b32  	%r200, %r199, 2139095040;
-	mov.b32 	%f139, %r200;
-	bra.uni 	$L__BB48_202;
+$L__BB48_212:
+	shl.b32 	%r223, %r32, 13;
+	or.b32  	%r224, %r223, %r31;
+	or.b32  	%r225, %r224, 2139095040;
+	mov.b32 	%f139, %r225;
+	bra.uni 	$L__BB48_214;
 
-$L__BB48_201:
+$L__BB48_213:
 	cvt.rn.f32.u16 	%f78, %rs24;
 	mul.f32 	%f79, %f78, 0f33800000;
 	mul.f32 	%f80, %f78, 0fB3800000;
-	setp.eq.s16 	%p136, %rs22, 0;
-	selp.f32 	%f139, %f79, %f80, %p136;
-	bra.uni 	$L__BB48_202;
+	setp.eq.s16 	%p147, %rs22, 0;
+	selp.f32 	%f139, %f79, %f80, %p147;
+	bra.uni 	$L__BB48_214;
 
-$L__BB48_199:
+$L__BB48_211:
 	add.s16 	%rs79, %rs23, 112;
-	cvt.u32.u16 	%r193, %rs79;
-	shl.b32 	%r194, %r193, 23;
-	shl.b32 	%r195, %r26, 13;
-	or.b32  	%r196, %r195, %r25;
-	or.b32  	%r197, %r196, %r194;
-	mov.b32 	%f139, %r197;
+	cvt.u32.u16 	%r218, %rs79;
+	shl.b32 	%r219, %r218, 23;
+	shl.b32 	%r220, %r32, 13;
+	or.b32  	%r221, %r220, %r31;
+	or.b32  	%r222, %r221, %r219;
+	mov.b32 	%f139, %r222;
 
-$L__BB48_202:
-	shl.b64 	%rd392, %rd429, 1;
-	add.s64 	%rd257, %rd92, %rd392;
-	ld.u16 	%rs80, [%rd257];
+$L__BB48_214:
+	shl.b64 	%rd425, %rd467, 1;
+	add.s64 	%rd271, %rd91, %rd425;
+	ld.u16 	%rs80, [%rd271];
 	and.b16  	%rs25, %rs80, -32768;
-	cvt.u32.u16 	%r201, %rs80;
-	shl.b32 	%r202, %r201, 16;
-	and.b32  	%r27, %r202, -2147483648;
+	cvt.u32.u16 	%r226, %rs80;
+	shl.b32 	%r227, %r226, 16;
+	and.b32  	%r33, %r227, -2147483648;
 	shr.u16 	%rs81, %rs80, 10;
 	and.b16  	%rs26, %rs81, 31;
 	and.b16  	%rs27, %rs80, 1023;
-	cvt.u32.u16 	%r28, %rs27;
-	setp.eq.s16 	%p137, %rs26, 0;
-	@%p137 bra 	$L__BB48_206;
+	cvt.u32.u16 	%r34, %rs27;
+	setp.eq.s16 	%p148, %rs26, 0;
+	@%p148 bra 	$L__BB48_218;
 
-	setp.eq.s16 	%p138, %rs26, 31;
-	@%p138 bra 	$L__BB48_205;
-	bra.uni 	$L__BB48_204;
+	setp.eq.s16 	%p149, %rs26, 31;
+	@%p149 bra 	$L__BB48_217;
+	bra.uni 	$L__BB48_216;
 
-$L__BB48_205:
-	shl.b32 	%r208, %r28, 13;
-	or.b32  	%r209, %r208, %r27;
-	or.b32  	%r210, %r209, 2139095040;
-	mov.b32 	%f140, %r210;
-	bra.uni 	$L__BB48_207;
+$L__BB48_217:
+	shl.b32 	%r233, %r34, 13;
+	or.b32  	%r234, %r233, %r33;
+	or.b32  	%r235, %r234, 2139095040;
+	mov.b32 	%f140, %r235;
+	bra.uni 	$L__BB48_219;
 
-$L__BB48_206:
+$L__BB48_218:
 	cvt.rn.f32.u16 	%f81, %rs27;
 	mul.f32 	%f82, %f81, 0f33800000;
 	mul.f32 	%f83, %f81, 0fB3800000;
-	setp.eq.s16 	%p139, %rs25, 0;
-	selp.f32 	%f140, %f82, %f83, %p139;
-	bra.uni 	$L__BB48_207;
+	setp.eq.s16 	%p150, %rs25, 0;
+	selp.f32 	%f140, %f82, %f83, %p150;
+	bra.uni 	$L__BB48_219;
 
-$L__BB48_204:
+$L__BB48_216:
 	add.s16 	%rs82, %rs26, 112;
-	cvt.u32.u16 	%r203, %rs82;
-	shl.b32 	%r204, %r203, 23;
-	shl.b32 	%r205, %r28, 13;
-	or.b32  	%r206, %r205, %r27;
-	or.b32  	%r207, %r206, %r204;
-	mov.b32 	%f140, %r207;
+	cvt.u32.u16 	%r228, %rs82;
+	shl.b32 	%r229, %r228, 23;
+	shl.b32 	%r230, %r34, 13;
+	or.b32  	%r231, %r230, %r33;
+	or.b32  	%r232, %r231, %r229;
+	mov.b32 	%f140, %r232;
 
-$L__BB48_207:
-	setp.nan.f32 	%p140, %f140, %f140;
-	setp.gt.f32 	%p141, %f140, %f139;
-	or.pred  	%p142, %p141, %p140;
-	selp.f32 	%f84, %f140, %f139, %p142;
-	mov.b32 	%r29, %f84;
-	and.b32  	%r30, %r29, 2147483647;
-	setp.gt.u32 	%p143, %r30, 1199570943;
-	@%p143 bra 	$L__BB48_211;
-	bra.uni 	$L__BB48_208;
+$L__BB48_219:
+	setp.nan.f32 	%p151, %f140, %f140;
+	setp.gt.f32 	%p152, %f140, %f139;
+	or.pred  	%p153, %p152, %p151;
+	selp.f32 	%f84, %f140, %f139, %p153;
+	mov.b32 	%r35, %f84;
+	and.b32  	%r36, %r35, 2147483647;
+	setp.gt.u32 	%p154, %r36, 1199570943;
+	@%p154 bra 	$L__BB48_223;
+	bra.uni 	$L__BB48_220;
 
-$L__BB48_211:
-	setp.gt.u32 	%p145, %r30, 2139095040;
-	shr.u32 	%r216, %r29, 13;
-	and.b32  	%r217, %r216, 511;
-	or.b32  	%r218, %r217, 32256;
-	selp.b32 	%r388, %r218, 31744, %p145;
-	bra.uni 	$L__BB48_212;
+$L__BB48_223:
+	setp.gt.u32 	%p156, %r36, 2139095040;
+	shr.u32 	%r241, %r35, 13;
+	and.b32  	%r242, %r241, 511;
+	or.b32  	%r243, %r242, 32256;
+	selp.b32 	%r432, %r243, 31744, %p156;
+	bra.uni 	$L__BB48_224;
 
-$L__BB48_208:
-	setp.lt.u32 	%p144, %r30, 947912704;
-	@%p144 bra 	$L__BB48_210;
-	bra.uni 	$L__BB48_209;
+$L__BB48_220:
+	setp.lt.u32 	%p155, %r36, 947912704;
+	@%p155 bra 	$L__BB48_222;
+	bra.uni 	$L__BB48_221;
 
-$L__BB48_210:
-	mov.b32 	%f85, %r30;
+$L__BB48_222:
+	mov.b32 	%f85, %r36;
 	add.f32 	%f86, %f85, 0f3F000000;
-	mov.b32 	%r215, %f86;
-	add.s32 	%r388, %r215, -1056964608;
-	bra.uni 	$L__BB48_212;
+	mov.b32 	%r240, %f86;
+	add.s32 	%r432, %r240, -1056964608;
+	bra.uni 	$L__BB48_224;
 
-$L__BB48_209:
-	shr.u32 	%r211, %r29, 13;
-	and.b32  	%r212, %r211, 1;
-	add.s32 	%r213, %r30, %r212;
-	add.s32 	%r214, %r213, -939520001;
-	shr.u32 	%r388, %r214, 13;
+$L__BB48_221:
+	shr.u32 	%r236, %r35, 13;
+	and.b32  	%r237, %r236, 1;
+	add.s32 	%r238, %r36, %r237;
+	add.s32 	%r239, %r238, -939520001;
+	shr.u32 	%r432, %r239, 13;
 
-$L__BB48_212:
-	and.b32  	%r219, %r29, -2147483648;
-	shr.u32 	%r220, %r219, 16;
-	or.b32  	%r221, %r388, %r220;
-	st.u16 	[%rd105], %r221;
-	add.s64 	%rd429, %rd429, %rd3;
-	setp.lt.u64 	%p146, %rd429, %rd93;
-	@%p146 bra 	$L__BB48_197;
-	bra.uni 	$L__BB48_366;
+$L__BB48_224:
+	shl.b64 	%rd427, %rd467, 1;
+	add.s64 	%rd426, %rd90, %rd427;
+	and.b32  	%r244, %r35, -2147483648;
+	shr.u32 	%r245, %r244, 16;
+	or.b32  	%r246, %r432, %r245;
+	st.u16 	[%rd426], %r246;
+	add.s64 	%rd467, %rd467, %rd4;
+	setp.lt.u64 	%p157, %rd467, %rd92;
+	@%p157 bra 	$L__BB48_209;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_295:
-	setp.le.u64 	%p228, %rd129, %rd2;
-	@%p228 bra 	$L__BB48_366;
+$L__BB48_307:
+	setp.ge.u64 	%p239, %rd3, %rd128;
+	@%p239 bra 	$L__BB48_378;
 
-	mov.u64 	%rd445, %rd2;
+	mov.u64 	%rd483, %rd3;
 
-$L__BB48_297:
-	shl.b64 	%rd305, %rd445, 1;
-	add.s64 	%rd141, %rd91, %rd305;
-	ld.u16 	%rs101, [%rd141];
+$L__BB48_309:
+	shl.b64 	%rd319, %rd483, 1;
+	add.s64 	%rd140, %rd90, %rd319;
+	ld.u16 	%rs101, [%rd140];
 	and.b16  	%rs34, %rs101, -32768;
-	cvt.u32.u16 	%r285, %rs101;
-	shl.b32 	%r286, %r285, 16;
-	and.b32  	%r45, %r286, -2147483648;
+	cvt.u32.u16 	%r310, %rs101;
+	shl.b32 	%r311, %r310, 16;
+	and.b32  	%r51, %r311, -2147483648;
 	shr.u16 	%rs102, %rs101, 10;
 	and.b16  	%rs35, %rs102, 31;
 	and.b16  	%rs36, %rs101, 1023;
-	cvt.u32.u16 	%r46, %rs36;
-	setp.eq.s16 	%p229, %rs35, 0;
-	@%p229 bra 	$L__BB48_301;
+	cvt.u32.u16 	%r52, %rs36;
+	setp.eq.s16 	%p240, %rs35, 0;
+	@%p240 bra 	$L__BB48_313;
 
-	setp.eq.s16 	%p230, %rs35, 31;
-	@%p230 bra 	$L__BB48_300;
-	bra.uni 	$L__BB48_299;
+	setp.eq.s16 	%p241, %rs35, 31;
+	@%p241 bra 	$L__BB48_312;
+	bra.uni 	$L__BB48_311;
 
-$L__BB48_300:
-	shl.b32 	%r292, %r46, 13;
-	or.b32  	%r293, %r292, %r45;
-	or.b32  	%r294, %r293, 2139095040;
-	mov.b32 	%f143, %r294;
-	bra.uni 	$L__BB48_302;
+$L__BB48_312:
+	shl.b32 	%r317, %r52, 13;
+	or.b32  	%r318, %r317, %r51;
+	or.b32  	%r319, %r318, 2139095040;
+	mov.b32 	%f143, %r319;
+	bra.uni 	$L__BB48_314;
 
-$L__BB48_301:
+$L__BB48_313:
 	cvt.rn.f32.u16 	%f108, %rs36;
 	mul.f32 	%f109, %f108, 0f33800000;
 	mul.f32 	%f110, %f108, 0fB3800000;
-	setp.eq.s16 	%p231, %rs34, 0;
-	selp.f32 	%f143, %f109, %f110, %p231;
-	bra.uni 	$L__BB48_302;
+	setp.eq.s16 	%p242, %rs34, 0;
+	selp.f32 	%f143, %f109, %f110, %p242;
+	bra.uni 	$L__BB48_314;
 
-$L__BB48_299:
+$L__BB48_311:
 	add.s16 	%rs103, %rs35, 112;
-	cvt.u32.u16 	%r287, %rs103;
-	shl.b32 	%r288, %r287, 23;
-	shl.b32 	%r289, %r46, 13;
-	or.b32  	%r290, %r289, %r45;
-	or.b32  	%r291, %r290, %r288;
-	mov.b32 	%f143, %r291;
+	cvt.u32.u16 	%r312, %rs103;
+	shl.b32 	%r313, %r312, 23;
+	shl.b32 	%r314, %r52, 13;
+	or.b32  	%r315, %r314, %r51;
+	or.b32  	%r316, %r315, %r313;
+	mov.b32 	%f143, %r316;
 
-$L__BB48_302:
-	shl.b64 	%rd394, %rd445, 1;
-	add.s64 	%rd307, %rd92, %rd394;
-	ld.u16 	%rs104, [%rd307];
+$L__BB48_314:
+	shl.b64 	%rd431, %rd483, 1;
+	add.s64 	%rd321, %rd91, %rd431;
+	ld.u16 	%rs104, [%rd321];
 	and.b16  	%rs37, %rs104, -32768;
-	cvt.u32.u16 	%r295, %rs104;
-	shl.b32 	%r296, %r295, 16;
-	and.b32  	%r47, %r296, -2147483648;
+	cvt.u32.u16 	%r320, %rs104;
+	shl.b32 	%r321, %r320, 16;
+	and.b32  	%r53, %r321, -2147483648;
 	shr.u16 	%rs105, %rs104, 10;
 	and.b16  	%rs38, %rs105, 31;
 	and.b16  	%rs39, %rs104, 1023;
-	cvt.u32.u16 	%r48, %rs39;
-	setp.eq.s16 	%p232, %rs38, 0;
-	@%p232 bra 	$L__BB48_306;
+	cvt.u32.u16 	%r54, %rs39;
+	setp.eq.s16 	%p243, %rs38, 0;
+	@%p243 bra 	$L__BB48_318;
 
-	setp.eq.s16 	%p233, %rs38, 31;
-	@%p233 bra 	$L__BB48_305;
-	bra.uni 	$L__BB48_304;
+	setp.eq.s16 	%p244, %rs38, 31;
+	@%p244 bra 	$L__BB48_317;
+	bra.uni 	$L__BB48_316;
 
-$L__BB48_305:
-	shl.b32 	%r302, %r48, 13;
-	or.b32  	%r303, %r302, %r47;
-	or.b32  	%r304, %r303, 2139095040;
-	mov.b32 	%f144, %r304;
-	bra.uni 	$L__BB48_307;
+$L__BB48_317:
+	shl.b32 	%r327, %r54, 13;
+	or.b32  	%r328, %r327, %r53;
+	or.b32  	%r329, %r328, 2139095040;
+	mov.b32 	%f144, %r329;
+	bra.uni 	$L__BB48_319;
 
-$L__BB48_306:
+$L__BB48_318:
 	cvt.rn.f32.u16 	%f111, %rs39;
 	mul.f32 	%f112, %f111, 0f33800000;
 	mul.f32 	%f113, %f111, 0fB3800000;
-	setp.eq.s16 	%p234, %rs37, 0;
-	selp.f32 	%f144, %f112, %f113, %p234;
-	bra.uni 	$L__BB48_307;
+	setp.eq.s16 	%p245, %rs37, 0;
+	selp.f32 	%f144, %f112, %f113, %p245;
+	bra.uni 	$L__BB48_319;
 
-$L__BB48_304:
+$L__BB48_316:
 	add.s16 	%rs106, %rs38, 112;
-	cvt.u32.u16 	%r297, %rs106;
-	shl.b32 	%r298, %r297, 23;
-	shl.b32 	%r299, %r48, 13;
-	or.b32  	%r300, %r299, %r47;
-	or.b32  	%r301, %r300, %r298;
-	mov.b32 	%f144, %r301;
+	cvt.u32.u16 	%r322, %rs106;
+	shl.b32 	%r323, %r322, 23;
+	shl.b32 	%r324, %r54, 13;
+	or.b32  	%r325, %r324, %r53;
+	or.b32  	%r326, %r325, %r323;
+	mov.b32 	%f144, %r326;
 
-$L__BB48_307:
+$L__BB48_319:
 	mul.f32 	%f114, %f143, %f144;
-	mov.b32 	%r49, %f114;
-	and.b32  	%r50, %r49, 2147483647;
-	setp.gt.u32 	%p235, %r50, 1199570943;
-	@%p235 bra 	$L__BB48_311;
-	bra.uni 	$L__BB48_308;
+	mov.b32 	%r55, %f114;
+	and.b32  	%r56, %r55, 2147483647;
+	setp.gt.u32 	%p246, %r56, 1199570943;
+	@%p246 bra 	$L__BB48_323;
+	bra.uni 	$L__BB48_320;
 
-$L__BB48_311:
-	setp.gt.u32 	%p237, %r50, 2139095040;
-	shr.u32 	%r310, %r49, 13;
-	and.b32  	%r311, %r310, 511;
-	or.b32  	%r312, %r311, 32256;
-	selp.b32 	%r390, %r312, 31744, %p237;
-	bra.uni 	$L__BB48_312;
+$L__BB48_323:
+	setp.gt.u32 	%p248, %r56, 2139095040;
+	shr.u32 	%r335, %r55, 13;
+	and.b32  	%r336, %r335, 511;
+	or.b32  	%r337, %r336, 32256;
+	selp.b32 	%r434, %r337, 31744, %p248;
+	bra.uni 	$L__BB48_324;
 
-$L__BB48_308:
-	setp.lt.u32 	%p236, %r50, 947912704;
-	@%p236 bra 	$L__BB48_310;
-	bra.uni 	$L__BB48_309;
+$L__BB48_320:
+	setp.lt.u32 	%p247, %r56, 947912704;
+	@%p247 bra 	$L__BB48_322;
+	bra.uni 	$L__BB48_321;
 
-$L__BB48_310:
-	mov.b32 	%f115, %r50;
+$L__BB48_322:
+	mov.b32 	%f115, %r56;
 	add.f32 	%f116, %f115, 0f3F000000;
-	mov.b32 	%r309, %f116;
-	add.s32 	%r390, %r309, -1056964608;
-	bra.uni 	$L__BB48_312;
+	mov.b32 	%r334, %f116;
+	add.s32 	%r434, %r334, -1056964608;
+	bra.uni 	$L__BB48_324;
 
-$L__BB48_309:
-	shr.u32 	%r305, %r49, 13;
-	and.b32  	%r306, %r305, 1;
-	add.s32 	%r307, %r50, %r306;
-	add.s32 	%r308, %r307, -939520001;
-	shr.u32 	%r390, %r308, 13;
+$L__BB48_321:
+	shr.u32 	%r330, %r55, 13;
+	and.b32  	%r331, %r330, 1;
+	add.s32 	%r332, %r56, %r331;
+	add.s32 	%r333, %r332, -939520001;
+	shr.u32 	%r434, %r333, 13;
 
-$L__BB48_312:
-	and.b32  	%r313, %r49, -2147483648;
-	shr.u32 	%r314, %r313, 16;
-	or.b32  	%r315, %r390, %r314;
-	st.u16 	[%rd141], %r315;
-	add.s64 	%rd445, %rd445, %rd3;
-	setp.lt.u64 	%p238, %rd445, %rd129;
-	@%p238 bra 	$L__BB48_297;
-	bra.uni 	$L__BB48_366;
+$L__BB48_324:
+	shl.b64 	%rd433, %rd483, 1;
+	add.s64 	%rd432, %rd90, %rd433;
+	and.b32  	%r338, %r55, -2147483648;
+	shr.u32 	%r339, %r338, 16;
+	or.b32  	%r340, %r434, %r339;
+	st.u16 	[%rd432], %r340;
+	add.s64 	%rd483, %rd483, %rd4;
+	setp.lt.u64 	%p249, %rd483, %rd128;
+	@%p249 bra 	$L__BB48_309;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_245:
-	setp.le.u64 	%p182, %rd111, %rd2;
-	@%p182 bra 	$L__BB48_366;
+$L__BB48_257:
+	setp.ge.u64 	%p193, %rd3, %rd110;
+	@%p193 bra 	$L__BB48_378;
 
-	mov.u64 	%rd437, %rd2;
+	mov.u64 	%rd475, %rd3;
 
-$L__BB48_247:
-	shl.b64 	%rd280, %rd437, 1;
-	add.s64 	%rd123, %rd91, %rd280;
-	ld.u16 	%rs89, [%rd123];
+$L__BB48_259:
+	shl.b64 	%rd294, %rd475, 1;
+	add.s64 	%rd122, %rd90, %rd294;
+	ld.u16 	%rs89, [%rd122];
 	and.b16  	%rs28, %rs89, -32768;
-	cvt.u32.u16 	%r238, %rs89;
-	shl.b32 	%r239, %r238, 16;
-	and.b32  	%r35, %r239, -2147483648;
+	cvt.u32.u16 	%r263, %rs89;
+	shl.b32 	%r264, %r263, 16;
+	and.b32  	%r41, %r264, -2147483648;
 	shr.u16 	%rs90, %rs89, 10;
 	and.b16  	%rs29, %rs90, 31;
 	and.b16  	%rs30, %rs89, 1023;
-	cvt.u32.u16 	%r36, %rs30;
-	setp.eq.s16 	%p183, %rs29, 0;
-	@%p183 bra 	$L__BB48_251;
+	cvt.u32.u16 	%r42, %rs30;
+	setp.eq.s16 	%p194, %rs29, 0;
+	@%p194 bra 	$L__BB48_263;
 
-	setp.eq.s16 	%p184, %rs29, 31;
-	@%p184 bra 	$L__BB48_250;
-	bra.uni 	$L__BB48_249;
+	setp.eq.s16 	%p195, %rs29, 31;
+	@%p195 bra 	$L__BB48_262;
+	bra.uni 	$L__BB48_261;
 
-$L__BB48_250:
-	shl.b32 	%r245, %r36, 13;
-	or.b32  	%r246, %r245, %r35;
-	or.b32  	%r247, %r246, 2139095040;
-	mov.b32 	%f141, %r247;
-	bra.uni 	$L__BB48_252;
+$L__BB48_262:
+	shl.b32 	%r270, %r42, 13;
+	or.b32  	%r271, %r270, %r41;
+	or.b32  	%r272, %r271, 2139095040;
+	mov.b32 	%f141, %r272;
+	bra.uni 	$L__BB48_264;
 
-$L__BB48_251:
+$L__BB48_263:
 	cvt.rn.f32.u16 	%f93, %rs30;
 	mul.f32 	%f94, %f93, 0f33800000;
 	mul.f32 	%f95, %f93, 0fB3800000;
-	setp.eq.s16 	%p185, %rs28, 0;
-	selp.f32 	%f141, %f94, %f95, %p185;
-	bra.uni 	$L__BB48_252;
+	setp.eq.s16 	%p196, %rs28, 0;
+	selp.f32 	%f141, %f94, %f95, %p196;
+	bra.uni 	$L__BB48_264;
 
-$L__BB48_249:
+$L__BB48_261:
 	add.s16 	%rs91, %rs29, 112;
-	cvt.u32.u16 	%r240, %rs91;
-	shl.b32 	%r241, %r240, 23;
-	shl.b32 	%r242, %r36, 13;
-	or.b32  	%r243, %r242, %r35;
-	or.b32  	%r244, %r243, %r241;
-	mov.b32 	%f141, %r244;
+	cvt.u32.u16 	%r265, %rs91;
+	shl.b32 	%r266, %r265, 23;
+	shl.b32 	%r267, %r42, 13;
+	or.b32  	%r268, %r267, %r41;
+	or.b32  	%r269, %r268, %r266;
+	mov.b32 	%f141, %r269;
 
-$L__BB48_252:
-	shl.b64 	%rd393, %rd437, 1;
-	add.s64 	%rd282, %rd92, %rd393;
-	ld.u16 	%rs92, [%rd282];
+$L__BB48_264:
+	shl.b64 	%rd428, %rd475, 1;
+	add.s64 	%rd296, %rd91, %rd428;
+	ld.u16 	%rs92, [%rd296];
 	and.b16  	%rs31, %rs92, -32768;
-	cvt.u32.u16 	%r248, %rs92;
-	shl.b32 	%r249, %r248, 16;
-	and.b32  	%r37, %r249, -2147483648;
+	cvt.u32.u16 	%r273, %rs92;
+	shl.b32 	%r274, %r273, 16;
+	and.b32  	%r43, %r274, -2147483648;
 	shr.u16 	%rs93, %rs92, 10;
 	and.b16  	%rs32, %rs93, 31;
 	and.b16  	%rs33, %rs92, 1023;
-	cvt.u32.u16 	%r38, %rs33;
-	setp.eq.s16 	%p186, %rs32, 0;
-	@%p186 bra 	$L__BB48_256;
+	cvt.u32.u16 	%r44, %rs33;
+	setp.eq.s16 	%p197, %rs32, 0;
+	@%p197 bra 	$L__BB48_268;
 
-	setp.eq.s16 	%p187, %rs32, 31;
-	@%p187 bra 	$L__BB48_255;
-	bra.uni 	$L__BB48_254;
+	setp.eq.s16 	%p198, %rs32, 31;
+	@%p198 bra 	$L__BB48_267;
+	bra.uni 	$L__BB48_266;
 
-$L__BB48_255:
-	shl.b32 	%r255, %r38, 13;
-	or.b32  	%r256, %r255, %r37;
-	or.b32  	%r257, %r256, 2139095040;
-	mov.b32 	%f142, %r257;
-	bra.uni 	$L__BB48_257;
+$L__BB48_267:
+	shl.b32 	%r280, %r44, 13;
+	or.b32  	%r281, %r280, %r43;
+	or.b32  	%r282, %r281, 2139095040;
+	mov.b32 	%f142, %r282;
+	bra.uni 	$L__BB48_269;
 
-$L__BB48_256:
+$L__BB48_268:
 	cvt.rn.f32.u16 	%f96, %rs33;
 	mul.f32 	%f97, %f96, 0f33800000;
 	mul.f32 	%f98, %f96, 0fB3800000;
-	setp.eq.s16 	%p188, %rs31, 0;
-	selp.f32 	%f142, %f97, %f98, %p188;
-	bra.uni 	$L__BB48_257;
+	setp.eq.s16 	%p199, %rs31, 0;
+	selp.f32 	%f142, %f97, %f98, %p199;
+	bra.uni 	$L__BB48_269;
 
-$L__BB48_254:
+$L__BB48_266:
 	add.s16 	%rs94, %rs32, 112;
-	cvt.u32.u16 	%r250, %rs94;
-	shl.b32 	%r251, %r250, 23;
-	shl.b32 	%r252, %r38, 13;
-	or.b32  	%r253, %r252, %r37;
-	or.b32  	%r254, %r253, %r251;
-	mov.b32 	%f142, %r254;
+	cvt.u32.u16 	%r275, %rs94;
+	shl.b32 	%r276, %r275, 23;
+	shl.b32 	%r277, %r44, 13;
+	or.b32  	%r278, %r277, %r43;
+	or.b32  	%r279, %r278, %r276;
+	mov.b32 	%f142, %r279;
 
-$L__BB48_257:
-	setp.nan.f32 	%p189, %f142, %f142;
-	setp.lt.f32 	%p190, %f142, %f141;
-	or.pred  	%p191, %p190, %p189;
-	selp.f32 	%f99, %f142, %f141, %p191;
-	mov.b32 	%r39, %f99;
-	and.b32  	%r40, %r39, 2147483647;
-	setp.gt.u32 	%p192, %r40, 1199570943;
-	@%p192 bra 	$L__BB48_261;
-	bra.uni 	$L__BB48_258;
+$L__BB48_269:
+	setp.nan.f32 	%p200, %f142, %f142;
+	setp.lt.f32 	%p201, %f142, %f141;
+	or.pred  	%p202, %p201, %p200;
+	selp.f32 	%f99, %f142, %f141, %p202;
+	mov.b32 	%r45, %f99;
+	and.b32  	%r46, %r45, 2147483647;
+	setp.gt.u32 	%p203, %r46, 1199570943;
+	@%p203 bra 	$L__BB48_273;
+	bra.uni 	$L__BB48_270;
 
-$L__BB48_261:
-	setp.gt.u32 	%p194, %r40, 2139095040;
-	shr.u32 	%r263, %r39, 13;
-	and.b32  	%r264, %r263, 511;
-	or.b32  	%r265, %r264, 32256;
-	selp.b32 	%r389, %r265, 31744, %p194;
-	bra.uni 	$L__BB48_262;
+$L__BB48_273:
+	setp.gt.u32 	%p205, %r46, 2139095040;
+	shr.u32 	%r288, %r45, 13;
+	and.b32  	%r289, %r288, 511;
+	or.b32  	%r290, %r289, 32256;
+	selp.b32 	%r433, %r290, 31744, %p205;
+	bra.uni 	$L__BB48_274;
 
-$L__BB48_258:
-	setp.lt.u32 	%p193, %r40, 947912704;
-	@%p193 bra 	$L__BB48_260;
-	bra.uni 	$L__BB48_259;
+$L__BB48_270:
+	setp.lt.u32 	%p204, %r46, 947912704;
+	@%p204 bra 	$L__BB48_272;
+	bra.uni 	$L__BB48_271;
 
-$L__BB48_260:
-	mov.b32 	%f100, %r40;
+$L__BB48_272:
+	mov.b32 	%f100, %r46;
 	add.f32 	%f101, %f100, 0f3F000000;
-	mov.b32 	%r262, %f101;
-	add.s32 	%r389, %r262, -1056964608;
-	bra.uni 	$L__BB48_262;
+	mov.b32 	%r287, %f101;
+	add.s32 	%r433, %r287, -1056964608;
+	bra.uni 	$L__BB48_274;
 
-$L__BB48_259:
-	shr.u32 	%r258, %r39, 13;
-	and.b32  	%r259, %r258, 1;
-	add.s32 	%r260, %r40, %r259;
-	add.s32 	%r261, %r260, -939520001;
-	shr.u32 	%r389, %r261, 13;
+$L__BB48_271:
+	shr.u32 	%r283, %r45, 13;
+	and.b32  	%r284, %r283, 1;
+	add.s32 	%r285, %r46, %r284;
+	add.s32 	%r286, %r285, -939520001;
+	shr.u32 	%r433, %r286, 13;
 
-$L__BB48_262:
-	and.b32  	%r266, %r39, -2147483648;
-	shr.u32 	%r267, %r266, 16;
-	or.b32  	%r268, %r389, %r267;
-	st.u16 	[%rd123], %r268;
-	add.s64 	%rd437, %rd437, %rd3;
-	setp.lt.u64 	%p195, %rd437, %rd111;
-	@%p195 bra 	$L__BB48_247;
-	bra.uni 	$L__BB48_366;
+$L__BB48_274:
+	shl.b64 	%rd430, %rd475, 1;
+	add.s64 	%rd429, %rd90, %rd430;
+	and.b32  	%r291, %r45, -2147483648;
+	shr.u32 	%r292, %r291, 16;
+	or.b32  	%r293, %r433, %r292;
+	st.u16 	[%rd429], %r293;
+	add.s64 	%rd475, %rd475, %rd4;
+	setp.lt.u64 	%p206, %rd475, %rd110;
+	@%p206 bra 	$L__BB48_259;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_345:
-	setp.le.u64 	%p265, %rd147, %rd2;
-	@%p265 bra 	$L__BB48_366;
+$L__BB48_357:
+	setp.ge.u64 	%p276, %rd3, %rd146;
+	@%p276 bra 	$L__BB48_378;
 
-	mov.u64 	%rd453, %rd2;
+	mov.u64 	%rd491, %rd3;
 
-$L__BB48_347:
-	shl.b64 	%rd330, %rd453, 1;
-	add.s64 	%rd159, %rd91, %rd330;
-	ld.u16 	%rs113, [%rd159];
+$L__BB48_359:
+	shl.b64 	%rd344, %rd491, 1;
+	add.s64 	%rd158, %rd90, %rd344;
+	ld.u16 	%rs113, [%rd158];
 	and.b16  	%rs40, %rs113, -32768;
-	cvt.u32.u16 	%r332, %rs113;
-	shl.b32 	%r333, %r332, 16;
-	and.b32  	%r55, %r333, -2147483648;
+	cvt.u32.u16 	%r357, %rs113;
+	shl.b32 	%r358, %r357, 16;
+	and.b32  	%r61, %r358, -2147483648;
 	shr.u16 	%rs114, %rs113, 10;
 	and.b16  	%rs41, %rs114, 31;
 	and.b16  	%rs42, %rs113, 1023;
-	cvt.u32.u16 	%r56, %rs42;
-	setp.eq.s16 	%p266, %rs41, 0;
-	@%p266 bra 	$L__BB48_351;
+	cvt.u32.u16 	%r62, %rs42;
+	setp.eq.s16 	%p277, %rs41, 0;
+	@%p277 bra 	$L__BB48_363;
 
-	setp.eq.s16 	%p267, %rs41, 31;
-	@%p267 bra 	$L__BB48_350;
-	bra.uni 	$L__BB48_349;
+	setp.eq.s16 	%p278, %rs41, 31;
+	@%p278 bra 	$L__BB48_362;
+	bra.uni 	$L__BB48_361;
 
-$L__BB48_350:
-	shl.b32 	%r339, %r56, 13;
-	or.b32  	%r340, %r339, %r55;
-	or.b32  	%r341, %r340, 2139095040;
-	mov.b32 	%f145, %r341;
-	bra.uni 	$L__BB48_352;
+$L__BB48_362:
+	shl.b32 	%r364, %r62, 13;
+	or.b32  	%r365, %r364, %r61;
+	or.b32  	%r366, %r365, 2139095040;
+	mov.b32 	%f145, %r366;
+	bra.uni 	$L__BB48_364;
 
-$L__BB48_351:
+$L__BB48_363:
 	cvt.rn.f32.u16 	%f123, %rs42;
 	mul.f32 	%f124, %f123, 0f33800000;
 	mul.f32 	%f125, %f123, 0fB3800000;
-	setp.eq.s16 	%p268, %rs40, 0;
-	selp.f32 	%f145, %f124, %f125, %p268;
-	bra.uni 	$L__BB48_352;
+	setp.eq.s16 	%p279, %rs40, 0;
+	selp.f32 	%f145, %f124, %f125, %p279;
+	bra.uni 	$L__BB48_364;
 
-$L__BB48_349:
+$L__BB48_361:
 	add.s16 	%rs115, %rs41, 112;
-	cvt.u32.u16 	%r334, %rs115;
-	shl.b32 	%r335, %r334, 23;
-	shl.b32 	%r336, %r56, 13;
-	or.b32  	%r337, %r336, %r55;
-	or.b32  	%r338, %r337, %r335;
-	mov.b32 	%f145, %r338;
+	cvt.u32.u16 	%r359, %rs115;
+	shl.b32 	%r360, %r359, 23;
+	shl.b32 	%r361, %r62, 13;
+	or.b32  	%r362, %r361, %r61;
+	or.b32  	%r363, %r362, %r360;
+	mov.b32 	%f145, %r363;
 
-$L__BB48_352:
-	shl.b64 	%rd395, %rd453, 1;
-	add.s64 	%rd332, %rd92, %rd395;
-	ld.u16 	%rs116, [%rd332];
+$L__BB48_364:
+	shl.b64 	%rd434, %rd491, 1;
+	add.s64 	%rd346, %rd91, %rd434;
+	ld.u16 	%rs116, [%rd346];
 	and.b16  	%rs43, %rs116, -32768;
-	cvt.u32.u16 	%r342, %rs116;
-	shl.b32 	%r343, %r342, 16;
-	and.b32  	%r57, %r343, -2147483648;
+	cvt.u32.u16 	%r367, %rs116;
+	shl.b32 	%r368, %r367, 16;
+	and.b32  	%r63, %r368, -2147483648;
 	shr.u16 	%rs117, %rs116, 10;
 	and.b16  	%rs44, %rs117, 31;
 	and.b16  	%rs45, %rs116, 1023;
-	cvt.u32.u16 	%r58, %rs45;
-	setp.eq.s16 	%p269, %rs44, 0;
-	@%p269 bra 	$L__BB48_356;
+	cvt.u32.u16 	%r64, %rs45;
+	setp.eq.s16 	%p280, %rs44, 0;
+	@%p280 bra 	$L__BB48_368;
 
-	setp.eq.s16 	%p270, %rs44, 31;
-	@%p270 bra 	$L__BB48_355;
-	bra.uni 	$L__BB48_354;
+	setp.eq.s16 	%p281, %rs44, 31;
+	@%p281 bra 	$L__BB48_367;
+	bra.uni 	$L__BB48_366;
 
-$L__BB48_355:
-	shl.b32 	%r349, %r58, 13;
-	or.b32  	%r350, %r349, %r57;
-	or.b32  	%r351, %r350, 2139095040;
-	mov.b32 	%f146, %r351;
-	bra.uni 	$L__BB48_357;
+$L__BB48_367:
+	shl.b32 	%r374, %r64, 13;
+	or.b32  	%r375, %r374, %r63;
+	or.b32  	%r376, %r375, 2139095040;
+	mov.b32 	%f146, %r376;
+	bra.uni 	$L__BB48_369;
 
-$L__BB48_356:
+$L__BB48_368:
 	cvt.rn.f32.u16 	%f126, %rs45;
 	mul.f32 	%f127, %f126, 0f33800000;
 	mul.f32 	%f128, %f126, 0fB3800000;
-	setp.eq.s16 	%p271, %rs43, 0;
-	selp.f32 	%f146, %f127, %f128, %p271;
-	bra.uni 	$L__BB48_357;
-
-$L__BB48_354:
-	add.s16 	%rs118, %rs44, 112;
-	cvt.u32.u16 	%r344, %rs118;
-	shl.b32 	%r345, %r344, 23;
-	shl.b32 	%r346, %r58, 13;
-	or.b32  	%r347, %r346, %r57;
-	or.b32  	%r348, %r347, %r345;
-	mov.b32 	%f146, %r348;
-
-$L__BB48_357:
-	add.f32 	%f129, %f145, %f146;
-	mov.b32 	%r59, %f129;
-	and.b32  	%r60, %r59, 2147483647;
-	setp.gt.u32 	%p272, %r60, 1199570943;
-	@%p272 bra 	$L__BB48_361;
-	bra.uni 	$L__BB48_358;
-
-$L__BB48_361:
-	setp.gt.u32 	%p274, %r60, 2139095040;
-	shr.u32 	%r357, %r59, 13;
-	and.b32  	%r358, %r357, 511;
-	or.b32  	%r359, %r358, 32256;
-	selp.b32 	%r391, %r359, 31744, %p274;
-	bra.uni 	$L__BB48_362;
-
-$L__BB48_358:
-	setp.lt.u32 	%p273, %r60, 947912704;
-	@%p273 bra 	$L__BB48_360;
-	bra.uni 	$L__BB48_359;
-
-$L__BB48_360:
-	mov.b32 	%f130, %r60;
-	add.f32 	%f131, %f130, 0f3F000000;
-	mov.b32 	%r356, %f131;
-	add.s32 	%r391, %r356, -1056964608;
-	bra.uni 	$L__BB48_362;
-
-$L__BB48_359:
-	shr.u32 	%r352, %r59, 13;
-	and.b32  	%r353, %r352, 1;
-	add.s32 	%r354, %r60, %r353;
-	add.s32 	%r355, %r354, -939520001;
-	shr.u32 	%r391, %r355, 13;
-
-$L__BB48_362:
-	and.b32  	%r360, %r59, -2147483648;
-	shr.u32 	%r361, %r360, 16;
-	or.b32  	%r362, %r391, %r361;
-	st.u16 	[%rd159], %r362;
-	add.s64 	%rd453, %rd453, %rd3;
-	setp.lt.u64 	%p275, %rd453, %rd147;
-	@%p275 bra 	$L__BB48_347;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_189:
-	setp.le.u64 	%p121, %rd93, %rd2;
-	@%p121 bra 	$L__BB48_366;
-
-	mov.u64 	%rd425, %rd2;
-
-$L__BB48_191:
-	shl.b64 	%rd245, %rd425, 2;
-	add.s64 	%rd246, %rd91, %rd245;
-	add.s64 	%rd247, %rd92, %rd245;
-	ld.u32 	%r175, [%rd247];
-	ld.u32 	%r176, [%rd246];
-	max.s32 	%r177, %r175, %r176;
-	st.u32 	[%rd246], %r177;
-	add.s64 	%rd425, %rd425, %rd3;
-	setp.lt.u64 	%p122, %rd425, %rd93;
-	@%p122 bra 	$L__BB48_191;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_289:
-	setp.le.u64 	%p219, %rd129, %rd2;
-	@%p219 bra 	$L__BB48_366;
-
-	mov.u64 	%rd441, %rd2;
-
-$L__BB48_291:
-	shl.b64 	%rd295, %rd441, 2;
-	add.s64 	%rd296, %rd91, %rd295;
-	add.s64 	%rd297, %rd92, %rd295;
-	ld.u32 	%r269, [%rd297];
-	ld.u32 	%r270, [%rd296];
-	mul.lo.s32 	%r271, %r269, %r270;
-	st.u32 	[%rd296], %r271;
-	add.s64 	%rd441, %rd441, %rd3;
-	setp.lt.u64 	%p220, %rd441, %rd129;
-	@%p220 bra 	$L__BB48_291;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_239:
-	setp.le.u64 	%p170, %rd111, %rd2;
-	@%p170 bra 	$L__BB48_366;
-
-	mov.u64 	%rd433, %rd2;
-
-$L__BB48_241:
-	shl.b64 	%rd270, %rd433, 2;
-	add.s64 	%rd271, %rd91, %rd270;
-	add.s64 	%rd272, %rd92, %rd270;
-	ld.u32 	%r222, [%rd272];
-	ld.u32 	%r223, [%rd271];
-	min.s32 	%r224, %r222, %r223;
-	st.u32 	[%rd271], %r224;
-	add.s64 	%rd433, %rd433, %rd3;
-	setp.lt.u64 	%p171, %rd433, %rd111;
-	@%p171 bra 	$L__BB48_241;
-	bra.uni 	$L__BB48_366;
-
-$L__BB48_339:
-	setp.le.u64 	%p256, %rd147, %rd2;
-	@%p256 bra 	$L__BB48_366;
-
-	mov.u64 	%rd449, %rd2;
-
-$L__BB48_341:
-	shl.b64 	%rd320, %rd449, 2;
-	add.s64 	%rd321, %rd91, %rd320;
-	add.s64 	%rd322, %rd92, %rd320;
-	ld.u32 	%r316, [%rd322];
-	ld.u32 	%r317, [%rd321];
-	add.s32 	%r318, %r316, %r317;
-	st.u32 	[%rd321], %r318;
-	add.s64 	%rd449, %rd449, %rd3;
-	setp.lt.u64 	%p257, %rd449, %rd147;
-	@%p257 bra 	$L__BB48_341;
+	setp.eq.s16 	%p282, %rs43, 0;
+	selp.f32 	%f146, %f127, %f128, %p282;
+	bra.uni 	$L__BB48_369;
 
 $L__BB48_366:
+	add.s16 	%rs118, %rs44, 112;
+	cvt.u32.u16 	%r369, %rs118;
+	shl.b32 	%r370, %r369, 23;
+	shl.b32 	%r371, %r64, 13;
+	or.b32  	%r372, %r371, %r63;
+	or.b32  	%r373, %r372, %r370;
+	mov.b32 	%f146, %r373;
+
+$L__BB48_369:
+	add.f32 	%f129, %f145, %f146;
+	mov.b32 	%r65, %f129;
+	and.b32  	%r66, %r65, 2147483647;
+	setp.gt.u32 	%p283, %r66, 1199570943;
+	@%p283 bra 	$L__BB48_373;
+	bra.uni 	$L__BB48_370;
+
+$L__BB48_373:
+	setp.gt.u32 	%p285, %r66, 2139095040;
+	shr.u32 	%r382, %r65, 13;
+	and.b32  	%r383, %r382, 511;
+	or.b32  	%r384, %r383, 32256;
+	selp.b32 	%r435, %r384, 31744, %p285;
+	bra.uni 	$L__BB48_374;
+
+$L__BB48_370:
+	setp.lt.u32 	%p284, %r66, 947912704;
+	@%p284 bra 	$L__BB48_372;
+	bra.uni 	$L__BB48_371;
+
+$L__BB48_372:
+	mov.b32 	%f130, %r66;
+	add.f32 	%f131, %f130, 0f3F000000;
+	mov.b32 	%r381, %f131;
+	add.s32 	%r435, %r381, -1056964608;
+	bra.uni 	$L__BB48_374;
+
+$L__BB48_371:
+	shr.u32 	%r377, %r65, 13;
+	and.b32  	%r378, %r377, 1;
+	add.s32 	%r379, %r66, %r378;
+	add.s32 	%r380, %r379, -939520001;
+	shr.u32 	%r435, %r380, 13;
+
+$L__BB48_374:
+	shl.b64 	%rd436, %rd491, 1;
+	add.s64 	%rd435, %rd90, %rd436;
+	and.b32  	%r385, %r65, -2147483648;
+	shr.u32 	%r386, %r385, 16;
+	or.b32  	%r387, %r435, %r386;
+	st.u16 	[%rd435], %r387;
+	add.s64 	%rd491, %rd491, %rd4;
+	setp.lt.u64 	%p286, %rd491, %rd146;
+	@%p286 bra 	$L__BB48_359;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_201:
+	setp.ge.u64 	%p132, %rd3, %rd92;
+	@%p132 bra 	$L__BB48_378;
+
+	mov.u64 	%rd463, %rd3;
+
+$L__BB48_203:
+	shl.b64 	%rd259, %rd463, 2;
+	add.s64 	%rd260, %rd90, %rd259;
+	add.s64 	%rd261, %rd91, %rd259;
+	ld.u32 	%r200, [%rd261];
+	ld.u32 	%r201, [%rd260];
+	max.s32 	%r202, %r200, %r201;
+	st.u32 	[%rd260], %r202;
+	add.s64 	%rd463, %rd463, %rd4;
+	setp.lt.u64 	%p133, %rd463, %rd92;
+	@%p133 bra 	$L__BB48_203;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_301:
+	setp.ge.u64 	%p230, %rd3, %rd128;
+	@%p230 bra 	$L__BB48_378;
+
+	mov.u64 	%rd479, %rd3;
+
+$L__BB48_303:
+	shl.b64 	%rd309, %rd479, 2;
+	add.s64 	%rd310, %rd90, %rd309;
+	add.s64 	%rd311, %rd91, %rd309;
+	ld.u32 	%r294, [%rd311];
+	ld.u32 	%r295, [%rd310];
+	mul.lo.s32 	%r296, %r294, %r295;
+	st.u32 	[%rd310], %r296;
+	add.s64 	%rd479, %rd479, %rd4;
+	setp.lt.u64 	%p231, %rd479, %rd128;
+	@%p231 bra 	$L__BB48_303;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_251:
+	setp.ge.u64 	%p181, %rd3, %rd110;
+	@%p181 bra 	$L__BB48_378;
+
+	mov.u64 	%rd471, %rd3;
+
+$L__BB48_253:
+	shl.b64 	%rd284, %rd471, 2;
+	add.s64 	%rd285, %rd90, %rd284;
+	add.s64 	%rd286, %rd91, %rd284;
+	ld.u32 	%r247, [%rd286];
+	ld.u32 	%r248, [%rd285];
+	min.s32 	%r249, %r247, %r248;
+	st.u32 	[%rd285], %r249;
+	add.s64 	%rd471, %rd471, %rd4;
+	setp.lt.u64 	%p182, %rd471, %rd110;
+	@%p182 bra 	$L__BB48_253;
+	bra.uni 	$L__BB48_378;
+
+$L__BB48_351:
+	setp.ge.u64 	%p267, %rd3, %rd146;
+	@%p267 bra 	$L__BB48_378;
+
+	mov.u64 	%rd487, %rd3;
+
+$L__BB48_353:
+	shl.b64 	%rd334, %rd487, 2;
+	add.s64 	%rd335, %rd90, %rd334;
+	add.s64 	%rd336, %rd91, %rd334;
+	ld.u32 	%r341, [%rd336];
+	ld.u32 	%r342, [%rd335];
+	add.s32 	%r343, %r341, %r342;
+	st.u32 	[%rd335], %r343;
+	add.s64 	%rd487, %rd487, %rd4;
+	setp.lt.u64 	%p268, %rd487, %rd146;
+	@%p268 bra 	$L__BB48_353;
+
+$L__BB48_378:
+	bar.sync 	0;
+	@%p70 bra 	$L__BB48_384;
+
+	ld.volatile.global.u32 	%r71, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r388, [%rd5], 1;
+	setp.eq.s32 	%p292, %r388, %r4;
+	@%p292 bra 	$L__BB48_382;
+	bra.uni 	$L__BB48_380;
+
+$L__BB48_382:
+	mov.u32 	%r390, 0;
+	st.global.u32 	[%rd5], %r390;
+	membar.gl;
+	add.s64 	%rd354, %rd5, 64;
+	atom.global.add.u32 	%r391, [%rd354], 1;
+	bra.uni 	$L__BB48_383;
+
+$L__BB48_380:
+	ld.volatile.global.u32 	%r389, [%rd5+64];
+	setp.ne.s32 	%p293, %r389, %r71;
+	@%p293 bra 	$L__BB48_383;
+
+	ld.volatile.global.u64 	%rd353, [%rd6+8];
+	setp.eq.s64 	%p294, %rd353, 0;
+	@%p294 bra 	$L__BB48_380;
+
+$L__BB48_383:
+	membar.gl;
+
+$L__BB48_384:
 	bar.sync 	0;
 	mov.u16 	%rs133, 0;
 
-$L__BB48_388:
-	add.s64 	%rd463, %rd463, 1;
-	add.s64 	%rd400, %rd400, 1;
-	setp.lt.u64 	%p300, %rd400, %rd18;
-	setp.eq.s16 	%p301, %rs133, 0;
-	and.pred  	%p302, %p301, %p300;
-	@%p302 bra 	$L__BB48_13;
+$L__BB48_418:
+	add.s64 	%rd501, %rd501, 1;
+	add.s64 	%rd439, %rd439, 1;
+	setp.lt.u64 	%p323, %rd439, %rd20;
+	setp.eq.s16 	%p324, %rs133, 0;
+	and.pred  	%p325, %p324, %p323;
+	@%p325 bra 	$L__BB48_13;
 
-$L__BB48_389:
+$L__BB48_419:
 	bar.sync 	0;
-	setp.eq.s16 	%p303, %rs133, 0;
-	@%p303 bra 	$L__BB48_1;
+	setp.eq.s16 	%p326, %rs133, 0;
+	@%p326 bra 	$L__BB48_1;
 
-$L__BB48_390:
-	@%p2 bra 	$L__BB48_400;
+$L__BB48_420:
+	membar.sys;
+	bar.sync 	0;
+	@%p70 bra 	$L__BB48_426;
 
+	ld.volatile.global.u32 	%r75, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r420, [%rd5], 1;
+	setp.eq.s32 	%p328, %r420, %r4;
+	@%p328 bra 	$L__BB48_424;
+	bra.uni 	$L__BB48_422;
+
+$L__BB48_424:
+	mov.u32 	%r422, 0;
+	st.global.u32 	[%rd5], %r422;
+	membar.gl;
+	add.s64 	%rd409, %rd5, 64;
+	atom.global.add.u32 	%r423, [%rd409], 1;
+	bra.uni 	$L__BB48_425;
+
+$L__BB48_422:
+	ld.volatile.global.u32 	%r421, [%rd5+64];
+	setp.ne.s32 	%p329, %r421, %r75;
+	@%p329 bra 	$L__BB48_425;
+
+	ld.volatile.global.u64 	%rd408, [%rd6+8];
+	setp.eq.s64 	%p330, %rd408, 0;
+	@%p330 bra 	$L__BB48_422;
+
+$L__BB48_425:
+	membar.gl;
+
+$L__BB48_426:
+	setp.ne.s32 	%p331, %r5, 0;
+	bar.sync 	0;
+	@%p331 bra 	$L__BB48_436;
+
+	ld.param.u64 	%rd417, [hetccl_program_param_2];
+	cvt.u32.u64 	%r426, %rd417;
+	mov.u32 	%r425, %ctaid.x;
+	add.s32 	%r424, %r3, 12;
+	mul.wide.u32 	%rd410, %r424, 8;
+	add.s64 	%rd411, %rd6, %rd410;
+	st.volatile.global.u64 	[%rd411], %rd7;
 	membar.sys;
-	st.volatile.global.u64 	[%rd6+96], %rd4;
-	membar.sys;
-	setp.eq.s32 	%p305, %r1, 0;
+	setp.lt.u32 	%p332, %r425, %r426;
 	mov.u16 	%rs136, 1;
-	@%p305 bra 	$L__BB48_393;
+	@%p332 bra 	$L__BB48_429;
 
-	ld.volatile.global.u64 	%rd388, [%rd1+96];
-	setp.eq.s64 	%p306, %rd388, %rd4;
-	selp.u16 	%rs136, 1, 0, %p306;
+	ld.volatile.global.u64 	%rd412, [%rd6+96];
+	setp.eq.s64 	%p333, %rd412, %rd7;
+	selp.u16 	%rs136, 1, 0, %p333;
 
-$L__BB48_393:
-	setp.eq.s32 	%p307, %r1, 1;
-	@%p307 bra 	$L__BB48_395;
+$L__BB48_429:
+	setp.eq.s32 	%p334, %r3, 1;
+	@%p334 bra 	$L__BB48_431;
 
-	ld.volatile.global.u64 	%rd389, [%rd1+104];
-	setp.eq.s64 	%p308, %rd389, %rd4;
-	selp.b16 	%rs136, %rs136, 0, %p308;
+	ld.volatile.global.u64 	%rd413, [%rd6+104];
+	setp.eq.s64 	%p335, %rd413, %rd7;
+	selp.b16 	%rs136, %rs136, 0, %p335;
 
-$L__BB48_395:
-	setp.eq.s16 	%p309, %rs136, 0;
-	@%p309 bra 	$L__BB48_400;
+$L__BB48_431:
+	setp.eq.s16 	%p336, %rs136, 0;
+	@%p336 bra 	$L__BB48_436;
 
-	setp.ne.s64 	%p310, %rd5, 0;
-	ld.volatile.global.u64 	%rd193, [%rd1+24];
-	@%p310 bra 	$L__BB48_398;
-	bra.uni 	$L__BB48_397;
+	setp.ne.s64 	%p337, %rd8, 0;
+	ld.volatile.global.u64 	%rd192, [%rd6+24];
+	@%p337 bra 	$L__BB48_434;
+	bra.uni 	$L__BB48_433;
 
-$L__BB48_398:
-	ld.volatile.global.u64 	%rd391, [%rd1+16];
-	st.volatile.u64 	[%rd391], %rd193;
-	bra.uni 	$L__BB48_399;
+$L__BB48_434:
+	ld.volatile.global.u64 	%rd415, [%rd6+16];
+	st.volatile.u64 	[%rd415], %rd192;
+	bra.uni 	$L__BB48_435;
 
-$L__BB48_397:
-	ld.volatile.global.u64 	%rd390, [%rd1+16];
-	st.volatile.u32 	[%rd390], %rd193;
+$L__BB48_433:
+	ld.volatile.global.u64 	%rd414, [%rd6+16];
+	st.volatile.u32 	[%rd414], %rd192;
 
-$L__BB48_399:
+$L__BB48_435:
 	membar.sys;
-	st.volatile.global.u64 	[%rd1+32], %rd4;
+	st.volatile.global.u64 	[%rd6+32], %rd7;
 
-$L__BB48_400:
+$L__BB48_436:
 	ret;
 
 }
@@ -5799,16 +6038,18 @@ HETCCL_KERNELS(int32, I32)
 HETCCL_KERNELS(int64, I64)
 
 // ---- Device programs (csrc/device/program.h: the format, the slot's layout and the contract).
-// One block per group (blockIdx.x), every thread of it executing the group's instructions in
-// order; the slot is pinned host memory, read and written with volatile accesses and system
-// fences. Word indices of the slot (program.h's Slot): 0 seq, 1 abort, 2 fin_addr,
-// 3 fin_value, 4 ended, 5 wide, 8 + g len, 10 + g taken, 12 + g gend, 16 + e ev, 64 the rings
-// (8 words an instruction, 256 instructions a group).
+// B blocks per group (blockIdx.x / B: the group, blockIdx.x % B: the block in it), every thread
+// of the group executing the group's instructions in order: waits by each block's first thread,
+// data instructions spread over the group's threads, and a barrier of the group's blocks (in
+// device memory, `bar`: per group a count and a generation) after each data instruction and
+// before each write, signal and end. The slot is pinned host memory, read and written with
+// volatile accesses and system fences. Word indices of the slot (program.h's Slot): 0 seq,
+// 1 abort, 2 fin_addr, 3 fin_value, 4 ended, 5 wide, 8 + g len, 12 + g gend, 16 + e ev,
+// 32 + 16 g + b taken by block b, 64 the rings (8 words an instruction, 256 a group).
 namespace hp {
 enum { kRing = 256, kGroups = 2, kBatch = 32, kRingWord = 64 };
 enum { END = 0, WAIT = 1, WRITE = 2, COPY = 3, REDUCE = 4, DIV = 5, MUL = 6, SIGNAL = 7, AWAIT = 8 };
 
-__device__ __forceinline__ u64 ld(const volatile u64* p) { return *p; }
 __device__ __forceinline__ bool reached(u64 addr, u64 v, bool wide) {
   if (wide) return *reinterpret_cast<const volatile u64*>(addr) >= v;
   u32 lo = *reinterpret_cast<const volatile u32*>(addr);
@@ -5816,8 +6057,8 @@ __device__ __forceinline__ bool reached(u64 addr, u64 v, bool wide) {
 }
 struct alignas(16) V16 { u64 x, y; };
 
-// dst[0, n) = src[0, n) by the block's threads, 16 bytes a load where both are 16-aligned,
-// four loads in flight per thread (the source may be host memory across the bus)
+// dst[0, n) = src[0, n) by threads t, t + nt, ... of the group, 16 bytes a load where both are
+// 16-aligned, four loads in flight per thread (the source may be host memory across the bus)
 __device__ __forceinline__ void copy(char* d, const char* s, u64 n, u64 t, u64 nt) {
   u64 done = 0;
   if (((u64(d) | u64(s)) & 15) == 0) {
@@ -5840,6 +6081,26 @@ __device__ __forceinline__ void copy(char* d, const char* s, u64 n, u64 t, u64 n
     done = m * 8;
   }
   for (u64 i = done + t; i < n; i += nt) d[i] = s[i];
+}
+
+// the group's blocks meet (cooperative groups' grid barrier, for B blocks): their earlier
+// writes are visible to each other after it; gives up once the slot is aborted
+__device__ __forceinline__ void group_barrier(u32* cnt, volatile u32* gen, u32 B, volatile u64* S) {
+  __syncthreads();
+  if (B > 1 && threadIdx.x == 0) {
+    const u32 g0 = *gen;
+    __threadfence();
+    if (atomicAdd(cnt, 1u) == B - 1) {
+      *cnt = 0;
+      __threadfence();
+      atomicAdd(const_cast<u32*>(gen), 1u);
+    } else {
+      while (*gen == g0 && S[1] == 0) {
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
 }
 
 template <int OP>
@@ -5881,10 +6142,15 @@ __device__ __forceinline__ void mul_as(int dt, void* p, u64 n, const void* sp, u
 }
 }  // namespace hp
 
-extern "C" __global__ void hetccl_program(u64* slot) {
+// slot: the program's slot (device address of pinned host memory); bar: 32 zeroed u32 of
+// device memory per group (count at 0, generation at 16, left as found); B: blocks per group
+extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   volatile u64* S = slot;
-  const int g = blockIdx.x;
-  const u64 t = threadIdx.x, nt = blockDim.x;
+  const u32 B = u32(blocks);
+  const u32 g = blockIdx.x / B, b = blockIdx.x % B;
+  const u64 t = u64(b) * blockDim.x + threadIdx.x, nt = u64(B) * blockDim.x;
+  u32* cnt = bar + 32 * g;
+  volatile u32* gen = bar + 32 * g + 16;
   __shared__ u64 ins[hp::kBatch][8];
   __shared__ u64 avail;
   const u64 seq = S[0];
@@ -5892,7 +6158,7 @@ extern "C" __global__ void hetccl_program(u64* slot) {
   u64 pos = 0;
   bool end = false;
   while (!end) {
-    if (t == 0) {
+    if (threadIdx.x == 0) {
       u64 L;
       while ((L = S[8 + g]) <= pos && S[1] == 0) {
       }
@@ -5903,10 +6169,10 @@ extern "C" __global__ void hetccl_program(u64* slot) {
     const u64 L = avail;
     if (L <= pos) break;  // aborted with nothing more published
     const u64 nb = L - pos < hp::kBatch ? L - pos : u64(hp::kBatch);
-    for (u64 i = t; i < nb * 8; i += nt)
+    for (u64 i = threadIdx.x; i < nb * 8; i += blockDim.x)
       ins[i / 8][i % 8] = S[hp::kRingWord + (u64(g) * hp::kRing + (pos + i / 8) % hp::kRing) * 8 + i % 8];
     __syncthreads();
-    if (t == 0) S[10 + g] = pos + nb;  // read: the ring entries may be reused
+    if (threadIdx.x == 0) S[32 + 16 * g + b] = pos + nb;  // read: the ring entries may be reused
     for (u64 k = 0; k < nb && !end; ++k) {
       const u64* I = ins[k];
       switch (I[0]) {
@@ -5915,7 +6181,7 @@ extern "C" __global__ void hetccl_program(u64* slot) {
           break;
         case hp::WAIT:
         case hp::AWAIT:
-          if (t == 0) {
+          if (threadIdx.x == 0) {
             const u64 addr = I[0] == hp::WAIT ? I[1] : u64(slot + 16 + I[1]);
             const bool w = I[0] == hp::AWAIT || wide;
             while (!hp::reached(addr, I[2], w) && S[1] == 0) {
@@ -5927,8 +6193,8 @@ extern "C" __global__ void hetccl_program(u64* slot) {
         case hp::WRITE:
         case hp::SIGNAL:
           __threadfence_system();  // every thread's earlier writes, before the word
-          __syncthreads();
-          if (t == 0) {
+          hp::group_barrier(cnt, gen, B, S);
+          if (b == 0 && threadIdx.x == 0) {
             if (I[0] == hp::SIGNAL) S[16 + I[1]] = I[2];
             else if (wide) *reinterpret_cast<volatile u64*>(I[1]) = I[2];
             else *reinterpret_cast<volatile u32*>(I[1]) = u32(I[2]);
@@ -5937,7 +6203,7 @@ extern "C" __global__ void hetccl_program(u64* slot) {
           break;
         case hp::COPY:
           hp::copy(reinterpret_cast<char*>(I[1]), reinterpret_cast<const char*>(I[2]), I[3], t, nt);
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
         case hp::REDUCE: {
           void* d = reinterpret_cast<void*>(I[1]);
@@ -5949,30 +6215,31 @@ extern "C" __global__ void hetccl_program(u64* slot) {
             case 3: hp::reduce_as<3>(dt, d, s, I[3], t, nt); break;
             default: hp::reduce_as<0>(dt, d, s, I[3], t, nt); break;  // SUM, and AVG as SUM
           }
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
         }
         case hp::DIV:
           hp::div_as(int(I[3]), reinterpret_cast<void*>(I[1]), I[2], i64(I[4]), t, nt);
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
         case hp::MUL:
           hp::mul_as(int(I[3]), reinterpret_cast<void*>(I[1]), I[2], reinterpret_cast<const void*>(I[4]), I[5], t, nt);
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
       }
       ++pos;
     }
     __syncthreads();
   }
-  if (t == 0) {
+  __threadfence_system();
+  hp::group_barrier(cnt, gen, B, S);  // every block of the group is done
+  if (b == 0 && threadIdx.x == 0) {
     // Both groups ended: whichever sees the other's mark writes fin (both may: the same values)
-    __threadfence_system();
     S[12 + g] = seq;
     __threadfence_system();
     bool last = true;
     for (int o = 0; o < hp::kGroups; ++o)
-      if (o != g && S[12 + o] != seq) last = false;
+      if (o != int(g) && S[12 + o] != seq) last = false;
     if (last) {
       if (wide) *reinterpret_cast<volatile u64*>(S[2]) = S[3];
       else *reinterpret_cast<volatile u32*>(S[2]) = u32(S[3]);
