@@ -235,7 +235,7 @@ def group_init_program(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["2+1", "2+2", "one vendor 2", "1+1+1 from one process",
-                                    "2+2 device route"])
+                                    "2+2 device route", "2+2 device programs"])
 def test_inits_inside_a_group_from_one_thread(tmp_path, group_init_program, layout):
     """NCCL's one-thread-several-devices pattern (nccl-tests -g N): each process makes several
     ranks inside one ncclGroupStart/End, whose inits the outermost ncclGroupEnd runs together,
@@ -248,7 +248,7 @@ def test_inits_inside_a_group_from_one_thread(tmp_path, group_init_program, layo
     # (vendor label, how many ranks) per process
     procs_of = {"2+1": [("a", 2), ("b", 1)], "2+2": [("a", 2), ("b", 2)], "one vendor 2": [("a", 2)],
                 "1+1+1 from one process": [("a", 1), ("b", 1), ("c", 1)],
-                "2+2 device route": [("a", 2), ("b", 2)]}[layout]
+                "2+2 device route": [("a", 2), ("b", 2)], "2+2 device programs": [("a", 2), ("b", 2)]}[layout]
     if layout == "1+1+1 from one process":  # one process, three vendors: HETCCL_VENDOR_SPLIT labels ranks
         procs_of = [(None, 3)]
     nranks = sum(k for _, k in procs_of)
@@ -258,9 +258,11 @@ def test_inits_inside_a_group_from_one_thread(tmp_path, group_init_program, layo
         env = {**os.environ, **nccl_env(HETCCL_TIMEOUT_S="30")}
         if layout in ("2+2", "1+1+1 from one process"):  # every process makes several hetccl ranks
             env["HETCCL_TEST_SPLIT_ORDER"] = "1"
-        if layout.endswith("device route"):
+        if layout.endswith(("device route", "device programs")):
             env["HETCCL_STREAM_DEVICE_BYTES"] = "8192"
             env["HETCCL_EXPECT_DEVICE_ROUTE"] = "1"
+        if layout.endswith("device programs"):  # each device-route call one program kernel
+            env["HETCCL_CAPI_ROUTE_LAUNCH"] = "kernel"
         if label is None:
             env["HETCCL_VENDOR_SPLIT"] = "1+1+1"
         else:
