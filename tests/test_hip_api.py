@@ -340,11 +340,12 @@ _LAUNCH = re.compile(r"hipModuleLaunchKernel (\w+) grid=(\d+),(\d+),(\d+) block=
 
 
 def _kernel_names() -> set[str]:
-    """Every kernel reduce_kernels.cu defines (HETCCL_KERNELS(dtype, D) stamps six)."""
+    """Every kernel reduce_kernels.cu defines (HETCCL_KERNELS(dtype, D) stamps six; the device
+    programs' hetccl_program)."""
     dtypes = re.findall(r"^HETCCL_KERNELS\((\w+), \w+\)$", KERNEL_SRC.read_text(), re.M)
     assert len(dtypes) == 8, dtypes
     return {f"hetccl_{k}_{d}" for d in dtypes for k in ("div", "mul")} | \
-           {f"hetccl_reduce_{d}_{op}" for d in dtypes for op in ("sum", "prod", "min", "max")}
+           {f"hetccl_reduce_{d}_{op}" for d in dtypes for op in ("sum", "prod", "min", "max")} | {"hetccl_program"}
 
 
 def _launches(log: list[str]) -> list[tuple]:
@@ -400,13 +401,20 @@ def test_hip_device_route_prepares_kernels_with_hiprtc(fakes, rocm, device):
     launches = _launches(log)
     assert sorted(k for k, *_ in launches) == sorted(names)  # one warm-up launch each
     for kernel, grid, block, shared, s, nbytes, words in launches:
+        if kernel == "hetccl_program":
+            # (slot, bar, blocks): one block a group, on an aborted slot that ends at once
+            assert (grid, block, shared, s) == ((2, 1, 1), (512, 1, 1), 0, stream), kernel
+            assert nbytes == 24 and words[0] != 0 and words[1:] == [0, 1], words
+            continue
         assert (grid, block, shared, s) == ((1, 1, 1), (256, 1, 1), 0, stream), kernel
         # the kernels' parameter lists (reduce_kernels.cu), n = 0; div by 1
         want = {"reduce": (24, [0, 0, 0]), "div": (24, [0, 0, 1]), "mul": (32, [0, 0, 0, 0])}[kernel.split("_")[1]]
         assert (nbytes, words) == want, kernel
     first = log.index(created[0])
     assert all(first < log.index(line) for line in log if line.startswith("hipModuleLaunchKernel"))
-    assert log[-2:] == [f"hipStreamSynchronize {_hex(stream)}", f"hipStreamDestroy {_hex(stream)}"]
+    last = max(i for i, line in enumerate(log) if line.startswith("hipModuleLaunchKernel"))
+    assert f"hipStreamSynchronize {_hex(stream)}" in log[last:]  # every warm-up launch waited for
+    assert log[-1] == f"hipStreamDestroy {_hex(stream)}", log[last:]
 
     # once per device and process: a second call, or another module instance, compiles nothing
     hip.fake_hip_reset(1)
