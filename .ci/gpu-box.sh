@@ -38,6 +38,12 @@
 #                          CPU, and by one side's kernel against the other's CPU thread (us
 #                          per round trip): whether a one-launch device route can poll across
 #                          processes sharing one GPU (docs/capi.md)
+#   programs.txt/.jsonl    (programs) tests/gpu_dropin_bench.py: the torch face on the C API,
+#                          1+1, its device route as stream operations (facecapi-1+1) beside
+#                          device programs (HETCCL_CAPI_ROUTE_LAUNCH=kernel, 1 and 8 blocks a
+#                          group, and 8 blocks at every size), torch's NCCL at world size 1 and
+#                          the face's own path (face-1+1) in the same run: time and issue cost
+#                          (csrc/api/device_program.h)
 #   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
 #   ucx_tests.log          (ucx) tests/test_gpu_ucx.py (all collectives, 1+1 and 2+1, hosts
 #                          emulated, HETCCL_UCX_DEVICE auto and off: both staged here), test_rdma
@@ -48,7 +54,7 @@
 #   ucx_probe.log          (ucxprobe) tests/gpu_ucx_probe.py: per configuration ok or the
 #                          stalled step, with ucx_probe_stacks_*.txt (every thread's frames)
 # Usage: bash .ci/gpu-box.sh [build] [tests] [bench] [dropin] [passthrough] [slots] [sweep] [train] [host]
-#                            [profile] [p2p] [doctor] [ucx] [ucxprobe] [megatron] [pingpong]
+#                            [profile] [p2p] [doctor] [ucx] [ucxprobe] [megatron] [pingpong] [programs]
 # (default: build tests bench sweep train host doctor, in that order). Each step is bounded by
 # STEP_TIMEOUT seconds (default 240), the tests step by TESTS_TIMEOUT (default 540: the suite
 # is meant to take <= ~8 minutes on one H200; run `build` and `tests` as two device commands
@@ -213,6 +219,13 @@ for w in $what; do
       nvcc -O2 -o /tmp/gpu_pingpong tests/gpu_pingpong.cu &&
         timeout "$T" /tmp/gpu_pingpong "${PINGPONG_ROUNDS:-2000}" 2>&1 | tee "$OUT/pingpong.txt"
       ;;
+    programs)
+      # device programs against the route's stream operations (about 3 minutes)
+      timeout $((T + 60)) python3 tests/gpu_dropin_bench.py --timeout 60 --jsonl "$OUT/programs.jsonl" \
+        --only nccl-1,face-1+1,facecapi-1+1,facecapi-1+1-k1,facecapi-1+1-k8,facecapi-1+1-k8all \
+        --face-variants "k1:HETCCL_CAPI_ROUTE_LAUNCH=kernel;HETCCL_CAPI_PROGRAM_BLOCKS=1,k8:HETCCL_CAPI_ROUTE_LAUNCH=kernel;HETCCL_CAPI_PROGRAM_BLOCKS=8,k8all:HETCCL_CAPI_ROUTE_LAUNCH=kernel;HETCCL_CAPI_PROGRAM_BLOCKS=8;HETCCL_STREAM_DEVICE_BYTES=1" \
+        --factor 8 --maxbytes 64M --issue-sizes 8K,512K,2M,32M,64M > "$OUT/programs.txt" 2>&1
+      tail -45 "$OUT/programs.txt" ;;
     ucxprobe)
       # Which thread and call stall UCX's direct device path (HETCCL_UCX_DEVICE=force over
       # cuda_copy: without / with prepared handles, the latter also eager-only), staged, and the
