@@ -32,6 +32,16 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def parse_variants(s: str) -> dict[str, dict[str, str]]:
+    """"NAME:VAR=VALUE[;VAR=VALUE],..." -> {NAME: {VAR: VALUE}} (in order)."""
+    out = {}
+    for v in s.split(","):
+        if v.strip():
+            name, _, settings = v.partition(":")
+            out[name] = dict(kv.split("=", 1) for kv in settings.split(";") if kv)
+    return out
+
+
 def parse_size(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
@@ -200,26 +210,16 @@ def main() -> None:
     plan = [("nccl-1", "nccl", "1", False, {}), ("dropin-1", "nccl", "1", True, {}),
             ("nccl-1b", "nccl", "1", False, {}), ("dropin-1b", "nccl", "1", True, {}),
             ("dropin-1+1", "nccl", "1+1", True, {})]
-    variants = []
-    for v in a.variants.split(","):
-        if not v.strip():
-            continue
-        name, _, settings = v.partition(":")
-        env = dict(kv.split("=", 1) for kv in settings.split(";") if kv)
-        variants.append(name)
-        plan.append((f"dropin-1+1-{name}", "nccl", "1+1", True, env))
-    face_variants = []
+    variants = parse_variants(a.variants)
+    plan += [(f"dropin-1+1-{name}", "nccl", "1+1", True, env) for name, env in variants.items()]
+    face_variants = {}
     if not a.skip_face:
         plan.append(("face-1+1", "hetccl", "1+1", False, {}))
         # the torch face on the C API (HETCCL_FACE_ROUTE=capi, hetccl/face_capi.py)
         plan.append(("facecapi-1+1", "hetccl", "1+1", False, {"HETCCL_FACE_ROUTE": "capi"}))
-        for v in a.face_variants.split(","):
-            if not v.strip():
-                continue
-            name, _, settings = v.partition(":")
-            env = dict(kv.split("=", 1) for kv in settings.split(";") if kv)
-            face_variants.append(name)
-            plan.append((f"facecapi-1+1-{name}", "hetccl", "1+1", False, {"HETCCL_FACE_ROUTE": "capi", **env}))
+        face_variants = parse_variants(a.face_variants)
+        plan += [(f"facecapi-1+1-{name}", "hetccl", "1+1", False, {"HETCCL_FACE_ROUTE": "capi", **env})
+                 for name, env in face_variants.items()]
     if a.only:
         plan = [x for x in plan if x[0] in a.only.split(",")]
     allrows = []
