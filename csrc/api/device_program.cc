@@ -313,7 +313,12 @@ void ProgramOps::event_destroy(void* event) {
 
 void* ProgramOps::mem_alloc_async(size_t nbytes, void* stream) {
   if (group_of(stream) < 0) return real_->mem_alloc_async(nbytes, stream);
-  return real_->mem_alloc_async(nbytes, alloc_stream_);
+  // Stream-ordered memory is valid on its own stream from the allocation on; the kernel runs
+  // on the caller's stream, which is not ordered after it, so the allocation is waited for
+  // here (alloc_stream_ holds nothing else: no kernel, no wait on an engine word).
+  void* p = real_->mem_alloc_async(nbytes, alloc_stream_);
+  real_->sync(alloc_stream_);
+  return p;
 }
 
 void ProgramOps::mem_free_async(void* p, void* stream) {

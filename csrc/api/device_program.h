@@ -23,8 +23,9 @@
 //    SIGNAL / AWAIT; a wait on an event of an earlier call is dropped (that call has ended
 //    before this program starts).
 //  * Scratch (mem_alloc_async on a route stream) comes from the real runtime's pool on a stream
-//    of ProgramOps' own and is given back only once the program that used it has ended
-//    (its slot's `ended`), never in between.
+//    of ProgramOps' own, waited for there (the kernel's stream is not ordered after it), and is
+//    given back only once the program that used it has ended (its slot's `ended`), never in
+//    between.
 //  * sync on a route stream, inside a call, records a write of a word of ProgramOps' own and
 //    waits for it (the staged fallback's copies); outside a call it waits until every launched
 //    program has ended. Every wait here is bounded by the communicator's timeout and ends at
