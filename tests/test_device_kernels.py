@@ -265,7 +265,7 @@ def test_program_kernel_runs_every_instruction(host_kernels, blocks):
     assert not raw_dst[:3].any() and not raw_dst[293:].any()
     np.testing.assert_array_equal(x8, x8_want)
     assert words[0] == 7 and words[1] == 99, words  # the WRITE, then fin (32 bits, low half)
-    assert slot[4] == 9 and list(slot[12:14]) == [9, 9], slot[:16]  # ended, gend
+    assert slot[4] == 9 and list(slot[12:16]) == [9, 9, 9, 9], slot[:16]  # ended, gend, left
     # taken, per block: every instruction was read
     assert list(slot[32:32 + blocks]) == [9] * blocks and list(slot[48:48 + blocks]) == [5] * blocks, slot[32:64]
     assert slot[16 + 3] == 5
@@ -281,4 +281,4 @@ def test_program_kernel_aborted_ends_at_once(host_kernels):
     slot[0], slot[1], slot[2], slot[3], slot[5] = 4, 1, words.ctypes.data + 8, 1 << 40, 1
     _put(slot, 0, [("WAIT", words.ctypes.data, 1 << 50)])  # never written; no END published
     _run_program(host_kernels, slot)
-    assert words[1] == 1 << 40 and slot[4] == 4
+    assert words[1] == 1 << 40 and slot[4] == 4 and list(slot[14:16]) == [4, 4]

@@ -134,8 +134,14 @@ void ProgramOps::launch(void* stream, uint64_t seq, uint64_t fin_addr, uint64_t 
 }
 
 bool ProgramOps::ended(uint32_t idx) const {
+  // ended, and both groups have left the slot (program.h): its header may be rewritten
   const uint64_t seq = state_[idx].seq;
-  return seq == 0 || ld(&slots_[idx].ended) == seq;
+  if (seq == 0) return true;
+  const Slot& s = slots_[idx];
+  if (ld(&s.ended) != seq) return false;
+  for (uint32_t g = 0; g < program::kGroups; ++g)
+    if (ld(&s.left[g]) != seq) return false;
+  return true;
 }
 
 void ProgramOps::give_back_ended() {

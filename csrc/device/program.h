@@ -37,8 +37,11 @@
 // issuing thread fills the header and launches; the executor appends instructions at
 // ring[g][len % kRing] and publishes len[g] (release); each block reads what is published and
 // reports taken[g][b] (instructions it has read), and the executor reuses a ring entry only once
-// every block's taken says so. When both groups ended, the kernel writes fin_value to fin_addr (the call's
-// freed word: the caller's stream has passed the call) and then ended = seq. Aborted (abort
+// every block's taken says so. When both groups ended, the kernel writes fin_value to
+// fin_addr (the call's freed word: the caller's stream has passed the call) and then
+// ended = seq; each group's last write is left[g] = seq, and the issuing thread reuses a slot
+// only once ended and both left say so (two groups that end at once may both write fin, the
+// same values, before leaving). Aborted (abort
 // nonzero): every wait passes and a group with nothing more published ends, so no kernel
 // outlives its communicator (the engine's release of its own words, engine_failure.cc, does
 // the same for streams).
@@ -78,7 +81,7 @@ struct Slot {
   uint64_t len[kGroups];       // 8, 9    host: instructions published per group
   uint64_t pad1[2];            // 10, 11
   uint64_t gend[kGroups];      // 12, 13  device: seq once the group ended
-  uint64_t pad2[2];            // 14, 15
+  uint64_t left[kGroups];      // 14, 15  device: seq once the group touches the slot no more
   uint64_t ev[kEvents];        // 16..31  device: events between the groups
   uint64_t taken[kGroups][kMaxBlocks];  // 32..63  device: instructions read, per block
   Ins ring[kGroups][kRing];    // from word 64

@@ -80,11 +80,15 @@ void run_group(Slot* s, uint32_t g) {
   // both groups ended: whichever sees the other's mark writes fin (both may: the same values)
   const uint64_t seq = ld(&s->seq);
   __atomic_store_n(&s->gend[g], seq, __ATOMIC_SEQ_CST);
+  bool last = true;
   for (uint32_t o = 0; o < kGroups; ++o)
-    if (o != g && __atomic_load_n(&s->gend[o], __ATOMIC_SEQ_CST) != seq) return;
-  if (wide) __atomic_store_n(reinterpret_cast<uint64_t*>(s->fin_addr), s->fin_value, __ATOMIC_RELEASE);
-  else __atomic_store_n(reinterpret_cast<uint32_t*>(s->fin_addr), uint32_t(s->fin_value), __ATOMIC_RELEASE);
-  st(&s->ended, seq);
+    if (o != g && __atomic_load_n(&s->gend[o], __ATOMIC_SEQ_CST) != seq) last = false;
+  if (last) {
+    if (wide) __atomic_store_n(reinterpret_cast<uint64_t*>(s->fin_addr), s->fin_value, __ATOMIC_RELEASE);
+    else __atomic_store_n(reinterpret_cast<uint32_t*>(s->fin_addr), uint32_t(s->fin_value), __ATOMIC_RELEASE);
+    st(&s->ended, seq);
+  }
+  st(&s->left[g], seq);  // the group's last access to the slot
 }
 
 }  // namespace

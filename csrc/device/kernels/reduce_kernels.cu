@@ -170,7 +170,7 @@ HETCCL_KERNELS(int64, I64)
 // device memory, `bar`: per group a count and a generation) after each data instruction and
 // before each write, signal and end. The slot is pinned host memory, read and written with
 // volatile accesses and system fences. Word indices of the slot (program.h's Slot): 0 seq,
-// 1 abort, 2 fin_addr, 3 fin_value, 4 ended, 5 wide, 8 + g len, 12 + g gend, 16 + e ev,
+// 1 abort, 2 fin_addr, 3 fin_value, 4 ended, 5 wide, 8 + g len, 12 + g gend, 14 + g left, 16 + e ev,
 // 32 + 16 g + b taken by block b, 64 the rings (8 words an instruction, 256 a group).
 namespace hp {
 enum { kRing = 256, kGroups = 2, kBatch = 32, kRingWord = 64 };
@@ -372,5 +372,7 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
       __threadfence_system();
       S[4] = seq;
     }
+    __threadfence_system();
+    S[14 + g] = seq;  // the group's last access to the slot: it may be reused from here
   }
 }

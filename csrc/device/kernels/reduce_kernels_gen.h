@@ -3182,9 +3182,9 @@ $L__BB47_5:
 	.reg .pred 	%p<340>;
 	.reg .b16 	%rs<137>;
 	.reg .f32 	%f<147>;
-	.reg .b32 	%r<436>;
+	.reg .b32 	%r<437>;
 	.reg .f64 	%fd<22>;
-	.reg .b64 	%rd<502>;
+	.reg .b64 	%rd<504>;
 	// demoted variable
 	.shared .align 8 .b8 _ZZ14hetccl_programE3ins[2048];
 	// demoted variable
@@ -3212,7 +3212,7 @@ $L__BB47_5:
 	add.s64 	%rd5, %rd197, %rd200;
 	cvta.to.global.u64 	%rd6, %rd193;
 	ld.volatile.global.u64 	%rd7, [%rd6];
-	mov.u64 	%rd501, 0;
+	mov.u64 	%rd503, 0;
 	ld.volatile.global.u64 	%rd8, [%rd6+40];
 	setp.eq.s32 	%p3, %r79, 0;
 	add.s32 	%r81, %r3, 8;
@@ -3242,7 +3242,7 @@ $L__BB48_1:
 
 $L__BB48_2:
 	ld.volatile.global.u64 	%rd18, [%rd9];
-	setp.gt.u64 	%p6, %rd18, %rd501;
+	setp.gt.u64 	%p6, %rd18, %rd503;
 	@%p6 bra 	$L__BB48_4;
 
 	ld.volatile.global.u64 	%rd205, [%rd6+8];
@@ -3256,29 +3256,29 @@ $L__BB48_4:
 $L__BB48_5:
 	bar.sync 	0;
 	ld.shared.u64 	%rd19, [_ZZ14hetccl_programE5avail];
-	setp.le.u64 	%p8, %rd19, %rd501;
+	setp.le.u64 	%p8, %rd19, %rd503;
 	@%p8 bra 	$L__BB48_420;
 
-	sub.s64 	%rd206, %rd19, %rd501;
+	sub.s64 	%rd206, %rd19, %rd503;
 	min.u64 	%rd20, %rd206, 32;
 	shl.b64 	%rd21, %rd20, 3;
 	setp.le.u64 	%p9, %rd21, %rd2;
 	@%p9 bra 	$L__BB48_9;
 
-	mov.u64 	%rd438, %rd2;
+	mov.u64 	%rd440, %rd2;
 
 $L__BB48_8:
-	shr.u64 	%rd207, %rd438, 3;
-	add.s64 	%rd208, %rd207, %rd501;
+	shr.u64 	%rd207, %rd440, 3;
+	add.s64 	%rd208, %rd207, %rd503;
 	and.b64  	%rd209, %rd208, 255;
 	add.s64 	%rd210, %rd209, %rd10;
-	and.b64  	%rd211, %rd438, 7;
+	and.b64  	%rd211, %rd440, 7;
 	bfi.b64 	%rd212, %rd210, %rd211, 3, 61;
 	shl.b64 	%rd213, %rd212, 3;
 	add.s64 	%rd214, %rd6, %rd213;
 	ld.volatile.global.u64 	%rd215, [%rd214+512];
 	cvt.u32.u64 	%r86, %rd207;
-	cvt.u32.u64 	%r87, %rd438;
+	cvt.u32.u64 	%r87, %rd440;
 	shl.b32 	%r88, %r86, 6;
 	mov.u32 	%r89, _ZZ14hetccl_programE3ins;
 	add.s32 	%r90, %r89, %r88;
@@ -3286,17 +3286,17 @@ $L__BB48_8:
 	and.b32  	%r92, %r91, 56;
 	add.s32 	%r93, %r90, %r92;
 	st.shared.u64 	[%r93], %rd215;
-	add.s64 	%rd438, %rd438, %rd1;
-	setp.lt.u64 	%p10, %rd438, %rd21;
+	add.s64 	%rd440, %rd440, %rd1;
+	setp.lt.u64 	%p10, %rd440, %rd21;
 	@%p10 bra 	$L__BB48_8;
 
 $L__BB48_9:
-	cvt.u32.u64 	%r427, %rd2;
-	setp.ne.s32 	%p338, %r427, 0;
+	cvt.u32.u64 	%r428, %rd2;
+	setp.ne.s32 	%p338, %r428, 0;
 	bar.sync 	0;
 	@%p338 bra 	$L__BB48_11;
 
-	add.s64 	%rd216, %rd20, %rd501;
+	add.s64 	%rd216, %rd20, %rd503;
 	st.volatile.global.u64 	[%rd11], %rd216;
 
 $L__BB48_11:
@@ -3304,10 +3304,10 @@ $L__BB48_11:
 	mov.u16 	%rs133, 0;
 	@%p12 bra 	$L__BB48_419;
 
-	mov.u64 	%rd439, 0;
+	mov.u64 	%rd441, 0;
 
 $L__BB48_13:
-	cvt.u32.u64 	%r95, %rd439;
+	cvt.u32.u64 	%r95, %rd441;
 	shl.b32 	%r96, %r95, 6;
 	mov.u32 	%r97, _ZZ14hetccl_programE3ins;
 	add.s32 	%r6, %r97, %r96;
@@ -3369,15 +3369,15 @@ $L__BB48_14:
 	bra.uni 	$L__BB48_32;
 
 $L__BB48_17:
-	cvt.u32.u64 	%r428, %rd2;
-	setp.ne.s32 	%p339, %r428, 0;
+	cvt.u32.u64 	%r429, %rd2;
+	setp.ne.s32 	%p339, %r429, 0;
 	@%p339 bra 	$L__BB48_417;
 
-	ld.param.u64 	%rd418, [hetccl_program_param_0];
+	ld.param.u64 	%rd420, [hetccl_program_param_0];
 	setp.ne.s64 	%p317, %rd8, 0;
 	ld.shared.u64 	%rd402, [%r6+8];
 	shl.b64 	%rd403, %rd402, 3;
-	add.s64 	%rd404, %rd418, %rd403;
+	add.s64 	%rd404, %rd420, %rd403;
 	add.s64 	%rd405, %rd404, 128;
 	setp.eq.s64 	%p318, %rd26, 1;
 	selp.b64 	%rd187, %rd402, %rd405, %p318;
@@ -3450,16 +3450,16 @@ $L__BB48_119:
 	@%p108 bra 	$L__BB48_168;
 
 	cvt.rn.f64.s64 	%fd4, %rd52;
-	mov.u64 	%rd460, %rd3;
+	mov.u64 	%rd462, %rd3;
 
 $L__BB48_121:
-	shl.b64 	%rd247, %rd460, 3;
+	shl.b64 	%rd247, %rd462, 3;
 	add.s64 	%rd248, %rd50, %rd247;
 	ld.f64 	%fd7, [%rd248];
 	div.rn.f64 	%fd8, %fd7, %fd4;
 	st.f64 	[%rd248], %fd8;
-	add.s64 	%rd460, %rd460, %rd4;
-	setp.lt.u64 	%p109, %rd460, %rd51;
+	add.s64 	%rd462, %rd462, %rd4;
+	setp.lt.u64 	%p109, %rd462, %rd51;
 	@%p109 bra 	$L__BB48_121;
 	bra.uni 	$L__BB48_168;
 
@@ -3482,27 +3482,27 @@ $L__BB48_23:
 
 	and.b64  	%rd357, %rd167, 7;
 	setp.ne.s64 	%p296, %rd357, 0;
-	mov.u64 	%rd499, 0;
+	mov.u64 	%rd501, 0;
 	@%p296 bra 	$L__BB48_391;
 
 	shr.u64 	%rd168, %rd164, 3;
 	setp.ge.u64 	%p297, %rd3, %rd168;
 	@%p297 bra 	$L__BB48_28;
 
-	mov.u64 	%rd494, %rd3;
+	mov.u64 	%rd496, %rd3;
 
 $L__BB48_27:
-	shl.b64 	%rd358, %rd494, 3;
+	shl.b64 	%rd358, %rd496, 3;
 	add.s64 	%rd359, %rd166, %rd358;
 	ld.u64 	%rd360, [%rd359];
 	add.s64 	%rd361, %rd165, %rd358;
 	st.u64 	[%rd361], %rd360;
-	add.s64 	%rd494, %rd494, %rd4;
-	setp.lt.u64 	%p298, %rd494, %rd168;
+	add.s64 	%rd496, %rd496, %rd4;
+	setp.lt.u64 	%p298, %rd496, %rd168;
 	@%p298 bra 	$L__BB48_27;
 
 $L__BB48_28:
-	and.b64  	%rd499, %rd164, -8;
+	and.b64  	%rd501, %rd164, -8;
 	bra.uni 	$L__BB48_391;
 
 $L__BB48_400:
@@ -3588,10 +3588,10 @@ $L__BB48_182:
 	setp.ge.u64 	%p158, %rd3, %rd92;
 	@%p158 bra 	$L__BB48_378;
 
-	mov.u64 	%rd468, %rd3;
+	mov.u64 	%rd470, %rd3;
 
 $L__BB48_184:
-	shl.b64 	%rd272, %rd468, 3;
+	shl.b64 	%rd272, %rd470, 3;
 	add.s64 	%rd273, %rd90, %rd272;
 	add.s64 	%rd274, %rd91, %rd272;
 	ld.f64 	%fd9, [%rd274];
@@ -3601,8 +3601,8 @@ $L__BB48_184:
 	or.pred  	%p161, %p159, %p160;
 	selp.f64 	%fd11, %fd9, %fd10, %p161;
 	st.f64 	[%rd273], %fd11;
-	add.s64 	%rd468, %rd468, %rd4;
-	setp.lt.u64 	%p162, %rd468, %rd92;
+	add.s64 	%rd470, %rd470, %rd4;
+	setp.lt.u64 	%p162, %rd470, %rd92;
 	@%p162 bra 	$L__BB48_184;
 	bra.uni 	$L__BB48_378;
 
@@ -3641,101 +3641,101 @@ $L__BB48_127:
 
 $L__BB48_130:
 	setp.ge.u64 	%p91, %rd3, %rd51;
-	mov.u64 	%rd454, %rd3;
+	mov.u64 	%rd456, %rd3;
 	@%p91 bra 	$L__BB48_168;
 
 $L__BB48_131:
-	add.s64 	%rd68, %rd50, %rd454;
+	add.s64 	%rd68, %rd50, %rd456;
 	ld.u8 	%rd69, [%rd68];
 	and.b64  	%rd241, %rd52, -4294967296;
 	setp.eq.s64 	%p92, %rd241, 0;
 	@%p92 bra 	$L__BB48_145;
 
-	div.s64 	%rd455, %rd69, %rd52;
+	div.s64 	%rd457, %rd69, %rd52;
 	bra.uni 	$L__BB48_146;
 
 $L__BB48_145:
 	cvt.u32.u64 	%r157, %rd52;
 	cvt.u32.u64 	%r158, %rd69;
 	div.u32 	%r159, %r158, %r157;
-	cvt.u64.u32 	%rd455, %r159;
+	cvt.u64.u32 	%rd457, %r159;
 
 $L__BB48_146:
-	st.u8 	[%rd68], %rd455;
-	add.s64 	%rd454, %rd454, %rd4;
-	setp.lt.u64 	%p93, %rd454, %rd51;
+	st.u8 	[%rd68], %rd457;
+	add.s64 	%rd456, %rd456, %rd4;
+	setp.lt.u64 	%p93, %rd456, %rd51;
 	@%p93 bra 	$L__BB48_131;
 	bra.uni 	$L__BB48_168;
 
 $L__BB48_385:
 	shr.u64 	%rd172, %rd164, 4;
 	setp.ge.u64 	%p299, %rd13, %rd172;
-	mov.u64 	%rd497, %rd3;
+	mov.u64 	%rd499, %rd3;
 	@%p299 bra 	$L__BB48_388;
 
-	add.s64 	%rd496, %rd165, %rd15;
-	mov.u64 	%rd497, %rd3;
+	add.s64 	%rd498, %rd165, %rd15;
+	mov.u64 	%rd499, %rd3;
 
 $L__BB48_387:
-	shr.u64 	%rd423, %rd164, 4;
-	neg.s64 	%rd422, %rd4;
-	shl.b64 	%rd421, %rd422, 4;
-	shl.b64 	%rd420, %rd4, 4;
-	shl.b64 	%rd362, %rd497, 4;
+	shr.u64 	%rd425, %rd164, 4;
+	neg.s64 	%rd424, %rd4;
+	shl.b64 	%rd423, %rd424, 4;
+	shl.b64 	%rd422, %rd4, 4;
+	shl.b64 	%rd362, %rd499, 4;
 	add.s64 	%rd363, %rd166, %rd362;
-	add.s64 	%rd365, %rd363, %rd420;
+	add.s64 	%rd365, %rd363, %rd422;
 	ld.v2.u64 	{%rd366, %rd367}, [%rd365];
-	add.s64 	%rd370, %rd365, %rd420;
+	add.s64 	%rd370, %rd365, %rd422;
 	ld.v2.u64 	{%rd371, %rd372}, [%rd370];
-	add.s64 	%rd375, %rd370, %rd420;
+	add.s64 	%rd375, %rd370, %rd422;
 	ld.v2.u64 	{%rd376, %rd377}, [%rd375];
-	add.s64 	%rd381, %rd365, %rd421;
+	add.s64 	%rd381, %rd365, %rd423;
 	ld.v4.u32 	{%r392, %r393, %r394, %r395}, [%rd381];
-	st.v4.u32 	[%rd496], {%r392, %r393, %r394, %r395};
-	add.s64 	%rd382, %rd496, %rd420;
+	st.v4.u32 	[%rd498], {%r392, %r393, %r394, %r395};
+	add.s64 	%rd382, %rd498, %rd422;
 	st.v2.u64 	[%rd382], {%rd366, %rd367};
-	add.s64 	%rd383, %rd382, %rd420;
+	add.s64 	%rd383, %rd382, %rd422;
 	st.v2.u64 	[%rd383], {%rd371, %rd372};
-	add.s64 	%rd384, %rd383, %rd420;
-	add.s64 	%rd496, %rd384, %rd420;
+	add.s64 	%rd384, %rd383, %rd422;
+	add.s64 	%rd498, %rd384, %rd422;
 	st.v2.u64 	[%rd384], {%rd376, %rd377};
-	add.s64 	%rd385, %rd497, %rd4;
-	add.s64 	%rd497, %rd12, %rd385;
-	add.s64 	%rd386, %rd497, %rd12;
-	setp.lt.u64 	%p300, %rd386, %rd423;
+	add.s64 	%rd385, %rd499, %rd4;
+	add.s64 	%rd499, %rd12, %rd385;
+	add.s64 	%rd386, %rd499, %rd12;
+	setp.lt.u64 	%p300, %rd386, %rd425;
 	@%p300 bra 	$L__BB48_387;
 
 $L__BB48_388:
-	shr.u64 	%rd416, %rd164, 4;
-	setp.ge.u64 	%p301, %rd497, %rd416;
+	shr.u64 	%rd418, %rd164, 4;
+	setp.ge.u64 	%p301, %rd499, %rd418;
 	@%p301 bra 	$L__BB48_390;
 
 $L__BB48_389:
-	shr.u64 	%rd419, %rd164, 4;
-	shl.b64 	%rd387, %rd497, 4;
+	shr.u64 	%rd421, %rd164, 4;
+	shl.b64 	%rd387, %rd499, 4;
 	add.s64 	%rd388, %rd165, %rd387;
 	add.s64 	%rd389, %rd166, %rd387;
 	ld.v4.u32 	{%r400, %r401, %r402, %r403}, [%rd389];
 	st.v4.u32 	[%rd388], {%r400, %r401, %r402, %r403};
-	add.s64 	%rd497, %rd497, %rd4;
-	setp.lt.u64 	%p302, %rd497, %rd419;
+	add.s64 	%rd499, %rd499, %rd4;
+	setp.lt.u64 	%p302, %rd499, %rd421;
 	@%p302 bra 	$L__BB48_389;
 
 $L__BB48_390:
-	and.b64  	%rd499, %rd164, -16;
+	and.b64  	%rd501, %rd164, -16;
 
 $L__BB48_391:
-	add.s64 	%rd500, %rd499, %rd3;
-	setp.ge.u64 	%p303, %rd500, %rd164;
+	add.s64 	%rd502, %rd501, %rd3;
+	setp.ge.u64 	%p303, %rd502, %rd164;
 	@%p303 bra 	$L__BB48_393;
 
 $L__BB48_392:
-	add.s64 	%rd390, %rd166, %rd500;
+	add.s64 	%rd390, %rd166, %rd502;
 	ld.u8 	%rs120, [%rd390];
-	add.s64 	%rd391, %rd165, %rd500;
+	add.s64 	%rd391, %rd165, %rd502;
 	st.u8 	[%rd391], %rs120;
-	add.s64 	%rd500, %rd500, %rd4;
-	setp.lt.u64 	%p304, %rd500, %rd164;
+	add.s64 	%rd502, %rd502, %rd4;
+	setp.lt.u64 	%p304, %rd502, %rd164;
 	@%p304 bra 	$L__BB48_392;
 
 $L__BB48_393:
@@ -3812,10 +3812,10 @@ $L__BB48_124:
 	@%p97 bra 	$L__BB48_168;
 
 	cvt.rn.f32.s64 	%f13, %rd52;
-	mov.u64 	%rd458, %rd3;
+	mov.u64 	%rd460, %rd3;
 
 $L__BB48_126:
-	shl.b64 	%rd244, %rd458, 1;
+	shl.b64 	%rd244, %rd460, 1;
 	add.s64 	%rd245, %rd50, %rd244;
 	ld.u16 	%r163, [%rd245];
 	shl.b32 	%r164, %r163, 16;
@@ -3832,8 +3832,8 @@ $L__BB48_126:
 	setp.gt.u32 	%p98, %r172, 2139095040;
 	selp.b32 	%r173, %r171, %r170, %p98;
 	st.u16 	[%rd245], %r173;
-	add.s64 	%rd458, %rd458, %rd4;
-	setp.lt.u64 	%p99, %rd458, %rd51;
+	add.s64 	%rd460, %rd460, %rd4;
+	setp.lt.u64 	%p99, %rd460, %rd51;
 	@%p99 bra 	$L__BB48_126;
 	bra.uni 	$L__BB48_168;
 
@@ -3856,18 +3856,18 @@ $L__BB48_282:
 	setp.ge.u64 	%p250, %rd3, %rd128;
 	@%p250 bra 	$L__BB48_378;
 
-	mov.u64 	%rd484, %rd3;
+	mov.u64 	%rd486, %rd3;
 
 $L__BB48_284:
-	shl.b64 	%rd322, %rd484, 3;
+	shl.b64 	%rd322, %rd486, 3;
 	add.s64 	%rd323, %rd90, %rd322;
 	add.s64 	%rd324, %rd91, %rd322;
 	ld.f64 	%fd15, [%rd324];
 	ld.f64 	%fd16, [%rd323];
 	mul.f64 	%fd17, %fd16, %fd15;
 	st.f64 	[%rd323], %fd17;
-	add.s64 	%rd484, %rd484, %rd4;
-	setp.lt.u64 	%p251, %rd484, %rd128;
+	add.s64 	%rd486, %rd486, %rd4;
+	setp.lt.u64 	%p251, %rd486, %rd128;
 	@%p251 bra 	$L__BB48_284;
 	bra.uni 	$L__BB48_378;
 
@@ -3890,10 +3890,10 @@ $L__BB48_232:
 	setp.ge.u64 	%p207, %rd3, %rd110;
 	@%p207 bra 	$L__BB48_378;
 
-	mov.u64 	%rd476, %rd3;
+	mov.u64 	%rd478, %rd3;
 
 $L__BB48_234:
-	shl.b64 	%rd297, %rd476, 3;
+	shl.b64 	%rd297, %rd478, 3;
 	add.s64 	%rd298, %rd90, %rd297;
 	add.s64 	%rd299, %rd91, %rd297;
 	ld.f64 	%fd12, [%rd299];
@@ -3903,8 +3903,8 @@ $L__BB48_234:
 	or.pred  	%p210, %p208, %p209;
 	selp.f64 	%fd14, %fd12, %fd13, %p210;
 	st.f64 	[%rd298], %fd14;
-	add.s64 	%rd476, %rd476, %rd4;
-	setp.lt.u64 	%p211, %rd476, %rd110;
+	add.s64 	%rd478, %rd478, %rd4;
+	setp.lt.u64 	%p211, %rd478, %rd110;
 	@%p211 bra 	$L__BB48_234;
 	bra.uni 	$L__BB48_378;
 
@@ -3927,18 +3927,18 @@ $L__BB48_332:
 	setp.ge.u64 	%p287, %rd3, %rd146;
 	@%p287 bra 	$L__BB48_378;
 
-	mov.u64 	%rd492, %rd3;
+	mov.u64 	%rd494, %rd3;
 
 $L__BB48_334:
-	shl.b64 	%rd347, %rd492, 3;
+	shl.b64 	%rd347, %rd494, 3;
 	add.s64 	%rd348, %rd90, %rd347;
 	add.s64 	%rd349, %rd91, %rd347;
 	ld.f64 	%fd18, [%rd349];
 	ld.f64 	%fd19, [%rd348];
 	add.f64 	%fd20, %fd19, %fd18;
 	st.f64 	[%rd348], %fd20;
-	add.s64 	%rd492, %rd492, %rd4;
-	setp.lt.u64 	%p288, %rd492, %rd146;
+	add.s64 	%rd494, %rd494, %rd4;
+	setp.lt.u64 	%p288, %rd494, %rd146;
 	@%p288 bra 	$L__BB48_334;
 	bra.uni 	$L__BB48_378;
 
@@ -3958,16 +3958,16 @@ $L__BB48_55:
 	setp.ge.u64 	%p37, %rd3, %rd28;
 	@%p37 bra 	$L__BB48_108;
 
-	mov.u64 	%rd442, %rd3;
+	mov.u64 	%rd444, %rd3;
 
 $L__BB48_57:
-	shl.b64 	%rd218, %rd442, 3;
+	shl.b64 	%rd218, %rd444, 3;
 	add.s64 	%rd219, %rd27, %rd218;
 	ld.u64 	%rd220, [%rd219];
 	mul.lo.s64 	%rd221, %rd220, %rd30;
 	st.u64 	[%rd219], %rd221;
-	add.s64 	%rd442, %rd442, %rd4;
-	setp.lt.u64 	%p38, %rd442, %rd28;
+	add.s64 	%rd444, %rd444, %rd4;
+	setp.lt.u64 	%p38, %rd444, %rd28;
 	@%p38 bra 	$L__BB48_57;
 	bra.uni 	$L__BB48_108;
 
@@ -3979,11 +3979,11 @@ $L__BB48_133:
 	@%p77 bra 	$L__BB48_168;
 
 	setp.ge.u64 	%p85, %rd3, %rd51;
-	mov.u64 	%rd450, %rd3;
+	mov.u64 	%rd452, %rd3;
 	@%p85 bra 	$L__BB48_168;
 
 $L__BB48_136:
-	shl.b64 	%rd235, %rd450, 3;
+	shl.b64 	%rd235, %rd452, 3;
 	add.s64 	%rd54, %rd50, %rd235;
 	ld.u64 	%rd55, [%rd54];
 	or.b64  	%rd236, %rd55, %rd52;
@@ -3991,19 +3991,19 @@ $L__BB48_136:
 	setp.eq.s64 	%p86, %rd237, 0;
 	@%p86 bra 	$L__BB48_138;
 
-	div.s64 	%rd451, %rd55, %rd52;
+	div.s64 	%rd453, %rd55, %rd52;
 	bra.uni 	$L__BB48_139;
 
 $L__BB48_138:
 	cvt.u32.u64 	%r151, %rd52;
 	cvt.u32.u64 	%r152, %rd55;
 	div.u32 	%r153, %r152, %r151;
-	cvt.u64.u32 	%rd451, %r153;
+	cvt.u64.u32 	%rd453, %r153;
 
 $L__BB48_139:
-	st.u64 	[%rd54], %rd451;
-	add.s64 	%rd450, %rd450, %rd4;
-	setp.lt.u64 	%p87, %rd450, %rd51;
+	st.u64 	[%rd54], %rd453;
+	add.s64 	%rd452, %rd452, %rd4;
+	setp.lt.u64 	%p87, %rd452, %rd51;
 	@%p87 bra 	$L__BB48_136;
 	bra.uni 	$L__BB48_168;
 
@@ -4030,17 +4030,17 @@ $L__BB48_193:
 	setp.ge.u64 	%p134, %rd3, %rd92;
 	@%p134 bra 	$L__BB48_378;
 
-	mov.u64 	%rd464, %rd3;
+	mov.u64 	%rd466, %rd3;
 
 $L__BB48_195:
-	add.s64 	%rd262, %rd91, %rd464;
+	add.s64 	%rd262, %rd91, %rd466;
 	ld.u8 	%rs71, [%rd262];
-	add.s64 	%rd263, %rd90, %rd464;
+	add.s64 	%rd263, %rd90, %rd466;
 	ld.u8 	%rs72, [%rd263];
 	max.u16 	%rs73, %rs71, %rs72;
 	st.u8 	[%rd263], %rs73;
-	add.s64 	%rd464, %rd464, %rd4;
-	setp.lt.u64 	%p135, %rd464, %rd92;
+	add.s64 	%rd466, %rd466, %rd4;
+	setp.lt.u64 	%p135, %rd466, %rd92;
 	@%p135 bra 	$L__BB48_195;
 	bra.uni 	$L__BB48_378;
 
@@ -4059,17 +4059,17 @@ $L__BB48_293:
 	setp.ge.u64 	%p232, %rd3, %rd128;
 	@%p232 bra 	$L__BB48_378;
 
-	mov.u64 	%rd480, %rd3;
+	mov.u64 	%rd482, %rd3;
 
 $L__BB48_295:
-	add.s64 	%rd312, %rd91, %rd480;
+	add.s64 	%rd312, %rd91, %rd482;
 	ld.u8 	%rs95, [%rd312];
-	add.s64 	%rd313, %rd90, %rd480;
+	add.s64 	%rd313, %rd90, %rd482;
 	ld.u8 	%rs96, [%rd313];
 	mul.lo.s16 	%rs97, %rs95, %rs96;
 	st.u8 	[%rd313], %rs97;
-	add.s64 	%rd480, %rd480, %rd4;
-	setp.lt.u64 	%p233, %rd480, %rd128;
+	add.s64 	%rd482, %rd482, %rd4;
+	setp.lt.u64 	%p233, %rd482, %rd128;
 	@%p233 bra 	$L__BB48_295;
 	bra.uni 	$L__BB48_378;
 
@@ -4088,17 +4088,17 @@ $L__BB48_243:
 	setp.ge.u64 	%p183, %rd3, %rd110;
 	@%p183 bra 	$L__BB48_378;
 
-	mov.u64 	%rd472, %rd3;
+	mov.u64 	%rd474, %rd3;
 
 $L__BB48_245:
-	add.s64 	%rd287, %rd91, %rd472;
+	add.s64 	%rd287, %rd91, %rd474;
 	ld.u8 	%rs83, [%rd287];
-	add.s64 	%rd288, %rd90, %rd472;
+	add.s64 	%rd288, %rd90, %rd474;
 	ld.u8 	%rs84, [%rd288];
 	min.u16 	%rs85, %rs83, %rs84;
 	st.u8 	[%rd288], %rs85;
-	add.s64 	%rd472, %rd472, %rd4;
-	setp.lt.u64 	%p184, %rd472, %rd110;
+	add.s64 	%rd474, %rd474, %rd4;
+	setp.lt.u64 	%p184, %rd474, %rd110;
 	@%p184 bra 	$L__BB48_245;
 	bra.uni 	$L__BB48_378;
 
@@ -4117,17 +4117,17 @@ $L__BB48_343:
 	setp.ge.u64 	%p269, %rd3, %rd146;
 	@%p269 bra 	$L__BB48_378;
 
-	mov.u64 	%rd488, %rd3;
+	mov.u64 	%rd490, %rd3;
 
 $L__BB48_345:
-	add.s64 	%rd337, %rd91, %rd488;
+	add.s64 	%rd337, %rd91, %rd490;
 	ld.u8 	%rs107, [%rd337];
-	add.s64 	%rd338, %rd90, %rd488;
+	add.s64 	%rd338, %rd90, %rd490;
 	ld.u8 	%rs108, [%rd338];
 	add.s16 	%rs109, %rs107, %rs108;
 	st.u8 	[%rd338], %rs109;
-	add.s64 	%rd488, %rd488, %rd4;
-	setp.lt.u64 	%p270, %rd488, %rd146;
+	add.s64 	%rd490, %rd490, %rd4;
+	setp.lt.u64 	%p270, %rd490, %rd146;
 	@%p270 bra 	$L__BB48_345;
 	bra.uni 	$L__BB48_378;
 
@@ -4143,16 +4143,16 @@ $L__BB48_105:
 	setp.ge.u64 	%p68, %rd3, %rd28;
 	@%p68 bra 	$L__BB48_108;
 
-	mov.u64 	%rd449, %rd3;
+	mov.u64 	%rd451, %rd3;
 
 $L__BB48_107:
-	shl.b64 	%rd231, %rd449, 2;
+	shl.b64 	%rd231, %rd451, 2;
 	add.s64 	%rd232, %rd27, %rd231;
 	ld.f32 	%f63, [%rd232];
 	mul.f32 	%f64, %f137, %f63;
 	st.f32 	[%rd232], %f64;
-	add.s64 	%rd449, %rd449, %rd4;
-	setp.lt.u64 	%p69, %rd449, %rd28;
+	add.s64 	%rd451, %rd451, %rd4;
+	setp.lt.u64 	%p69, %rd451, %rd28;
 	@%p69 bra 	$L__BB48_107;
 	bra.uni 	$L__BB48_108;
 
@@ -4161,16 +4161,16 @@ $L__BB48_165:
 	@%p110 bra 	$L__BB48_168;
 
 	cvt.rn.f32.s64 	%f19, %rd52;
-	mov.u64 	%rd461, %rd3;
+	mov.u64 	%rd463, %rd3;
 
 $L__BB48_167:
-	shl.b64 	%rd249, %rd461, 2;
+	shl.b64 	%rd249, %rd463, 2;
 	add.s64 	%rd250, %rd50, %rd249;
 	ld.f32 	%f73, [%rd250];
 	div.rn.f32 	%f74, %f73, %f19;
 	st.f32 	[%rd250], %f74;
-	add.s64 	%rd461, %rd461, %rd4;
-	setp.lt.u64 	%p111, %rd461, %rd51;
+	add.s64 	%rd463, %rd463, %rd4;
+	setp.lt.u64 	%p111, %rd463, %rd51;
 	@%p111 bra 	$L__BB48_167;
 	bra.uni 	$L__BB48_168;
 
@@ -4183,31 +4183,31 @@ $L__BB48_68:
 
 $L__BB48_147:
 	setp.ge.u64 	%p94, %rd3, %rd51;
-	mov.u64 	%rd456, %rd3;
+	mov.u64 	%rd458, %rd3;
 	@%p94 bra 	$L__BB48_168;
 
 $L__BB48_148:
-	add.s64 	%rd75, %rd50, %rd456;
+	add.s64 	%rd75, %rd50, %rd458;
 	ld.s8 	%rd76, [%rd75];
 	or.b64  	%rd242, %rd76, %rd52;
 	and.b64  	%rd243, %rd242, -4294967296;
 	setp.eq.s64 	%p95, %rd243, 0;
 	@%p95 bra 	$L__BB48_150;
 
-	div.s64 	%rd457, %rd76, %rd52;
+	div.s64 	%rd459, %rd76, %rd52;
 	bra.uni 	$L__BB48_151;
 
 $L__BB48_150:
 	cvt.u32.u64 	%r160, %rd52;
 	cvt.u32.u64 	%r161, %rd76;
 	div.u32 	%r162, %r161, %r160;
-	cvt.u64.u32 	%rd457, %r162;
+	cvt.u64.u32 	%rd459, %r162;
 
 $L__BB48_151:
-	add.s64 	%rd424, %rd50, %rd456;
-	st.u8 	[%rd424], %rd457;
-	add.s64 	%rd456, %rd456, %rd4;
-	setp.lt.u64 	%p96, %rd456, %rd51;
+	add.s64 	%rd426, %rd50, %rd458;
+	st.u8 	[%rd426], %rd459;
+	add.s64 	%rd458, %rd458, %rd4;
+	setp.lt.u64 	%p96, %rd458, %rd51;
 	@%p96 bra 	$L__BB48_148;
 	bra.uni 	$L__BB48_168;
 
@@ -4223,10 +4223,10 @@ $L__BB48_152:
 	@%p100 bra 	$L__BB48_168;
 
 	cvt.rn.f32.s64 	%f14, %rd52;
-	mov.u64 	%rd459, %rd3;
+	mov.u64 	%rd461, %rd3;
 
 $L__BB48_154:
-	shl.b64 	%rd246, %rd459, 1;
+	shl.b64 	%rd246, %rd461, 1;
 	add.s64 	%rd84, %rd50, %rd246;
 	ld.u16 	%rs67, [%rd84];
 	and.b16  	%rs19, %rs67, -32768;
@@ -4281,7 +4281,7 @@ $L__BB48_163:
 	shr.u32 	%r189, %r23, 13;
 	and.b32  	%r190, %r189, 511;
 	or.b32  	%r191, %r190, 32256;
-	selp.b32 	%r431, %r191, 31744, %p106;
+	selp.b32 	%r432, %r191, 31744, %p106;
 	bra.uni 	$L__BB48_164;
 
 $L__BB48_160:
@@ -4293,7 +4293,7 @@ $L__BB48_162:
 	mov.b32 	%f71, %r24;
 	add.f32 	%f72, %f71, 0f3F000000;
 	mov.b32 	%r188, %f72;
-	add.s32 	%r431, %r188, -1056964608;
+	add.s32 	%r432, %r188, -1056964608;
 	bra.uni 	$L__BB48_164;
 
 $L__BB48_161:
@@ -4301,15 +4301,15 @@ $L__BB48_161:
 	and.b32  	%r185, %r184, 1;
 	add.s32 	%r186, %r24, %r185;
 	add.s32 	%r187, %r186, -939520001;
-	shr.u32 	%r431, %r187, 13;
+	shr.u32 	%r432, %r187, 13;
 
 $L__BB48_164:
 	and.b32  	%r192, %r23, -2147483648;
 	shr.u32 	%r193, %r192, 16;
-	or.b32  	%r194, %r431, %r193;
+	or.b32  	%r194, %r432, %r193;
 	st.u16 	[%rd84], %r194;
-	add.s64 	%rd459, %rd459, %rd4;
-	setp.lt.u64 	%p107, %rd459, %rd51;
+	add.s64 	%rd461, %rd461, %rd4;
+	setp.lt.u64 	%p107, %rd461, %rd51;
 	@%p107 bra 	$L__BB48_154;
 	bra.uni 	$L__BB48_168;
 
@@ -4317,16 +4317,16 @@ $L__BB48_58:
 	setp.eq.s64 	%p39, %rd29, 0;
 	@%p39 bra 	$L__BB48_60;
 
-	ld.u32 	%r429, [%rd29];
+	ld.u32 	%r430, [%rd29];
 	bra.uni 	$L__BB48_61;
 
 $L__BB48_140:
 	setp.ge.u64 	%p88, %rd3, %rd51;
-	mov.u64 	%rd452, %rd3;
+	mov.u64 	%rd454, %rd3;
 	@%p88 bra 	$L__BB48_168;
 
 $L__BB48_141:
-	shl.b64 	%rd238, %rd452, 2;
+	shl.b64 	%rd238, %rd454, 2;
 	add.s64 	%rd61, %rd50, %rd238;
 	ld.s32 	%rd62, [%rd61];
 	or.b64  	%rd239, %rd62, %rd52;
@@ -4334,19 +4334,19 @@ $L__BB48_141:
 	setp.eq.s64 	%p89, %rd240, 0;
 	@%p89 bra 	$L__BB48_143;
 
-	div.s64 	%rd453, %rd62, %rd52;
+	div.s64 	%rd455, %rd62, %rd52;
 	bra.uni 	$L__BB48_144;
 
 $L__BB48_143:
 	cvt.u32.u64 	%r154, %rd52;
 	cvt.u32.u64 	%r155, %rd62;
 	div.u32 	%r156, %r155, %r154;
-	cvt.u64.u32 	%rd453, %r156;
+	cvt.u64.u32 	%rd455, %r156;
 
 $L__BB48_144:
-	st.u32 	[%rd61], %rd453;
-	add.s64 	%rd452, %rd452, %rd4;
-	setp.lt.u64 	%p90, %rd452, %rd51;
+	st.u32 	[%rd61], %rd455;
+	add.s64 	%rd454, %rd454, %rd4;
+	setp.lt.u64 	%p90, %rd454, %rd51;
 	@%p90 bra 	$L__BB48_141;
 
 $L__BB48_168:
@@ -4397,10 +4397,10 @@ $L__BB48_187:
 	setp.ge.u64 	%p138, %rd3, %rd92;
 	@%p138 bra 	$L__BB48_378;
 
-	mov.u64 	%rd466, %rd3;
+	mov.u64 	%rd468, %rd3;
 
 $L__BB48_189:
-	shl.b64 	%rd266, %rd466, 1;
+	shl.b64 	%rd266, %rd468, 1;
 	add.s64 	%rd267, %rd90, %rd266;
 	ld.u16 	%r203, [%rd267];
 	shl.b32 	%r204, %r203, 16;
@@ -4424,8 +4424,8 @@ $L__BB48_189:
 	setp.gt.u32 	%p142, %r214, 2139095040;
 	selp.b32 	%r215, %r213, %r212, %p142;
 	st.u16 	[%rd267], %r215;
-	add.s64 	%rd466, %rd466, %rd4;
-	setp.lt.u64 	%p143, %rd466, %rd92;
+	add.s64 	%rd468, %rd468, %rd4;
+	setp.lt.u64 	%p143, %rd468, %rd92;
 	@%p143 bra 	$L__BB48_189;
 	bra.uni 	$L__BB48_378;
 
@@ -4441,10 +4441,10 @@ $L__BB48_287:
 	setp.ge.u64 	%p236, %rd3, %rd128;
 	@%p236 bra 	$L__BB48_378;
 
-	mov.u64 	%rd482, %rd3;
+	mov.u64 	%rd484, %rd3;
 
 $L__BB48_289:
-	shl.b64 	%rd316, %rd482, 1;
+	shl.b64 	%rd316, %rd484, 1;
 	add.s64 	%rd317, %rd90, %rd316;
 	ld.u16 	%r297, [%rd317];
 	shl.b32 	%r298, %r297, 16;
@@ -4465,8 +4465,8 @@ $L__BB48_289:
 	setp.gt.u32 	%p237, %r308, 2139095040;
 	selp.b32 	%r309, %r307, %r306, %p237;
 	st.u16 	[%rd317], %r309;
-	add.s64 	%rd482, %rd482, %rd4;
-	setp.lt.u64 	%p238, %rd482, %rd128;
+	add.s64 	%rd484, %rd484, %rd4;
+	setp.lt.u64 	%p238, %rd484, %rd128;
 	@%p238 bra 	$L__BB48_289;
 	bra.uni 	$L__BB48_378;
 
@@ -4482,10 +4482,10 @@ $L__BB48_237:
 	setp.ge.u64 	%p187, %rd3, %rd110;
 	@%p187 bra 	$L__BB48_378;
 
-	mov.u64 	%rd474, %rd3;
+	mov.u64 	%rd476, %rd3;
 
 $L__BB48_239:
-	shl.b64 	%rd291, %rd474, 1;
+	shl.b64 	%rd291, %rd476, 1;
 	add.s64 	%rd292, %rd90, %rd291;
 	ld.u16 	%r250, [%rd292];
 	shl.b32 	%r251, %r250, 16;
@@ -4509,8 +4509,8 @@ $L__BB48_239:
 	setp.gt.u32 	%p191, %r261, 2139095040;
 	selp.b32 	%r262, %r260, %r259, %p191;
 	st.u16 	[%rd292], %r262;
-	add.s64 	%rd474, %rd474, %rd4;
-	setp.lt.u64 	%p192, %rd474, %rd110;
+	add.s64 	%rd476, %rd476, %rd4;
+	setp.lt.u64 	%p192, %rd476, %rd110;
 	@%p192 bra 	$L__BB48_239;
 	bra.uni 	$L__BB48_378;
 
@@ -4526,10 +4526,10 @@ $L__BB48_337:
 	setp.ge.u64 	%p273, %rd3, %rd146;
 	@%p273 bra 	$L__BB48_378;
 
-	mov.u64 	%rd490, %rd3;
+	mov.u64 	%rd492, %rd3;
 
 $L__BB48_339:
-	shl.b64 	%rd341, %rd490, 1;
+	shl.b64 	%rd341, %rd492, 1;
 	add.s64 	%rd342, %rd90, %rd341;
 	ld.u16 	%r344, [%rd342];
 	shl.b32 	%r345, %r344, 16;
@@ -4550,8 +4550,8 @@ $L__BB48_339:
 	setp.gt.u32 	%p274, %r355, 2139095040;
 	selp.b32 	%r356, %r354, %r353, %p274;
 	st.u16 	[%rd342], %r356;
-	add.s64 	%rd490, %rd490, %rd4;
-	setp.lt.u64 	%p275, %rd490, %rd146;
+	add.s64 	%rd492, %rd492, %rd4;
+	setp.lt.u64 	%p275, %rd492, %rd146;
 	@%p275 bra 	$L__BB48_339;
 	bra.uni 	$L__BB48_378;
 
@@ -4565,18 +4565,18 @@ $L__BB48_196:
 	setp.ge.u64 	%p130, %rd3, %rd92;
 	@%p130 bra 	$L__BB48_378;
 
-	mov.u64 	%rd462, %rd3;
+	mov.u64 	%rd464, %rd3;
 
 $L__BB48_200:
-	shl.b64 	%rd253, %rd462, 3;
+	shl.b64 	%rd253, %rd464, 3;
 	add.s64 	%rd254, %rd90, %rd253;
 	add.s64 	%rd255, %rd91, %rd253;
 	ld.u64 	%rd256, [%rd255];
 	ld.u64 	%rd257, [%rd254];
 	max.s64 	%rd258, %rd256, %rd257;
 	st.u64 	[%rd254], %rd258;
-	add.s64 	%rd462, %rd462, %rd4;
-	setp.lt.u64 	%p131, %rd462, %rd92;
+	add.s64 	%rd464, %rd464, %rd4;
+	setp.lt.u64 	%p131, %rd464, %rd92;
 	@%p131 bra 	$L__BB48_200;
 	bra.uni 	$L__BB48_378;
 
@@ -4590,18 +4590,18 @@ $L__BB48_296:
 	setp.ge.u64 	%p228, %rd3, %rd128;
 	@%p228 bra 	$L__BB48_378;
 
-	mov.u64 	%rd478, %rd3;
+	mov.u64 	%rd480, %rd3;
 
 $L__BB48_300:
-	shl.b64 	%rd303, %rd478, 3;
+	shl.b64 	%rd303, %rd480, 3;
 	add.s64 	%rd304, %rd90, %rd303;
 	add.s64 	%rd305, %rd91, %rd303;
 	ld.u64 	%rd306, [%rd305];
 	ld.u64 	%rd307, [%rd304];
 	mul.lo.s64 	%rd308, %rd306, %rd307;
 	st.u64 	[%rd304], %rd308;
-	add.s64 	%rd478, %rd478, %rd4;
-	setp.lt.u64 	%p229, %rd478, %rd128;
+	add.s64 	%rd480, %rd480, %rd4;
+	setp.lt.u64 	%p229, %rd480, %rd128;
 	@%p229 bra 	$L__BB48_300;
 	bra.uni 	$L__BB48_378;
 
@@ -4615,18 +4615,18 @@ $L__BB48_246:
 	setp.ge.u64 	%p179, %rd3, %rd110;
 	@%p179 bra 	$L__BB48_378;
 
-	mov.u64 	%rd470, %rd3;
+	mov.u64 	%rd472, %rd3;
 
 $L__BB48_250:
-	shl.b64 	%rd278, %rd470, 3;
+	shl.b64 	%rd278, %rd472, 3;
 	add.s64 	%rd279, %rd90, %rd278;
 	add.s64 	%rd280, %rd91, %rd278;
 	ld.u64 	%rd281, [%rd280];
 	ld.u64 	%rd282, [%rd279];
 	min.s64 	%rd283, %rd281, %rd282;
 	st.u64 	[%rd279], %rd283;
-	add.s64 	%rd470, %rd470, %rd4;
-	setp.lt.u64 	%p180, %rd470, %rd110;
+	add.s64 	%rd472, %rd472, %rd4;
+	setp.lt.u64 	%p180, %rd472, %rd110;
 	@%p180 bra 	$L__BB48_250;
 	bra.uni 	$L__BB48_378;
 
@@ -4640,18 +4640,18 @@ $L__BB48_346:
 	setp.ge.u64 	%p265, %rd3, %rd146;
 	@%p265 bra 	$L__BB48_378;
 
-	mov.u64 	%rd486, %rd3;
+	mov.u64 	%rd488, %rd3;
 
 $L__BB48_350:
-	shl.b64 	%rd328, %rd486, 3;
+	shl.b64 	%rd328, %rd488, 3;
 	add.s64 	%rd329, %rd90, %rd328;
 	add.s64 	%rd330, %rd91, %rd328;
 	ld.u64 	%rd331, [%rd330];
 	ld.u64 	%rd332, [%rd329];
 	add.s64 	%rd333, %rd331, %rd332;
 	st.u64 	[%rd329], %rd333;
-	add.s64 	%rd486, %rd486, %rd4;
-	setp.lt.u64 	%p266, %rd486, %rd146;
+	add.s64 	%rd488, %rd488, %rd4;
+	setp.lt.u64 	%p266, %rd488, %rd146;
 	@%p266 bra 	$L__BB48_350;
 	bra.uni 	$L__BB48_378;
 
@@ -4662,16 +4662,16 @@ $L__BB48_100:
 	setp.ge.u64 	%p65, %rd3, %rd28;
 	@%p65 bra 	$L__BB48_108;
 
-	mov.u64 	%rd448, %rd3;
+	mov.u64 	%rd450, %rd3;
 
 $L__BB48_102:
-	shl.b64 	%rd229, %rd448, 3;
+	shl.b64 	%rd229, %rd450, 3;
 	add.s64 	%rd230, %rd27, %rd229;
 	ld.f64 	%fd5, [%rd230];
 	mul.f64 	%fd6, %fd21, %fd5;
 	st.f64 	[%rd230], %fd6;
-	add.s64 	%rd448, %rd448, %rd4;
-	setp.lt.u64 	%p66, %rd448, %rd28;
+	add.s64 	%rd450, %rd450, %rd4;
+	setp.lt.u64 	%p66, %rd450, %rd28;
 	@%p66 bra 	$L__BB48_102;
 	bra.uni 	$L__BB48_108;
 
@@ -4682,15 +4682,15 @@ $L__BB48_65:
 	setp.ge.u64 	%p43, %rd3, %rd28;
 	@%p43 bra 	$L__BB48_108;
 
-	mov.u64 	%rd444, %rd3;
+	mov.u64 	%rd446, %rd3;
 
 $L__BB48_67:
-	add.s64 	%rd224, %rd27, %rd444;
+	add.s64 	%rd224, %rd27, %rd446;
 	ld.u8 	%rs57, [%rd224];
 	mul.lo.s16 	%rs58, %rs57, %rs128;
 	st.u8 	[%rd224], %rs58;
-	add.s64 	%rd444, %rd444, %rd4;
-	setp.lt.u64 	%p44, %rd444, %rd28;
+	add.s64 	%rd446, %rd446, %rd4;
+	setp.lt.u64 	%p44, %rd446, %rd28;
 	@%p44 bra 	$L__BB48_67;
 	bra.uni 	$L__BB48_108;
 
@@ -4704,10 +4704,10 @@ $L__BB48_75:
 	cvt.u32.u16 	%r101, %rs130;
 	shl.b32 	%r102, %r101, 16;
 	mov.b32 	%f1, %r102;
-	mov.u64 	%rd446, %rd3;
+	mov.u64 	%rd448, %rd3;
 
 $L__BB48_77:
-	shl.b64 	%rd226, %rd446, 1;
+	shl.b64 	%rd226, %rd448, 1;
 	add.s64 	%rd227, %rd27, %rd226;
 	ld.u16 	%r103, [%rd227];
 	shl.b32 	%r104, %r103, 16;
@@ -4724,8 +4724,8 @@ $L__BB48_77:
 	setp.gt.u32 	%p50, %r112, 2139095040;
 	selp.b32 	%r113, %r111, %r110, %p50;
 	st.u16 	[%rd227], %r113;
-	add.s64 	%rd446, %rd446, %rd4;
-	setp.lt.u64 	%p51, %rd446, %rd28;
+	add.s64 	%rd448, %rd448, %rd4;
+	setp.lt.u64 	%p51, %rd448, %rd28;
 	@%p51 bra 	$L__BB48_77;
 	bra.uni 	$L__BB48_108;
 
@@ -4736,15 +4736,15 @@ $L__BB48_71:
 	setp.ge.u64 	%p46, %rd3, %rd28;
 	@%p46 bra 	$L__BB48_108;
 
-	mov.u64 	%rd445, %rd3;
+	mov.u64 	%rd447, %rd3;
 
 $L__BB48_73:
-	add.s64 	%rd225, %rd27, %rd445;
+	add.s64 	%rd225, %rd27, %rd447;
 	ld.u8 	%rs59, [%rd225];
 	mul.lo.s16 	%rs60, %rs59, %rs129;
 	st.u8 	[%rd225], %rs60;
-	add.s64 	%rd445, %rd445, %rd4;
-	setp.lt.u64 	%p47, %rd445, %rd28;
+	add.s64 	%rd447, %rd447, %rd4;
+	setp.lt.u64 	%p47, %rd447, %rd28;
 	@%p47 bra 	$L__BB48_73;
 	bra.uni 	$L__BB48_108;
 
@@ -4775,22 +4775,22 @@ $L__BB48_84:
 	bra.uni 	$L__BB48_86;
 
 $L__BB48_60:
-	cvt.u32.u64 	%r429, %rd30;
+	cvt.u32.u64 	%r430, %rd30;
 
 $L__BB48_61:
 	setp.ge.u64 	%p40, %rd3, %rd28;
 	@%p40 bra 	$L__BB48_108;
 
-	mov.u64 	%rd443, %rd3;
+	mov.u64 	%rd445, %rd3;
 
 $L__BB48_63:
-	shl.b64 	%rd222, %rd443, 2;
+	shl.b64 	%rd222, %rd445, 2;
 	add.s64 	%rd223, %rd27, %rd222;
 	ld.u32 	%r99, [%rd223];
-	mul.lo.s32 	%r100, %r99, %r429;
+	mul.lo.s32 	%r100, %r99, %r430;
 	st.u32 	[%rd223], %r100;
-	add.s64 	%rd443, %rd443, %rd4;
-	setp.lt.u64 	%p41, %rd443, %rd28;
+	add.s64 	%rd445, %rd445, %rd4;
+	setp.lt.u64 	%p41, %rd445, %rd28;
 	@%p41 bra 	$L__BB48_63;
 	bra.uni 	$L__BB48_108;
 
@@ -4815,10 +4815,10 @@ $L__BB48_86:
 	setp.ge.u64 	%p56, %rd3, %rd28;
 	@%p56 bra 	$L__BB48_108;
 
-	mov.u64 	%rd447, %rd3;
+	mov.u64 	%rd449, %rd3;
 
 $L__BB48_88:
-	shl.b64 	%rd228, %rd447, 1;
+	shl.b64 	%rd228, %rd449, 1;
 	add.s64 	%rd44, %rd27, %rd228;
 	ld.u16 	%rs63, [%rd44];
 	and.b16  	%rs16, %rs63, -32768;
@@ -4873,7 +4873,7 @@ $L__BB48_97:
 	shr.u32 	%r139, %r14, 13;
 	and.b32  	%r140, %r139, 511;
 	or.b32  	%r141, %r140, 32256;
-	selp.b32 	%r430, %r141, 31744, %p62;
+	selp.b32 	%r431, %r141, 31744, %p62;
 	bra.uni 	$L__BB48_98;
 
 $L__BB48_94:
@@ -4885,7 +4885,7 @@ $L__BB48_96:
 	mov.b32 	%f61, %r15;
 	add.f32 	%f62, %f61, 0f3F000000;
 	mov.b32 	%r138, %f62;
-	add.s32 	%r430, %r138, -1056964608;
+	add.s32 	%r431, %r138, -1056964608;
 	bra.uni 	$L__BB48_98;
 
 $L__BB48_95:
@@ -4893,15 +4893,15 @@ $L__BB48_95:
 	and.b32  	%r135, %r134, 1;
 	add.s32 	%r136, %r15, %r135;
 	add.s32 	%r137, %r136, -939520001;
-	shr.u32 	%r430, %r137, 13;
+	shr.u32 	%r431, %r137, 13;
 
 $L__BB48_98:
 	and.b32  	%r142, %r14, -2147483648;
 	shr.u32 	%r143, %r142, 16;
-	or.b32  	%r144, %r430, %r143;
+	or.b32  	%r144, %r431, %r143;
 	st.u16 	[%rd44], %r144;
-	add.s64 	%rd447, %rd447, %rd4;
-	setp.lt.u64 	%p63, %rd447, %rd28;
+	add.s64 	%rd449, %rd449, %rd4;
+	setp.lt.u64 	%p63, %rd449, %rd28;
 	@%p63 bra 	$L__BB48_88;
 
 $L__BB48_108:
@@ -4944,10 +4944,10 @@ $L__BB48_225:
 	setp.ge.u64 	%p163, %rd3, %rd92;
 	@%p163 bra 	$L__BB48_378;
 
-	mov.u64 	%rd469, %rd3;
+	mov.u64 	%rd471, %rd3;
 
 $L__BB48_227:
-	shl.b64 	%rd275, %rd469, 2;
+	shl.b64 	%rd275, %rd471, 2;
 	add.s64 	%rd276, %rd90, %rd275;
 	add.s64 	%rd277, %rd91, %rd275;
 	ld.f32 	%f87, [%rd277];
@@ -4957,8 +4957,8 @@ $L__BB48_227:
 	or.pred  	%p166, %p164, %p165;
 	selp.f32 	%f89, %f87, %f88, %p166;
 	st.f32 	[%rd276], %f89;
-	add.s64 	%rd469, %rd469, %rd4;
-	setp.lt.u64 	%p167, %rd469, %rd92;
+	add.s64 	%rd471, %rd471, %rd4;
+	setp.lt.u64 	%p167, %rd471, %rd92;
 	@%p167 bra 	$L__BB48_227;
 	bra.uni 	$L__BB48_378;
 
@@ -4966,18 +4966,18 @@ $L__BB48_325:
 	setp.ge.u64 	%p252, %rd3, %rd128;
 	@%p252 bra 	$L__BB48_378;
 
-	mov.u64 	%rd485, %rd3;
+	mov.u64 	%rd487, %rd3;
 
 $L__BB48_327:
-	shl.b64 	%rd325, %rd485, 2;
+	shl.b64 	%rd325, %rd487, 2;
 	add.s64 	%rd326, %rd90, %rd325;
 	add.s64 	%rd327, %rd91, %rd325;
 	ld.f32 	%f117, [%rd327];
 	ld.f32 	%f118, [%rd326];
 	mul.f32 	%f119, %f118, %f117;
 	st.f32 	[%rd326], %f119;
-	add.s64 	%rd485, %rd485, %rd4;
-	setp.lt.u64 	%p253, %rd485, %rd128;
+	add.s64 	%rd487, %rd487, %rd4;
+	setp.lt.u64 	%p253, %rd487, %rd128;
 	@%p253 bra 	$L__BB48_327;
 	bra.uni 	$L__BB48_378;
 
@@ -4985,10 +4985,10 @@ $L__BB48_275:
 	setp.ge.u64 	%p212, %rd3, %rd110;
 	@%p212 bra 	$L__BB48_378;
 
-	mov.u64 	%rd477, %rd3;
+	mov.u64 	%rd479, %rd3;
 
 $L__BB48_277:
-	shl.b64 	%rd300, %rd477, 2;
+	shl.b64 	%rd300, %rd479, 2;
 	add.s64 	%rd301, %rd90, %rd300;
 	add.s64 	%rd302, %rd91, %rd300;
 	ld.f32 	%f102, [%rd302];
@@ -4998,8 +4998,8 @@ $L__BB48_277:
 	or.pred  	%p215, %p213, %p214;
 	selp.f32 	%f104, %f102, %f103, %p215;
 	st.f32 	[%rd301], %f104;
-	add.s64 	%rd477, %rd477, %rd4;
-	setp.lt.u64 	%p216, %rd477, %rd110;
+	add.s64 	%rd479, %rd479, %rd4;
+	setp.lt.u64 	%p216, %rd479, %rd110;
 	@%p216 bra 	$L__BB48_277;
 	bra.uni 	$L__BB48_378;
 
@@ -5007,18 +5007,18 @@ $L__BB48_375:
 	setp.ge.u64 	%p289, %rd3, %rd146;
 	@%p289 bra 	$L__BB48_378;
 
-	mov.u64 	%rd493, %rd3;
+	mov.u64 	%rd495, %rd3;
 
 $L__BB48_377:
-	shl.b64 	%rd350, %rd493, 2;
+	shl.b64 	%rd350, %rd495, 2;
 	add.s64 	%rd351, %rd90, %rd350;
 	add.s64 	%rd352, %rd91, %rd350;
 	ld.f32 	%f132, [%rd352];
 	ld.f32 	%f133, [%rd351];
 	add.f32 	%f134, %f133, %f132;
 	st.f32 	[%rd351], %f134;
-	add.s64 	%rd493, %rd493, %rd4;
-	setp.lt.u64 	%p290, %rd493, %rd146;
+	add.s64 	%rd495, %rd495, %rd4;
+	setp.lt.u64 	%p290, %rd495, %rd146;
 	@%p290 bra 	$L__BB48_377;
 	bra.uni 	$L__BB48_378;
 
@@ -5026,17 +5026,17 @@ $L__BB48_204:
 	setp.ge.u64 	%p136, %rd3, %rd92;
 	@%p136 bra 	$L__BB48_378;
 
-	mov.u64 	%rd465, %rd3;
+	mov.u64 	%rd467, %rd3;
 
 $L__BB48_206:
-	add.s64 	%rd264, %rd91, %rd465;
+	add.s64 	%rd264, %rd91, %rd467;
 	ld.s8 	%rs74, [%rd264];
-	add.s64 	%rd265, %rd90, %rd465;
+	add.s64 	%rd265, %rd90, %rd467;
 	ld.s8 	%rs75, [%rd265];
 	max.s16 	%rs76, %rs74, %rs75;
 	st.u8 	[%rd265], %rs76;
-	add.s64 	%rd465, %rd465, %rd4;
-	setp.lt.u64 	%p137, %rd465, %rd92;
+	add.s64 	%rd467, %rd467, %rd4;
+	setp.lt.u64 	%p137, %rd467, %rd92;
 	@%p137 bra 	$L__BB48_206;
 	bra.uni 	$L__BB48_378;
 
@@ -5044,17 +5044,17 @@ $L__BB48_304:
 	setp.ge.u64 	%p234, %rd3, %rd128;
 	@%p234 bra 	$L__BB48_378;
 
-	mov.u64 	%rd481, %rd3;
+	mov.u64 	%rd483, %rd3;
 
 $L__BB48_306:
-	add.s64 	%rd314, %rd91, %rd481;
+	add.s64 	%rd314, %rd91, %rd483;
 	ld.u8 	%rs98, [%rd314];
-	add.s64 	%rd315, %rd90, %rd481;
+	add.s64 	%rd315, %rd90, %rd483;
 	ld.u8 	%rs99, [%rd315];
 	mul.lo.s16 	%rs100, %rs98, %rs99;
 	st.u8 	[%rd315], %rs100;
-	add.s64 	%rd481, %rd481, %rd4;
-	setp.lt.u64 	%p235, %rd481, %rd128;
+	add.s64 	%rd483, %rd483, %rd4;
+	setp.lt.u64 	%p235, %rd483, %rd128;
 	@%p235 bra 	$L__BB48_306;
 	bra.uni 	$L__BB48_378;
 
@@ -5062,17 +5062,17 @@ $L__BB48_254:
 	setp.ge.u64 	%p185, %rd3, %rd110;
 	@%p185 bra 	$L__BB48_378;
 
-	mov.u64 	%rd473, %rd3;
+	mov.u64 	%rd475, %rd3;
 
 $L__BB48_256:
-	add.s64 	%rd289, %rd91, %rd473;
+	add.s64 	%rd289, %rd91, %rd475;
 	ld.s8 	%rs86, [%rd289];
-	add.s64 	%rd290, %rd90, %rd473;
+	add.s64 	%rd290, %rd90, %rd475;
 	ld.s8 	%rs87, [%rd290];
 	min.s16 	%rs88, %rs86, %rs87;
 	st.u8 	[%rd290], %rs88;
-	add.s64 	%rd473, %rd473, %rd4;
-	setp.lt.u64 	%p186, %rd473, %rd110;
+	add.s64 	%rd475, %rd475, %rd4;
+	setp.lt.u64 	%p186, %rd475, %rd110;
 	@%p186 bra 	$L__BB48_256;
 	bra.uni 	$L__BB48_378;
 
@@ -5080,17 +5080,17 @@ $L__BB48_354:
 	setp.ge.u64 	%p271, %rd3, %rd146;
 	@%p271 bra 	$L__BB48_378;
 
-	mov.u64 	%rd489, %rd3;
+	mov.u64 	%rd491, %rd3;
 
 $L__BB48_356:
-	add.s64 	%rd339, %rd91, %rd489;
+	add.s64 	%rd339, %rd91, %rd491;
 	ld.u8 	%rs110, [%rd339];
-	add.s64 	%rd340, %rd90, %rd489;
+	add.s64 	%rd340, %rd90, %rd491;
 	ld.u8 	%rs111, [%rd340];
 	add.s16 	%rs112, %rs110, %rs111;
 	st.u8 	[%rd340], %rs112;
-	add.s64 	%rd489, %rd489, %rd4;
-	setp.lt.u64 	%p272, %rd489, %rd146;
+	add.s64 	%rd491, %rd491, %rd4;
+	setp.lt.u64 	%p272, %rd491, %rd146;
 	@%p272 bra 	$L__BB48_356;
 	bra.uni 	$L__BB48_378;
 
@@ -5098,10 +5098,10 @@ $L__BB48_207:
 	setp.ge.u64 	%p144, %rd3, %rd92;
 	@%p144 bra 	$L__BB48_378;
 
-	mov.u64 	%rd467, %rd3;
+	mov.u64 	%rd469, %rd3;
 
 $L__BB48_209:
-	shl.b64 	%rd269, %rd467, 1;
+	shl.b64 	%rd269, %rd469, 1;
 	add.s64 	%rd104, %rd90, %rd269;
 	ld.u16 	%rs77, [%rd104];
 	and.b16  	%rs22, %rs77, -32768;
@@ -5144,8 +5144,8 @@ $L__BB48_211:
 	mov.b32 	%f139, %r222;
 
 $L__BB48_214:
-	shl.b64 	%rd425, %rd467, 1;
-	add.s64 	%rd271, %rd91, %rd425;
+	shl.b64 	%rd427, %rd469, 1;
+	add.s64 	%rd271, %rd91, %rd427;
 	ld.u16 	%rs80, [%rd271];
 	and.b16  	%rs25, %rs80, -32768;
 	cvt.u32.u16 	%r226, %rs80;
@@ -5202,7 +5202,7 @@ $L__BB48_223:
 	shr.u32 	%r241, %r35, 13;
 	and.b32  	%r242, %r241, 511;
 	or.b32  	%r243, %r242, 32256;
-	selp.b32 	%r432, %r243, 31744, %p156;
+	selp.b32 	%r433, %r243, 31744, %p156;
 	bra.uni 	$L__BB48_224;
 
 $L__BB48_220:
@@ -5214,7 +5214,7 @@ $L__BB48_222:
 	mov.b32 	%f85, %r36;
 	add.f32 	%f86, %f85, 0f3F000000;
 	mov.b32 	%r240, %f86;
-	add.s32 	%r432, %r240, -1056964608;
+	add.s32 	%r433, %r240, -1056964608;
 	bra.uni 	$L__BB48_224;
 
 $L__BB48_221:
@@ -5222,17 +5222,17 @@ $L__BB48_221:
 	and.b32  	%r237, %r236, 1;
 	add.s32 	%r238, %r36, %r237;
 	add.s32 	%r239, %r238, -939520001;
-	shr.u32 	%r432, %r239, 13;
+	shr.u32 	%r433, %r239, 13;
 
 $L__BB48_224:
-	shl.b64 	%rd427, %rd467, 1;
-	add.s64 	%rd426, %rd90, %rd427;
+	shl.b64 	%rd429, %rd469, 1;
+	add.s64 	%rd428, %rd90, %rd429;
 	and.b32  	%r244, %r35, -2147483648;
 	shr.u32 	%r245, %r244, 16;
-	or.b32  	%r246, %r432, %r245;
-	st.u16 	[%rd426], %r246;
-	add.s64 	%rd467, %rd467, %rd4;
-	setp.lt.u64 	%p157, %rd467, %rd92;
+	or.b32  	%r246, %r433, %r245;
+	st.u16 	[%rd428], %r246;
+	add.s64 	%rd469, %rd469, %rd4;
+	setp.lt.u64 	%p157, %rd469, %rd92;
 	@%p157 bra 	$L__BB48_209;
 	bra.uni 	$L__BB48_378;
 
@@ -5240,10 +5240,10 @@ $L__BB48_307:
 	setp.ge.u64 	%p239, %rd3, %rd128;
 	@%p239 bra 	$L__BB48_378;
 
-	mov.u64 	%rd483, %rd3;
+	mov.u64 	%rd485, %rd3;
 
 $L__BB48_309:
-	shl.b64 	%rd319, %rd483, 1;
+	shl.b64 	%rd319, %rd485, 1;
 	add.s64 	%rd140, %rd90, %rd319;
 	ld.u16 	%rs101, [%rd140];
 	and.b16  	%rs34, %rs101, -32768;
@@ -5286,8 +5286,8 @@ $L__BB48_311:
 	mov.b32 	%f143, %r316;
 
 $L__BB48_314:
-	shl.b64 	%rd431, %rd483, 1;
-	add.s64 	%rd321, %rd91, %rd431;
+	shl.b64 	%rd433, %rd485, 1;
+	add.s64 	%rd321, %rd91, %rd433;
 	ld.u16 	%rs104, [%rd321];
 	and.b16  	%rs37, %rs104, -32768;
 	cvt.u32.u16 	%r320, %rs104;
@@ -5341,7 +5341,7 @@ $L__BB48_323:
 	shr.u32 	%r335, %r55, 13;
 	and.b32  	%r336, %r335, 511;
 	or.b32  	%r337, %r336, 32256;
-	selp.b32 	%r434, %r337, 31744, %p248;
+	selp.b32 	%r435, %r337, 31744, %p248;
 	bra.uni 	$L__BB48_324;
 
 $L__BB48_320:
@@ -5353,7 +5353,7 @@ $L__BB48_322:
 	mov.b32 	%f115, %r56;
 	add.f32 	%f116, %f115, 0f3F000000;
 	mov.b32 	%r334, %f116;
-	add.s32 	%r434, %r334, -1056964608;
+	add.s32 	%r435, %r334, -1056964608;
 	bra.uni 	$L__BB48_324;
 
 $L__BB48_321:
@@ -5361,17 +5361,17 @@ $L__BB48_321:
 	and.b32  	%r331, %r330, 1;
 	add.s32 	%r332, %r56, %r331;
 	add.s32 	%r333, %r332, -939520001;
-	shr.u32 	%r434, %r333, 13;
+	shr.u32 	%r435, %r333, 13;
 
 $L__BB48_324:
-	shl.b64 	%rd433, %rd483, 1;
-	add.s64 	%rd432, %rd90, %rd433;
+	shl.b64 	%rd435, %rd485, 1;
+	add.s64 	%rd434, %rd90, %rd435;
 	and.b32  	%r338, %r55, -2147483648;
 	shr.u32 	%r339, %r338, 16;
-	or.b32  	%r340, %r434, %r339;
-	st.u16 	[%rd432], %r340;
-	add.s64 	%rd483, %rd483, %rd4;
-	setp.lt.u64 	%p249, %rd483, %rd128;
+	or.b32  	%r340, %r435, %r339;
+	st.u16 	[%rd434], %r340;
+	add.s64 	%rd485, %rd485, %rd4;
+	setp.lt.u64 	%p249, %rd485, %rd128;
 	@%p249 bra 	$L__BB48_309;
 	bra.uni 	$L__BB48_378;
 
@@ -5379,10 +5379,10 @@ $L__BB48_257:
 	setp.ge.u64 	%p193, %rd3, %rd110;
 	@%p193 bra 	$L__BB48_378;
 
-	mov.u64 	%rd475, %rd3;
+	mov.u64 	%rd477, %rd3;
 
 $L__BB48_259:
-	shl.b64 	%rd294, %rd475, 1;
+	shl.b64 	%rd294, %rd477, 1;
 	add.s64 	%rd122, %rd90, %rd294;
 	ld.u16 	%rs89, [%rd122];
 	and.b16  	%rs28, %rs89, -32768;
@@ -5425,8 +5425,8 @@ $L__BB48_261:
 	mov.b32 	%f141, %r269;
 
 $L__BB48_264:
-	shl.b64 	%rd428, %rd475, 1;
-	add.s64 	%rd296, %rd91, %rd428;
+	shl.b64 	%rd430, %rd477, 1;
+	add.s64 	%rd296, %rd91, %rd430;
 	ld.u16 	%rs92, [%rd296];
 	and.b16  	%rs31, %rs92, -32768;
 	cvt.u32.u16 	%r273, %rs92;
@@ -5483,7 +5483,7 @@ $L__BB48_273:
 	shr.u32 	%r288, %r45, 13;
 	and.b32  	%r289, %r288, 511;
 	or.b32  	%r290, %r289, 32256;
-	selp.b32 	%r433, %r290, 31744, %p205;
+	selp.b32 	%r434, %r290, 31744, %p205;
 	bra.uni 	$L__BB48_274;
 
 $L__BB48_270:
@@ -5495,7 +5495,7 @@ $L__BB48_272:
 	mov.b32 	%f100, %r46;
 	add.f32 	%f101, %f100, 0f3F000000;
 	mov.b32 	%r287, %f101;
-	add.s32 	%r433, %r287, -1056964608;
+	add.s32 	%r434, %r287, -1056964608;
 	bra.uni 	$L__BB48_274;
 
 $L__BB48_271:
@@ -5503,17 +5503,17 @@ $L__BB48_271:
 	and.b32  	%r284, %r283, 1;
 	add.s32 	%r285, %r46, %r284;
 	add.s32 	%r286, %r285, -939520001;
-	shr.u32 	%r433, %r286, 13;
+	shr.u32 	%r434, %r286, 13;
 
 $L__BB48_274:
-	shl.b64 	%rd430, %rd475, 1;
-	add.s64 	%rd429, %rd90, %rd430;
+	shl.b64 	%rd432, %rd477, 1;
+	add.s64 	%rd431, %rd90, %rd432;
 	and.b32  	%r291, %r45, -2147483648;
 	shr.u32 	%r292, %r291, 16;
-	or.b32  	%r293, %r433, %r292;
-	st.u16 	[%rd429], %r293;
-	add.s64 	%rd475, %rd475, %rd4;
-	setp.lt.u64 	%p206, %rd475, %rd110;
+	or.b32  	%r293, %r434, %r292;
+	st.u16 	[%rd431], %r293;
+	add.s64 	%rd477, %rd477, %rd4;
+	setp.lt.u64 	%p206, %rd477, %rd110;
 	@%p206 bra 	$L__BB48_259;
 	bra.uni 	$L__BB48_378;
 
@@ -5521,10 +5521,10 @@ $L__BB48_357:
 	setp.ge.u64 	%p276, %rd3, %rd146;
 	@%p276 bra 	$L__BB48_378;
 
-	mov.u64 	%rd491, %rd3;
+	mov.u64 	%rd493, %rd3;
 
 $L__BB48_359:
-	shl.b64 	%rd344, %rd491, 1;
+	shl.b64 	%rd344, %rd493, 1;
 	add.s64 	%rd158, %rd90, %rd344;
 	ld.u16 	%rs113, [%rd158];
 	and.b16  	%rs40, %rs113, -32768;
@@ -5567,8 +5567,8 @@ $L__BB48_361:
 	mov.b32 	%f145, %r363;
 
 $L__BB48_364:
-	shl.b64 	%rd434, %rd491, 1;
-	add.s64 	%rd346, %rd91, %rd434;
+	shl.b64 	%rd436, %rd493, 1;
+	add.s64 	%rd346, %rd91, %rd436;
 	ld.u16 	%rs116, [%rd346];
 	and.b16  	%rs43, %rs116, -32768;
 	cvt.u32.u16 	%r367, %rs116;
@@ -5622,7 +5622,7 @@ $L__BB48_373:
 	shr.u32 	%r382, %r65, 13;
 	and.b32  	%r383, %r382, 511;
 	or.b32  	%r384, %r383, 32256;
-	selp.b32 	%r435, %r384, 31744, %p285;
+	selp.b32 	%r436, %r384, 31744, %p285;
 	bra.uni 	$L__BB48_374;
 
 $L__BB48_370:
@@ -5634,7 +5634,7 @@ $L__BB48_372:
 	mov.b32 	%f130, %r66;
 	add.f32 	%f131, %f130, 0f3F000000;
 	mov.b32 	%r381, %f131;
-	add.s32 	%r435, %r381, -1056964608;
+	add.s32 	%r436, %r381, -1056964608;
 	bra.uni 	$L__BB48_374;
 
 $L__BB48_371:
@@ -5642,17 +5642,17 @@ $L__BB48_371:
 	and.b32  	%r378, %r377, 1;
 	add.s32 	%r379, %r66, %r378;
 	add.s32 	%r380, %r379, -939520001;
-	shr.u32 	%r435, %r380, 13;
+	shr.u32 	%r436, %r380, 13;
 
 $L__BB48_374:
-	shl.b64 	%rd436, %rd491, 1;
-	add.s64 	%rd435, %rd90, %rd436;
+	shl.b64 	%rd438, %rd493, 1;
+	add.s64 	%rd437, %rd90, %rd438;
 	and.b32  	%r385, %r65, -2147483648;
 	shr.u32 	%r386, %r385, 16;
-	or.b32  	%r387, %r435, %r386;
-	st.u16 	[%rd435], %r387;
-	add.s64 	%rd491, %rd491, %rd4;
-	setp.lt.u64 	%p286, %rd491, %rd146;
+	or.b32  	%r387, %r436, %r386;
+	st.u16 	[%rd437], %r387;
+	add.s64 	%rd493, %rd493, %rd4;
+	setp.lt.u64 	%p286, %rd493, %rd146;
 	@%p286 bra 	$L__BB48_359;
 	bra.uni 	$L__BB48_378;
 
@@ -5660,18 +5660,18 @@ $L__BB48_201:
 	setp.ge.u64 	%p132, %rd3, %rd92;
 	@%p132 bra 	$L__BB48_378;
 
-	mov.u64 	%rd463, %rd3;
+	mov.u64 	%rd465, %rd3;
 
 $L__BB48_203:
-	shl.b64 	%rd259, %rd463, 2;
+	shl.b64 	%rd259, %rd465, 2;
 	add.s64 	%rd260, %rd90, %rd259;
 	add.s64 	%rd261, %rd91, %rd259;
 	ld.u32 	%r200, [%rd261];
 	ld.u32 	%r201, [%rd260];
 	max.s32 	%r202, %r200, %r201;
 	st.u32 	[%rd260], %r202;
-	add.s64 	%rd463, %rd463, %rd4;
-	setp.lt.u64 	%p133, %rd463, %rd92;
+	add.s64 	%rd465, %rd465, %rd4;
+	setp.lt.u64 	%p133, %rd465, %rd92;
 	@%p133 bra 	$L__BB48_203;
 	bra.uni 	$L__BB48_378;
 
@@ -5679,18 +5679,18 @@ $L__BB48_301:
 	setp.ge.u64 	%p230, %rd3, %rd128;
 	@%p230 bra 	$L__BB48_378;
 
-	mov.u64 	%rd479, %rd3;
+	mov.u64 	%rd481, %rd3;
 
 $L__BB48_303:
-	shl.b64 	%rd309, %rd479, 2;
+	shl.b64 	%rd309, %rd481, 2;
 	add.s64 	%rd310, %rd90, %rd309;
 	add.s64 	%rd311, %rd91, %rd309;
 	ld.u32 	%r294, [%rd311];
 	ld.u32 	%r295, [%rd310];
 	mul.lo.s32 	%r296, %r294, %r295;
 	st.u32 	[%rd310], %r296;
-	add.s64 	%rd479, %rd479, %rd4;
-	setp.lt.u64 	%p231, %rd479, %rd128;
+	add.s64 	%rd481, %rd481, %rd4;
+	setp.lt.u64 	%p231, %rd481, %rd128;
 	@%p231 bra 	$L__BB48_303;
 	bra.uni 	$L__BB48_378;
 
@@ -5698,18 +5698,18 @@ $L__BB48_251:
 	setp.ge.u64 	%p181, %rd3, %rd110;
 	@%p181 bra 	$L__BB48_378;
 
-	mov.u64 	%rd471, %rd3;
+	mov.u64 	%rd473, %rd3;
 
 $L__BB48_253:
-	shl.b64 	%rd284, %rd471, 2;
+	shl.b64 	%rd284, %rd473, 2;
 	add.s64 	%rd285, %rd90, %rd284;
 	add.s64 	%rd286, %rd91, %rd284;
 	ld.u32 	%r247, [%rd286];
 	ld.u32 	%r248, [%rd285];
 	min.s32 	%r249, %r247, %r248;
 	st.u32 	[%rd285], %r249;
-	add.s64 	%rd471, %rd471, %rd4;
-	setp.lt.u64 	%p182, %rd471, %rd110;
+	add.s64 	%rd473, %rd473, %rd4;
+	setp.lt.u64 	%p182, %rd473, %rd110;
 	@%p182 bra 	$L__BB48_253;
 	bra.uni 	$L__BB48_378;
 
@@ -5717,18 +5717,18 @@ $L__BB48_351:
 	setp.ge.u64 	%p267, %rd3, %rd146;
 	@%p267 bra 	$L__BB48_378;
 
-	mov.u64 	%rd487, %rd3;
+	mov.u64 	%rd489, %rd3;
 
 $L__BB48_353:
-	shl.b64 	%rd334, %rd487, 2;
+	shl.b64 	%rd334, %rd489, 2;
 	add.s64 	%rd335, %rd90, %rd334;
 	add.s64 	%rd336, %rd91, %rd334;
 	ld.u32 	%r341, [%rd336];
 	ld.u32 	%r342, [%rd335];
 	add.s32 	%r343, %r341, %r342;
 	st.u32 	[%rd335], %r343;
-	add.s64 	%rd487, %rd487, %rd4;
-	setp.lt.u64 	%p268, %rd487, %rd146;
+	add.s64 	%rd489, %rd489, %rd4;
+	setp.lt.u64 	%p268, %rd489, %rd146;
 	@%p268 bra 	$L__BB48_353;
 
 $L__BB48_378:
@@ -5767,9 +5767,9 @@ $L__BB48_384:
 	mov.u16 	%rs133, 0;
 
 $L__BB48_418:
-	add.s64 	%rd501, %rd501, 1;
-	add.s64 	%rd439, %rd439, 1;
-	setp.lt.u64 	%p323, %rd439, %rd20;
+	add.s64 	%rd503, %rd503, 1;
+	add.s64 	%rd441, %rd441, 1;
+	setp.lt.u64 	%p323, %rd441, %rd20;
 	setp.eq.s16 	%p324, %rs133, 0;
 	and.pred  	%p325, %p324, %p323;
 	@%p325 bra 	$L__BB48_13;
@@ -5814,17 +5814,17 @@ $L__BB48_425:
 $L__BB48_426:
 	setp.ne.s32 	%p331, %r5, 0;
 	bar.sync 	0;
-	@%p331 bra 	$L__BB48_436;
+	@%p331 bra 	$L__BB48_437;
 
-	ld.param.u64 	%rd417, [hetccl_program_param_2];
-	cvt.u32.u64 	%r426, %rd417;
-	mov.u32 	%r425, %ctaid.x;
+	ld.param.u64 	%rd419, [hetccl_program_param_2];
+	cvt.u32.u64 	%r427, %rd419;
+	mov.u32 	%r426, %ctaid.x;
 	add.s32 	%r424, %r3, 12;
 	mul.wide.u32 	%rd410, %r424, 8;
 	add.s64 	%rd411, %rd6, %rd410;
 	st.volatile.global.u64 	[%rd411], %rd7;
 	membar.sys;
-	setp.lt.u32 	%p332, %r425, %r426;
+	setp.lt.u32 	%p332, %r426, %r427;
 	mov.u16 	%rs136, 1;
 	@%p332 bra 	$L__BB48_429;
 
@@ -5863,6 +5863,13 @@ $L__BB48_435:
 	st.volatile.global.u64 	[%rd6+32], %rd7;
 
 $L__BB48_436:
+	membar.sys;
+	add.s32 	%r425, %r3, 14;
+	mul.wide.u32 	%rd416, %r425, 8;
+	add.s64 	%rd417, %rd6, %rd416;
+	st.volatile.global.u64 	[%rd417], %rd7;
+
+$L__BB48_437:
 	ret;
 
 }
@@ -6044,7 +6051,7 @@ HETCCL_KERNELS(int64, I64)
 // device memory, `bar`: per group a count and a generation) after each data instruction and
 // before each write, signal and end. The slot is pinned host memory, read and written with
 // volatile accesses and system fences. Word indices of the slot (program.h's Slot): 0 seq,
-// 1 abort, 2 fin_addr, 3 fin_value, 4 ended, 5 wide, 8 + g len, 12 + g gend, 16 + e ev,
+// 1 abort, 2 fin_addr, 3 fin_value, 4 ended, 5 wide, 8 + g len, 12 + g gend, 14 + g left, 16 + e ev,
 // 32 + 16 g + b taken by block b, 64 the rings (8 words an instruction, 256 a group).
 namespace hp {
 enum { kRing = 256, kGroups = 2, kBatch = 32, kRingWord = 64 };
@@ -6246,6 +6253,8 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
       __threadfence_system();
       S[4] = seq;
     }
+    __threadfence_system();
+    S[14 + g] = seq;  // the group's last access to the slot: it may be reused from here
   }
 }
 )HETCCL_SRC";
