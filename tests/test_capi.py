@@ -126,7 +126,8 @@ STREAM_SPLITS = [("1", "emulated"), ("1+1", "emulated"), ("2+1", "emulated"), ("
 
 @pytest.mark.parametrize("route,split,runtime",
                          [(r, s, rt) for r in ("auto", "device") for s, rt in STREAM_SPLITS] +
-                         [("kernel", s, rt) for s, rt in STREAM_SPLITS if s in ("1+1", "2+1", "1+1+1")])
+                         [("kernel", s, rt) for s, rt in STREAM_SPLITS if s in ("1+1", "2+1", "1+1+1")] +
+                         [("kernel-ring", "1+1", "emulated")])
 def test_stream_path(tmp_path, split, runtime, route):
     """Calls with a stream (csrc/api/stream_path.h) on the emulated device runtime, CUDA's and
     HIP's comparison rules: every collective case of the host test, on a stream, against the
@@ -138,12 +139,17 @@ def test_stream_path(tmp_path, split, runtime, route):
     kernels for every collective, dtype and op, the PreMulSum scalars, and a count mismatch
     refused before any plan; kernel: the same with each device-route call one program kernel
     on the caller's stream (HETCCL_CAPI_ROUTE_LAUNCH=kernel, csrc/api/device_program.h; the
-    emulated runtime's kernel is program_host.cc's interpreter)."""
+    emulated runtime's kernel is program_host.cc's interpreter); kernel-ring: the same with
+    4 KiB chunks, so the larger calls' programs pass their instruction rings' 256 entries and
+    the executor waits for the kernel to read on (program.h's flow control)."""
     env = {"HETCCL_CAPI_DEVICE": runtime}
-    if route in ("device", "kernel"):
+    if route in ("device", "kernel", "kernel-ring"):
         env["HETCCL_STREAM_DEVICE_BYTES"] = "1"
-    if route == "kernel":
+    if route.startswith("kernel"):
         env["HETCCL_CAPI_ROUTE_LAUNCH"] = "kernel"
+    if route == "kernel-ring":
+        env["HETCCL_CAPI_DEVICE_CHUNK_BYTES"] = "4096"
+        route = "kernel"  # the same assertions
     res, procs, logs = launch(tmp_path, split, "stream", env=env)
     n = len(SPLITS[split])
     assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]

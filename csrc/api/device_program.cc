@@ -217,10 +217,8 @@ void ProgramOps::append(uint32_t g, const Ins& i) {
 }
 
 uint64_t ProgramOps::taken(uint32_t g) const {
-  // the emulated runtime's interpreter is one "block" a group whatever blocks_ says
-  const uint32_t n = real_->name() == "emulated" ? 1 : blocks_;
   uint64_t least = ld(&cur_->taken[g][0]);
-  for (uint32_t b = 1; b < n; ++b) least = std::min(least, ld(&cur_->taken[g][b]));
+  for (uint32_t b = 1; b < blocks_; ++b) least = std::min(least, ld(&cur_->taken[g][b]));
   return least;
 }
 

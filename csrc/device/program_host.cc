@@ -38,7 +38,8 @@ void run_group(Slot* s, uint32_t g) {
     if (L <= pos) break;  // aborted with nothing more published
     while (pos < L && !end) {
       const Ins I = s->ring[g][pos % kRing];
-      st(&s->taken[g][0], pos + 1);  // one "block" per group here
+      // one thread plays every block of the group: each block's count says so
+      for (uint64_t b = 0; b < s->blocks && b < kMaxBlocks; ++b) st(&s->taken[g][b], pos + 1);
       spins = 0;
       switch (I.op) {
         case END:
