@@ -38,12 +38,12 @@
 #                          CPU, and by one side's kernel against the other's CPU thread (us
 #                          per round trip): whether a one-launch device route can poll across
 #                          processes sharing one GPU (docs/capi.md)
-#   programs.txt/.jsonl    (programs) tests/gpu_dropin_bench.py: the torch face on the C API,
-#                          1+1, its device route as stream operations (facecapi-1+1) beside
-#                          device programs (HETCCL_CAPI_ROUTE_LAUNCH=kernel, 1 and 8 blocks a
+#   programs.txt/.jsonl    (programs) tests/gpu_dropin_bench.py: the torch face on the C API
+#                          and the drop-in, 1+1, the device route as stream operations beside
+#                          device programs (HETCCL_CAPI_ROUTE_LAUNCH=kernel, 4 and 8 blocks a
 #                          group, and 8 blocks at every size), torch's NCCL at world size 1 and
-#                          the face's own path (face-1+1) in the same run: time and issue cost
-#                          (csrc/api/device_program.h)
+#                          the face's own path (face-1+1) in the same run: time, issue cost,
+#                          and the face's issue cost step by step (csrc/api/device_program.h)
 #   ucx_doctor.log         (ucx) the capability table and UCX's transports on the box
 #   ucx_tests.log          (ucx) tests/test_gpu_ucx.py (all collectives, 1+1 and 2+1, hosts
 #                          emulated, HETCCL_UCX_DEVICE auto and off: both staged here), test_rdma
@@ -111,6 +111,22 @@ ucx_build() {
     --config-settings=cmake.build-type=RelWithDebInfo --config-settings=install.strip=false \
     2>&1 | tail -3
 }
+# MPS=1: every step under a private CUDA MPS control daemon (pipe and log directories in /tmp,
+# quit at the end; the GPU's settings are untouched). The emulated vendors' processes share the
+# one GPU, which without MPS time-slices between their contexts: a kernel of one process that
+# waits for the other's then waits a whole time slice (pingpong.txt: ~4.5 ms a round trip
+# between two spinning kernels, ~2.5 us under MPS). Real vendor groups have a GPU per process.
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/hetccl_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/hetccl_mps_log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    echo "MPS: control daemon started ($CUDA_MPS_PIPE_DIRECTORY)"
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  else
+    echo "MPS: nvidia-cuda-mps-control -d failed; the steps run without MPS"
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+fi
 for w in $what; do
   echo "=== $w ($(date +%T))"
   case $w in
@@ -220,12 +236,20 @@ for w in $what; do
         timeout "$T" /tmp/gpu_pingpong "${PINGPONG_ROUNDS:-2000}" 2>&1 | tee "$OUT/pingpong.txt"
       ;;
     programs)
-      # device programs against the route's stream operations (about 3 minutes)
-      timeout $((T + 60)) python3 tests/gpu_dropin_bench.py --timeout 60 --jsonl "$OUT/programs.jsonl" \
-        --only nccl-1,face-1+1,facecapi-1+1,facecapi-1+1-k1,facecapi-1+1-k8,facecapi-1+1-k8all \
-        --face-variants "k1:HETCCL_CAPI_ROUTE_LAUNCH=kernel;HETCCL_CAPI_PROGRAM_BLOCKS=1,k8:HETCCL_CAPI_ROUTE_LAUNCH=kernel;HETCCL_CAPI_PROGRAM_BLOCKS=8,k8all:HETCCL_CAPI_ROUTE_LAUNCH=kernel;HETCCL_CAPI_PROGRAM_BLOCKS=8;HETCCL_STREAM_DEVICE_BYTES=1" \
-        --factor 8 --maxbytes 64M --issue-sizes 8K,512K,2M,32M,64M > "$OUT/programs.txt" 2>&1
-      tail -45 "$OUT/programs.txt" ;;
+      # device programs against the route's stream operations (about 2 minutes): the torch
+      # face on the C API and the drop-in, 1+1, each with the route's stream operations
+      # (default) and as device programs (k4: the default 4 blocks a group, k8, k8all: 8 blocks
+      # and the device route at every size), torch's NCCL at world size 1 and the face's own
+      # path in the same run; rank 0 of the face times its issue steps (--profile-issue).
+      # PROGRAMS_ONLY narrows the configurations; PROGRAMS_TAG names the files (programs_TAG.*)
+      K="HETCCL_CAPI_ROUTE_LAUNCH=kernel"
+      tag=${PROGRAMS_TAG:+_$PROGRAMS_TAG}
+      timeout $((T + 60)) python3 tests/gpu_dropin_bench.py --timeout 60 --jsonl "$OUT/programs$tag.jsonl" \
+        --profile-issue --only "${PROGRAMS_ONLY:-nccl-1,face-1+1,dropin-1+1,dropin-1+1-k4,facecapi-1+1,facecapi-1+1-k4,facecapi-1+1-k8,facecapi-1+1-k8all}" \
+        --variants "k4:$K" \
+        --face-variants "k4:$K,k8:$K;HETCCL_CAPI_PROGRAM_BLOCKS=8,k8all:$K;HETCCL_CAPI_PROGRAM_BLOCKS=8;HETCCL_STREAM_DEVICE_BYTES=1" \
+        --factor 8 --maxbytes 64M --issue-sizes 8K,512K,2M,32M,64M > "$OUT/programs$tag.txt" 2>&1
+      grep -v "^issue profile\|^  \[" "$OUT/programs$tag.txt" | tail -60 ;;
     ucxprobe)
       # Which thread and call stall UCX's direct device path (HETCCL_UCX_DEVICE=force over
       # cuda_copy: without / with prepared handles, the latter also eager-only), staged, and the

@@ -409,11 +409,12 @@ class HetcclProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all-reduce
     def allreduce(self, tensors, opts=None):
-        if self._route is not None:
-            op = (self._routed(opts, tensors[0])
-                  if len(tensors) == 1 and not tensors[0].is_sparse else False)
-            if op is not False:
-                return self._route.all_reduce(tensors[0], op)
+        route = self._route
+        if route is not None:
+            if len(tensors) == 1 and self._coalescing is None:  # the route's hot path
+                work = route.all_reduce_if_taken(tensors[0], opts)
+                if work is not None:
+                    return work
             self._route_declined("all_reduce")
         if any(t.is_sparse for t in tensors):  # its own protocol, its own checks
             return self._sparse_allreduce(tensors, op_name(opts.reduceOp if opts is not None

@@ -144,6 +144,17 @@ class Comm:
     def _call(self, name, *args):
         _check(getattr(lib(), name)(*args), self._c)
 
+    # The hot path of a face (hetccl/face_capi.py): the C function called directly with this
+    # communicator's handle, its result checked only when it is not SUCCESS (what _call does,
+    # without the per-call lookups and argument conversions).
+    @staticmethod
+    def fn(name: str):
+        return getattr(lib(), name)
+
+    def check(self, code: int) -> None:
+        if code != SUCCESS:
+            _check(code, self._c)
+
     def all_reduce(self, send, recv, count, dtype="float32", op="sum", stream=None):
         self._call("hetcclAllReduce", _ptr(send), _ptr(recv), count, _dt(dtype), _op(op), self._c, stream)
 

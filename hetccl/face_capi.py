@@ -56,6 +56,9 @@ for _name, _code in (("uint32", 3), ("uint64", 5)):
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _code
 _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+# torch's reduction (ReduceOp.op) -> the route's op name, for the ops the route takes
+_RED = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.PRODUCT: "prod", dist.ReduceOp.MAX: "max",
+        dist.ReduceOp.MIN: "min", dist.ReduceOp.AVG: "avg"}
 _COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -196,27 +199,31 @@ class CollRoute:
         red = self._avg_ops.get(code)
         if red is None:
             scalar = torch.tensor([1.0 / self._size], dtype=dtype, device="cpu").view(torch.uint8).numpy()
-            red = self._avg_ops[code] = c.premul_sum(scalar, code)
-        return red
-
-    def _issue(self, fn, tensors, outputs, device: torch.device):
-        """fn(comm, stream or None) makes the C API call; returns the work."""
-        c = self.comm()
-        seam = devices.seam(device.type)
-        if not seam.asynchronous:
             try:
-                fn(c, None)
+                red = self._avg_ops[code] = c.premul_sum(scalar, code)
             except capi.HetcclError as e:
                 _raise(e)
-            return CapiWork(self, outputs)
-        cs = seam.caller_stream(device)
-        handle = cs.handle or capi.STREAM_DEFAULT
+        return red
+
+    def _issue(self, c: capi.Comm, name: str, args: tuple, tensors, outputs, device: torch.device):
+        """The C API's `name`(*args, comm, stream): on the caller's current stream for device
+        tensors (stream-ordered, the host does not wait), a blocking host call for CPU ones;
+        returns the work. The route's hot path (issue cost, docs/capi.md): the C function is
+        called directly (capi.Comm.fn), no closure, no per-call conversion."""
+        f = c.fn(name)
+        seam = devices.seam(device.type)
         try:
+            if not seam.asynchronous:
+                c.check(f(*args, c._c, None))
+                return CapiWork(self, outputs)
+            cs = seam.caller_stream(device)
+            handle = cs.handle or capi.STREAM_DEFAULT
             if cs.current():
-                fn(c, handle)
+                rc = f(*args, c._c, handle)
             else:
                 with cs.device_guard():  # the C API works on the current device
-                    fn(c, handle)
+                    rc = f(*args, c._c, handle)
+            c.check(rc)
         except capi.HetcclError as e:
             _raise(e)
         cs.keep(tensors)
@@ -224,46 +231,59 @@ class CollRoute:
 
     def all_reduce(self, t: torch.Tensor, op: str):
         v, code, op = _as_c(t, op)
-        n = v.numel()
+        c = self._comm or self.comm()
+        p = v.data_ptr()
+        return self._issue(c, "hetcclAllReduce", (p, p, v.numel(), code, self._op_code(c, op, code, v.dtype)),
+                           [t], [t], t.device)
 
-        def fn(c, s):
-            p = v.data_ptr()
-            c.all_reduce(p, p, n, code, self._op_code(c, op, code, v.dtype), s)
-        return self._issue(fn, [t], [t], t.device)
+    def all_reduce_if_taken(self, t: torch.Tensor, opts):
+        """all_reduce of one tensor through the route, or None where the route does not take
+        it (the caller then declines it: declined()). What backend.allreduce calls first; the
+        same decision as takes() + all_reduce(), decided from the op and the tensor alone
+        without the general checks for the common case (a dense contiguous tensor of one of
+        the C API's dtypes)."""
+        red = opts.reduceOp if opts is not None else None
+        op = "sum" if red is None else _RED.get(getattr(red, "op", red))
+        if op is None:
+            return None  # bitwise, PREMUL_SUM: the face's own path
+        code = _DTYPES.get(t.dtype)
+        if code is None or t.layout != torch.strided:  # bool, complex, sparse, ...: the general test
+            return self.all_reduce(t, op) if self.takes(op, t) else None
+        device = t.device
+        if not t.is_contiguous() or device.type not in devices.SEAMS:
+            return None
+        c = self._comm or self.comm()
+        p = t.data_ptr()
+        opc = _OPS[op] if op != "avg" or t.dtype not in _HALF else self._op_code(c, op, code, t.dtype)
+        return self._issue(c, "hetcclAllReduce", (p, p, t.numel(), code, opc), [t], [t], device)
 
     def reduce(self, t: torch.Tensor, op: str, root: int):
         v, code, op = _as_c(t, op)
-        n = v.numel()
-
-        def fn(c, s):
-            p = v.data_ptr()
-            c.reduce(p, p, n, code, self._op_code(c, op, code, v.dtype), root, s)
-        return self._issue(fn, [t], [t], t.device)
+        c = self._comm or self.comm()
+        p = v.data_ptr()
+        return self._issue(c, "hetcclReduce",
+                           (p, p, v.numel(), code, self._op_code(c, op, code, v.dtype), root), [t], [t], t.device)
 
     def broadcast(self, t: torch.Tensor, root: int):
         v, code, _ = _as_c(t, None)
-
-        def fn(c, s):
-            p = v.data_ptr()
-            c.broadcast(p, p, v.numel(), code, root, s)
-        return self._issue(fn, [t], [t], t.device)
+        c = self._comm or self.comm()
+        p = v.data_ptr()
+        return self._issue(c, "hetcclBroadcast", (p, p, v.numel(), code, root), [t], [t], t.device)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         vo, code, _ = _as_c(out, None)
         vi, _, _ = _as_c(inp, None)
-
-        def fn(c, s):
-            c.all_gather(vi.data_ptr(), vo.data_ptr(), vi.numel(), code, s)
-        return self._issue(fn, [out, inp], [out], out.device)
+        c = self._comm or self.comm()
+        return self._issue(c, "hetcclAllGather", (vi.data_ptr(), vo.data_ptr(), vi.numel(), code),
+                           [out, inp], [out], out.device)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str):
         vo, code, op = _as_c(out, op)
         vi, _, _ = _as_c(inp, op)
-
-        def fn(c, s):
-            c.reduce_scatter(vi.data_ptr(), vo.data_ptr(), vo.numel(), code,
-                             self._op_code(c, op, code, vo.dtype), s)
-        return self._issue(fn, [out, inp], [out], out.device)
+        c = self._comm or self.comm()
+        return self._issue(c, "hetcclReduceScatter",
+                           (vi.data_ptr(), vo.data_ptr(), vo.numel(), code, self._op_code(c, op, code, vo.dtype)),
+                           [out, inp], [out], out.device)
 
     def declined(self, coll: str) -> None:
         """A collective call this route does not take on this rank (a list of tensors, a

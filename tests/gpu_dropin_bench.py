@@ -48,6 +48,61 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
 
 
+def issue_profiler():
+    """Inclusive host time of the torch face's issue steps on the C API route, per call
+    (--profile-issue, rank 0): (on, report). on(True) starts timing, report() gives
+    {step: [calls per issue, median us, mean us]}. Each wrapper adds ~0.3 us to its step."""
+    import hetccl.backend as be
+    import hetccl.capi as capi_mod
+    import hetccl.face_capi as fc
+    from hetccl.device import cuda as cu
+
+    targets = [(be.HetcclProcessGroup, "allreduce"), (be.HetcclProcessGroup, "_routed"),
+               (fc.CollRoute, "all_reduce"), (fc.CollRoute, "_issue"), (fc.CollRoute, "comm"),
+               (fc.CollRoute, "_op_code"), (fc.CollRoute, "all_reduce_if_taken"), (capi_mod.Comm, "check"),
+               (capi_mod.Comm, "all_reduce"), (capi_mod.Comm, "_call"),
+               (cu.CudaSeam if hasattr(cu, "CudaSeam") else None, "caller_stream"),
+               (cu.CallerStream, "current"), (cu.CallerStream, "keep"), (cu.CallerStream, "record"),
+               (fc.CapiWork, "__init__"), (fc.CapiWork, "wait")]
+    times: dict[str, list[int]] = {}
+    state = {"on": False, "issues": 0}
+
+    def wrap(owner, name):
+        f = owner.__dict__.get(name)
+        if f is None or isinstance(f, (staticmethod, classmethod)):
+            return
+        key = f"{owner.__name__}.{name}"
+        acc = times.setdefault(key, [])
+
+        def timed(*args, **kw):
+            if not state["on"]:
+                return f(*args, **kw)
+            t0 = time.perf_counter_ns()
+            try:
+                return f(*args, **kw)
+            finally:
+                acc.append(time.perf_counter_ns() - t0)
+        setattr(owner, name, timed)
+
+    for owner, name in targets:
+        if owner is not None:
+            wrap(owner, name)
+
+    def on(flag: bool, issues: int = 0):
+        state["on"] = flag
+        state["issues"] += issues
+        if flag and not issues:
+            for v in times.values():
+                v.clear()
+            state["issues"] = 0
+
+    def report():
+        n = max(state["issues"], 1)
+        return {k: [round(len(v) / n, 2), round(statistics.median(v) / 1e3, 2),
+                    round(sum(v) / len(v) / 1e3, 2)] for k, v in times.items() if v}
+    return on, report
+
+
 def rank_main(a) -> None:
     import torch
     import torch.distributed as dist
@@ -65,6 +120,7 @@ def rank_main(a) -> None:
         s *= a.factor
     rows = []
     dt = torch.bfloat16
+    prof = issue_profiler() if a.profile_issue and rank == 0 and a.backend == "hetccl" else None
 
     def route_info():
         # the torch face's C API communicator (HETCCL_FACE_ROUTE=capi): its route's counters
@@ -91,10 +147,12 @@ def rank_main(a) -> None:
         dist.all_reduce(t)
         wrong = int((t.float() != world * (world + 1) / 2).sum().item())
         issue = issue_idle = None
-        route = None
+        route = profile = None
         if nbytes in [parse_size(x) for x in a.issue_sizes.split(",")]:
             before = route_info()
             dts = []
+            if prof:
+                prof[0](True)
             for _ in range(a.issue):
                 c0 = time.perf_counter_ns()
                 w = dist.all_reduce(t, async_op=True)
@@ -104,6 +162,11 @@ def rank_main(a) -> None:
                     torch.cuda.synchronize()
             torch.cuda.synchronize()
             issue = statistics.median(dts)
+            if prof:  # the calls above again, timed step by step (the wrappers' cost included)
+                prof[0](False, a.issue)
+                profile = prof[1]()
+                print(f"issue profile {a.config} {nbytes} B (calls/issue, median us, mean us; plain "
+                      f"issue median {issue:.1f} us): " + json.dumps(profile), flush=True)
             after = route_info()
             # the same with nothing queued: the stream drained before each call (what a call
             # costs to issue by itself, without back-pressure from the calls ahead of it)
@@ -127,6 +190,7 @@ def rank_main(a) -> None:
                      "wrong": wrong, "issue_us": None if issue is None else round(issue, 2),
                      "issue_idle_us": None if issue_idle is None else round(issue_idle, 2),
                      **({"route_us": route} if route else {}),
+                     **({"issue_profile": profile} if prof and issue is not None else {}),
                      "get_backend": dist.get_backend()})
     dist.destroy_process_group()
     if rank == 0:
@@ -160,7 +224,7 @@ def launch(a, config: str, backend: str, vendors: str, dropin: bool, tmp: str,
         cmd = [sys.executable, __file__, "--rank-main", "--backend", backend, "--config", config,
                "--vendors", vendors, "--rows", rows, "--minbytes", a.minbytes, "--maxbytes", a.maxbytes,
                "--factor", str(a.factor), "--iters", str(a.iters), "--issue", str(a.issue),
-               "--issue-sizes", a.issue_sizes]
+               "--issue-sizes", a.issue_sizes] + (["--profile-issue"] if a.profile_issue else [])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     logs = []
     for p in procs:
@@ -174,6 +238,7 @@ def launch(a, config: str, backend: str, vendors: str, dropin: bool, tmp: str,
         print(f"--- {config} failed:\n" + "\n".join(x[-3000:] for x in logs), flush=True)
         return []
     first = [ln for ln in logs[0].splitlines() if ln.startswith("hetccl:")][:3]
+    first += [ln for ln in logs[0].splitlines() if ln.startswith("issue profile")]
     for ln in first:
         print(f"  [{config}] {ln}")
     return [json.loads(ln) for ln in open(rows)]
@@ -194,6 +259,8 @@ def main() -> None:
     p.add_argument("--issue", type=int, default=200)
     p.add_argument("--issue-sizes", default="8K,512K,32M")
     p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--profile-issue", action="store_true", help="rank 0 of the torch face times "
+                   "each step of its issue path (printed, and 'issue_profile' in the rows)")
     p.add_argument("--skip-face", action="store_true")
     p.add_argument("--only", default="", help="CONFIG,... run only these configurations (e.g. "
                    "facecapi-1+1,nccl-1)")

@@ -167,6 +167,9 @@ def test_stream_path(tmp_path, split, runtime, route):
         device_jobs = int(info["stream_device_jobs"])
         # every device call was a program in kernel mode, none elsewhere
         assert (int(info["stream_program_jobs"]) == device_jobs) == (route == "kernel" or device_jobs == 0), info
+        if route == "kernel":  # scratch of ended programs is reused (device_program.h's cache)
+            assert 0 < int(info["stream_program_scratch_reuses"]), info
+            assert int(info["stream_program_scratch_allocs"]) < int(info["stream_program_jobs"]) // 2, info
         if route in ("device", "kernel"):
             assert device_jobs > 200, info
             # the route's issue cost by phase (stream_path.h), counted on every device call (a

@@ -49,6 +49,9 @@ def test_capi_cases_on_cuda(tmp_path, split, route):
         dev = int(info["stream_device_jobs"])
         assert dev > (40 if route == "auto" else 200), info
         assert (int(info["stream_program_jobs"]) == dev) == (route == "kernel"), info
+        if route == "kernel":  # scratch of ended programs is reused (device_program.h's cache)
+            assert 0 < int(info["stream_program_scratch_reuses"]), info
+            assert int(info["stream_program_scratch_allocs"]) < int(info["stream_program_jobs"]) // 2, info
         if route != "auto":
             for coll in ("all_reduce_ring", "reduce_scatter_ring", "all_gather_ring", "broadcast_chain"):
                 assert int(info.get(f"algo_{coll}_device", 0)) > 0, (coll, info)

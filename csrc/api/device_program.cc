@@ -82,6 +82,8 @@ ProgramOps::~ProgramOps() {
     give_back_ended();
     if (alloc_stream_) {
       for (void* q : leftovers_) real_->mem_free_async(q, alloc_stream_);
+      for (auto& kv : cache_) real_->mem_free_async(kv.first, alloc_stream_);
+      cache_.clear();
       if (bar_) real_->mem_free_async(bar_, alloc_stream_);
       real_->sync(alloc_stream_);
       real_->stream_destroy(alloc_stream_);
@@ -148,8 +150,18 @@ void ProgramOps::give_back_ended() {
   std::lock_guard<std::mutex> g(mu_);
   for (uint32_t i = 0; i < kSlots; ++i) {
     if (state_[i].scratch.empty() || !ended(i)) continue;
-    for (void* p : state_[i].scratch) real_->mem_free_async(p, alloc_stream_);
+    for (void* p : state_[i].scratch) {
+      const size_t bytes = sizes_[p];
+      cache_.push_back({p, bytes});
+      cached_bytes_ += bytes;
+    }
     state_[i].scratch.clear();
+  }
+  while (cached_bytes_ > kCacheBytes && !cache_.empty()) {  // the least recently freed go
+    real_->mem_free_async(cache_.front().first, alloc_stream_);
+    cached_bytes_ -= cache_.front().second;
+    sizes_.erase(cache_.front().first);
+    cache_.erase(cache_.begin());
   }
 }
 
@@ -320,8 +332,28 @@ void* ProgramOps::mem_alloc_async(size_t nbytes, void* stream) {
   // Stream-ordered memory is valid on its own stream from the allocation on; the kernel runs
   // on the caller's stream, which is not ordered after it, so the allocation is waited for
   // here (alloc_stream_ holds nothing else: no kernel, no wait on an engine word).
-  void* p = real_->mem_alloc_async(nbytes, alloc_stream_);
+  const size_t want = nbytes ? nbytes : 1;
+  give_back_ended();
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    size_t best = cache_.size();
+    for (size_t i = 0; i < cache_.size(); ++i)
+      if (cache_[i].second >= want && cache_[i].second / 2 <= want &&
+          (best == cache_.size() || cache_[i].second < cache_[best].second))
+        best = i;
+    if (best < cache_.size()) {  // its program ended: nothing on the device uses it any more
+      void* p = cache_[best].first;
+      cached_bytes_ -= cache_[best].second;
+      cache_.erase(cache_.begin() + long(best));
+      ++scratch_reuses_;
+      return p;
+    }
+  }
+  void* p = real_->mem_alloc_async(want, alloc_stream_);
   real_->sync(alloc_stream_);
+  std::lock_guard<std::mutex> g(mu_);
+  sizes_[p] = want;
+  ++scratch_allocs_;
   return p;
 }
 

@@ -25,7 +25,7 @@
 //  * Scratch (mem_alloc_async on a route stream) comes from the real runtime's pool on a stream
 //    of ProgramOps' own, waited for there (the kernel's stream is not ordered after it), and is
 //    given back only once the program that used it has ended (its slot's `ended`), never in
-//    between.
+//    between: into a cache the next calls take their scratch from (device_program.h's cache_).
 //  * sync on a route stream, inside a call, records a write of a word of ProgramOps' own and
 //    waits for it (the staged fallback's copies); outside a call it waits until every launched
 //    program has ended. Every wait here is bounded by the communicator's timeout and ends at
@@ -45,6 +45,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "../device/program.h"
@@ -73,6 +74,8 @@ class ProgramOps final : public DeviceOps {
   void abort_all();
   uint64_t launched() const { return launched_; }
   uint64_t instructions() const { return instructions_; }
+  uint64_t scratch_allocs() const { return scratch_allocs_.load(); }  // new allocations
+  uint64_t scratch_reuses() const { return scratch_reuses_.load(); }  // taken from the cache
 
   // ---- DeviceOps: recorded on the route's streams, forwarded otherwise
   std::string name() const override { return real_->name(); }
@@ -126,7 +129,7 @@ class ProgramOps final : public DeviceOps {
   void append(uint32_t group, const program::Ins& ins);
   uint64_t taken(uint32_t group) const;  // the least of the bound slot's blocks' counts
   bool ended(uint32_t idx) const;  // the slot's program ended (or never launched)
-  void give_back_ended();          // scratch of ended programs back to the pool
+  void give_back_ended();          // scratch of ended programs into the cache (cache_)
   bool wait_all_ended(int64_t within_ms);  // false: not all within the bound
   [[noreturn]] void unbound(const char* what) const;
 
@@ -139,7 +142,7 @@ class ProgramOps final : public DeviceOps {
   SlotState state_[kSlots];
   std::deque<std::pair<uint64_t, uint32_t>> pending_;  // launched, not yet bound: (seq, slot)
   std::atomic<bool> aborted_{false};
-  std::mutex mu_;  // pending_, state_[].scratch, leftovers_
+  std::mutex mu_;  // pending_, state_[].scratch, leftovers_, cache_, sizes_
   uint64_t launched_ = 0, instructions_ = 0;
   // the call bound now (executor)
   program::Slot* cur_ = nullptr;
@@ -153,6 +156,16 @@ class ProgramOps final : public DeviceOps {
   std::vector<VEvent*> events_;
   void* alloc_stream_ = nullptr;       // the real runtime's stream for scratch
   std::vector<void*> leftovers_;       // scratch given back outside a call
+  // Scratch whose program ended, kept for the next calls (mu_): the runtime's pool gives its
+  // free memory back at every synchronization, and a new allocation here synchronizes, so
+  // without the cache each call would map its scratch anew (~1 ms a call on an H100). A call
+  // takes the smallest cached buffer of its size up to twice it; beyond kCacheBytes the
+  // least recently freed are freed.
+  static constexpr size_t kCacheBytes = size_t(256) << 20;
+  std::vector<std::pair<void*, size_t>> cache_;  // (scratch, bytes), least recently freed first
+  size_t cached_bytes_ = 0;
+  std::atomic<uint64_t> scratch_allocs_{0}, scratch_reuses_{0};
+  std::unordered_map<void*, size_t> sizes_;  // every scratch allocated here -> its bytes
   uint64_t* sync_word_ = nullptr;      // sync inside a call: the kernel writes it
   uint64_t sync_word_dev_ = 0;
   uint64_t sync_count_ = 0;

@@ -605,7 +605,9 @@ std::map<std::string, uint64_t> StreamPath::stats() {
           {"device_route", route_ ? 1u : 0u}, {"route_check_ns", route_check_ns.load()},
           {"route_enqueue_ns", route_turn_ns_.load()}, {"route_queue_ns", route_queue_ns_.load()},
           {"route_issue_wait_ns", route_issue_wait_ns_.load()}, {"program_jobs", program_jobs_},
-          {"program_instructions", programs_ ? programs_->instructions() : 0}};
+          {"program_instructions", programs_ ? programs_->instructions() : 0},
+          {"program_scratch_allocs", programs_ ? programs_->scratch_allocs() : 0},
+          {"program_scratch_reuses", programs_ ? programs_->scratch_reuses() : 0}};
 }
 
 }  // namespace api

@@ -221,8 +221,10 @@ __device__ __forceinline__ void group_barrier(u32* cnt, volatile u32* gen, u32 B
       __threadfence();
       atomicAdd(const_cast<u32*>(gen), 1u);
     } else {
-      while (*gen == g0 && S[1] == 0) {
-      }
+      // the abort word is host memory read across the bus: looked at once in 256 rounds, so
+      // the group's waiting blocks do not load the bus the data moves on
+      for (u32 i = 1; *gen == g0; ++i)
+        if ((i & 255) == 0 && S[1] != 0) break;
     }
     __threadfence();
   }
@@ -286,8 +288,8 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   while (!end) {
     if (threadIdx.x == 0) {
       u64 L;
-      while ((L = S[8 + g]) <= pos && S[1] == 0) {
-      }
+      for (u32 i = 1; (L = S[8 + g]) <= pos; ++i)
+        if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
       __threadfence_system();  // the instructions were written before len
       avail = L;
     }
@@ -310,8 +312,8 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
           if (threadIdx.x == 0) {
             const u64 addr = I[0] == hp::WAIT ? I[1] : u64(slot + 16 + I[1]);
             const bool w = I[0] == hp::AWAIT || wide;
-            while (!hp::reached(addr, I[2], w) && S[1] == 0) {
-            }
+            for (u32 i = 1; !hp::reached(addr, I[2], w); ++i)
+              if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
             __threadfence_system();
           }
           __syncthreads();

@@ -3179,2697 +3179,2796 @@ $L__BB47_5:
 	.param .u64 hetccl_program_param_2
 )
 {
-	.reg .pred 	%p<340>;
+	.reg .pred 	%p<355>;
 	.reg .b16 	%rs<137>;
 	.reg .f32 	%f<147>;
-	.reg .b32 	%r<437>;
+	.reg .b32 	%r<483>;
 	.reg .f64 	%fd<22>;
-	.reg .b64 	%rd<504>;
+	.reg .b64 	%rd<509>;
 	// demoted variable
 	.shared .align 8 .b8 _ZZ14hetccl_programE3ins[2048];
 	// demoted variable
 	.shared .align 8 .u64 _ZZ14hetccl_programE5avail;
 
-	ld.param.u64 	%rd193, [hetccl_program_param_0];
-	ld.param.u64 	%rd195, [hetccl_program_param_1];
-	ld.param.u64 	%rd196, [hetccl_program_param_2];
-	cvta.to.global.u64 	%rd197, %rd195;
+	ld.param.u64 	%rd196, [hetccl_program_param_0];
+	ld.param.u64 	%rd198, [hetccl_program_param_1];
+	ld.param.u64 	%rd199, [hetccl_program_param_2];
+	cvta.to.global.u64 	%rd200, %rd198;
 	mov.u32 	%r1, %ctaid.x;
-	cvt.u32.u64 	%r2, %rd196;
+	cvt.u32.u64 	%r2, %rd199;
 	div.u32 	%r3, %r1, %r2;
-	mul.lo.s32 	%r76, %r3, %r2;
-	sub.s32 	%r77, %r1, %r76;
-	mov.u32 	%r78, %ntid.x;
-	cvt.u64.u32 	%rd1, %r78;
-	mul.wide.u32 	%rd198, %r77, %r78;
-	mov.u32 	%r79, %tid.x;
-	cvt.u64.u32 	%rd2, %r79;
-	add.s64 	%rd3, %rd198, %rd2;
-	and.b64  	%rd199, %rd196, 4294967295;
-	mul.lo.s64 	%rd4, %rd199, %rd1;
-	shl.b32 	%r80, %r3, 5;
-	mul.wide.u32 	%rd200, %r80, 4;
-	add.s64 	%rd5, %rd197, %rd200;
-	cvta.to.global.u64 	%rd6, %rd193;
+	mul.lo.s32 	%r92, %r3, %r2;
+	sub.s32 	%r93, %r1, %r92;
+	mov.u32 	%r94, %ntid.x;
+	cvt.u64.u32 	%rd1, %r94;
+	mul.wide.u32 	%rd201, %r93, %r94;
+	mov.u32 	%r95, %tid.x;
+	cvt.u64.u32 	%rd2, %r95;
+	add.s64 	%rd3, %rd201, %rd2;
+	and.b64  	%rd202, %rd199, 4294967295;
+	mul.lo.s64 	%rd4, %rd202, %rd1;
+	shl.b32 	%r96, %r3, 5;
+	mul.wide.u32 	%rd203, %r96, 4;
+	add.s64 	%rd5, %rd200, %rd203;
+	cvta.to.global.u64 	%rd6, %rd196;
 	ld.volatile.global.u64 	%rd7, [%rd6];
-	mov.u64 	%rd503, 0;
+	mov.u64 	%rd508, 0;
 	ld.volatile.global.u64 	%rd8, [%rd6+40];
-	setp.eq.s32 	%p3, %r79, 0;
-	add.s32 	%r81, %r3, 8;
-	mul.wide.u32 	%rd201, %r81, 8;
-	add.s64 	%rd9, %rd6, %rd201;
+	setp.eq.s32 	%p3, %r95, 0;
+	add.s32 	%r97, %r3, 8;
+	mul.wide.u32 	%rd204, %r97, 8;
+	add.s64 	%rd9, %rd6, %rd204;
 	mul.wide.u32 	%rd10, %r3, 256;
-	shl.b32 	%r82, %r3, 4;
-	add.s32 	%r83, %r82, %r77;
-	add.s32 	%r84, %r83, 32;
-	mul.wide.u32 	%rd202, %r84, 8;
-	add.s64 	%rd11, %rd6, %rd202;
+	shl.b32 	%r98, %r3, 4;
+	add.s32 	%r99, %r98, %r93;
+	add.s32 	%r100, %r99, 32;
+	mul.wide.u32 	%rd205, %r100, 8;
+	add.s64 	%rd11, %rd6, %rd205;
 	setp.gt.u32 	%p4, %r2, 1;
 	and.pred  	%p1, %p3, %p4;
 	add.s32 	%r4, %r2, -1;
-	or.b32  	%r5, %r77, %r79;
+	or.b32  	%r5, %r93, %r95;
 	mul.lo.s64 	%rd12, %rd4, 3;
 	add.s64 	%rd13, %rd3, %rd12;
-	shl.b64 	%rd203, %rd198, 4;
-	mul.wide.u32 	%rd204, %r79, 16;
-	add.s64 	%rd15, %rd203, %rd204;
-	not.pred 	%p70, %p1;
+	shl.b64 	%rd206, %rd201, 4;
+	mul.wide.u32 	%rd207, %r95, 16;
+	add.s64 	%rd15, %rd206, %rd207;
+	not.pred 	%p72, %p1;
 
 $L__BB48_1:
-	cvt.u32.u64 	%r85, %rd2;
-	setp.ne.s32 	%p5, %r85, 0;
-	@%p5 bra 	$L__BB48_5;
+	cvt.u32.u64 	%r101, %rd2;
+	setp.ne.s32 	%p5, %r101, 0;
+	@%p5 bra 	$L__BB48_8;
 
-$L__BB48_2:
-	ld.volatile.global.u64 	%rd18, [%rd9];
-	setp.gt.u64 	%p6, %rd18, %rd503;
-	@%p6 bra 	$L__BB48_4;
+	ld.volatile.global.u64 	%rd444, [%rd9];
+	setp.gt.u64 	%p6, %rd444, %rd508;
+	@%p6 bra 	$L__BB48_7;
 
-	ld.volatile.global.u64 	%rd205, [%rd6+8];
-	setp.eq.s64 	%p7, %rd205, 0;
-	@%p7 bra 	$L__BB48_2;
+	mov.u32 	%r468, 1;
 
 $L__BB48_4:
+	and.b32  	%r103, %r468, 15;
+	setp.ne.s32 	%p7, %r103, 0;
+	@%p7 bra 	$L__BB48_6;
+
+	ld.volatile.global.u64 	%rd208, [%rd6+8];
+	setp.ne.s64 	%p8, %rd208, 0;
+	@%p8 bra 	$L__BB48_7;
+
+$L__BB48_6:
+	add.s32 	%r468, %r468, 1;
+	ld.volatile.global.u64 	%rd444, [%rd9];
+	setp.le.u64 	%p9, %rd444, %rd508;
+	@%p9 bra 	$L__BB48_4;
+
+$L__BB48_7:
 	membar.sys;
-	st.shared.u64 	[_ZZ14hetccl_programE5avail], %rd18;
-
-$L__BB48_5:
-	bar.sync 	0;
-	ld.shared.u64 	%rd19, [_ZZ14hetccl_programE5avail];
-	setp.le.u64 	%p8, %rd19, %rd503;
-	@%p8 bra 	$L__BB48_420;
-
-	sub.s64 	%rd206, %rd19, %rd503;
-	min.u64 	%rd20, %rd206, 32;
-	shl.b64 	%rd21, %rd20, 3;
-	setp.le.u64 	%p9, %rd21, %rd2;
-	@%p9 bra 	$L__BB48_9;
-
-	mov.u64 	%rd440, %rd2;
+	st.shared.u64 	[_ZZ14hetccl_programE5avail], %rd444;
 
 $L__BB48_8:
-	shr.u64 	%rd207, %rd440, 3;
-	add.s64 	%rd208, %rd207, %rd503;
-	and.b64  	%rd209, %rd208, 255;
-	add.s64 	%rd210, %rd209, %rd10;
-	and.b64  	%rd211, %rd440, 7;
-	bfi.b64 	%rd212, %rd210, %rd211, 3, 61;
-	shl.b64 	%rd213, %rd212, 3;
-	add.s64 	%rd214, %rd6, %rd213;
-	ld.volatile.global.u64 	%rd215, [%rd214+512];
-	cvt.u32.u64 	%r86, %rd207;
-	cvt.u32.u64 	%r87, %rd440;
-	shl.b32 	%r88, %r86, 6;
-	mov.u32 	%r89, _ZZ14hetccl_programE3ins;
-	add.s32 	%r90, %r89, %r88;
-	shl.b32 	%r91, %r87, 3;
-	and.b32  	%r92, %r91, 56;
-	add.s32 	%r93, %r90, %r92;
-	st.shared.u64 	[%r93], %rd215;
-	add.s64 	%rd440, %rd440, %rd1;
-	setp.lt.u64 	%p10, %rd440, %rd21;
-	@%p10 bra 	$L__BB48_8;
-
-$L__BB48_9:
-	cvt.u32.u64 	%r428, %rd2;
-	setp.ne.s32 	%p338, %r428, 0;
 	bar.sync 	0;
-	@%p338 bra 	$L__BB48_11;
+	ld.shared.u64 	%rd22, [_ZZ14hetccl_programE5avail];
+	setp.le.u64 	%p10, %rd22, %rd508;
+	@%p10 bra 	$L__BB48_439;
 
-	add.s64 	%rd216, %rd20, %rd503;
-	st.volatile.global.u64 	[%rd11], %rd216;
+	sub.s64 	%rd209, %rd22, %rd508;
+	min.u64 	%rd23, %rd209, 32;
+	shl.b64 	%rd24, %rd23, 3;
+	setp.le.u64 	%p11, %rd24, %rd2;
+	@%p11 bra 	$L__BB48_12;
+
+	mov.u64 	%rd445, %rd2;
 
 $L__BB48_11:
-	setp.eq.s64 	%p12, %rd20, 0;
-	mov.u16 	%rs133, 0;
-	@%p12 bra 	$L__BB48_419;
+	shr.u64 	%rd210, %rd445, 3;
+	add.s64 	%rd211, %rd210, %rd508;
+	and.b64  	%rd212, %rd211, 255;
+	add.s64 	%rd213, %rd212, %rd10;
+	and.b64  	%rd214, %rd445, 7;
+	bfi.b64 	%rd215, %rd213, %rd214, 3, 61;
+	shl.b64 	%rd216, %rd215, 3;
+	add.s64 	%rd217, %rd6, %rd216;
+	ld.volatile.global.u64 	%rd218, [%rd217+512];
+	cvt.u32.u64 	%r104, %rd210;
+	cvt.u32.u64 	%r105, %rd445;
+	shl.b32 	%r106, %r104, 6;
+	mov.u32 	%r107, _ZZ14hetccl_programE3ins;
+	add.s32 	%r108, %r107, %r106;
+	shl.b32 	%r109, %r105, 3;
+	and.b32  	%r110, %r109, 56;
+	add.s32 	%r111, %r108, %r110;
+	st.shared.u64 	[%r111], %rd218;
+	add.s64 	%rd445, %rd445, %rd1;
+	setp.lt.u64 	%p12, %rd445, %rd24;
+	@%p12 bra 	$L__BB48_11;
 
-	mov.u64 	%rd441, 0;
+$L__BB48_12:
+	cvt.u32.u64 	%r466, %rd2;
+	setp.ne.s32 	%p353, %r466, 0;
+	bar.sync 	0;
+	@%p353 bra 	$L__BB48_14;
 
-$L__BB48_13:
-	cvt.u32.u64 	%r95, %rd441;
-	shl.b32 	%r96, %r95, 6;
-	mov.u32 	%r97, _ZZ14hetccl_programE3ins;
-	add.s32 	%r6, %r97, %r96;
-	ld.shared.u64 	%rd26, [%r6];
-	mov.u16 	%rs133, 1;
-	setp.gt.s64 	%p13, %rd26, 3;
-	@%p13 bra 	$L__BB48_29;
-	bra.uni 	$L__BB48_14;
-
-$L__BB48_29:
-	setp.gt.s64 	%p14, %rd26, 5;
-	@%p14 bra 	$L__BB48_33;
-	bra.uni 	$L__BB48_30;
-
-$L__BB48_33:
-	setp.eq.s64 	%p15, %rd26, 8;
-	@%p15 bra 	$L__BB48_17;
-
-	setp.eq.s64 	%p16, %rd26, 7;
-	@%p16 bra 	$L__BB48_400;
-
-	setp.ne.s64 	%p17, %rd26, 6;
-	@%p17 bra 	$L__BB48_32;
-
-	ld.shared.u32 	%r98, [%r6+24];
-	ld.shared.u64 	%rd27, [%r6+8];
-	ld.shared.u64 	%rd28, [%r6+16];
-	ld.shared.u64 	%rd29, [%r6+32];
-	ld.shared.u64 	%rd30, [%r6+40];
-	setp.gt.s32 	%p25, %r98, 3;
-	@%p25 bra 	$L__BB48_46;
-
-	setp.gt.s32 	%p31, %r98, 1;
-	@%p31 bra 	$L__BB48_42;
-
-	setp.eq.s32 	%p34, %r98, 0;
-	@%p34 bra 	$L__BB48_103;
-
-	setp.eq.s32 	%p35, %r98, 1;
-	@%p35 bra 	$L__BB48_40;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_40:
-	setp.eq.s64 	%p64, %rd29, 0;
-	@%p64 bra 	$L__BB48_99;
-
-	ld.f64 	%fd21, [%rd29];
-	bra.uni 	$L__BB48_100;
+	add.s64 	%rd219, %rd23, %rd508;
+	st.volatile.global.u64 	[%rd11], %rd219;
 
 $L__BB48_14:
-	setp.gt.s64 	%p20, %rd26, 1;
-	@%p20 bra 	$L__BB48_21;
-
-	setp.eq.s64 	%p23, %rd26, 0;
-	@%p23 bra 	$L__BB48_418;
-
-	setp.eq.s64 	%p24, %rd26, 1;
-	@%p24 bra 	$L__BB48_17;
-	bra.uni 	$L__BB48_32;
-
-$L__BB48_17:
-	cvt.u32.u64 	%r429, %rd2;
-	setp.ne.s32 	%p339, %r429, 0;
-	@%p339 bra 	$L__BB48_417;
-
-	ld.param.u64 	%rd420, [hetccl_program_param_0];
-	setp.ne.s64 	%p317, %rd8, 0;
-	ld.shared.u64 	%rd402, [%r6+8];
-	shl.b64 	%rd403, %rd402, 3;
-	add.s64 	%rd404, %rd420, %rd403;
-	add.s64 	%rd405, %rd404, 128;
-	setp.eq.s64 	%p318, %rd26, 1;
-	selp.b64 	%rd187, %rd402, %rd405, %p318;
-	setp.eq.s64 	%p319, %rd26, 8;
-	or.pred  	%p2, %p317, %p319;
-	ld.shared.u64 	%rd188, [%r6+16];
-	cvt.u32.u64 	%r74, %rd188;
-
-$L__BB48_19:
-	@%p2 bra 	$L__BB48_413;
-	bra.uni 	$L__BB48_20;
-
-$L__BB48_413:
-	ld.volatile.u64 	%rd406, [%rd187];
-	setp.ge.u64 	%p320, %rd406, %rd188;
-	selp.u16 	%rs132, 1, 0, %p320;
-	bra.uni 	$L__BB48_414;
-
-$L__BB48_20:
-	ld.volatile.u32 	%r417, [%rd187];
-	sub.s32 	%r418, %r417, %r74;
-	shr.u32 	%r419, %r418, 31;
-	cvt.u16.u32 	%rs124, %r419;
-	xor.b16  	%rs132, %rs124, 1;
-
-$L__BB48_414:
-	setp.ne.s16 	%p321, %rs132, 0;
-	@%p321 bra 	$L__BB48_416;
-
-	ld.volatile.global.u64 	%rd407, [%rd6+8];
-	setp.eq.s64 	%p322, %rd407, 0;
-	@%p322 bra 	$L__BB48_19;
-
-$L__BB48_416:
-	membar.sys;
-
-$L__BB48_417:
-	bar.sync 	0;
+	setp.eq.s64 	%p14, %rd23, 0;
 	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_418;
+	@%p14 bra 	$L__BB48_438;
 
-$L__BB48_30:
-	setp.eq.s64 	%p18, %rd26, 4;
-	@%p18 bra 	$L__BB48_175;
+	mov.u64 	%rd446, 0;
 
-	setp.eq.s64 	%p19, %rd26, 5;
-	@%p19 bra 	$L__BB48_115;
-	bra.uni 	$L__BB48_32;
-
-$L__BB48_115:
-	ld.shared.u32 	%r150, [%r6+24];
-	ld.shared.u64 	%rd50, [%r6+8];
-	ld.shared.u64 	%rd51, [%r6+16];
-	ld.shared.u64 	%rd52, [%r6+32];
-	setp.gt.s32 	%p74, %r150, 3;
-	@%p74 bra 	$L__BB48_127;
-
-	setp.gt.s32 	%p80, %r150, 1;
-	@%p80 bra 	$L__BB48_122;
-
-	setp.eq.s32 	%p83, %r150, 0;
-	@%p83 bra 	$L__BB48_165;
-
-	setp.eq.s32 	%p84, %r150, 1;
-	@%p84 bra 	$L__BB48_119;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_119:
-	setp.ge.u64 	%p108, %rd3, %rd51;
-	@%p108 bra 	$L__BB48_168;
-
-	cvt.rn.f64.s64 	%fd4, %rd52;
-	mov.u64 	%rd462, %rd3;
-
-$L__BB48_121:
-	shl.b64 	%rd247, %rd462, 3;
-	add.s64 	%rd248, %rd50, %rd247;
-	ld.f64 	%fd7, [%rd248];
-	div.rn.f64 	%fd8, %fd7, %fd4;
-	st.f64 	[%rd248], %fd8;
-	add.s64 	%rd462, %rd462, %rd4;
-	setp.lt.u64 	%p109, %rd462, %rd51;
-	@%p109 bra 	$L__BB48_121;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_21:
-	setp.eq.s64 	%p21, %rd26, 2;
-	@%p21 bra 	$L__BB48_400;
-
-	setp.eq.s64 	%p22, %rd26, 3;
-	@%p22 bra 	$L__BB48_23;
-	bra.uni 	$L__BB48_32;
-
-$L__BB48_23:
-	ld.shared.u64 	%rd164, [%r6+24];
-	ld.shared.u64 	%rd165, [%r6+8];
-	ld.shared.u64 	%rd166, [%r6+16];
-	or.b64  	%rd167, %rd166, %rd165;
-	and.b64  	%rd355, %rd167, 15;
-	setp.eq.s64 	%p295, %rd355, 0;
-	@%p295 bra 	$L__BB48_385;
-
-	and.b64  	%rd357, %rd167, 7;
-	setp.ne.s64 	%p296, %rd357, 0;
-	mov.u64 	%rd501, 0;
-	@%p296 bra 	$L__BB48_391;
-
-	shr.u64 	%rd168, %rd164, 3;
-	setp.ge.u64 	%p297, %rd3, %rd168;
-	@%p297 bra 	$L__BB48_28;
-
-	mov.u64 	%rd496, %rd3;
-
-$L__BB48_27:
-	shl.b64 	%rd358, %rd496, 3;
-	add.s64 	%rd359, %rd166, %rd358;
-	ld.u64 	%rd360, [%rd359];
-	add.s64 	%rd361, %rd165, %rd358;
-	st.u64 	[%rd361], %rd360;
-	add.s64 	%rd496, %rd496, %rd4;
-	setp.lt.u64 	%p298, %rd496, %rd168;
-	@%p298 bra 	$L__BB48_27;
-
-$L__BB48_28:
-	and.b64  	%rd501, %rd164, -8;
-	bra.uni 	$L__BB48_391;
-
-$L__BB48_400:
-	membar.sys;
-	bar.sync 	0;
-	@%p70 bra 	$L__BB48_406;
-
-	ld.volatile.global.u32 	%r73, [%rd5+64];
-	membar.gl;
-	atom.global.add.u32 	%r412, [%rd5], 1;
-	setp.eq.s32 	%p310, %r412, %r4;
-	@%p310 bra 	$L__BB48_404;
-	bra.uni 	$L__BB48_402;
-
-$L__BB48_404:
-	mov.u32 	%r414, 0;
-	st.global.u32 	[%rd5], %r414;
-	membar.gl;
-	add.s64 	%rd395, %rd5, 64;
-	atom.global.add.u32 	%r415, [%rd395], 1;
-	bra.uni 	$L__BB48_405;
-
-$L__BB48_402:
-	ld.volatile.global.u32 	%r413, [%rd5+64];
-	setp.ne.s32 	%p311, %r413, %r73;
-	@%p311 bra 	$L__BB48_405;
-
-	ld.volatile.global.u64 	%rd394, [%rd6+8];
-	setp.eq.s64 	%p312, %rd394, 0;
-	@%p312 bra 	$L__BB48_402;
-
-$L__BB48_405:
-	membar.gl;
-
-$L__BB48_406:
-	setp.ne.s32 	%p313, %r5, 0;
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	@%p313 bra 	$L__BB48_418;
-
-	ld.shared.u64 	%rd396, [%r6];
-	setp.eq.s64 	%p314, %rd396, 7;
-	ld.shared.u64 	%rd186, [%r6+16];
-	@%p314 bra 	$L__BB48_411;
-	bra.uni 	$L__BB48_408;
-
-$L__BB48_411:
-	ld.shared.u64 	%rd399, [%r6+8];
-	shl.b64 	%rd400, %rd399, 3;
-	add.s64 	%rd401, %rd6, %rd400;
-	st.volatile.global.u64 	[%rd401+128], %rd186;
-	bra.uni 	$L__BB48_412;
-
-$L__BB48_175:
-	ld.shared.u64 	%rd90, [%r6+8];
-	ld.shared.u64 	%rd91, [%r6+16];
-	ld.shared.u32 	%r30, [%r6+32];
-	ld.shared.u32 	%r199, [%r6+40];
-	setp.eq.s32 	%p116, %r199, 1;
-	@%p116 bra 	$L__BB48_278;
-
-	setp.eq.s32 	%p117, %r199, 2;
-	@%p117 bra 	$L__BB48_228;
-
-	setp.ne.s32 	%p118, %r199, 3;
-	@%p118 bra 	$L__BB48_328;
-
-	ld.shared.u64 	%rd92, [%r6+24];
-	setp.gt.s32 	%p119, %r30, 3;
-	@%p119 bra 	$L__BB48_190;
-
-	setp.gt.s32 	%p125, %r30, 1;
-	@%p125 bra 	$L__BB48_185;
-
-	setp.eq.s32 	%p128, %r30, 0;
-	@%p128 bra 	$L__BB48_225;
-
-	setp.eq.s32 	%p129, %r30, 1;
-	@%p129 bra 	$L__BB48_182;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_182:
-	setp.ge.u64 	%p158, %rd3, %rd92;
-	@%p158 bra 	$L__BB48_378;
-
-	mov.u64 	%rd470, %rd3;
-
-$L__BB48_184:
-	shl.b64 	%rd272, %rd470, 3;
-	add.s64 	%rd273, %rd90, %rd272;
-	add.s64 	%rd274, %rd91, %rd272;
-	ld.f64 	%fd9, [%rd274];
-	ld.f64 	%fd10, [%rd273];
-	setp.gt.f64 	%p159, %fd9, %fd10;
-	setp.nan.f64 	%p160, %fd9, %fd9;
-	or.pred  	%p161, %p159, %p160;
-	selp.f64 	%fd11, %fd9, %fd10, %p161;
-	st.f64 	[%rd273], %fd11;
-	add.s64 	%rd470, %rd470, %rd4;
-	setp.lt.u64 	%p162, %rd470, %rd92;
-	@%p162 bra 	$L__BB48_184;
-	bra.uni 	$L__BB48_378;
+$L__BB48_16:
+	cvt.u32.u64 	%r113, %rd446;
+	shl.b32 	%r114, %r113, 6;
+	mov.u32 	%r115, _ZZ14hetccl_programE3ins;
+	add.s32 	%r8, %r115, %r114;
+	ld.shared.u64 	%rd29, [%r8];
+	mov.u16 	%rs133, 1;
+	setp.gt.s64 	%p15, %rd29, 3;
+	@%p15 bra 	$L__BB48_32;
+	bra.uni 	$L__BB48_17;
 
 $L__BB48_32:
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_418;
-
-$L__BB48_46:
-	setp.gt.s32 	%p26, %r98, 5;
-	@%p26 bra 	$L__BB48_51;
-
-	setp.eq.s32 	%p29, %r98, 4;
-	@%p29 bra 	$L__BB48_68;
-
-	setp.eq.s32 	%p30, %r98, 5;
-	@%p30 bra 	$L__BB48_49;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_49:
-	setp.eq.s64 	%p42, %rd29, 0;
-	@%p42 bra 	$L__BB48_64;
-
-	ld.u8 	%rs128, [%rd29];
-	bra.uni 	$L__BB48_65;
-
-$L__BB48_127:
-	setp.gt.s32 	%p75, %r150, 5;
-	@%p75 bra 	$L__BB48_133;
-
-	setp.eq.s32 	%p78, %r150, 4;
-	@%p78 bra 	$L__BB48_147;
-
-	setp.eq.s32 	%p79, %r150, 5;
-	@%p79 bra 	$L__BB48_130;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_130:
-	setp.ge.u64 	%p91, %rd3, %rd51;
-	mov.u64 	%rd456, %rd3;
-	@%p91 bra 	$L__BB48_168;
-
-$L__BB48_131:
-	add.s64 	%rd68, %rd50, %rd456;
-	ld.u8 	%rd69, [%rd68];
-	and.b64  	%rd241, %rd52, -4294967296;
-	setp.eq.s64 	%p92, %rd241, 0;
-	@%p92 bra 	$L__BB48_145;
-
-	div.s64 	%rd457, %rd69, %rd52;
-	bra.uni 	$L__BB48_146;
-
-$L__BB48_145:
-	cvt.u32.u64 	%r157, %rd52;
-	cvt.u32.u64 	%r158, %rd69;
-	div.u32 	%r159, %r158, %r157;
-	cvt.u64.u32 	%rd457, %r159;
-
-$L__BB48_146:
-	st.u8 	[%rd68], %rd457;
-	add.s64 	%rd456, %rd456, %rd4;
-	setp.lt.u64 	%p93, %rd456, %rd51;
-	@%p93 bra 	$L__BB48_131;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_385:
-	shr.u64 	%rd172, %rd164, 4;
-	setp.ge.u64 	%p299, %rd13, %rd172;
-	mov.u64 	%rd499, %rd3;
-	@%p299 bra 	$L__BB48_388;
-
-	add.s64 	%rd498, %rd165, %rd15;
-	mov.u64 	%rd499, %rd3;
-
-$L__BB48_387:
-	shr.u64 	%rd425, %rd164, 4;
-	neg.s64 	%rd424, %rd4;
-	shl.b64 	%rd423, %rd424, 4;
-	shl.b64 	%rd422, %rd4, 4;
-	shl.b64 	%rd362, %rd499, 4;
-	add.s64 	%rd363, %rd166, %rd362;
-	add.s64 	%rd365, %rd363, %rd422;
-	ld.v2.u64 	{%rd366, %rd367}, [%rd365];
-	add.s64 	%rd370, %rd365, %rd422;
-	ld.v2.u64 	{%rd371, %rd372}, [%rd370];
-	add.s64 	%rd375, %rd370, %rd422;
-	ld.v2.u64 	{%rd376, %rd377}, [%rd375];
-	add.s64 	%rd381, %rd365, %rd423;
-	ld.v4.u32 	{%r392, %r393, %r394, %r395}, [%rd381];
-	st.v4.u32 	[%rd498], {%r392, %r393, %r394, %r395};
-	add.s64 	%rd382, %rd498, %rd422;
-	st.v2.u64 	[%rd382], {%rd366, %rd367};
-	add.s64 	%rd383, %rd382, %rd422;
-	st.v2.u64 	[%rd383], {%rd371, %rd372};
-	add.s64 	%rd384, %rd383, %rd422;
-	add.s64 	%rd498, %rd384, %rd422;
-	st.v2.u64 	[%rd384], {%rd376, %rd377};
-	add.s64 	%rd385, %rd499, %rd4;
-	add.s64 	%rd499, %rd12, %rd385;
-	add.s64 	%rd386, %rd499, %rd12;
-	setp.lt.u64 	%p300, %rd386, %rd425;
-	@%p300 bra 	$L__BB48_387;
-
-$L__BB48_388:
-	shr.u64 	%rd418, %rd164, 4;
-	setp.ge.u64 	%p301, %rd499, %rd418;
-	@%p301 bra 	$L__BB48_390;
-
-$L__BB48_389:
-	shr.u64 	%rd421, %rd164, 4;
-	shl.b64 	%rd387, %rd499, 4;
-	add.s64 	%rd388, %rd165, %rd387;
-	add.s64 	%rd389, %rd166, %rd387;
-	ld.v4.u32 	{%r400, %r401, %r402, %r403}, [%rd389];
-	st.v4.u32 	[%rd388], {%r400, %r401, %r402, %r403};
-	add.s64 	%rd499, %rd499, %rd4;
-	setp.lt.u64 	%p302, %rd499, %rd421;
-	@%p302 bra 	$L__BB48_389;
-
-$L__BB48_390:
-	and.b64  	%rd501, %rd164, -16;
-
-$L__BB48_391:
-	add.s64 	%rd502, %rd501, %rd3;
-	setp.ge.u64 	%p303, %rd502, %rd164;
-	@%p303 bra 	$L__BB48_393;
-
-$L__BB48_392:
-	add.s64 	%rd390, %rd166, %rd502;
-	ld.u8 	%rs120, [%rd390];
-	add.s64 	%rd391, %rd165, %rd502;
-	st.u8 	[%rd391], %rs120;
-	add.s64 	%rd502, %rd502, %rd4;
-	setp.lt.u64 	%p304, %rd502, %rd164;
-	@%p304 bra 	$L__BB48_392;
-
-$L__BB48_393:
-	bar.sync 	0;
-	@%p70 bra 	$L__BB48_399;
-
-	ld.volatile.global.u32 	%r72, [%rd5+64];
-	membar.gl;
-	atom.global.add.u32 	%r408, [%rd5], 1;
-	setp.eq.s32 	%p306, %r408, %r4;
-	@%p306 bra 	$L__BB48_397;
-	bra.uni 	$L__BB48_395;
-
-$L__BB48_397:
-	mov.u32 	%r410, 0;
-	st.global.u32 	[%rd5], %r410;
-	membar.gl;
-	add.s64 	%rd393, %rd5, 64;
-	atom.global.add.u32 	%r411, [%rd393], 1;
-	bra.uni 	$L__BB48_398;
-
-$L__BB48_395:
-	ld.volatile.global.u32 	%r409, [%rd5+64];
-	setp.ne.s32 	%p307, %r409, %r72;
-	@%p307 bra 	$L__BB48_398;
-
-	ld.volatile.global.u64 	%rd392, [%rd6+8];
-	setp.eq.s64 	%p308, %rd392, 0;
-	@%p308 bra 	$L__BB48_395;
-
-$L__BB48_398:
-	membar.gl;
-
-$L__BB48_399:
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_418;
-
-$L__BB48_408:
-	setp.ne.s64 	%p315, %rd8, 0;
-	@%p315 bra 	$L__BB48_410;
-	bra.uni 	$L__BB48_409;
-
-$L__BB48_410:
-	ld.shared.u64 	%rd398, [%r6+8];
-	st.volatile.u64 	[%rd398], %rd186;
-	bra.uni 	$L__BB48_412;
-
-$L__BB48_42:
-	setp.eq.s32 	%p32, %r98, 2;
-	@%p32 bra 	$L__BB48_78;
-
-	setp.eq.s32 	%p33, %r98, 3;
-	@%p33 bra 	$L__BB48_44;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_44:
-	setp.eq.s64 	%p48, %rd29, 0;
-	@%p48 bra 	$L__BB48_74;
-
-	ld.u16 	%rs130, [%rd29];
-	bra.uni 	$L__BB48_75;
-
-$L__BB48_122:
-	setp.eq.s32 	%p81, %r150, 2;
-	@%p81 bra 	$L__BB48_152;
-
-	setp.eq.s32 	%p82, %r150, 3;
-	@%p82 bra 	$L__BB48_124;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_124:
-	setp.ge.u64 	%p97, %rd3, %rd51;
-	@%p97 bra 	$L__BB48_168;
-
-	cvt.rn.f32.s64 	%f13, %rd52;
-	mov.u64 	%rd460, %rd3;
-
-$L__BB48_126:
-	shl.b64 	%rd244, %rd460, 1;
-	add.s64 	%rd245, %rd50, %rd244;
-	ld.u16 	%r163, [%rd245];
-	shl.b32 	%r164, %r163, 16;
-	mov.b32 	%f65, %r164;
-	div.rn.f32 	%f66, %f65, %f13;
-	mov.b32 	%r165, %f66;
-	shr.u32 	%r166, %r165, 16;
-	and.b32  	%r167, %r166, 1;
-	add.s32 	%r168, %r165, %r167;
-	add.s32 	%r169, %r168, 32767;
-	shr.u32 	%r170, %r169, 16;
-	or.b32  	%r171, %r166, 64;
-	and.b32  	%r172, %r165, 2147483647;
-	setp.gt.u32 	%p98, %r172, 2139095040;
-	selp.b32 	%r173, %r171, %r170, %p98;
-	st.u16 	[%rd245], %r173;
-	add.s64 	%rd460, %rd460, %rd4;
-	setp.lt.u64 	%p99, %rd460, %rd51;
-	@%p99 bra 	$L__BB48_126;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_278:
-	ld.shared.u64 	%rd128, [%r6+24];
-	setp.gt.s32 	%p217, %r30, 3;
-	@%p217 bra 	$L__BB48_290;
-
-	setp.gt.s32 	%p223, %r30, 1;
-	@%p223 bra 	$L__BB48_285;
-
-	setp.eq.s32 	%p226, %r30, 0;
-	@%p226 bra 	$L__BB48_325;
-
-	setp.eq.s32 	%p227, %r30, 1;
-	@%p227 bra 	$L__BB48_282;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_282:
-	setp.ge.u64 	%p250, %rd3, %rd128;
-	@%p250 bra 	$L__BB48_378;
-
-	mov.u64 	%rd486, %rd3;
-
-$L__BB48_284:
-	shl.b64 	%rd322, %rd486, 3;
-	add.s64 	%rd323, %rd90, %rd322;
-	add.s64 	%rd324, %rd91, %rd322;
-	ld.f64 	%fd15, [%rd324];
-	ld.f64 	%fd16, [%rd323];
-	mul.f64 	%fd17, %fd16, %fd15;
-	st.f64 	[%rd323], %fd17;
-	add.s64 	%rd486, %rd486, %rd4;
-	setp.lt.u64 	%p251, %rd486, %rd128;
-	@%p251 bra 	$L__BB48_284;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_228:
-	ld.shared.u64 	%rd110, [%r6+24];
-	setp.gt.s32 	%p168, %r30, 3;
-	@%p168 bra 	$L__BB48_240;
-
-	setp.gt.s32 	%p174, %r30, 1;
-	@%p174 bra 	$L__BB48_235;
-
-	setp.eq.s32 	%p177, %r30, 0;
-	@%p177 bra 	$L__BB48_275;
-
-	setp.eq.s32 	%p178, %r30, 1;
-	@%p178 bra 	$L__BB48_232;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_232:
-	setp.ge.u64 	%p207, %rd3, %rd110;
-	@%p207 bra 	$L__BB48_378;
-
-	mov.u64 	%rd478, %rd3;
-
-$L__BB48_234:
-	shl.b64 	%rd297, %rd478, 3;
-	add.s64 	%rd298, %rd90, %rd297;
-	add.s64 	%rd299, %rd91, %rd297;
-	ld.f64 	%fd12, [%rd299];
-	ld.f64 	%fd13, [%rd298];
-	setp.lt.f64 	%p208, %fd12, %fd13;
-	setp.nan.f64 	%p209, %fd12, %fd12;
-	or.pred  	%p210, %p208, %p209;
-	selp.f64 	%fd14, %fd12, %fd13, %p210;
-	st.f64 	[%rd298], %fd14;
-	add.s64 	%rd478, %rd478, %rd4;
-	setp.lt.u64 	%p211, %rd478, %rd110;
-	@%p211 bra 	$L__BB48_234;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_328:
-	ld.shared.u64 	%rd146, [%r6+24];
-	setp.gt.s32 	%p254, %r30, 3;
-	@%p254 bra 	$L__BB48_340;
-
-	setp.gt.s32 	%p260, %r30, 1;
-	@%p260 bra 	$L__BB48_335;
-
-	setp.eq.s32 	%p263, %r30, 0;
-	@%p263 bra 	$L__BB48_375;
-
-	setp.eq.s32 	%p264, %r30, 1;
-	@%p264 bra 	$L__BB48_332;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_332:
-	setp.ge.u64 	%p287, %rd3, %rd146;
-	@%p287 bra 	$L__BB48_378;
-
-	mov.u64 	%rd494, %rd3;
-
-$L__BB48_334:
-	shl.b64 	%rd347, %rd494, 3;
-	add.s64 	%rd348, %rd90, %rd347;
-	add.s64 	%rd349, %rd91, %rd347;
-	ld.f64 	%fd18, [%rd349];
-	ld.f64 	%fd19, [%rd348];
-	add.f64 	%fd20, %fd19, %fd18;
-	st.f64 	[%rd348], %fd20;
-	add.s64 	%rd494, %rd494, %rd4;
-	setp.lt.u64 	%p288, %rd494, %rd146;
-	@%p288 bra 	$L__BB48_334;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_51:
-	setp.eq.s32 	%p27, %r98, 6;
-	@%p27 bra 	$L__BB48_58;
-
-	setp.ne.s32 	%p28, %r98, 7;
-	@%p28 bra 	$L__BB48_108;
-
-	setp.eq.s64 	%p36, %rd29, 0;
-	@%p36 bra 	$L__BB48_55;
-
-	ld.u64 	%rd30, [%rd29];
-
-$L__BB48_55:
-	setp.ge.u64 	%p37, %rd3, %rd28;
-	@%p37 bra 	$L__BB48_108;
-
-	mov.u64 	%rd444, %rd3;
-
-$L__BB48_57:
-	shl.b64 	%rd218, %rd444, 3;
-	add.s64 	%rd219, %rd27, %rd218;
-	ld.u64 	%rd220, [%rd219];
-	mul.lo.s64 	%rd221, %rd220, %rd30;
-	st.u64 	[%rd219], %rd221;
-	add.s64 	%rd444, %rd444, %rd4;
-	setp.lt.u64 	%p38, %rd444, %rd28;
-	@%p38 bra 	$L__BB48_57;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_133:
-	setp.eq.s32 	%p76, %r150, 6;
-	@%p76 bra 	$L__BB48_140;
-
-	setp.ne.s32 	%p77, %r150, 7;
-	@%p77 bra 	$L__BB48_168;
-
-	setp.ge.u64 	%p85, %rd3, %rd51;
-	mov.u64 	%rd452, %rd3;
-	@%p85 bra 	$L__BB48_168;
-
-$L__BB48_136:
-	shl.b64 	%rd235, %rd452, 3;
-	add.s64 	%rd54, %rd50, %rd235;
-	ld.u64 	%rd55, [%rd54];
-	or.b64  	%rd236, %rd55, %rd52;
-	and.b64  	%rd237, %rd236, -4294967296;
-	setp.eq.s64 	%p86, %rd237, 0;
-	@%p86 bra 	$L__BB48_138;
-
-	div.s64 	%rd453, %rd55, %rd52;
-	bra.uni 	$L__BB48_139;
-
-$L__BB48_138:
-	cvt.u32.u64 	%r151, %rd52;
-	cvt.u32.u64 	%r152, %rd55;
-	div.u32 	%r153, %r152, %r151;
-	cvt.u64.u32 	%rd453, %r153;
-
-$L__BB48_139:
-	st.u64 	[%rd54], %rd453;
-	add.s64 	%rd452, %rd452, %rd4;
-	setp.lt.u64 	%p87, %rd452, %rd51;
-	@%p87 bra 	$L__BB48_136;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_409:
-	ld.shared.u64 	%rd397, [%r6+8];
-	st.volatile.u32 	[%rd397], %rd186;
-
-$L__BB48_412:
-	membar.sys;
-	bra.uni 	$L__BB48_418;
-
-$L__BB48_190:
-	setp.gt.s32 	%p120, %r30, 5;
-	@%p120 bra 	$L__BB48_196;
-
-	setp.eq.s32 	%p123, %r30, 4;
-	@%p123 bra 	$L__BB48_204;
-
-	setp.eq.s32 	%p124, %r30, 5;
-	@%p124 bra 	$L__BB48_193;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_193:
-	setp.ge.u64 	%p134, %rd3, %rd92;
-	@%p134 bra 	$L__BB48_378;
-
-	mov.u64 	%rd466, %rd3;
-
-$L__BB48_195:
-	add.s64 	%rd262, %rd91, %rd466;
-	ld.u8 	%rs71, [%rd262];
-	add.s64 	%rd263, %rd90, %rd466;
-	ld.u8 	%rs72, [%rd263];
-	max.u16 	%rs73, %rs71, %rs72;
-	st.u8 	[%rd263], %rs73;
-	add.s64 	%rd466, %rd466, %rd4;
-	setp.lt.u64 	%p135, %rd466, %rd92;
-	@%p135 bra 	$L__BB48_195;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_290:
-	setp.gt.s32 	%p218, %r30, 5;
-	@%p218 bra 	$L__BB48_296;
-
-	setp.eq.s32 	%p221, %r30, 4;
-	@%p221 bra 	$L__BB48_304;
-
-	setp.eq.s32 	%p222, %r30, 5;
-	@%p222 bra 	$L__BB48_293;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_293:
-	setp.ge.u64 	%p232, %rd3, %rd128;
-	@%p232 bra 	$L__BB48_378;
-
-	mov.u64 	%rd482, %rd3;
-
-$L__BB48_295:
-	add.s64 	%rd312, %rd91, %rd482;
-	ld.u8 	%rs95, [%rd312];
-	add.s64 	%rd313, %rd90, %rd482;
-	ld.u8 	%rs96, [%rd313];
-	mul.lo.s16 	%rs97, %rs95, %rs96;
-	st.u8 	[%rd313], %rs97;
-	add.s64 	%rd482, %rd482, %rd4;
-	setp.lt.u64 	%p233, %rd482, %rd128;
-	@%p233 bra 	$L__BB48_295;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_240:
-	setp.gt.s32 	%p169, %r30, 5;
-	@%p169 bra 	$L__BB48_246;
-
-	setp.eq.s32 	%p172, %r30, 4;
-	@%p172 bra 	$L__BB48_254;
-
-	setp.eq.s32 	%p173, %r30, 5;
-	@%p173 bra 	$L__BB48_243;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_243:
-	setp.ge.u64 	%p183, %rd3, %rd110;
-	@%p183 bra 	$L__BB48_378;
-
-	mov.u64 	%rd474, %rd3;
-
-$L__BB48_245:
-	add.s64 	%rd287, %rd91, %rd474;
-	ld.u8 	%rs83, [%rd287];
-	add.s64 	%rd288, %rd90, %rd474;
-	ld.u8 	%rs84, [%rd288];
-	min.u16 	%rs85, %rs83, %rs84;
-	st.u8 	[%rd288], %rs85;
-	add.s64 	%rd474, %rd474, %rd4;
-	setp.lt.u64 	%p184, %rd474, %rd110;
-	@%p184 bra 	$L__BB48_245;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_340:
-	setp.gt.s32 	%p255, %r30, 5;
-	@%p255 bra 	$L__BB48_346;
-
-	setp.eq.s32 	%p258, %r30, 4;
-	@%p258 bra 	$L__BB48_354;
-
-	setp.eq.s32 	%p259, %r30, 5;
-	@%p259 bra 	$L__BB48_343;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_343:
-	setp.ge.u64 	%p269, %rd3, %rd146;
-	@%p269 bra 	$L__BB48_378;
-
-	mov.u64 	%rd490, %rd3;
-
-$L__BB48_345:
-	add.s64 	%rd337, %rd91, %rd490;
-	ld.u8 	%rs107, [%rd337];
-	add.s64 	%rd338, %rd90, %rd490;
-	ld.u8 	%rs108, [%rd338];
-	add.s16 	%rs109, %rs107, %rs108;
-	st.u8 	[%rd338], %rs109;
-	add.s64 	%rd490, %rd490, %rd4;
-	setp.lt.u64 	%p270, %rd490, %rd146;
-	@%p270 bra 	$L__BB48_345;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_103:
-	cvt.u32.u64 	%r145, %rd30;
-	mov.b32 	%f137, %r145;
-	setp.eq.s64 	%p67, %rd29, 0;
-	@%p67 bra 	$L__BB48_105;
-
-	ld.f32 	%f137, [%rd29];
-
-$L__BB48_105:
-	setp.ge.u64 	%p68, %rd3, %rd28;
-	@%p68 bra 	$L__BB48_108;
-
-	mov.u64 	%rd451, %rd3;
-
-$L__BB48_107:
-	shl.b64 	%rd231, %rd451, 2;
-	add.s64 	%rd232, %rd27, %rd231;
-	ld.f32 	%f63, [%rd232];
-	mul.f32 	%f64, %f137, %f63;
-	st.f32 	[%rd232], %f64;
-	add.s64 	%rd451, %rd451, %rd4;
-	setp.lt.u64 	%p69, %rd451, %rd28;
-	@%p69 bra 	$L__BB48_107;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_165:
-	setp.ge.u64 	%p110, %rd3, %rd51;
-	@%p110 bra 	$L__BB48_168;
-
-	cvt.rn.f32.s64 	%f19, %rd52;
-	mov.u64 	%rd463, %rd3;
-
-$L__BB48_167:
-	shl.b64 	%rd249, %rd463, 2;
-	add.s64 	%rd250, %rd50, %rd249;
-	ld.f32 	%f73, [%rd250];
-	div.rn.f32 	%f74, %f73, %f19;
-	st.f32 	[%rd250], %f74;
-	add.s64 	%rd463, %rd463, %rd4;
-	setp.lt.u64 	%p111, %rd463, %rd51;
-	@%p111 bra 	$L__BB48_167;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_68:
-	setp.eq.s64 	%p45, %rd29, 0;
-	@%p45 bra 	$L__BB48_70;
-
-	ld.u8 	%rs129, [%rd29];
-	bra.uni 	$L__BB48_71;
-
-$L__BB48_147:
-	setp.ge.u64 	%p94, %rd3, %rd51;
-	mov.u64 	%rd458, %rd3;
-	@%p94 bra 	$L__BB48_168;
-
-$L__BB48_148:
-	add.s64 	%rd75, %rd50, %rd458;
-	ld.s8 	%rd76, [%rd75];
-	or.b64  	%rd242, %rd76, %rd52;
-	and.b64  	%rd243, %rd242, -4294967296;
-	setp.eq.s64 	%p95, %rd243, 0;
-	@%p95 bra 	$L__BB48_150;
-
-	div.s64 	%rd459, %rd76, %rd52;
-	bra.uni 	$L__BB48_151;
-
-$L__BB48_150:
-	cvt.u32.u64 	%r160, %rd52;
-	cvt.u32.u64 	%r161, %rd76;
-	div.u32 	%r162, %r161, %r160;
-	cvt.u64.u32 	%rd459, %r162;
-
-$L__BB48_151:
-	add.s64 	%rd426, %rd50, %rd458;
-	st.u8 	[%rd426], %rd459;
-	add.s64 	%rd458, %rd458, %rd4;
-	setp.lt.u64 	%p96, %rd458, %rd51;
-	@%p96 bra 	$L__BB48_148;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_78:
-	setp.eq.s64 	%p52, %rd29, 0;
-	@%p52 bra 	$L__BB48_80;
-
-	ld.u16 	%rs131, [%rd29];
-	bra.uni 	$L__BB48_81;
-
-$L__BB48_152:
-	setp.ge.u64 	%p100, %rd3, %rd51;
-	@%p100 bra 	$L__BB48_168;
-
-	cvt.rn.f32.s64 	%f14, %rd52;
-	mov.u64 	%rd461, %rd3;
-
-$L__BB48_154:
-	shl.b64 	%rd246, %rd461, 1;
-	add.s64 	%rd84, %rd50, %rd246;
-	ld.u16 	%rs67, [%rd84];
-	and.b16  	%rs19, %rs67, -32768;
-	cvt.u32.u16 	%r174, %rs67;
-	shl.b32 	%r175, %r174, 16;
-	and.b32  	%r21, %r175, -2147483648;
-	shr.u16 	%rs68, %rs67, 10;
-	and.b16  	%rs20, %rs68, 31;
-	and.b16  	%rs21, %rs67, 1023;
-	cvt.u32.u16 	%r22, %rs21;
-	setp.eq.s16 	%p101, %rs20, 0;
-	@%p101 bra 	$L__BB48_158;
-
-	setp.eq.s16 	%p102, %rs20, 31;
-	@%p102 bra 	$L__BB48_157;
-	bra.uni 	$L__BB48_156;
-
-$L__BB48_157:
-	shl.b32 	%r181, %r22, 13;
-	or.b32  	%r182, %r21, %r181;
-	or.b32  	%r183, %r182, 2139095040;
-	mov.b32 	%f138, %r183;
-	bra.uni 	$L__BB48_159;
-
-$L__BB48_158:
-	cvt.rn.f32.u16 	%f67, %rs21;
-	mul.f32 	%f68, %f67, 0f33800000;
-	mul.f32 	%f69, %f67, 0fB3800000;
-	setp.eq.s16 	%p103, %rs19, 0;
-	selp.f32 	%f138, %f68, %f69, %p103;
-	bra.uni 	$L__BB48_159;
-
-$L__BB48_156:
-	add.s16 	%rs69, %rs20, 112;
-	cvt.u32.u16 	%r176, %rs69;
-	shl.b32 	%r177, %r176, 23;
-	shl.b32 	%r178, %r22, 13;
-	or.b32  	%r179, %r178, %r21;
-	or.b32  	%r180, %r179, %r177;
-	mov.b32 	%f138, %r180;
-
-$L__BB48_159:
-	div.rn.f32 	%f70, %f138, %f14;
-	mov.b32 	%r23, %f70;
-	and.b32  	%r24, %r23, 2147483647;
-	setp.gt.u32 	%p104, %r24, 1199570943;
-	@%p104 bra 	$L__BB48_163;
-	bra.uni 	$L__BB48_160;
-
-$L__BB48_163:
-	setp.gt.u32 	%p106, %r24, 2139095040;
-	shr.u32 	%r189, %r23, 13;
-	and.b32  	%r190, %r189, 511;
-	or.b32  	%r191, %r190, 32256;
-	selp.b32 	%r432, %r191, 31744, %p106;
-	bra.uni 	$L__BB48_164;
-
-$L__BB48_160:
-	setp.lt.u32 	%p105, %r24, 947912704;
-	@%p105 bra 	$L__BB48_162;
-	bra.uni 	$L__BB48_161;
-
-$L__BB48_162:
-	mov.b32 	%f71, %r24;
-	add.f32 	%f72, %f71, 0f3F000000;
-	mov.b32 	%r188, %f72;
-	add.s32 	%r432, %r188, -1056964608;
-	bra.uni 	$L__BB48_164;
-
-$L__BB48_161:
-	shr.u32 	%r184, %r23, 13;
-	and.b32  	%r185, %r184, 1;
-	add.s32 	%r186, %r24, %r185;
-	add.s32 	%r187, %r186, -939520001;
-	shr.u32 	%r432, %r187, 13;
-
-$L__BB48_164:
-	and.b32  	%r192, %r23, -2147483648;
-	shr.u32 	%r193, %r192, 16;
-	or.b32  	%r194, %r432, %r193;
-	st.u16 	[%rd84], %r194;
-	add.s64 	%rd461, %rd461, %rd4;
-	setp.lt.u64 	%p107, %rd461, %rd51;
-	@%p107 bra 	$L__BB48_154;
-	bra.uni 	$L__BB48_168;
-
-$L__BB48_58:
-	setp.eq.s64 	%p39, %rd29, 0;
-	@%p39 bra 	$L__BB48_60;
-
-	ld.u32 	%r430, [%rd29];
-	bra.uni 	$L__BB48_61;
-
-$L__BB48_140:
-	setp.ge.u64 	%p88, %rd3, %rd51;
-	mov.u64 	%rd454, %rd3;
-	@%p88 bra 	$L__BB48_168;
-
-$L__BB48_141:
-	shl.b64 	%rd238, %rd454, 2;
-	add.s64 	%rd61, %rd50, %rd238;
-	ld.s32 	%rd62, [%rd61];
-	or.b64  	%rd239, %rd62, %rd52;
-	and.b64  	%rd240, %rd239, -4294967296;
-	setp.eq.s64 	%p89, %rd240, 0;
-	@%p89 bra 	$L__BB48_143;
-
-	div.s64 	%rd455, %rd62, %rd52;
-	bra.uni 	$L__BB48_144;
-
-$L__BB48_143:
-	cvt.u32.u64 	%r154, %rd52;
-	cvt.u32.u64 	%r155, %rd62;
-	div.u32 	%r156, %r155, %r154;
-	cvt.u64.u32 	%rd455, %r156;
-
-$L__BB48_144:
-	st.u32 	[%rd61], %rd455;
-	add.s64 	%rd454, %rd454, %rd4;
-	setp.lt.u64 	%p90, %rd454, %rd51;
-	@%p90 bra 	$L__BB48_141;
-
-$L__BB48_168:
-	bar.sync 	0;
-	@%p70 bra 	$L__BB48_174;
-
-	ld.volatile.global.u32 	%r29, [%rd5+64];
-	membar.gl;
-	atom.global.add.u32 	%r195, [%rd5], 1;
-	setp.eq.s32 	%p113, %r195, %r4;
-	@%p113 bra 	$L__BB48_172;
-	bra.uni 	$L__BB48_170;
-
-$L__BB48_172:
-	mov.u32 	%r197, 0;
-	st.global.u32 	[%rd5], %r197;
-	membar.gl;
-	add.s64 	%rd252, %rd5, 64;
-	atom.global.add.u32 	%r198, [%rd252], 1;
-	bra.uni 	$L__BB48_173;
-
-$L__BB48_170:
-	ld.volatile.global.u32 	%r196, [%rd5+64];
-	setp.ne.s32 	%p114, %r196, %r29;
-	@%p114 bra 	$L__BB48_173;
-
-	ld.volatile.global.u64 	%rd251, [%rd6+8];
-	setp.eq.s64 	%p115, %rd251, 0;
-	@%p115 bra 	$L__BB48_170;
-
-$L__BB48_173:
-	membar.gl;
-
-$L__BB48_174:
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_418;
-
-$L__BB48_185:
-	setp.eq.s32 	%p126, %r30, 2;
-	@%p126 bra 	$L__BB48_207;
-
-	setp.eq.s32 	%p127, %r30, 3;
-	@%p127 bra 	$L__BB48_187;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_187:
-	setp.ge.u64 	%p138, %rd3, %rd92;
-	@%p138 bra 	$L__BB48_378;
-
-	mov.u64 	%rd468, %rd3;
-
-$L__BB48_189:
-	shl.b64 	%rd266, %rd468, 1;
-	add.s64 	%rd267, %rd90, %rd266;
-	ld.u16 	%r203, [%rd267];
-	shl.b32 	%r204, %r203, 16;
-	mov.b32 	%f75, %r204;
-	add.s64 	%rd268, %rd91, %rd266;
-	ld.u16 	%r205, [%rd268];
-	shl.b32 	%r206, %r205, 16;
-	mov.b32 	%f76, %r206;
-	setp.gt.f32 	%p139, %f76, %f75;
-	setp.nan.f32 	%p140, %f76, %f76;
-	or.pred  	%p141, %p139, %p140;
-	selp.f32 	%f77, %f76, %f75, %p141;
-	mov.b32 	%r207, %f77;
-	shr.u32 	%r208, %r207, 16;
-	and.b32  	%r209, %r208, 1;
-	or.b32  	%r210, %r207, %r209;
-	add.s32 	%r211, %r210, 32767;
-	shr.u32 	%r212, %r211, 16;
-	or.b32  	%r213, %r208, 64;
-	and.b32  	%r214, %r207, 2147418112;
-	setp.gt.u32 	%p142, %r214, 2139095040;
-	selp.b32 	%r215, %r213, %r212, %p142;
-	st.u16 	[%rd267], %r215;
-	add.s64 	%rd468, %rd468, %rd4;
-	setp.lt.u64 	%p143, %rd468, %rd92;
-	@%p143 bra 	$L__BB48_189;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_285:
-	setp.eq.s32 	%p224, %r30, 2;
-	@%p224 bra 	$L__BB48_307;
-
-	setp.eq.s32 	%p225, %r30, 3;
-	@%p225 bra 	$L__BB48_287;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_287:
-	setp.ge.u64 	%p236, %rd3, %rd128;
-	@%p236 bra 	$L__BB48_378;
-
-	mov.u64 	%rd484, %rd3;
-
-$L__BB48_289:
-	shl.b64 	%rd316, %rd484, 1;
-	add.s64 	%rd317, %rd90, %rd316;
-	ld.u16 	%r297, [%rd317];
-	shl.b32 	%r298, %r297, 16;
-	mov.b32 	%f105, %r298;
-	add.s64 	%rd318, %rd91, %rd316;
-	ld.u16 	%r299, [%rd318];
-	shl.b32 	%r300, %r299, 16;
-	mov.b32 	%f106, %r300;
-	mul.f32 	%f107, %f105, %f106;
-	mov.b32 	%r301, %f107;
-	shr.u32 	%r302, %r301, 16;
-	and.b32  	%r303, %r302, 1;
-	add.s32 	%r304, %r301, %r303;
-	add.s32 	%r305, %r304, 32767;
-	shr.u32 	%r306, %r305, 16;
-	or.b32  	%r307, %r302, 64;
-	and.b32  	%r308, %r301, 2147483647;
-	setp.gt.u32 	%p237, %r308, 2139095040;
-	selp.b32 	%r309, %r307, %r306, %p237;
-	st.u16 	[%rd317], %r309;
-	add.s64 	%rd484, %rd484, %rd4;
-	setp.lt.u64 	%p238, %rd484, %rd128;
-	@%p238 bra 	$L__BB48_289;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_235:
-	setp.eq.s32 	%p175, %r30, 2;
-	@%p175 bra 	$L__BB48_257;
-
-	setp.eq.s32 	%p176, %r30, 3;
-	@%p176 bra 	$L__BB48_237;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_237:
-	setp.ge.u64 	%p187, %rd3, %rd110;
-	@%p187 bra 	$L__BB48_378;
-
-	mov.u64 	%rd476, %rd3;
-
-$L__BB48_239:
-	shl.b64 	%rd291, %rd476, 1;
-	add.s64 	%rd292, %rd90, %rd291;
-	ld.u16 	%r250, [%rd292];
-	shl.b32 	%r251, %r250, 16;
-	mov.b32 	%f90, %r251;
-	add.s64 	%rd293, %rd91, %rd291;
-	ld.u16 	%r252, [%rd293];
-	shl.b32 	%r253, %r252, 16;
-	mov.b32 	%f91, %r253;
-	setp.lt.f32 	%p188, %f91, %f90;
-	setp.nan.f32 	%p189, %f91, %f91;
-	or.pred  	%p190, %p188, %p189;
-	selp.f32 	%f92, %f91, %f90, %p190;
-	mov.b32 	%r254, %f92;
-	shr.u32 	%r255, %r254, 16;
-	and.b32  	%r256, %r255, 1;
-	or.b32  	%r257, %r254, %r256;
-	add.s32 	%r258, %r257, 32767;
-	shr.u32 	%r259, %r258, 16;
-	or.b32  	%r260, %r255, 64;
-	and.b32  	%r261, %r254, 2147418112;
-	setp.gt.u32 	%p191, %r261, 2139095040;
-	selp.b32 	%r262, %r260, %r259, %p191;
-	st.u16 	[%rd292], %r262;
-	add.s64 	%rd476, %rd476, %rd4;
-	setp.lt.u64 	%p192, %rd476, %rd110;
-	@%p192 bra 	$L__BB48_239;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_335:
-	setp.eq.s32 	%p261, %r30, 2;
-	@%p261 bra 	$L__BB48_357;
-
-	setp.eq.s32 	%p262, %r30, 3;
-	@%p262 bra 	$L__BB48_337;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_337:
-	setp.ge.u64 	%p273, %rd3, %rd146;
-	@%p273 bra 	$L__BB48_378;
-
-	mov.u64 	%rd492, %rd3;
-
-$L__BB48_339:
-	shl.b64 	%rd341, %rd492, 1;
-	add.s64 	%rd342, %rd90, %rd341;
-	ld.u16 	%r344, [%rd342];
-	shl.b32 	%r345, %r344, 16;
-	mov.b32 	%f120, %r345;
-	add.s64 	%rd343, %rd91, %rd341;
-	ld.u16 	%r346, [%rd343];
-	shl.b32 	%r347, %r346, 16;
-	mov.b32 	%f121, %r347;
-	add.f32 	%f122, %f120, %f121;
-	mov.b32 	%r348, %f122;
-	shr.u32 	%r349, %r348, 16;
-	and.b32  	%r350, %r349, 1;
-	add.s32 	%r351, %r348, %r350;
-	add.s32 	%r352, %r351, 32767;
-	shr.u32 	%r353, %r352, 16;
-	or.b32  	%r354, %r349, 64;
-	and.b32  	%r355, %r348, 2147483647;
-	setp.gt.u32 	%p274, %r355, 2139095040;
-	selp.b32 	%r356, %r354, %r353, %p274;
-	st.u16 	[%rd342], %r356;
-	add.s64 	%rd492, %rd492, %rd4;
-	setp.lt.u64 	%p275, %rd492, %rd146;
-	@%p275 bra 	$L__BB48_339;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_196:
-	setp.eq.s32 	%p121, %r30, 6;
-	@%p121 bra 	$L__BB48_201;
-
-	setp.ne.s32 	%p122, %r30, 7;
-	@%p122 bra 	$L__BB48_378;
-
-	setp.ge.u64 	%p130, %rd3, %rd92;
-	@%p130 bra 	$L__BB48_378;
-
-	mov.u64 	%rd464, %rd3;
-
-$L__BB48_200:
-	shl.b64 	%rd253, %rd464, 3;
-	add.s64 	%rd254, %rd90, %rd253;
-	add.s64 	%rd255, %rd91, %rd253;
-	ld.u64 	%rd256, [%rd255];
-	ld.u64 	%rd257, [%rd254];
-	max.s64 	%rd258, %rd256, %rd257;
-	st.u64 	[%rd254], %rd258;
-	add.s64 	%rd464, %rd464, %rd4;
-	setp.lt.u64 	%p131, %rd464, %rd92;
-	@%p131 bra 	$L__BB48_200;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_296:
-	setp.eq.s32 	%p219, %r30, 6;
-	@%p219 bra 	$L__BB48_301;
-
-	setp.ne.s32 	%p220, %r30, 7;
-	@%p220 bra 	$L__BB48_378;
-
-	setp.ge.u64 	%p228, %rd3, %rd128;
-	@%p228 bra 	$L__BB48_378;
-
-	mov.u64 	%rd480, %rd3;
-
-$L__BB48_300:
-	shl.b64 	%rd303, %rd480, 3;
-	add.s64 	%rd304, %rd90, %rd303;
-	add.s64 	%rd305, %rd91, %rd303;
-	ld.u64 	%rd306, [%rd305];
-	ld.u64 	%rd307, [%rd304];
-	mul.lo.s64 	%rd308, %rd306, %rd307;
-	st.u64 	[%rd304], %rd308;
-	add.s64 	%rd480, %rd480, %rd4;
-	setp.lt.u64 	%p229, %rd480, %rd128;
-	@%p229 bra 	$L__BB48_300;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_246:
-	setp.eq.s32 	%p170, %r30, 6;
-	@%p170 bra 	$L__BB48_251;
-
-	setp.ne.s32 	%p171, %r30, 7;
-	@%p171 bra 	$L__BB48_378;
-
-	setp.ge.u64 	%p179, %rd3, %rd110;
-	@%p179 bra 	$L__BB48_378;
-
-	mov.u64 	%rd472, %rd3;
-
-$L__BB48_250:
-	shl.b64 	%rd278, %rd472, 3;
-	add.s64 	%rd279, %rd90, %rd278;
-	add.s64 	%rd280, %rd91, %rd278;
-	ld.u64 	%rd281, [%rd280];
-	ld.u64 	%rd282, [%rd279];
-	min.s64 	%rd283, %rd281, %rd282;
-	st.u64 	[%rd279], %rd283;
-	add.s64 	%rd472, %rd472, %rd4;
-	setp.lt.u64 	%p180, %rd472, %rd110;
-	@%p180 bra 	$L__BB48_250;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_346:
-	setp.eq.s32 	%p256, %r30, 6;
-	@%p256 bra 	$L__BB48_351;
-
-	setp.ne.s32 	%p257, %r30, 7;
-	@%p257 bra 	$L__BB48_378;
-
-	setp.ge.u64 	%p265, %rd3, %rd146;
-	@%p265 bra 	$L__BB48_378;
-
-	mov.u64 	%rd488, %rd3;
-
-$L__BB48_350:
-	shl.b64 	%rd328, %rd488, 3;
-	add.s64 	%rd329, %rd90, %rd328;
-	add.s64 	%rd330, %rd91, %rd328;
-	ld.u64 	%rd331, [%rd330];
-	ld.u64 	%rd332, [%rd329];
-	add.s64 	%rd333, %rd331, %rd332;
-	st.u64 	[%rd329], %rd333;
-	add.s64 	%rd488, %rd488, %rd4;
-	setp.lt.u64 	%p266, %rd488, %rd146;
-	@%p266 bra 	$L__BB48_350;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_99:
-	mov.b64 	%fd21, %rd30;
-
-$L__BB48_100:
-	setp.ge.u64 	%p65, %rd3, %rd28;
-	@%p65 bra 	$L__BB48_108;
-
-	mov.u64 	%rd450, %rd3;
-
-$L__BB48_102:
-	shl.b64 	%rd229, %rd450, 3;
-	add.s64 	%rd230, %rd27, %rd229;
-	ld.f64 	%fd5, [%rd230];
-	mul.f64 	%fd6, %fd21, %fd5;
-	st.f64 	[%rd230], %fd6;
-	add.s64 	%rd450, %rd450, %rd4;
-	setp.lt.u64 	%p66, %rd450, %rd28;
+	setp.gt.s64 	%p16, %rd29, 5;
+	@%p16 bra 	$L__BB48_36;
+	bra.uni 	$L__BB48_33;
+
+$L__BB48_36:
+	setp.eq.s64 	%p17, %rd29, 8;
+	@%p17 bra 	$L__BB48_20;
+
+	setp.eq.s64 	%p18, %rd29, 7;
+	@%p18 bra 	$L__BB48_415;
+
+	setp.ne.s64 	%p19, %rd29, 6;
+	@%p19 bra 	$L__BB48_35;
+
+	ld.shared.u32 	%r116, [%r8+24];
+	ld.shared.u64 	%rd30, [%r8+8];
+	ld.shared.u64 	%rd31, [%r8+16];
+	ld.shared.u64 	%rd32, [%r8+32];
+	ld.shared.u64 	%rd33, [%r8+40];
+	setp.gt.s32 	%p27, %r116, 3;
+	@%p27 bra 	$L__BB48_49;
+
+	setp.gt.s32 	%p33, %r116, 1;
+	@%p33 bra 	$L__BB48_45;
+
+	setp.eq.s32 	%p36, %r116, 0;
+	@%p36 bra 	$L__BB48_106;
+
+	setp.eq.s32 	%p37, %r116, 1;
+	@%p37 bra 	$L__BB48_43;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_43:
+	setp.eq.s64 	%p66, %rd32, 0;
 	@%p66 bra 	$L__BB48_102;
-	bra.uni 	$L__BB48_108;
 
-$L__BB48_64:
-	cvt.u16.u64 	%rs128, %rd30;
+	ld.f64 	%fd21, [%rd32];
+	bra.uni 	$L__BB48_103;
 
-$L__BB48_65:
-	setp.ge.u64 	%p43, %rd3, %rd28;
-	@%p43 bra 	$L__BB48_108;
+$L__BB48_17:
+	setp.gt.s64 	%p22, %rd29, 1;
+	@%p22 bra 	$L__BB48_24;
 
-	mov.u64 	%rd446, %rd3;
+	setp.eq.s64 	%p25, %rd29, 0;
+	@%p25 bra 	$L__BB48_437;
 
-$L__BB48_67:
-	add.s64 	%rd224, %rd27, %rd446;
-	ld.u8 	%rs57, [%rd224];
-	mul.lo.s16 	%rs58, %rs57, %rs128;
-	st.u8 	[%rd224], %rs58;
-	add.s64 	%rd446, %rd446, %rd4;
-	setp.lt.u64 	%p44, %rd446, %rd28;
-	@%p44 bra 	$L__BB48_67;
-	bra.uni 	$L__BB48_108;
+	setp.eq.s64 	%p26, %rd29, 1;
+	@%p26 bra 	$L__BB48_20;
+	bra.uni 	$L__BB48_35;
 
-$L__BB48_74:
-	cvt.u16.u64 	%rs130, %rd30;
+$L__BB48_20:
+	cvt.u32.u64 	%r467, %rd2;
+	setp.ne.s32 	%p354, %r467, 0;
+	@%p354 bra 	$L__BB48_436;
 
-$L__BB48_75:
-	setp.ge.u64 	%p49, %rd3, %rd28;
-	@%p49 bra 	$L__BB48_108;
+	ld.param.u64 	%rd423, [hetccl_program_param_0];
+	setp.ne.s64 	%p329, %rd8, 0;
+	ld.shared.u64 	%rd405, [%r8+8];
+	shl.b64 	%rd406, %rd405, 3;
+	add.s64 	%rd407, %rd423, %rd406;
+	add.s64 	%rd408, %rd407, 128;
+	setp.eq.s64 	%p330, %rd29, 1;
+	selp.b64 	%rd190, %rd405, %rd408, %p330;
+	setp.eq.s64 	%p331, %rd29, 8;
+	or.pred  	%p2, %p329, %p331;
+	ld.shared.u64 	%rd191, [%r8+16];
+	cvt.u32.u64 	%r86, %rd191;
+	mov.u32 	%r481, 1;
+	bra.uni 	$L__BB48_22;
 
-	cvt.u32.u16 	%r101, %rs130;
-	shl.b32 	%r102, %r101, 16;
-	mov.b32 	%f1, %r102;
-	mov.u64 	%rd448, %rd3;
+$L__BB48_460:
+	add.s32 	%r481, %r481, 1;
 
-$L__BB48_77:
-	shl.b64 	%rd226, %rd448, 1;
-	add.s64 	%rd227, %rd27, %rd226;
-	ld.u16 	%r103, [%rd227];
-	shl.b32 	%r104, %r103, 16;
-	mov.b32 	%f52, %r104;
-	mul.f32 	%f53, %f1, %f52;
-	mov.b32 	%r105, %f53;
-	shr.u32 	%r106, %r105, 16;
-	and.b32  	%r107, %r106, 1;
-	add.s32 	%r108, %r105, %r107;
-	add.s32 	%r109, %r108, 32767;
-	shr.u32 	%r110, %r109, 16;
-	or.b32  	%r111, %r106, 64;
-	and.b32  	%r112, %r105, 2147483647;
-	setp.gt.u32 	%p50, %r112, 2139095040;
-	selp.b32 	%r113, %r111, %r110, %p50;
-	st.u16 	[%rd227], %r113;
-	add.s64 	%rd448, %rd448, %rd4;
-	setp.lt.u64 	%p51, %rd448, %rd28;
-	@%p51 bra 	$L__BB48_77;
-	bra.uni 	$L__BB48_108;
+$L__BB48_22:
+	@%p2 bra 	$L__BB48_431;
+	bra.uni 	$L__BB48_23;
 
-$L__BB48_70:
-	cvt.u16.u64 	%rs129, %rd30;
+$L__BB48_431:
+	ld.volatile.u64 	%rd409, [%rd190];
+	setp.ge.u64 	%p332, %rd409, %rd191;
+	selp.u16 	%rs132, 1, 0, %p332;
+	bra.uni 	$L__BB48_432;
 
-$L__BB48_71:
-	setp.ge.u64 	%p46, %rd3, %rd28;
-	@%p46 bra 	$L__BB48_108;
+$L__BB48_23:
+	ld.volatile.u32 	%r451, [%rd190];
+	sub.s32 	%r452, %r451, %r86;
+	shr.u32 	%r453, %r452, 31;
+	cvt.u16.u32 	%rs124, %r453;
+	xor.b16  	%rs132, %rs124, 1;
 
-	mov.u64 	%rd447, %rd3;
+$L__BB48_432:
+	setp.ne.s16 	%p333, %rs132, 0;
+	@%p333 bra 	$L__BB48_435;
 
-$L__BB48_73:
-	add.s64 	%rd225, %rd27, %rd447;
-	ld.u8 	%rs59, [%rd225];
-	mul.lo.s16 	%rs60, %rs59, %rs129;
-	st.u8 	[%rd225], %rs60;
-	add.s64 	%rd447, %rd447, %rd4;
-	setp.lt.u64 	%p47, %rd447, %rd28;
-	@%p47 bra 	$L__BB48_73;
-	bra.uni 	$L__BB48_108;
+	and.b32  	%r454, %r481, 15;
+	setp.ne.s32 	%p334, %r454, 0;
+	@%p334 bra 	$L__BB48_460;
 
-$L__BB48_80:
-	cvt.u16.u64 	%rs131, %rd30;
+	ld.volatile.global.u64 	%rd410, [%rd6+8];
+	setp.eq.s64 	%p335, %rd410, 0;
+	@%p335 bra 	$L__BB48_460;
 
-$L__BB48_81:
-	and.b16  	%rs13, %rs131, -32768;
-	cvt.u32.u16 	%r114, %rs131;
-	shl.b32 	%r115, %r114, 16;
-	and.b32  	%r10, %r115, -2147483648;
-	shr.u16 	%rs61, %rs131, 10;
-	and.b16  	%rs14, %rs61, 31;
-	and.b16  	%rs15, %rs131, 1023;
-	cvt.u32.u16 	%r11, %rs15;
-	setp.eq.s16 	%p53, %rs14, 0;
-	@%p53 bra 	$L__BB48_85;
+$L__BB48_435:
+	membar.sys;
 
-	setp.eq.s16 	%p54, %rs14, 31;
-	@%p54 bra 	$L__BB48_84;
-	bra.uni 	$L__BB48_83;
-
-$L__BB48_84:
-	shl.b32 	%r121, %r11, 13;
-	or.b32  	%r122, %r121, %r10;
-	or.b32  	%r123, %r122, 2139095040;
-	mov.b32 	%f135, %r123;
-	bra.uni 	$L__BB48_86;
-
-$L__BB48_60:
-	cvt.u32.u64 	%r430, %rd30;
-
-$L__BB48_61:
-	setp.ge.u64 	%p40, %rd3, %rd28;
-	@%p40 bra 	$L__BB48_108;
-
-	mov.u64 	%rd445, %rd3;
-
-$L__BB48_63:
-	shl.b64 	%rd222, %rd445, 2;
-	add.s64 	%rd223, %rd27, %rd222;
-	ld.u32 	%r99, [%rd223];
-	mul.lo.s32 	%r100, %r99, %r430;
-	st.u32 	[%rd223], %r100;
-	add.s64 	%rd445, %rd445, %rd4;
-	setp.lt.u64 	%p41, %rd445, %rd28;
-	@%p41 bra 	$L__BB48_63;
-	bra.uni 	$L__BB48_108;
-
-$L__BB48_85:
-	cvt.rn.f32.u16 	%f54, %rs15;
-	mul.f32 	%f55, %f54, 0f33800000;
-	mul.f32 	%f56, %f54, 0fB3800000;
-	setp.eq.s16 	%p55, %rs13, 0;
-	selp.f32 	%f135, %f55, %f56, %p55;
-	bra.uni 	$L__BB48_86;
-
-$L__BB48_83:
-	add.s16 	%rs62, %rs14, 112;
-	cvt.u32.u16 	%r116, %rs62;
-	shl.b32 	%r117, %r116, 23;
-	shl.b32 	%r118, %r11, 13;
-	or.b32  	%r119, %r118, %r10;
-	or.b32  	%r120, %r119, %r117;
-	mov.b32 	%f135, %r120;
-
-$L__BB48_86:
-	setp.ge.u64 	%p56, %rd3, %rd28;
-	@%p56 bra 	$L__BB48_108;
-
-	mov.u64 	%rd449, %rd3;
-
-$L__BB48_88:
-	shl.b64 	%rd228, %rd449, 1;
-	add.s64 	%rd44, %rd27, %rd228;
-	ld.u16 	%rs63, [%rd44];
-	and.b16  	%rs16, %rs63, -32768;
-	cvt.u32.u16 	%r124, %rs63;
-	shl.b32 	%r125, %r124, 16;
-	and.b32  	%r12, %r125, -2147483648;
-	shr.u16 	%rs64, %rs63, 10;
-	and.b16  	%rs17, %rs64, 31;
-	and.b16  	%rs18, %rs63, 1023;
-	cvt.u32.u16 	%r13, %rs18;
-	setp.eq.s16 	%p57, %rs17, 0;
-	@%p57 bra 	$L__BB48_92;
-
-	setp.eq.s16 	%p58, %rs17, 31;
-	@%p58 bra 	$L__BB48_91;
-	bra.uni 	$L__BB48_90;
-
-$L__BB48_91:
-	shl.b32 	%r131, %r13, 13;
-	or.b32  	%r132, %r131, %r12;
-	or.b32  	%r133, %r132, 2139095040;
-	mov.b32 	%f136, %r133;
-	bra.uni 	$L__BB48_93;
-
-$L__BB48_92:
-	cvt.rn.f32.u16 	%f57, %rs18;
-	mul.f32 	%f58, %f57, 0f33800000;
-	mul.f32 	%f59, %f57, 0fB3800000;
-	setp.eq.s16 	%p59, %rs16, 0;
-	selp.f32 	%f136, %f58, %f59, %p59;
-	bra.uni 	$L__BB48_93;
-
-$L__BB48_90:
-	add.s16 	%rs65, %rs17, 112;
-	cvt.u32.u16 	%r126, %rs65;
-	shl.b32 	%r127, %r126, 23;
-	shl.b32 	%r128, %r13, 13;
-	or.b32  	%r129, %r128, %r12;
-	or.b32  	%r130, %r129, %r127;
-	mov.b32 	%f136, %r130;
-
-$L__BB48_93:
-	mul.f32 	%f60, %f135, %f136;
-	mov.b32 	%r14, %f60;
-	and.b32  	%r15, %r14, 2147483647;
-	setp.gt.u32 	%p60, %r15, 1199570943;
-	@%p60 bra 	$L__BB48_97;
-	bra.uni 	$L__BB48_94;
-
-$L__BB48_97:
-	setp.gt.u32 	%p62, %r15, 2139095040;
-	shr.u32 	%r139, %r14, 13;
-	and.b32  	%r140, %r139, 511;
-	or.b32  	%r141, %r140, 32256;
-	selp.b32 	%r431, %r141, 31744, %p62;
-	bra.uni 	$L__BB48_98;
-
-$L__BB48_94:
-	setp.lt.u32 	%p61, %r15, 947912704;
-	@%p61 bra 	$L__BB48_96;
-	bra.uni 	$L__BB48_95;
-
-$L__BB48_96:
-	mov.b32 	%f61, %r15;
-	add.f32 	%f62, %f61, 0f3F000000;
-	mov.b32 	%r138, %f62;
-	add.s32 	%r431, %r138, -1056964608;
-	bra.uni 	$L__BB48_98;
-
-$L__BB48_95:
-	shr.u32 	%r134, %r14, 13;
-	and.b32  	%r135, %r134, 1;
-	add.s32 	%r136, %r15, %r135;
-	add.s32 	%r137, %r136, -939520001;
-	shr.u32 	%r431, %r137, 13;
-
-$L__BB48_98:
-	and.b32  	%r142, %r14, -2147483648;
-	shr.u32 	%r143, %r142, 16;
-	or.b32  	%r144, %r431, %r143;
-	st.u16 	[%rd44], %r144;
-	add.s64 	%rd449, %rd449, %rd4;
-	setp.lt.u64 	%p63, %rd449, %rd28;
-	@%p63 bra 	$L__BB48_88;
-
-$L__BB48_108:
-	bar.sync 	0;
-	@%p70 bra 	$L__BB48_114;
-
-	ld.volatile.global.u32 	%r20, [%rd5+64];
-	membar.gl;
-	atom.global.add.u32 	%r146, [%rd5], 1;
-	setp.eq.s32 	%p71, %r146, %r4;
-	@%p71 bra 	$L__BB48_112;
-	bra.uni 	$L__BB48_110;
-
-$L__BB48_112:
-	mov.u32 	%r148, 0;
-	st.global.u32 	[%rd5], %r148;
-	membar.gl;
-	add.s64 	%rd234, %rd5, 64;
-	atom.global.add.u32 	%r149, [%rd234], 1;
-	bra.uni 	$L__BB48_113;
-
-$L__BB48_110:
-	ld.volatile.global.u32 	%r147, [%rd5+64];
-	setp.ne.s32 	%p72, %r147, %r20;
-	@%p72 bra 	$L__BB48_113;
-
-	ld.volatile.global.u64 	%rd233, [%rd6+8];
-	setp.eq.s64 	%p73, %rd233, 0;
-	@%p73 bra 	$L__BB48_110;
-
-$L__BB48_113:
-	membar.gl;
-
-$L__BB48_114:
+$L__BB48_436:
 	bar.sync 	0;
 	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_418;
+	bra.uni 	$L__BB48_437;
 
-$L__BB48_225:
-	setp.ge.u64 	%p163, %rd3, %rd92;
-	@%p163 bra 	$L__BB48_378;
+$L__BB48_33:
+	setp.eq.s64 	%p20, %rd29, 4;
+	@%p20 bra 	$L__BB48_184;
 
-	mov.u64 	%rd471, %rd3;
+	setp.eq.s64 	%p21, %rd29, 5;
+	@%p21 bra 	$L__BB48_121;
+	bra.uni 	$L__BB48_35;
 
-$L__BB48_227:
-	shl.b64 	%rd275, %rd471, 2;
-	add.s64 	%rd276, %rd90, %rd275;
-	add.s64 	%rd277, %rd91, %rd275;
-	ld.f32 	%f87, [%rd277];
-	ld.f32 	%f88, [%rd276];
-	setp.gt.f32 	%p164, %f87, %f88;
-	setp.nan.f32 	%p165, %f87, %f87;
-	or.pred  	%p166, %p164, %p165;
-	selp.f32 	%f89, %f87, %f88, %p166;
-	st.f32 	[%rd276], %f89;
-	add.s64 	%rd471, %rd471, %rd4;
-	setp.lt.u64 	%p167, %rd471, %rd92;
-	@%p167 bra 	$L__BB48_227;
-	bra.uni 	$L__BB48_378;
+$L__BB48_121:
+	ld.shared.u32 	%r171, [%r8+24];
+	ld.shared.u64 	%rd53, [%r8+8];
+	ld.shared.u64 	%rd54, [%r8+16];
+	ld.shared.u64 	%rd55, [%r8+32];
+	setp.gt.s32 	%p78, %r171, 3;
+	@%p78 bra 	$L__BB48_133;
 
-$L__BB48_325:
-	setp.ge.u64 	%p252, %rd3, %rd128;
-	@%p252 bra 	$L__BB48_378;
+	setp.gt.s32 	%p84, %r171, 1;
+	@%p84 bra 	$L__BB48_128;
 
-	mov.u64 	%rd487, %rd3;
+	setp.eq.s32 	%p87, %r171, 0;
+	@%p87 bra 	$L__BB48_171;
 
-$L__BB48_327:
-	shl.b64 	%rd325, %rd487, 2;
-	add.s64 	%rd326, %rd90, %rd325;
-	add.s64 	%rd327, %rd91, %rd325;
-	ld.f32 	%f117, [%rd327];
-	ld.f32 	%f118, [%rd326];
-	mul.f32 	%f119, %f118, %f117;
-	st.f32 	[%rd326], %f119;
-	add.s64 	%rd487, %rd487, %rd4;
-	setp.lt.u64 	%p253, %rd487, %rd128;
-	@%p253 bra 	$L__BB48_327;
-	bra.uni 	$L__BB48_378;
+	setp.eq.s32 	%p88, %r171, 1;
+	@%p88 bra 	$L__BB48_125;
+	bra.uni 	$L__BB48_174;
 
-$L__BB48_275:
-	setp.ge.u64 	%p212, %rd3, %rd110;
-	@%p212 bra 	$L__BB48_378;
+$L__BB48_125:
+	setp.ge.u64 	%p112, %rd3, %rd54;
+	@%p112 bra 	$L__BB48_174;
 
-	mov.u64 	%rd479, %rd3;
-
-$L__BB48_277:
-	shl.b64 	%rd300, %rd479, 2;
-	add.s64 	%rd301, %rd90, %rd300;
-	add.s64 	%rd302, %rd91, %rd300;
-	ld.f32 	%f102, [%rd302];
-	ld.f32 	%f103, [%rd301];
-	setp.lt.f32 	%p213, %f102, %f103;
-	setp.nan.f32 	%p214, %f102, %f102;
-	or.pred  	%p215, %p213, %p214;
-	selp.f32 	%f104, %f102, %f103, %p215;
-	st.f32 	[%rd301], %f104;
-	add.s64 	%rd479, %rd479, %rd4;
-	setp.lt.u64 	%p216, %rd479, %rd110;
-	@%p216 bra 	$L__BB48_277;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_375:
-	setp.ge.u64 	%p289, %rd3, %rd146;
-	@%p289 bra 	$L__BB48_378;
-
-	mov.u64 	%rd495, %rd3;
-
-$L__BB48_377:
-	shl.b64 	%rd350, %rd495, 2;
-	add.s64 	%rd351, %rd90, %rd350;
-	add.s64 	%rd352, %rd91, %rd350;
-	ld.f32 	%f132, [%rd352];
-	ld.f32 	%f133, [%rd351];
-	add.f32 	%f134, %f133, %f132;
-	st.f32 	[%rd351], %f134;
-	add.s64 	%rd495, %rd495, %rd4;
-	setp.lt.u64 	%p290, %rd495, %rd146;
-	@%p290 bra 	$L__BB48_377;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_204:
-	setp.ge.u64 	%p136, %rd3, %rd92;
-	@%p136 bra 	$L__BB48_378;
-
+	cvt.rn.f64.s64 	%fd4, %rd55;
 	mov.u64 	%rd467, %rd3;
 
-$L__BB48_206:
-	add.s64 	%rd264, %rd91, %rd467;
-	ld.s8 	%rs74, [%rd264];
-	add.s64 	%rd265, %rd90, %rd467;
-	ld.s8 	%rs75, [%rd265];
-	max.s16 	%rs76, %rs74, %rs75;
-	st.u8 	[%rd265], %rs76;
+$L__BB48_127:
+	shl.b64 	%rd250, %rd467, 3;
+	add.s64 	%rd251, %rd53, %rd250;
+	ld.f64 	%fd7, [%rd251];
+	div.rn.f64 	%fd8, %fd7, %fd4;
+	st.f64 	[%rd251], %fd8;
 	add.s64 	%rd467, %rd467, %rd4;
-	setp.lt.u64 	%p137, %rd467, %rd92;
-	@%p137 bra 	$L__BB48_206;
-	bra.uni 	$L__BB48_378;
+	setp.lt.u64 	%p113, %rd467, %rd54;
+	@%p113 bra 	$L__BB48_127;
+	bra.uni 	$L__BB48_174;
 
-$L__BB48_304:
-	setp.ge.u64 	%p234, %rd3, %rd128;
-	@%p234 bra 	$L__BB48_378;
+$L__BB48_24:
+	setp.eq.s64 	%p23, %rd29, 2;
+	@%p23 bra 	$L__BB48_415;
 
-	mov.u64 	%rd483, %rd3;
+	setp.eq.s64 	%p24, %rd29, 3;
+	@%p24 bra 	$L__BB48_26;
+	bra.uni 	$L__BB48_35;
 
-$L__BB48_306:
-	add.s64 	%rd314, %rd91, %rd483;
-	ld.u8 	%rs98, [%rd314];
-	add.s64 	%rd315, %rd90, %rd483;
-	ld.u8 	%rs99, [%rd315];
-	mul.lo.s16 	%rs100, %rs98, %rs99;
-	st.u8 	[%rd315], %rs100;
-	add.s64 	%rd483, %rd483, %rd4;
-	setp.lt.u64 	%p235, %rd483, %rd128;
-	@%p235 bra 	$L__BB48_306;
-	bra.uni 	$L__BB48_378;
+$L__BB48_26:
+	ld.shared.u64 	%rd167, [%r8+24];
+	ld.shared.u64 	%rd168, [%r8+8];
+	ld.shared.u64 	%rd169, [%r8+16];
+	or.b64  	%rd170, %rd169, %rd168;
+	and.b64  	%rd358, %rd170, 15;
+	setp.eq.s64 	%p303, %rd358, 0;
+	@%p303 bra 	$L__BB48_397;
 
-$L__BB48_254:
-	setp.ge.u64 	%p185, %rd3, %rd110;
-	@%p185 bra 	$L__BB48_378;
+	and.b64  	%rd360, %rd170, 7;
+	setp.ne.s64 	%p304, %rd360, 0;
+	mov.u64 	%rd506, 0;
+	@%p304 bra 	$L__BB48_403;
+
+	shr.u64 	%rd171, %rd167, 3;
+	setp.ge.u64 	%p305, %rd3, %rd171;
+	@%p305 bra 	$L__BB48_31;
+
+	mov.u64 	%rd501, %rd3;
+
+$L__BB48_30:
+	shl.b64 	%rd361, %rd501, 3;
+	add.s64 	%rd362, %rd169, %rd361;
+	ld.u64 	%rd363, [%rd362];
+	add.s64 	%rd364, %rd168, %rd361;
+	st.u64 	[%rd364], %rd363;
+	add.s64 	%rd501, %rd501, %rd4;
+	setp.lt.u64 	%p306, %rd501, %rd171;
+	@%p306 bra 	$L__BB48_30;
+
+$L__BB48_31:
+	and.b64  	%rd506, %rd167, -8;
+	bra.uni 	$L__BB48_403;
+
+$L__BB48_415:
+	membar.sys;
+	bar.sync 	0;
+	@%p72 bra 	$L__BB48_424;
+
+	ld.volatile.global.u32 	%r83, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r442, [%rd5], 1;
+	setp.eq.s32 	%p320, %r442, %r4;
+	@%p320 bra 	$L__BB48_422;
+	bra.uni 	$L__BB48_417;
+
+$L__BB48_422:
+	mov.u32 	%r447, 0;
+	st.global.u32 	[%rd5], %r447;
+	membar.gl;
+	add.s64 	%rd398, %rd5, 64;
+	atom.global.add.u32 	%r448, [%rd398], 1;
+	bra.uni 	$L__BB48_423;
+
+$L__BB48_184:
+	ld.shared.u64 	%rd93, [%r8+8];
+	ld.shared.u64 	%rd94, [%r8+16];
+	ld.shared.u32 	%r36, [%r8+32];
+	ld.shared.u32 	%r223, [%r8+40];
+	setp.eq.s32 	%p122, %r223, 1;
+	@%p122 bra 	$L__BB48_287;
+
+	setp.eq.s32 	%p123, %r223, 2;
+	@%p123 bra 	$L__BB48_237;
+
+	setp.ne.s32 	%p124, %r223, 3;
+	@%p124 bra 	$L__BB48_337;
+
+	ld.shared.u64 	%rd95, [%r8+24];
+	setp.gt.s32 	%p125, %r36, 3;
+	@%p125 bra 	$L__BB48_199;
+
+	setp.gt.s32 	%p131, %r36, 1;
+	@%p131 bra 	$L__BB48_194;
+
+	setp.eq.s32 	%p134, %r36, 0;
+	@%p134 bra 	$L__BB48_234;
+
+	setp.eq.s32 	%p135, %r36, 1;
+	@%p135 bra 	$L__BB48_191;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_191:
+	setp.ge.u64 	%p164, %rd3, %rd95;
+	@%p164 bra 	$L__BB48_387;
 
 	mov.u64 	%rd475, %rd3;
 
-$L__BB48_256:
-	add.s64 	%rd289, %rd91, %rd475;
-	ld.s8 	%rs86, [%rd289];
-	add.s64 	%rd290, %rd90, %rd475;
-	ld.s8 	%rs87, [%rd290];
-	min.s16 	%rs88, %rs86, %rs87;
-	st.u8 	[%rd290], %rs88;
+$L__BB48_193:
+	shl.b64 	%rd275, %rd475, 3;
+	add.s64 	%rd276, %rd93, %rd275;
+	add.s64 	%rd277, %rd94, %rd275;
+	ld.f64 	%fd9, [%rd277];
+	ld.f64 	%fd10, [%rd276];
+	setp.gt.f64 	%p165, %fd9, %fd10;
+	setp.nan.f64 	%p166, %fd9, %fd9;
+	or.pred  	%p167, %p165, %p166;
+	selp.f64 	%fd11, %fd9, %fd10, %p167;
+	st.f64 	[%rd276], %fd11;
 	add.s64 	%rd475, %rd475, %rd4;
-	setp.lt.u64 	%p186, %rd475, %rd110;
-	@%p186 bra 	$L__BB48_256;
-	bra.uni 	$L__BB48_378;
+	setp.lt.u64 	%p168, %rd475, %rd95;
+	@%p168 bra 	$L__BB48_193;
+	bra.uni 	$L__BB48_387;
 
-$L__BB48_354:
-	setp.ge.u64 	%p271, %rd3, %rd146;
-	@%p271 bra 	$L__BB48_378;
+$L__BB48_35:
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_437;
+
+$L__BB48_49:
+	setp.gt.s32 	%p28, %r116, 5;
+	@%p28 bra 	$L__BB48_54;
+
+	setp.eq.s32 	%p31, %r116, 4;
+	@%p31 bra 	$L__BB48_71;
+
+	setp.eq.s32 	%p32, %r116, 5;
+	@%p32 bra 	$L__BB48_52;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_52:
+	setp.eq.s64 	%p44, %rd32, 0;
+	@%p44 bra 	$L__BB48_67;
+
+	ld.u8 	%rs128, [%rd32];
+	bra.uni 	$L__BB48_68;
+
+$L__BB48_133:
+	setp.gt.s32 	%p79, %r171, 5;
+	@%p79 bra 	$L__BB48_139;
+
+	setp.eq.s32 	%p82, %r171, 4;
+	@%p82 bra 	$L__BB48_153;
+
+	setp.eq.s32 	%p83, %r171, 5;
+	@%p83 bra 	$L__BB48_136;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_136:
+	setp.ge.u64 	%p95, %rd3, %rd54;
+	mov.u64 	%rd461, %rd3;
+	@%p95 bra 	$L__BB48_174;
+
+$L__BB48_137:
+	add.s64 	%rd71, %rd53, %rd461;
+	ld.u8 	%rd72, [%rd71];
+	and.b64  	%rd244, %rd55, -4294967296;
+	setp.eq.s64 	%p96, %rd244, 0;
+	@%p96 bra 	$L__BB48_151;
+
+	div.s64 	%rd462, %rd72, %rd55;
+	bra.uni 	$L__BB48_152;
+
+$L__BB48_151:
+	cvt.u32.u64 	%r178, %rd55;
+	cvt.u32.u64 	%r179, %rd72;
+	div.u32 	%r180, %r179, %r178;
+	cvt.u64.u32 	%rd462, %r180;
+
+$L__BB48_152:
+	st.u8 	[%rd71], %rd462;
+	add.s64 	%rd461, %rd461, %rd4;
+	setp.lt.u64 	%p97, %rd461, %rd54;
+	@%p97 bra 	$L__BB48_137;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_417:
+	ld.volatile.global.u32 	%r443, [%rd5+64];
+	setp.ne.s32 	%p321, %r443, %r83;
+	@%p321 bra 	$L__BB48_423;
+
+	mov.u32 	%r480, 1;
+
+$L__BB48_419:
+	and.b32  	%r445, %r480, 255;
+	setp.ne.s32 	%p322, %r445, 0;
+	@%p322 bra 	$L__BB48_421;
+
+	ld.volatile.global.u64 	%rd397, [%rd6+8];
+	setp.ne.s64 	%p323, %rd397, 0;
+	@%p323 bra 	$L__BB48_423;
+
+$L__BB48_421:
+	add.s32 	%r480, %r480, 1;
+	ld.volatile.global.u32 	%r446, [%rd5+64];
+	setp.eq.s32 	%p324, %r446, %r83;
+	@%p324 bra 	$L__BB48_419;
+
+$L__BB48_423:
+	membar.gl;
+
+$L__BB48_424:
+	setp.ne.s32 	%p325, %r5, 0;
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	@%p325 bra 	$L__BB48_437;
+
+	ld.shared.u64 	%rd399, [%r8];
+	setp.eq.s64 	%p326, %rd399, 7;
+	ld.shared.u64 	%rd189, [%r8+16];
+	@%p326 bra 	$L__BB48_429;
+	bra.uni 	$L__BB48_426;
+
+$L__BB48_429:
+	ld.shared.u64 	%rd402, [%r8+8];
+	shl.b64 	%rd403, %rd402, 3;
+	add.s64 	%rd404, %rd6, %rd403;
+	st.volatile.global.u64 	[%rd404+128], %rd189;
+	bra.uni 	$L__BB48_430;
+
+$L__BB48_397:
+	shr.u64 	%rd175, %rd167, 4;
+	setp.ge.u64 	%p307, %rd13, %rd175;
+	mov.u64 	%rd504, %rd3;
+	@%p307 bra 	$L__BB48_400;
+
+	add.s64 	%rd503, %rd168, %rd15;
+	mov.u64 	%rd504, %rd3;
+
+$L__BB48_399:
+	shr.u64 	%rd428, %rd167, 4;
+	neg.s64 	%rd427, %rd4;
+	shl.b64 	%rd426, %rd427, 4;
+	shl.b64 	%rd425, %rd4, 4;
+	shl.b64 	%rd365, %rd504, 4;
+	add.s64 	%rd366, %rd169, %rd365;
+	add.s64 	%rd368, %rd366, %rd425;
+	ld.v2.u64 	{%rd369, %rd370}, [%rd368];
+	add.s64 	%rd373, %rd368, %rd425;
+	ld.v2.u64 	{%rd374, %rd375}, [%rd373];
+	add.s64 	%rd378, %rd373, %rd425;
+	ld.v2.u64 	{%rd379, %rd380}, [%rd378];
+	add.s64 	%rd384, %rd368, %rd426;
+	ld.v4.u32 	{%r419, %r420, %r421, %r422}, [%rd384];
+	st.v4.u32 	[%rd503], {%r419, %r420, %r421, %r422};
+	add.s64 	%rd385, %rd503, %rd425;
+	st.v2.u64 	[%rd385], {%rd369, %rd370};
+	add.s64 	%rd386, %rd385, %rd425;
+	st.v2.u64 	[%rd386], {%rd374, %rd375};
+	add.s64 	%rd387, %rd386, %rd425;
+	add.s64 	%rd503, %rd387, %rd425;
+	st.v2.u64 	[%rd387], {%rd379, %rd380};
+	add.s64 	%rd388, %rd504, %rd4;
+	add.s64 	%rd504, %rd12, %rd388;
+	add.s64 	%rd389, %rd504, %rd12;
+	setp.lt.u64 	%p308, %rd389, %rd428;
+	@%p308 bra 	$L__BB48_399;
+
+$L__BB48_400:
+	shr.u64 	%rd421, %rd167, 4;
+	setp.ge.u64 	%p309, %rd504, %rd421;
+	@%p309 bra 	$L__BB48_402;
+
+$L__BB48_401:
+	shr.u64 	%rd424, %rd167, 4;
+	shl.b64 	%rd390, %rd504, 4;
+	add.s64 	%rd391, %rd168, %rd390;
+	add.s64 	%rd392, %rd169, %rd390;
+	ld.v4.u32 	{%r427, %r428, %r429, %r430}, [%rd392];
+	st.v4.u32 	[%rd391], {%r427, %r428, %r429, %r430};
+	add.s64 	%rd504, %rd504, %rd4;
+	setp.lt.u64 	%p310, %rd504, %rd424;
+	@%p310 bra 	$L__BB48_401;
+
+$L__BB48_402:
+	and.b64  	%rd506, %rd167, -16;
+
+$L__BB48_403:
+	add.s64 	%rd507, %rd506, %rd3;
+	setp.ge.u64 	%p311, %rd507, %rd167;
+	@%p311 bra 	$L__BB48_405;
+
+$L__BB48_404:
+	add.s64 	%rd393, %rd169, %rd507;
+	ld.u8 	%rs120, [%rd393];
+	add.s64 	%rd394, %rd168, %rd507;
+	st.u8 	[%rd394], %rs120;
+	add.s64 	%rd507, %rd507, %rd4;
+	setp.lt.u64 	%p312, %rd507, %rd167;
+	@%p312 bra 	$L__BB48_404;
+
+$L__BB48_405:
+	bar.sync 	0;
+	@%p72 bra 	$L__BB48_414;
+
+	ld.volatile.global.u32 	%r80, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r435, [%rd5], 1;
+	setp.eq.s32 	%p314, %r435, %r4;
+	@%p314 bra 	$L__BB48_412;
+	bra.uni 	$L__BB48_407;
+
+$L__BB48_412:
+	mov.u32 	%r440, 0;
+	st.global.u32 	[%rd5], %r440;
+	membar.gl;
+	add.s64 	%rd396, %rd5, 64;
+	atom.global.add.u32 	%r441, [%rd396], 1;
+	bra.uni 	$L__BB48_413;
+
+$L__BB48_426:
+	setp.ne.s64 	%p327, %rd8, 0;
+	@%p327 bra 	$L__BB48_428;
+	bra.uni 	$L__BB48_427;
+
+$L__BB48_428:
+	ld.shared.u64 	%rd401, [%r8+8];
+	st.volatile.u64 	[%rd401], %rd189;
+	bra.uni 	$L__BB48_430;
+
+$L__BB48_45:
+	setp.eq.s32 	%p34, %r116, 2;
+	@%p34 bra 	$L__BB48_81;
+
+	setp.eq.s32 	%p35, %r116, 3;
+	@%p35 bra 	$L__BB48_47;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_47:
+	setp.eq.s64 	%p50, %rd32, 0;
+	@%p50 bra 	$L__BB48_77;
+
+	ld.u16 	%rs130, [%rd32];
+	bra.uni 	$L__BB48_78;
+
+$L__BB48_128:
+	setp.eq.s32 	%p85, %r171, 2;
+	@%p85 bra 	$L__BB48_158;
+
+	setp.eq.s32 	%p86, %r171, 3;
+	@%p86 bra 	$L__BB48_130;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_130:
+	setp.ge.u64 	%p101, %rd3, %rd54;
+	@%p101 bra 	$L__BB48_174;
+
+	cvt.rn.f32.s64 	%f13, %rd55;
+	mov.u64 	%rd465, %rd3;
+
+$L__BB48_132:
+	shl.b64 	%rd247, %rd465, 1;
+	add.s64 	%rd248, %rd53, %rd247;
+	ld.u16 	%r184, [%rd248];
+	shl.b32 	%r185, %r184, 16;
+	mov.b32 	%f65, %r185;
+	div.rn.f32 	%f66, %f65, %f13;
+	mov.b32 	%r186, %f66;
+	shr.u32 	%r187, %r186, 16;
+	and.b32  	%r188, %r187, 1;
+	add.s32 	%r189, %r186, %r188;
+	add.s32 	%r190, %r189, 32767;
+	shr.u32 	%r191, %r190, 16;
+	or.b32  	%r192, %r187, 64;
+	and.b32  	%r193, %r186, 2147483647;
+	setp.gt.u32 	%p102, %r193, 2139095040;
+	selp.b32 	%r194, %r192, %r191, %p102;
+	st.u16 	[%rd248], %r194;
+	add.s64 	%rd465, %rd465, %rd4;
+	setp.lt.u64 	%p103, %rd465, %rd54;
+	@%p103 bra 	$L__BB48_132;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_287:
+	ld.shared.u64 	%rd131, [%r8+24];
+	setp.gt.s32 	%p223, %r36, 3;
+	@%p223 bra 	$L__BB48_299;
+
+	setp.gt.s32 	%p229, %r36, 1;
+	@%p229 bra 	$L__BB48_294;
+
+	setp.eq.s32 	%p232, %r36, 0;
+	@%p232 bra 	$L__BB48_334;
+
+	setp.eq.s32 	%p233, %r36, 1;
+	@%p233 bra 	$L__BB48_291;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_291:
+	setp.ge.u64 	%p256, %rd3, %rd131;
+	@%p256 bra 	$L__BB48_387;
 
 	mov.u64 	%rd491, %rd3;
 
-$L__BB48_356:
-	add.s64 	%rd339, %rd91, %rd491;
-	ld.u8 	%rs110, [%rd339];
-	add.s64 	%rd340, %rd90, %rd491;
-	ld.u8 	%rs111, [%rd340];
-	add.s16 	%rs112, %rs110, %rs111;
-	st.u8 	[%rd340], %rs112;
+$L__BB48_293:
+	shl.b64 	%rd325, %rd491, 3;
+	add.s64 	%rd326, %rd93, %rd325;
+	add.s64 	%rd327, %rd94, %rd325;
+	ld.f64 	%fd15, [%rd327];
+	ld.f64 	%fd16, [%rd326];
+	mul.f64 	%fd17, %fd16, %fd15;
+	st.f64 	[%rd326], %fd17;
 	add.s64 	%rd491, %rd491, %rd4;
-	setp.lt.u64 	%p272, %rd491, %rd146;
-	@%p272 bra 	$L__BB48_356;
-	bra.uni 	$L__BB48_378;
+	setp.lt.u64 	%p257, %rd491, %rd131;
+	@%p257 bra 	$L__BB48_293;
+	bra.uni 	$L__BB48_387;
 
-$L__BB48_207:
-	setp.ge.u64 	%p144, %rd3, %rd92;
-	@%p144 bra 	$L__BB48_378;
+$L__BB48_237:
+	ld.shared.u64 	%rd113, [%r8+24];
+	setp.gt.s32 	%p174, %r36, 3;
+	@%p174 bra 	$L__BB48_249;
+
+	setp.gt.s32 	%p180, %r36, 1;
+	@%p180 bra 	$L__BB48_244;
+
+	setp.eq.s32 	%p183, %r36, 0;
+	@%p183 bra 	$L__BB48_284;
+
+	setp.eq.s32 	%p184, %r36, 1;
+	@%p184 bra 	$L__BB48_241;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_241:
+	setp.ge.u64 	%p213, %rd3, %rd113;
+	@%p213 bra 	$L__BB48_387;
+
+	mov.u64 	%rd483, %rd3;
+
+$L__BB48_243:
+	shl.b64 	%rd300, %rd483, 3;
+	add.s64 	%rd301, %rd93, %rd300;
+	add.s64 	%rd302, %rd94, %rd300;
+	ld.f64 	%fd12, [%rd302];
+	ld.f64 	%fd13, [%rd301];
+	setp.lt.f64 	%p214, %fd12, %fd13;
+	setp.nan.f64 	%p215, %fd12, %fd12;
+	or.pred  	%p216, %p214, %p215;
+	selp.f64 	%fd14, %fd12, %fd13, %p216;
+	st.f64 	[%rd301], %fd14;
+	add.s64 	%rd483, %rd483, %rd4;
+	setp.lt.u64 	%p217, %rd483, %rd113;
+	@%p217 bra 	$L__BB48_243;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_337:
+	ld.shared.u64 	%rd149, [%r8+24];
+	setp.gt.s32 	%p260, %r36, 3;
+	@%p260 bra 	$L__BB48_349;
+
+	setp.gt.s32 	%p266, %r36, 1;
+	@%p266 bra 	$L__BB48_344;
+
+	setp.eq.s32 	%p269, %r36, 0;
+	@%p269 bra 	$L__BB48_384;
+
+	setp.eq.s32 	%p270, %r36, 1;
+	@%p270 bra 	$L__BB48_341;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_341:
+	setp.ge.u64 	%p293, %rd3, %rd149;
+	@%p293 bra 	$L__BB48_387;
+
+	mov.u64 	%rd499, %rd3;
+
+$L__BB48_343:
+	shl.b64 	%rd350, %rd499, 3;
+	add.s64 	%rd351, %rd93, %rd350;
+	add.s64 	%rd352, %rd94, %rd350;
+	ld.f64 	%fd18, [%rd352];
+	ld.f64 	%fd19, [%rd351];
+	add.f64 	%fd20, %fd19, %fd18;
+	st.f64 	[%rd351], %fd20;
+	add.s64 	%rd499, %rd499, %rd4;
+	setp.lt.u64 	%p294, %rd499, %rd149;
+	@%p294 bra 	$L__BB48_343;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_54:
+	setp.eq.s32 	%p29, %r116, 6;
+	@%p29 bra 	$L__BB48_61;
+
+	setp.ne.s32 	%p30, %r116, 7;
+	@%p30 bra 	$L__BB48_111;
+
+	setp.eq.s64 	%p38, %rd32, 0;
+	@%p38 bra 	$L__BB48_58;
+
+	ld.u64 	%rd33, [%rd32];
+
+$L__BB48_58:
+	setp.ge.u64 	%p39, %rd3, %rd31;
+	@%p39 bra 	$L__BB48_111;
+
+	mov.u64 	%rd449, %rd3;
+
+$L__BB48_60:
+	shl.b64 	%rd221, %rd449, 3;
+	add.s64 	%rd222, %rd30, %rd221;
+	ld.u64 	%rd223, [%rd222];
+	mul.lo.s64 	%rd224, %rd223, %rd33;
+	st.u64 	[%rd222], %rd224;
+	add.s64 	%rd449, %rd449, %rd4;
+	setp.lt.u64 	%p40, %rd449, %rd31;
+	@%p40 bra 	$L__BB48_60;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_139:
+	setp.eq.s32 	%p80, %r171, 6;
+	@%p80 bra 	$L__BB48_146;
+
+	setp.ne.s32 	%p81, %r171, 7;
+	@%p81 bra 	$L__BB48_174;
+
+	setp.ge.u64 	%p89, %rd3, %rd54;
+	mov.u64 	%rd457, %rd3;
+	@%p89 bra 	$L__BB48_174;
+
+$L__BB48_142:
+	shl.b64 	%rd238, %rd457, 3;
+	add.s64 	%rd57, %rd53, %rd238;
+	ld.u64 	%rd58, [%rd57];
+	or.b64  	%rd239, %rd58, %rd55;
+	and.b64  	%rd240, %rd239, -4294967296;
+	setp.eq.s64 	%p90, %rd240, 0;
+	@%p90 bra 	$L__BB48_144;
+
+	div.s64 	%rd458, %rd58, %rd55;
+	bra.uni 	$L__BB48_145;
+
+$L__BB48_144:
+	cvt.u32.u64 	%r172, %rd55;
+	cvt.u32.u64 	%r173, %rd58;
+	div.u32 	%r174, %r173, %r172;
+	cvt.u64.u32 	%rd458, %r174;
+
+$L__BB48_145:
+	st.u64 	[%rd57], %rd458;
+	add.s64 	%rd457, %rd457, %rd4;
+	setp.lt.u64 	%p91, %rd457, %rd54;
+	@%p91 bra 	$L__BB48_142;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_407:
+	ld.volatile.global.u32 	%r436, [%rd5+64];
+	setp.ne.s32 	%p315, %r436, %r80;
+	@%p315 bra 	$L__BB48_413;
+
+	mov.u32 	%r479, 1;
+
+$L__BB48_409:
+	and.b32  	%r438, %r479, 255;
+	setp.ne.s32 	%p316, %r438, 0;
+	@%p316 bra 	$L__BB48_411;
+
+	ld.volatile.global.u64 	%rd395, [%rd6+8];
+	setp.ne.s64 	%p317, %rd395, 0;
+	@%p317 bra 	$L__BB48_413;
+
+$L__BB48_411:
+	add.s32 	%r479, %r479, 1;
+	ld.volatile.global.u32 	%r439, [%rd5+64];
+	setp.eq.s32 	%p318, %r439, %r80;
+	@%p318 bra 	$L__BB48_409;
+
+$L__BB48_413:
+	membar.gl;
+
+$L__BB48_414:
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_437;
+
+$L__BB48_427:
+	ld.shared.u64 	%rd400, [%r8+8];
+	st.volatile.u32 	[%rd400], %rd189;
+
+$L__BB48_430:
+	membar.sys;
+	bra.uni 	$L__BB48_437;
+
+$L__BB48_199:
+	setp.gt.s32 	%p126, %r36, 5;
+	@%p126 bra 	$L__BB48_205;
+
+	setp.eq.s32 	%p129, %r36, 4;
+	@%p129 bra 	$L__BB48_213;
+
+	setp.eq.s32 	%p130, %r36, 5;
+	@%p130 bra 	$L__BB48_202;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_202:
+	setp.ge.u64 	%p140, %rd3, %rd95;
+	@%p140 bra 	$L__BB48_387;
+
+	mov.u64 	%rd471, %rd3;
+
+$L__BB48_204:
+	add.s64 	%rd265, %rd94, %rd471;
+	ld.u8 	%rs71, [%rd265];
+	add.s64 	%rd266, %rd93, %rd471;
+	ld.u8 	%rs72, [%rd266];
+	max.u16 	%rs73, %rs71, %rs72;
+	st.u8 	[%rd266], %rs73;
+	add.s64 	%rd471, %rd471, %rd4;
+	setp.lt.u64 	%p141, %rd471, %rd95;
+	@%p141 bra 	$L__BB48_204;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_299:
+	setp.gt.s32 	%p224, %r36, 5;
+	@%p224 bra 	$L__BB48_305;
+
+	setp.eq.s32 	%p227, %r36, 4;
+	@%p227 bra 	$L__BB48_313;
+
+	setp.eq.s32 	%p228, %r36, 5;
+	@%p228 bra 	$L__BB48_302;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_302:
+	setp.ge.u64 	%p238, %rd3, %rd131;
+	@%p238 bra 	$L__BB48_387;
+
+	mov.u64 	%rd487, %rd3;
+
+$L__BB48_304:
+	add.s64 	%rd315, %rd94, %rd487;
+	ld.u8 	%rs95, [%rd315];
+	add.s64 	%rd316, %rd93, %rd487;
+	ld.u8 	%rs96, [%rd316];
+	mul.lo.s16 	%rs97, %rs95, %rs96;
+	st.u8 	[%rd316], %rs97;
+	add.s64 	%rd487, %rd487, %rd4;
+	setp.lt.u64 	%p239, %rd487, %rd131;
+	@%p239 bra 	$L__BB48_304;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_249:
+	setp.gt.s32 	%p175, %r36, 5;
+	@%p175 bra 	$L__BB48_255;
+
+	setp.eq.s32 	%p178, %r36, 4;
+	@%p178 bra 	$L__BB48_263;
+
+	setp.eq.s32 	%p179, %r36, 5;
+	@%p179 bra 	$L__BB48_252;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_252:
+	setp.ge.u64 	%p189, %rd3, %rd113;
+	@%p189 bra 	$L__BB48_387;
+
+	mov.u64 	%rd479, %rd3;
+
+$L__BB48_254:
+	add.s64 	%rd290, %rd94, %rd479;
+	ld.u8 	%rs83, [%rd290];
+	add.s64 	%rd291, %rd93, %rd479;
+	ld.u8 	%rs84, [%rd291];
+	min.u16 	%rs85, %rs83, %rs84;
+	st.u8 	[%rd291], %rs85;
+	add.s64 	%rd479, %rd479, %rd4;
+	setp.lt.u64 	%p190, %rd479, %rd113;
+	@%p190 bra 	$L__BB48_254;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_349:
+	setp.gt.s32 	%p261, %r36, 5;
+	@%p261 bra 	$L__BB48_355;
+
+	setp.eq.s32 	%p264, %r36, 4;
+	@%p264 bra 	$L__BB48_363;
+
+	setp.eq.s32 	%p265, %r36, 5;
+	@%p265 bra 	$L__BB48_352;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_352:
+	setp.ge.u64 	%p275, %rd3, %rd149;
+	@%p275 bra 	$L__BB48_387;
+
+	mov.u64 	%rd495, %rd3;
+
+$L__BB48_354:
+	add.s64 	%rd340, %rd94, %rd495;
+	ld.u8 	%rs107, [%rd340];
+	add.s64 	%rd341, %rd93, %rd495;
+	ld.u8 	%rs108, [%rd341];
+	add.s16 	%rs109, %rs107, %rs108;
+	st.u8 	[%rd341], %rs109;
+	add.s64 	%rd495, %rd495, %rd4;
+	setp.lt.u64 	%p276, %rd495, %rd149;
+	@%p276 bra 	$L__BB48_354;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_106:
+	cvt.u32.u64 	%r163, %rd33;
+	mov.b32 	%f137, %r163;
+	setp.eq.s64 	%p69, %rd32, 0;
+	@%p69 bra 	$L__BB48_108;
+
+	ld.f32 	%f137, [%rd32];
+
+$L__BB48_108:
+	setp.ge.u64 	%p70, %rd3, %rd31;
+	@%p70 bra 	$L__BB48_111;
+
+	mov.u64 	%rd456, %rd3;
+
+$L__BB48_110:
+	shl.b64 	%rd234, %rd456, 2;
+	add.s64 	%rd235, %rd30, %rd234;
+	ld.f32 	%f63, [%rd235];
+	mul.f32 	%f64, %f137, %f63;
+	st.f32 	[%rd235], %f64;
+	add.s64 	%rd456, %rd456, %rd4;
+	setp.lt.u64 	%p71, %rd456, %rd31;
+	@%p71 bra 	$L__BB48_110;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_171:
+	setp.ge.u64 	%p114, %rd3, %rd54;
+	@%p114 bra 	$L__BB48_174;
+
+	cvt.rn.f32.s64 	%f19, %rd55;
+	mov.u64 	%rd468, %rd3;
+
+$L__BB48_173:
+	shl.b64 	%rd252, %rd468, 2;
+	add.s64 	%rd253, %rd53, %rd252;
+	ld.f32 	%f73, [%rd253];
+	div.rn.f32 	%f74, %f73, %f19;
+	st.f32 	[%rd253], %f74;
+	add.s64 	%rd468, %rd468, %rd4;
+	setp.lt.u64 	%p115, %rd468, %rd54;
+	@%p115 bra 	$L__BB48_173;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_71:
+	setp.eq.s64 	%p47, %rd32, 0;
+	@%p47 bra 	$L__BB48_73;
+
+	ld.u8 	%rs129, [%rd32];
+	bra.uni 	$L__BB48_74;
+
+$L__BB48_153:
+	setp.ge.u64 	%p98, %rd3, %rd54;
+	mov.u64 	%rd463, %rd3;
+	@%p98 bra 	$L__BB48_174;
+
+$L__BB48_154:
+	add.s64 	%rd78, %rd53, %rd463;
+	ld.s8 	%rd79, [%rd78];
+	or.b64  	%rd245, %rd79, %rd55;
+	and.b64  	%rd246, %rd245, -4294967296;
+	setp.eq.s64 	%p99, %rd246, 0;
+	@%p99 bra 	$L__BB48_156;
+
+	div.s64 	%rd464, %rd79, %rd55;
+	bra.uni 	$L__BB48_157;
+
+$L__BB48_156:
+	cvt.u32.u64 	%r181, %rd55;
+	cvt.u32.u64 	%r182, %rd79;
+	div.u32 	%r183, %r182, %r181;
+	cvt.u64.u32 	%rd464, %r183;
+
+$L__BB48_157:
+	add.s64 	%rd429, %rd53, %rd463;
+	st.u8 	[%rd429], %rd464;
+	add.s64 	%rd463, %rd463, %rd4;
+	setp.lt.u64 	%p100, %rd463, %rd54;
+	@%p100 bra 	$L__BB48_154;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_81:
+	setp.eq.s64 	%p54, %rd32, 0;
+	@%p54 bra 	$L__BB48_83;
+
+	ld.u16 	%rs131, [%rd32];
+	bra.uni 	$L__BB48_84;
+
+$L__BB48_158:
+	setp.ge.u64 	%p104, %rd3, %rd54;
+	@%p104 bra 	$L__BB48_174;
+
+	cvt.rn.f32.s64 	%f14, %rd55;
+	mov.u64 	%rd466, %rd3;
+
+$L__BB48_160:
+	shl.b64 	%rd249, %rd466, 1;
+	add.s64 	%rd87, %rd53, %rd249;
+	ld.u16 	%rs67, [%rd87];
+	and.b16  	%rs19, %rs67, -32768;
+	cvt.u32.u16 	%r195, %rs67;
+	shl.b32 	%r196, %r195, 16;
+	and.b32  	%r25, %r196, -2147483648;
+	shr.u16 	%rs68, %rs67, 10;
+	and.b16  	%rs20, %rs68, 31;
+	and.b16  	%rs21, %rs67, 1023;
+	cvt.u32.u16 	%r26, %rs21;
+	setp.eq.s16 	%p105, %rs20, 0;
+	@%p105 bra 	$L__BB48_164;
+
+	setp.eq.s16 	%p106, %rs20, 31;
+	@%p106 bra 	$L__BB48_163;
+	bra.uni 	$L__BB48_162;
+
+$L__BB48_163:
+	shl.b32 	%r202, %r26, 13;
+	or.b32  	%r203, %r25, %r202;
+	or.b32  	%r204, %r203, 2139095040;
+	mov.b32 	%f138, %r204;
+	bra.uni 	$L__BB48_165;
+
+$L__BB48_164:
+	cvt.rn.f32.u16 	%f67, %rs21;
+	mul.f32 	%f68, %f67, 0f33800000;
+	mul.f32 	%f69, %f67, 0fB3800000;
+	setp.eq.s16 	%p107, %rs19, 0;
+	selp.f32 	%f138, %f68, %f69, %p107;
+	bra.uni 	$L__BB48_165;
+
+$L__BB48_162:
+	add.s16 	%rs69, %rs20, 112;
+	cvt.u32.u16 	%r197, %rs69;
+	shl.b32 	%r198, %r197, 23;
+	shl.b32 	%r199, %r26, 13;
+	or.b32  	%r200, %r199, %r25;
+	or.b32  	%r201, %r200, %r198;
+	mov.b32 	%f138, %r201;
+
+$L__BB48_165:
+	div.rn.f32 	%f70, %f138, %f14;
+	mov.b32 	%r27, %f70;
+	and.b32  	%r28, %r27, 2147483647;
+	setp.gt.u32 	%p108, %r28, 1199570943;
+	@%p108 bra 	$L__BB48_169;
+	bra.uni 	$L__BB48_166;
+
+$L__BB48_169:
+	setp.gt.u32 	%p110, %r28, 2139095040;
+	shr.u32 	%r210, %r27, 13;
+	and.b32  	%r211, %r210, 511;
+	or.b32  	%r212, %r211, 32256;
+	selp.b32 	%r472, %r212, 31744, %p110;
+	bra.uni 	$L__BB48_170;
+
+$L__BB48_166:
+	setp.lt.u32 	%p109, %r28, 947912704;
+	@%p109 bra 	$L__BB48_168;
+	bra.uni 	$L__BB48_167;
+
+$L__BB48_168:
+	mov.b32 	%f71, %r28;
+	add.f32 	%f72, %f71, 0f3F000000;
+	mov.b32 	%r209, %f72;
+	add.s32 	%r472, %r209, -1056964608;
+	bra.uni 	$L__BB48_170;
+
+$L__BB48_167:
+	shr.u32 	%r205, %r27, 13;
+	and.b32  	%r206, %r205, 1;
+	add.s32 	%r207, %r28, %r206;
+	add.s32 	%r208, %r207, -939520001;
+	shr.u32 	%r472, %r208, 13;
+
+$L__BB48_170:
+	and.b32  	%r213, %r27, -2147483648;
+	shr.u32 	%r214, %r213, 16;
+	or.b32  	%r215, %r472, %r214;
+	st.u16 	[%rd87], %r215;
+	add.s64 	%rd466, %rd466, %rd4;
+	setp.lt.u64 	%p111, %rd466, %rd54;
+	@%p111 bra 	$L__BB48_160;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_61:
+	setp.eq.s64 	%p41, %rd32, 0;
+	@%p41 bra 	$L__BB48_63;
+
+	ld.u32 	%r469, [%rd32];
+	bra.uni 	$L__BB48_64;
+
+$L__BB48_146:
+	setp.ge.u64 	%p92, %rd3, %rd54;
+	mov.u64 	%rd459, %rd3;
+	@%p92 bra 	$L__BB48_174;
+
+$L__BB48_147:
+	shl.b64 	%rd241, %rd459, 2;
+	add.s64 	%rd64, %rd53, %rd241;
+	ld.s32 	%rd65, [%rd64];
+	or.b64  	%rd242, %rd65, %rd55;
+	and.b64  	%rd243, %rd242, -4294967296;
+	setp.eq.s64 	%p93, %rd243, 0;
+	@%p93 bra 	$L__BB48_149;
+
+	div.s64 	%rd460, %rd65, %rd55;
+	bra.uni 	$L__BB48_150;
+
+$L__BB48_149:
+	cvt.u32.u64 	%r175, %rd55;
+	cvt.u32.u64 	%r176, %rd65;
+	div.u32 	%r177, %r176, %r175;
+	cvt.u64.u32 	%rd460, %r177;
+
+$L__BB48_150:
+	st.u32 	[%rd64], %rd460;
+	add.s64 	%rd459, %rd459, %rd4;
+	setp.lt.u64 	%p94, %rd459, %rd54;
+	@%p94 bra 	$L__BB48_147;
+
+$L__BB48_174:
+	bar.sync 	0;
+	@%p72 bra 	$L__BB48_183;
+
+	ld.volatile.global.u32 	%r33, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r216, [%rd5], 1;
+	setp.eq.s32 	%p117, %r216, %r4;
+	@%p117 bra 	$L__BB48_181;
+	bra.uni 	$L__BB48_176;
+
+$L__BB48_181:
+	mov.u32 	%r221, 0;
+	st.global.u32 	[%rd5], %r221;
+	membar.gl;
+	add.s64 	%rd255, %rd5, 64;
+	atom.global.add.u32 	%r222, [%rd255], 1;
+	bra.uni 	$L__BB48_182;
+
+$L__BB48_176:
+	ld.volatile.global.u32 	%r217, [%rd5+64];
+	setp.ne.s32 	%p118, %r217, %r33;
+	@%p118 bra 	$L__BB48_182;
+
+	mov.u32 	%r473, 1;
+
+$L__BB48_178:
+	and.b32  	%r219, %r473, 255;
+	setp.ne.s32 	%p119, %r219, 0;
+	@%p119 bra 	$L__BB48_180;
+
+	ld.volatile.global.u64 	%rd254, [%rd6+8];
+	setp.ne.s64 	%p120, %rd254, 0;
+	@%p120 bra 	$L__BB48_182;
+
+$L__BB48_180:
+	add.s32 	%r473, %r473, 1;
+	ld.volatile.global.u32 	%r220, [%rd5+64];
+	setp.eq.s32 	%p121, %r220, %r33;
+	@%p121 bra 	$L__BB48_178;
+
+$L__BB48_182:
+	membar.gl;
+
+$L__BB48_183:
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_437;
+
+$L__BB48_194:
+	setp.eq.s32 	%p132, %r36, 2;
+	@%p132 bra 	$L__BB48_216;
+
+	setp.eq.s32 	%p133, %r36, 3;
+	@%p133 bra 	$L__BB48_196;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_196:
+	setp.ge.u64 	%p144, %rd3, %rd95;
+	@%p144 bra 	$L__BB48_387;
+
+	mov.u64 	%rd473, %rd3;
+
+$L__BB48_198:
+	shl.b64 	%rd269, %rd473, 1;
+	add.s64 	%rd270, %rd93, %rd269;
+	ld.u16 	%r227, [%rd270];
+	shl.b32 	%r228, %r227, 16;
+	mov.b32 	%f75, %r228;
+	add.s64 	%rd271, %rd94, %rd269;
+	ld.u16 	%r229, [%rd271];
+	shl.b32 	%r230, %r229, 16;
+	mov.b32 	%f76, %r230;
+	setp.gt.f32 	%p145, %f76, %f75;
+	setp.nan.f32 	%p146, %f76, %f76;
+	or.pred  	%p147, %p145, %p146;
+	selp.f32 	%f77, %f76, %f75, %p147;
+	mov.b32 	%r231, %f77;
+	shr.u32 	%r232, %r231, 16;
+	and.b32  	%r233, %r232, 1;
+	or.b32  	%r234, %r231, %r233;
+	add.s32 	%r235, %r234, 32767;
+	shr.u32 	%r236, %r235, 16;
+	or.b32  	%r237, %r232, 64;
+	and.b32  	%r238, %r231, 2147418112;
+	setp.gt.u32 	%p148, %r238, 2139095040;
+	selp.b32 	%r239, %r237, %r236, %p148;
+	st.u16 	[%rd270], %r239;
+	add.s64 	%rd473, %rd473, %rd4;
+	setp.lt.u64 	%p149, %rd473, %rd95;
+	@%p149 bra 	$L__BB48_198;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_294:
+	setp.eq.s32 	%p230, %r36, 2;
+	@%p230 bra 	$L__BB48_316;
+
+	setp.eq.s32 	%p231, %r36, 3;
+	@%p231 bra 	$L__BB48_296;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_296:
+	setp.ge.u64 	%p242, %rd3, %rd131;
+	@%p242 bra 	$L__BB48_387;
+
+	mov.u64 	%rd489, %rd3;
+
+$L__BB48_298:
+	shl.b64 	%rd319, %rd489, 1;
+	add.s64 	%rd320, %rd93, %rd319;
+	ld.u16 	%r321, [%rd320];
+	shl.b32 	%r322, %r321, 16;
+	mov.b32 	%f105, %r322;
+	add.s64 	%rd321, %rd94, %rd319;
+	ld.u16 	%r323, [%rd321];
+	shl.b32 	%r324, %r323, 16;
+	mov.b32 	%f106, %r324;
+	mul.f32 	%f107, %f105, %f106;
+	mov.b32 	%r325, %f107;
+	shr.u32 	%r326, %r325, 16;
+	and.b32  	%r327, %r326, 1;
+	add.s32 	%r328, %r325, %r327;
+	add.s32 	%r329, %r328, 32767;
+	shr.u32 	%r330, %r329, 16;
+	or.b32  	%r331, %r326, 64;
+	and.b32  	%r332, %r325, 2147483647;
+	setp.gt.u32 	%p243, %r332, 2139095040;
+	selp.b32 	%r333, %r331, %r330, %p243;
+	st.u16 	[%rd320], %r333;
+	add.s64 	%rd489, %rd489, %rd4;
+	setp.lt.u64 	%p244, %rd489, %rd131;
+	@%p244 bra 	$L__BB48_298;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_244:
+	setp.eq.s32 	%p181, %r36, 2;
+	@%p181 bra 	$L__BB48_266;
+
+	setp.eq.s32 	%p182, %r36, 3;
+	@%p182 bra 	$L__BB48_246;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_246:
+	setp.ge.u64 	%p193, %rd3, %rd113;
+	@%p193 bra 	$L__BB48_387;
+
+	mov.u64 	%rd481, %rd3;
+
+$L__BB48_248:
+	shl.b64 	%rd294, %rd481, 1;
+	add.s64 	%rd295, %rd93, %rd294;
+	ld.u16 	%r274, [%rd295];
+	shl.b32 	%r275, %r274, 16;
+	mov.b32 	%f90, %r275;
+	add.s64 	%rd296, %rd94, %rd294;
+	ld.u16 	%r276, [%rd296];
+	shl.b32 	%r277, %r276, 16;
+	mov.b32 	%f91, %r277;
+	setp.lt.f32 	%p194, %f91, %f90;
+	setp.nan.f32 	%p195, %f91, %f91;
+	or.pred  	%p196, %p194, %p195;
+	selp.f32 	%f92, %f91, %f90, %p196;
+	mov.b32 	%r278, %f92;
+	shr.u32 	%r279, %r278, 16;
+	and.b32  	%r280, %r279, 1;
+	or.b32  	%r281, %r278, %r280;
+	add.s32 	%r282, %r281, 32767;
+	shr.u32 	%r283, %r282, 16;
+	or.b32  	%r284, %r279, 64;
+	and.b32  	%r285, %r278, 2147418112;
+	setp.gt.u32 	%p197, %r285, 2139095040;
+	selp.b32 	%r286, %r284, %r283, %p197;
+	st.u16 	[%rd295], %r286;
+	add.s64 	%rd481, %rd481, %rd4;
+	setp.lt.u64 	%p198, %rd481, %rd113;
+	@%p198 bra 	$L__BB48_248;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_344:
+	setp.eq.s32 	%p267, %r36, 2;
+	@%p267 bra 	$L__BB48_366;
+
+	setp.eq.s32 	%p268, %r36, 3;
+	@%p268 bra 	$L__BB48_346;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_346:
+	setp.ge.u64 	%p279, %rd3, %rd149;
+	@%p279 bra 	$L__BB48_387;
+
+	mov.u64 	%rd497, %rd3;
+
+$L__BB48_348:
+	shl.b64 	%rd344, %rd497, 1;
+	add.s64 	%rd345, %rd93, %rd344;
+	ld.u16 	%r368, [%rd345];
+	shl.b32 	%r369, %r368, 16;
+	mov.b32 	%f120, %r369;
+	add.s64 	%rd346, %rd94, %rd344;
+	ld.u16 	%r370, [%rd346];
+	shl.b32 	%r371, %r370, 16;
+	mov.b32 	%f121, %r371;
+	add.f32 	%f122, %f120, %f121;
+	mov.b32 	%r372, %f122;
+	shr.u32 	%r373, %r372, 16;
+	and.b32  	%r374, %r373, 1;
+	add.s32 	%r375, %r372, %r374;
+	add.s32 	%r376, %r375, 32767;
+	shr.u32 	%r377, %r376, 16;
+	or.b32  	%r378, %r373, 64;
+	and.b32  	%r379, %r372, 2147483647;
+	setp.gt.u32 	%p280, %r379, 2139095040;
+	selp.b32 	%r380, %r378, %r377, %p280;
+	st.u16 	[%rd345], %r380;
+	add.s64 	%rd497, %rd497, %rd4;
+	setp.lt.u64 	%p281, %rd497, %rd149;
+	@%p281 bra 	$L__BB48_348;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_205:
+	setp.eq.s32 	%p127, %r36, 6;
+	@%p127 bra 	$L__BB48_210;
+
+	setp.ne.s32 	%p128, %r36, 7;
+	@%p128 bra 	$L__BB48_387;
+
+	setp.ge.u64 	%p136, %rd3, %rd95;
+	@%p136 bra 	$L__BB48_387;
 
 	mov.u64 	%rd469, %rd3;
 
 $L__BB48_209:
-	shl.b64 	%rd269, %rd469, 1;
-	add.s64 	%rd104, %rd90, %rd269;
-	ld.u16 	%rs77, [%rd104];
-	and.b16  	%rs22, %rs77, -32768;
-	cvt.u32.u16 	%r216, %rs77;
-	shl.b32 	%r217, %r216, 16;
-	and.b32  	%r31, %r217, -2147483648;
-	shr.u16 	%rs78, %rs77, 10;
-	and.b16  	%rs23, %rs78, 31;
-	and.b16  	%rs24, %rs77, 1023;
-	cvt.u32.u16 	%r32, %rs24;
-	setp.eq.s16 	%p145, %rs23, 0;
-	@%p145 bra 	$L__BB48_213;
-
-	setp.eq.s16 	%p146, %rs23, 31;
-	@%p146 bra 	$L__BB48_212;
-	bra.uni 	$L__BB48_211;
-
-$L__BB48_212:
-	shl.b32 	%r223, %r32, 13;
-	or.b32  	%r224, %r223, %r31;
-	or.b32  	%r225, %r224, 2139095040;
-	mov.b32 	%f139, %r225;
-	bra.uni 	$L__BB48_214;
-
-$L__BB48_213:
-	cvt.rn.f32.u16 	%f78, %rs24;
-	mul.f32 	%f79, %f78, 0f33800000;
-	mul.f32 	%f80, %f78, 0fB3800000;
-	setp.eq.s16 	%p147, %rs22, 0;
-	selp.f32 	%f139, %f79, %f80, %p147;
-	bra.uni 	$L__BB48_214;
-
-$L__BB48_211:
-	add.s16 	%rs79, %rs23, 112;
-	cvt.u32.u16 	%r218, %rs79;
-	shl.b32 	%r219, %r218, 23;
-	shl.b32 	%r220, %r32, 13;
-	or.b32  	%r221, %r220, %r31;
-	or.b32  	%r222, %r221, %r219;
-	mov.b32 	%f139, %r222;
-
-$L__BB48_214:
-	shl.b64 	%rd427, %rd469, 1;
-	add.s64 	%rd271, %rd91, %rd427;
-	ld.u16 	%rs80, [%rd271];
-	and.b16  	%rs25, %rs80, -32768;
-	cvt.u32.u16 	%r226, %rs80;
-	shl.b32 	%r227, %r226, 16;
-	and.b32  	%r33, %r227, -2147483648;
-	shr.u16 	%rs81, %rs80, 10;
-	and.b16  	%rs26, %rs81, 31;
-	and.b16  	%rs27, %rs80, 1023;
-	cvt.u32.u16 	%r34, %rs27;
-	setp.eq.s16 	%p148, %rs26, 0;
-	@%p148 bra 	$L__BB48_218;
-
-	setp.eq.s16 	%p149, %rs26, 31;
-	@%p149 bra 	$L__BB48_217;
-	bra.uni 	$L__BB48_216;
-
-$L__BB48_217:
-	shl.b32 	%r233, %r34, 13;
-	or.b32  	%r234, %r233, %r33;
-	or.b32  	%r235, %r234, 2139095040;
-	mov.b32 	%f140, %r235;
-	bra.uni 	$L__BB48_219;
-
-$L__BB48_218:
-	cvt.rn.f32.u16 	%f81, %rs27;
-	mul.f32 	%f82, %f81, 0f33800000;
-	mul.f32 	%f83, %f81, 0fB3800000;
-	setp.eq.s16 	%p150, %rs25, 0;
-	selp.f32 	%f140, %f82, %f83, %p150;
-	bra.uni 	$L__BB48_219;
-
-$L__BB48_216:
-	add.s16 	%rs82, %rs26, 112;
-	cvt.u32.u16 	%r228, %rs82;
-	shl.b32 	%r229, %r228, 23;
-	shl.b32 	%r230, %r34, 13;
-	or.b32  	%r231, %r230, %r33;
-	or.b32  	%r232, %r231, %r229;
-	mov.b32 	%f140, %r232;
-
-$L__BB48_219:
-	setp.nan.f32 	%p151, %f140, %f140;
-	setp.gt.f32 	%p152, %f140, %f139;
-	or.pred  	%p153, %p152, %p151;
-	selp.f32 	%f84, %f140, %f139, %p153;
-	mov.b32 	%r35, %f84;
-	and.b32  	%r36, %r35, 2147483647;
-	setp.gt.u32 	%p154, %r36, 1199570943;
-	@%p154 bra 	$L__BB48_223;
-	bra.uni 	$L__BB48_220;
-
-$L__BB48_223:
-	setp.gt.u32 	%p156, %r36, 2139095040;
-	shr.u32 	%r241, %r35, 13;
-	and.b32  	%r242, %r241, 511;
-	or.b32  	%r243, %r242, 32256;
-	selp.b32 	%r433, %r243, 31744, %p156;
-	bra.uni 	$L__BB48_224;
-
-$L__BB48_220:
-	setp.lt.u32 	%p155, %r36, 947912704;
-	@%p155 bra 	$L__BB48_222;
-	bra.uni 	$L__BB48_221;
-
-$L__BB48_222:
-	mov.b32 	%f85, %r36;
-	add.f32 	%f86, %f85, 0f3F000000;
-	mov.b32 	%r240, %f86;
-	add.s32 	%r433, %r240, -1056964608;
-	bra.uni 	$L__BB48_224;
-
-$L__BB48_221:
-	shr.u32 	%r236, %r35, 13;
-	and.b32  	%r237, %r236, 1;
-	add.s32 	%r238, %r36, %r237;
-	add.s32 	%r239, %r238, -939520001;
-	shr.u32 	%r433, %r239, 13;
-
-$L__BB48_224:
-	shl.b64 	%rd429, %rd469, 1;
-	add.s64 	%rd428, %rd90, %rd429;
-	and.b32  	%r244, %r35, -2147483648;
-	shr.u32 	%r245, %r244, 16;
-	or.b32  	%r246, %r433, %r245;
-	st.u16 	[%rd428], %r246;
+	shl.b64 	%rd256, %rd469, 3;
+	add.s64 	%rd257, %rd93, %rd256;
+	add.s64 	%rd258, %rd94, %rd256;
+	ld.u64 	%rd259, [%rd258];
+	ld.u64 	%rd260, [%rd257];
+	max.s64 	%rd261, %rd259, %rd260;
+	st.u64 	[%rd257], %rd261;
 	add.s64 	%rd469, %rd469, %rd4;
-	setp.lt.u64 	%p157, %rd469, %rd92;
-	@%p157 bra 	$L__BB48_209;
-	bra.uni 	$L__BB48_378;
+	setp.lt.u64 	%p137, %rd469, %rd95;
+	@%p137 bra 	$L__BB48_209;
+	bra.uni 	$L__BB48_387;
 
-$L__BB48_307:
-	setp.ge.u64 	%p239, %rd3, %rd128;
-	@%p239 bra 	$L__BB48_378;
+$L__BB48_305:
+	setp.eq.s32 	%p225, %r36, 6;
+	@%p225 bra 	$L__BB48_310;
+
+	setp.ne.s32 	%p226, %r36, 7;
+	@%p226 bra 	$L__BB48_387;
+
+	setp.ge.u64 	%p234, %rd3, %rd131;
+	@%p234 bra 	$L__BB48_387;
 
 	mov.u64 	%rd485, %rd3;
 
 $L__BB48_309:
-	shl.b64 	%rd319, %rd485, 1;
-	add.s64 	%rd140, %rd90, %rd319;
-	ld.u16 	%rs101, [%rd140];
-	and.b16  	%rs34, %rs101, -32768;
-	cvt.u32.u16 	%r310, %rs101;
-	shl.b32 	%r311, %r310, 16;
-	and.b32  	%r51, %r311, -2147483648;
-	shr.u16 	%rs102, %rs101, 10;
-	and.b16  	%rs35, %rs102, 31;
-	and.b16  	%rs36, %rs101, 1023;
-	cvt.u32.u16 	%r52, %rs36;
-	setp.eq.s16 	%p240, %rs35, 0;
-	@%p240 bra 	$L__BB48_313;
-
-	setp.eq.s16 	%p241, %rs35, 31;
-	@%p241 bra 	$L__BB48_312;
-	bra.uni 	$L__BB48_311;
-
-$L__BB48_312:
-	shl.b32 	%r317, %r52, 13;
-	or.b32  	%r318, %r317, %r51;
-	or.b32  	%r319, %r318, 2139095040;
-	mov.b32 	%f143, %r319;
-	bra.uni 	$L__BB48_314;
-
-$L__BB48_313:
-	cvt.rn.f32.u16 	%f108, %rs36;
-	mul.f32 	%f109, %f108, 0f33800000;
-	mul.f32 	%f110, %f108, 0fB3800000;
-	setp.eq.s16 	%p242, %rs34, 0;
-	selp.f32 	%f143, %f109, %f110, %p242;
-	bra.uni 	$L__BB48_314;
-
-$L__BB48_311:
-	add.s16 	%rs103, %rs35, 112;
-	cvt.u32.u16 	%r312, %rs103;
-	shl.b32 	%r313, %r312, 23;
-	shl.b32 	%r314, %r52, 13;
-	or.b32  	%r315, %r314, %r51;
-	or.b32  	%r316, %r315, %r313;
-	mov.b32 	%f143, %r316;
-
-$L__BB48_314:
-	shl.b64 	%rd433, %rd485, 1;
-	add.s64 	%rd321, %rd91, %rd433;
-	ld.u16 	%rs104, [%rd321];
-	and.b16  	%rs37, %rs104, -32768;
-	cvt.u32.u16 	%r320, %rs104;
-	shl.b32 	%r321, %r320, 16;
-	and.b32  	%r53, %r321, -2147483648;
-	shr.u16 	%rs105, %rs104, 10;
-	and.b16  	%rs38, %rs105, 31;
-	and.b16  	%rs39, %rs104, 1023;
-	cvt.u32.u16 	%r54, %rs39;
-	setp.eq.s16 	%p243, %rs38, 0;
-	@%p243 bra 	$L__BB48_318;
-
-	setp.eq.s16 	%p244, %rs38, 31;
-	@%p244 bra 	$L__BB48_317;
-	bra.uni 	$L__BB48_316;
-
-$L__BB48_317:
-	shl.b32 	%r327, %r54, 13;
-	or.b32  	%r328, %r327, %r53;
-	or.b32  	%r329, %r328, 2139095040;
-	mov.b32 	%f144, %r329;
-	bra.uni 	$L__BB48_319;
-
-$L__BB48_318:
-	cvt.rn.f32.u16 	%f111, %rs39;
-	mul.f32 	%f112, %f111, 0f33800000;
-	mul.f32 	%f113, %f111, 0fB3800000;
-	setp.eq.s16 	%p245, %rs37, 0;
-	selp.f32 	%f144, %f112, %f113, %p245;
-	bra.uni 	$L__BB48_319;
-
-$L__BB48_316:
-	add.s16 	%rs106, %rs38, 112;
-	cvt.u32.u16 	%r322, %rs106;
-	shl.b32 	%r323, %r322, 23;
-	shl.b32 	%r324, %r54, 13;
-	or.b32  	%r325, %r324, %r53;
-	or.b32  	%r326, %r325, %r323;
-	mov.b32 	%f144, %r326;
-
-$L__BB48_319:
-	mul.f32 	%f114, %f143, %f144;
-	mov.b32 	%r55, %f114;
-	and.b32  	%r56, %r55, 2147483647;
-	setp.gt.u32 	%p246, %r56, 1199570943;
-	@%p246 bra 	$L__BB48_323;
-	bra.uni 	$L__BB48_320;
-
-$L__BB48_323:
-	setp.gt.u32 	%p248, %r56, 2139095040;
-	shr.u32 	%r335, %r55, 13;
-	and.b32  	%r336, %r335, 511;
-	or.b32  	%r337, %r336, 32256;
-	selp.b32 	%r435, %r337, 31744, %p248;
-	bra.uni 	$L__BB48_324;
-
-$L__BB48_320:
-	setp.lt.u32 	%p247, %r56, 947912704;
-	@%p247 bra 	$L__BB48_322;
-	bra.uni 	$L__BB48_321;
-
-$L__BB48_322:
-	mov.b32 	%f115, %r56;
-	add.f32 	%f116, %f115, 0f3F000000;
-	mov.b32 	%r334, %f116;
-	add.s32 	%r435, %r334, -1056964608;
-	bra.uni 	$L__BB48_324;
-
-$L__BB48_321:
-	shr.u32 	%r330, %r55, 13;
-	and.b32  	%r331, %r330, 1;
-	add.s32 	%r332, %r56, %r331;
-	add.s32 	%r333, %r332, -939520001;
-	shr.u32 	%r435, %r333, 13;
-
-$L__BB48_324:
-	shl.b64 	%rd435, %rd485, 1;
-	add.s64 	%rd434, %rd90, %rd435;
-	and.b32  	%r338, %r55, -2147483648;
-	shr.u32 	%r339, %r338, 16;
-	or.b32  	%r340, %r435, %r339;
-	st.u16 	[%rd434], %r340;
+	shl.b64 	%rd306, %rd485, 3;
+	add.s64 	%rd307, %rd93, %rd306;
+	add.s64 	%rd308, %rd94, %rd306;
+	ld.u64 	%rd309, [%rd308];
+	ld.u64 	%rd310, [%rd307];
+	mul.lo.s64 	%rd311, %rd309, %rd310;
+	st.u64 	[%rd307], %rd311;
 	add.s64 	%rd485, %rd485, %rd4;
-	setp.lt.u64 	%p249, %rd485, %rd128;
-	@%p249 bra 	$L__BB48_309;
-	bra.uni 	$L__BB48_378;
+	setp.lt.u64 	%p235, %rd485, %rd131;
+	@%p235 bra 	$L__BB48_309;
+	bra.uni 	$L__BB48_387;
 
-$L__BB48_257:
-	setp.ge.u64 	%p193, %rd3, %rd110;
-	@%p193 bra 	$L__BB48_378;
+$L__BB48_255:
+	setp.eq.s32 	%p176, %r36, 6;
+	@%p176 bra 	$L__BB48_260;
+
+	setp.ne.s32 	%p177, %r36, 7;
+	@%p177 bra 	$L__BB48_387;
+
+	setp.ge.u64 	%p185, %rd3, %rd113;
+	@%p185 bra 	$L__BB48_387;
 
 	mov.u64 	%rd477, %rd3;
 
 $L__BB48_259:
-	shl.b64 	%rd294, %rd477, 1;
-	add.s64 	%rd122, %rd90, %rd294;
-	ld.u16 	%rs89, [%rd122];
-	and.b16  	%rs28, %rs89, -32768;
-	cvt.u32.u16 	%r263, %rs89;
-	shl.b32 	%r264, %r263, 16;
-	and.b32  	%r41, %r264, -2147483648;
-	shr.u16 	%rs90, %rs89, 10;
-	and.b16  	%rs29, %rs90, 31;
-	and.b16  	%rs30, %rs89, 1023;
-	cvt.u32.u16 	%r42, %rs30;
-	setp.eq.s16 	%p194, %rs29, 0;
-	@%p194 bra 	$L__BB48_263;
-
-	setp.eq.s16 	%p195, %rs29, 31;
-	@%p195 bra 	$L__BB48_262;
-	bra.uni 	$L__BB48_261;
-
-$L__BB48_262:
-	shl.b32 	%r270, %r42, 13;
-	or.b32  	%r271, %r270, %r41;
-	or.b32  	%r272, %r271, 2139095040;
-	mov.b32 	%f141, %r272;
-	bra.uni 	$L__BB48_264;
-
-$L__BB48_263:
-	cvt.rn.f32.u16 	%f93, %rs30;
-	mul.f32 	%f94, %f93, 0f33800000;
-	mul.f32 	%f95, %f93, 0fB3800000;
-	setp.eq.s16 	%p196, %rs28, 0;
-	selp.f32 	%f141, %f94, %f95, %p196;
-	bra.uni 	$L__BB48_264;
-
-$L__BB48_261:
-	add.s16 	%rs91, %rs29, 112;
-	cvt.u32.u16 	%r265, %rs91;
-	shl.b32 	%r266, %r265, 23;
-	shl.b32 	%r267, %r42, 13;
-	or.b32  	%r268, %r267, %r41;
-	or.b32  	%r269, %r268, %r266;
-	mov.b32 	%f141, %r269;
-
-$L__BB48_264:
-	shl.b64 	%rd430, %rd477, 1;
-	add.s64 	%rd296, %rd91, %rd430;
-	ld.u16 	%rs92, [%rd296];
-	and.b16  	%rs31, %rs92, -32768;
-	cvt.u32.u16 	%r273, %rs92;
-	shl.b32 	%r274, %r273, 16;
-	and.b32  	%r43, %r274, -2147483648;
-	shr.u16 	%rs93, %rs92, 10;
-	and.b16  	%rs32, %rs93, 31;
-	and.b16  	%rs33, %rs92, 1023;
-	cvt.u32.u16 	%r44, %rs33;
-	setp.eq.s16 	%p197, %rs32, 0;
-	@%p197 bra 	$L__BB48_268;
-
-	setp.eq.s16 	%p198, %rs32, 31;
-	@%p198 bra 	$L__BB48_267;
-	bra.uni 	$L__BB48_266;
-
-$L__BB48_267:
-	shl.b32 	%r280, %r44, 13;
-	or.b32  	%r281, %r280, %r43;
-	or.b32  	%r282, %r281, 2139095040;
-	mov.b32 	%f142, %r282;
-	bra.uni 	$L__BB48_269;
-
-$L__BB48_268:
-	cvt.rn.f32.u16 	%f96, %rs33;
-	mul.f32 	%f97, %f96, 0f33800000;
-	mul.f32 	%f98, %f96, 0fB3800000;
-	setp.eq.s16 	%p199, %rs31, 0;
-	selp.f32 	%f142, %f97, %f98, %p199;
-	bra.uni 	$L__BB48_269;
-
-$L__BB48_266:
-	add.s16 	%rs94, %rs32, 112;
-	cvt.u32.u16 	%r275, %rs94;
-	shl.b32 	%r276, %r275, 23;
-	shl.b32 	%r277, %r44, 13;
-	or.b32  	%r278, %r277, %r43;
-	or.b32  	%r279, %r278, %r276;
-	mov.b32 	%f142, %r279;
-
-$L__BB48_269:
-	setp.nan.f32 	%p200, %f142, %f142;
-	setp.lt.f32 	%p201, %f142, %f141;
-	or.pred  	%p202, %p201, %p200;
-	selp.f32 	%f99, %f142, %f141, %p202;
-	mov.b32 	%r45, %f99;
-	and.b32  	%r46, %r45, 2147483647;
-	setp.gt.u32 	%p203, %r46, 1199570943;
-	@%p203 bra 	$L__BB48_273;
-	bra.uni 	$L__BB48_270;
-
-$L__BB48_273:
-	setp.gt.u32 	%p205, %r46, 2139095040;
-	shr.u32 	%r288, %r45, 13;
-	and.b32  	%r289, %r288, 511;
-	or.b32  	%r290, %r289, 32256;
-	selp.b32 	%r434, %r290, 31744, %p205;
-	bra.uni 	$L__BB48_274;
-
-$L__BB48_270:
-	setp.lt.u32 	%p204, %r46, 947912704;
-	@%p204 bra 	$L__BB48_272;
-	bra.uni 	$L__BB48_271;
-
-$L__BB48_272:
-	mov.b32 	%f100, %r46;
-	add.f32 	%f101, %f100, 0f3F000000;
-	mov.b32 	%r287, %f101;
-	add.s32 	%r434, %r287, -1056964608;
-	bra.uni 	$L__BB48_274;
-
-$L__BB48_271:
-	shr.u32 	%r283, %r45, 13;
-	and.b32  	%r284, %r283, 1;
-	add.s32 	%r285, %r46, %r284;
-	add.s32 	%r286, %r285, -939520001;
-	shr.u32 	%r434, %r286, 13;
-
-$L__BB48_274:
-	shl.b64 	%rd432, %rd477, 1;
-	add.s64 	%rd431, %rd90, %rd432;
-	and.b32  	%r291, %r45, -2147483648;
-	shr.u32 	%r292, %r291, 16;
-	or.b32  	%r293, %r434, %r292;
-	st.u16 	[%rd431], %r293;
+	shl.b64 	%rd281, %rd477, 3;
+	add.s64 	%rd282, %rd93, %rd281;
+	add.s64 	%rd283, %rd94, %rd281;
+	ld.u64 	%rd284, [%rd283];
+	ld.u64 	%rd285, [%rd282];
+	min.s64 	%rd286, %rd284, %rd285;
+	st.u64 	[%rd282], %rd286;
 	add.s64 	%rd477, %rd477, %rd4;
-	setp.lt.u64 	%p206, %rd477, %rd110;
-	@%p206 bra 	$L__BB48_259;
-	bra.uni 	$L__BB48_378;
+	setp.lt.u64 	%p186, %rd477, %rd113;
+	@%p186 bra 	$L__BB48_259;
+	bra.uni 	$L__BB48_387;
 
-$L__BB48_357:
-	setp.ge.u64 	%p276, %rd3, %rd146;
-	@%p276 bra 	$L__BB48_378;
+$L__BB48_355:
+	setp.eq.s32 	%p262, %r36, 6;
+	@%p262 bra 	$L__BB48_360;
+
+	setp.ne.s32 	%p263, %r36, 7;
+	@%p263 bra 	$L__BB48_387;
+
+	setp.ge.u64 	%p271, %rd3, %rd149;
+	@%p271 bra 	$L__BB48_387;
 
 	mov.u64 	%rd493, %rd3;
 
 $L__BB48_359:
-	shl.b64 	%rd344, %rd493, 1;
-	add.s64 	%rd158, %rd90, %rd344;
-	ld.u16 	%rs113, [%rd158];
+	shl.b64 	%rd331, %rd493, 3;
+	add.s64 	%rd332, %rd93, %rd331;
+	add.s64 	%rd333, %rd94, %rd331;
+	ld.u64 	%rd334, [%rd333];
+	ld.u64 	%rd335, [%rd332];
+	add.s64 	%rd336, %rd334, %rd335;
+	st.u64 	[%rd332], %rd336;
+	add.s64 	%rd493, %rd493, %rd4;
+	setp.lt.u64 	%p272, %rd493, %rd149;
+	@%p272 bra 	$L__BB48_359;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_102:
+	mov.b64 	%fd21, %rd33;
+
+$L__BB48_103:
+	setp.ge.u64 	%p67, %rd3, %rd31;
+	@%p67 bra 	$L__BB48_111;
+
+	mov.u64 	%rd455, %rd3;
+
+$L__BB48_105:
+	shl.b64 	%rd232, %rd455, 3;
+	add.s64 	%rd233, %rd30, %rd232;
+	ld.f64 	%fd5, [%rd233];
+	mul.f64 	%fd6, %fd21, %fd5;
+	st.f64 	[%rd233], %fd6;
+	add.s64 	%rd455, %rd455, %rd4;
+	setp.lt.u64 	%p68, %rd455, %rd31;
+	@%p68 bra 	$L__BB48_105;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_67:
+	cvt.u16.u64 	%rs128, %rd33;
+
+$L__BB48_68:
+	setp.ge.u64 	%p45, %rd3, %rd31;
+	@%p45 bra 	$L__BB48_111;
+
+	mov.u64 	%rd451, %rd3;
+
+$L__BB48_70:
+	add.s64 	%rd227, %rd30, %rd451;
+	ld.u8 	%rs57, [%rd227];
+	mul.lo.s16 	%rs58, %rs57, %rs128;
+	st.u8 	[%rd227], %rs58;
+	add.s64 	%rd451, %rd451, %rd4;
+	setp.lt.u64 	%p46, %rd451, %rd31;
+	@%p46 bra 	$L__BB48_70;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_77:
+	cvt.u16.u64 	%rs130, %rd33;
+
+$L__BB48_78:
+	setp.ge.u64 	%p51, %rd3, %rd31;
+	@%p51 bra 	$L__BB48_111;
+
+	cvt.u32.u16 	%r119, %rs130;
+	shl.b32 	%r120, %r119, 16;
+	mov.b32 	%f1, %r120;
+	mov.u64 	%rd453, %rd3;
+
+$L__BB48_80:
+	shl.b64 	%rd229, %rd453, 1;
+	add.s64 	%rd230, %rd30, %rd229;
+	ld.u16 	%r121, [%rd230];
+	shl.b32 	%r122, %r121, 16;
+	mov.b32 	%f52, %r122;
+	mul.f32 	%f53, %f1, %f52;
+	mov.b32 	%r123, %f53;
+	shr.u32 	%r124, %r123, 16;
+	and.b32  	%r125, %r124, 1;
+	add.s32 	%r126, %r123, %r125;
+	add.s32 	%r127, %r126, 32767;
+	shr.u32 	%r128, %r127, 16;
+	or.b32  	%r129, %r124, 64;
+	and.b32  	%r130, %r123, 2147483647;
+	setp.gt.u32 	%p52, %r130, 2139095040;
+	selp.b32 	%r131, %r129, %r128, %p52;
+	st.u16 	[%rd230], %r131;
+	add.s64 	%rd453, %rd453, %rd4;
+	setp.lt.u64 	%p53, %rd453, %rd31;
+	@%p53 bra 	$L__BB48_80;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_73:
+	cvt.u16.u64 	%rs129, %rd33;
+
+$L__BB48_74:
+	setp.ge.u64 	%p48, %rd3, %rd31;
+	@%p48 bra 	$L__BB48_111;
+
+	mov.u64 	%rd452, %rd3;
+
+$L__BB48_76:
+	add.s64 	%rd228, %rd30, %rd452;
+	ld.u8 	%rs59, [%rd228];
+	mul.lo.s16 	%rs60, %rs59, %rs129;
+	st.u8 	[%rd228], %rs60;
+	add.s64 	%rd452, %rd452, %rd4;
+	setp.lt.u64 	%p49, %rd452, %rd31;
+	@%p49 bra 	$L__BB48_76;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_83:
+	cvt.u16.u64 	%rs131, %rd33;
+
+$L__BB48_84:
+	and.b16  	%rs13, %rs131, -32768;
+	cvt.u32.u16 	%r132, %rs131;
+	shl.b32 	%r133, %r132, 16;
+	and.b32  	%r12, %r133, -2147483648;
+	shr.u16 	%rs61, %rs131, 10;
+	and.b16  	%rs14, %rs61, 31;
+	and.b16  	%rs15, %rs131, 1023;
+	cvt.u32.u16 	%r13, %rs15;
+	setp.eq.s16 	%p55, %rs14, 0;
+	@%p55 bra 	$L__BB48_88;
+
+	setp.eq.s16 	%p56, %rs14, 31;
+	@%p56 bra 	$L__BB48_87;
+	bra.uni 	$L__BB48_86;
+
+$L__BB48_87:
+	shl.b32 	%r139, %r13, 13;
+	or.b32  	%r140, %r139, %r12;
+	or.b32  	%r141, %r140, 2139095040;
+	mov.b32 	%f135, %r141;
+	bra.uni 	$L__BB48_89;
+
+$L__BB48_63:
+	cvt.u32.u64 	%r469, %rd33;
+
+$L__BB48_64:
+	setp.ge.u64 	%p42, %rd3, %rd31;
+	@%p42 bra 	$L__BB48_111;
+
+	mov.u64 	%rd450, %rd3;
+
+$L__BB48_66:
+	shl.b64 	%rd225, %rd450, 2;
+	add.s64 	%rd226, %rd30, %rd225;
+	ld.u32 	%r117, [%rd226];
+	mul.lo.s32 	%r118, %r117, %r469;
+	st.u32 	[%rd226], %r118;
+	add.s64 	%rd450, %rd450, %rd4;
+	setp.lt.u64 	%p43, %rd450, %rd31;
+	@%p43 bra 	$L__BB48_66;
+	bra.uni 	$L__BB48_111;
+
+$L__BB48_88:
+	cvt.rn.f32.u16 	%f54, %rs15;
+	mul.f32 	%f55, %f54, 0f33800000;
+	mul.f32 	%f56, %f54, 0fB3800000;
+	setp.eq.s16 	%p57, %rs13, 0;
+	selp.f32 	%f135, %f55, %f56, %p57;
+	bra.uni 	$L__BB48_89;
+
+$L__BB48_86:
+	add.s16 	%rs62, %rs14, 112;
+	cvt.u32.u16 	%r134, %rs62;
+	shl.b32 	%r135, %r134, 23;
+	shl.b32 	%r136, %r13, 13;
+	or.b32  	%r137, %r136, %r12;
+	or.b32  	%r138, %r137, %r135;
+	mov.b32 	%f135, %r138;
+
+$L__BB48_89:
+	setp.ge.u64 	%p58, %rd3, %rd31;
+	@%p58 bra 	$L__BB48_111;
+
+	mov.u64 	%rd454, %rd3;
+
+$L__BB48_91:
+	shl.b64 	%rd231, %rd454, 1;
+	add.s64 	%rd47, %rd30, %rd231;
+	ld.u16 	%rs63, [%rd47];
+	and.b16  	%rs16, %rs63, -32768;
+	cvt.u32.u16 	%r142, %rs63;
+	shl.b32 	%r143, %r142, 16;
+	and.b32  	%r14, %r143, -2147483648;
+	shr.u16 	%rs64, %rs63, 10;
+	and.b16  	%rs17, %rs64, 31;
+	and.b16  	%rs18, %rs63, 1023;
+	cvt.u32.u16 	%r15, %rs18;
+	setp.eq.s16 	%p59, %rs17, 0;
+	@%p59 bra 	$L__BB48_95;
+
+	setp.eq.s16 	%p60, %rs17, 31;
+	@%p60 bra 	$L__BB48_94;
+	bra.uni 	$L__BB48_93;
+
+$L__BB48_94:
+	shl.b32 	%r149, %r15, 13;
+	or.b32  	%r150, %r149, %r14;
+	or.b32  	%r151, %r150, 2139095040;
+	mov.b32 	%f136, %r151;
+	bra.uni 	$L__BB48_96;
+
+$L__BB48_95:
+	cvt.rn.f32.u16 	%f57, %rs18;
+	mul.f32 	%f58, %f57, 0f33800000;
+	mul.f32 	%f59, %f57, 0fB3800000;
+	setp.eq.s16 	%p61, %rs16, 0;
+	selp.f32 	%f136, %f58, %f59, %p61;
+	bra.uni 	$L__BB48_96;
+
+$L__BB48_93:
+	add.s16 	%rs65, %rs17, 112;
+	cvt.u32.u16 	%r144, %rs65;
+	shl.b32 	%r145, %r144, 23;
+	shl.b32 	%r146, %r15, 13;
+	or.b32  	%r147, %r146, %r14;
+	or.b32  	%r148, %r147, %r145;
+	mov.b32 	%f136, %r148;
+
+$L__BB48_96:
+	mul.f32 	%f60, %f135, %f136;
+	mov.b32 	%r16, %f60;
+	and.b32  	%r17, %r16, 2147483647;
+	setp.gt.u32 	%p62, %r17, 1199570943;
+	@%p62 bra 	$L__BB48_100;
+	bra.uni 	$L__BB48_97;
+
+$L__BB48_100:
+	setp.gt.u32 	%p64, %r17, 2139095040;
+	shr.u32 	%r157, %r16, 13;
+	and.b32  	%r158, %r157, 511;
+	or.b32  	%r159, %r158, 32256;
+	selp.b32 	%r470, %r159, 31744, %p64;
+	bra.uni 	$L__BB48_101;
+
+$L__BB48_97:
+	setp.lt.u32 	%p63, %r17, 947912704;
+	@%p63 bra 	$L__BB48_99;
+	bra.uni 	$L__BB48_98;
+
+$L__BB48_99:
+	mov.b32 	%f61, %r17;
+	add.f32 	%f62, %f61, 0f3F000000;
+	mov.b32 	%r156, %f62;
+	add.s32 	%r470, %r156, -1056964608;
+	bra.uni 	$L__BB48_101;
+
+$L__BB48_98:
+	shr.u32 	%r152, %r16, 13;
+	and.b32  	%r153, %r152, 1;
+	add.s32 	%r154, %r17, %r153;
+	add.s32 	%r155, %r154, -939520001;
+	shr.u32 	%r470, %r155, 13;
+
+$L__BB48_101:
+	and.b32  	%r160, %r16, -2147483648;
+	shr.u32 	%r161, %r160, 16;
+	or.b32  	%r162, %r470, %r161;
+	st.u16 	[%rd47], %r162;
+	add.s64 	%rd454, %rd454, %rd4;
+	setp.lt.u64 	%p65, %rd454, %rd31;
+	@%p65 bra 	$L__BB48_91;
+
+$L__BB48_111:
+	bar.sync 	0;
+	@%p72 bra 	$L__BB48_120;
+
+	ld.volatile.global.u32 	%r22, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r164, [%rd5], 1;
+	setp.eq.s32 	%p73, %r164, %r4;
+	@%p73 bra 	$L__BB48_118;
+	bra.uni 	$L__BB48_113;
+
+$L__BB48_118:
+	mov.u32 	%r169, 0;
+	st.global.u32 	[%rd5], %r169;
+	membar.gl;
+	add.s64 	%rd237, %rd5, 64;
+	atom.global.add.u32 	%r170, [%rd237], 1;
+	bra.uni 	$L__BB48_119;
+
+$L__BB48_113:
+	ld.volatile.global.u32 	%r165, [%rd5+64];
+	setp.ne.s32 	%p74, %r165, %r22;
+	@%p74 bra 	$L__BB48_119;
+
+	mov.u32 	%r471, 1;
+
+$L__BB48_115:
+	and.b32  	%r167, %r471, 255;
+	setp.ne.s32 	%p75, %r167, 0;
+	@%p75 bra 	$L__BB48_117;
+
+	ld.volatile.global.u64 	%rd236, [%rd6+8];
+	setp.ne.s64 	%p76, %rd236, 0;
+	@%p76 bra 	$L__BB48_119;
+
+$L__BB48_117:
+	add.s32 	%r471, %r471, 1;
+	ld.volatile.global.u32 	%r168, [%rd5+64];
+	setp.eq.s32 	%p77, %r168, %r22;
+	@%p77 bra 	$L__BB48_115;
+
+$L__BB48_119:
+	membar.gl;
+
+$L__BB48_120:
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_437;
+
+$L__BB48_234:
+	setp.ge.u64 	%p169, %rd3, %rd95;
+	@%p169 bra 	$L__BB48_387;
+
+	mov.u64 	%rd476, %rd3;
+
+$L__BB48_236:
+	shl.b64 	%rd278, %rd476, 2;
+	add.s64 	%rd279, %rd93, %rd278;
+	add.s64 	%rd280, %rd94, %rd278;
+	ld.f32 	%f87, [%rd280];
+	ld.f32 	%f88, [%rd279];
+	setp.gt.f32 	%p170, %f87, %f88;
+	setp.nan.f32 	%p171, %f87, %f87;
+	or.pred  	%p172, %p170, %p171;
+	selp.f32 	%f89, %f87, %f88, %p172;
+	st.f32 	[%rd279], %f89;
+	add.s64 	%rd476, %rd476, %rd4;
+	setp.lt.u64 	%p173, %rd476, %rd95;
+	@%p173 bra 	$L__BB48_236;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_334:
+	setp.ge.u64 	%p258, %rd3, %rd131;
+	@%p258 bra 	$L__BB48_387;
+
+	mov.u64 	%rd492, %rd3;
+
+$L__BB48_336:
+	shl.b64 	%rd328, %rd492, 2;
+	add.s64 	%rd329, %rd93, %rd328;
+	add.s64 	%rd330, %rd94, %rd328;
+	ld.f32 	%f117, [%rd330];
+	ld.f32 	%f118, [%rd329];
+	mul.f32 	%f119, %f118, %f117;
+	st.f32 	[%rd329], %f119;
+	add.s64 	%rd492, %rd492, %rd4;
+	setp.lt.u64 	%p259, %rd492, %rd131;
+	@%p259 bra 	$L__BB48_336;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_284:
+	setp.ge.u64 	%p218, %rd3, %rd113;
+	@%p218 bra 	$L__BB48_387;
+
+	mov.u64 	%rd484, %rd3;
+
+$L__BB48_286:
+	shl.b64 	%rd303, %rd484, 2;
+	add.s64 	%rd304, %rd93, %rd303;
+	add.s64 	%rd305, %rd94, %rd303;
+	ld.f32 	%f102, [%rd305];
+	ld.f32 	%f103, [%rd304];
+	setp.lt.f32 	%p219, %f102, %f103;
+	setp.nan.f32 	%p220, %f102, %f102;
+	or.pred  	%p221, %p219, %p220;
+	selp.f32 	%f104, %f102, %f103, %p221;
+	st.f32 	[%rd304], %f104;
+	add.s64 	%rd484, %rd484, %rd4;
+	setp.lt.u64 	%p222, %rd484, %rd113;
+	@%p222 bra 	$L__BB48_286;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_384:
+	setp.ge.u64 	%p295, %rd3, %rd149;
+	@%p295 bra 	$L__BB48_387;
+
+	mov.u64 	%rd500, %rd3;
+
+$L__BB48_386:
+	shl.b64 	%rd353, %rd500, 2;
+	add.s64 	%rd354, %rd93, %rd353;
+	add.s64 	%rd355, %rd94, %rd353;
+	ld.f32 	%f132, [%rd355];
+	ld.f32 	%f133, [%rd354];
+	add.f32 	%f134, %f133, %f132;
+	st.f32 	[%rd354], %f134;
+	add.s64 	%rd500, %rd500, %rd4;
+	setp.lt.u64 	%p296, %rd500, %rd149;
+	@%p296 bra 	$L__BB48_386;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_213:
+	setp.ge.u64 	%p142, %rd3, %rd95;
+	@%p142 bra 	$L__BB48_387;
+
+	mov.u64 	%rd472, %rd3;
+
+$L__BB48_215:
+	add.s64 	%rd267, %rd94, %rd472;
+	ld.s8 	%rs74, [%rd267];
+	add.s64 	%rd268, %rd93, %rd472;
+	ld.s8 	%rs75, [%rd268];
+	max.s16 	%rs76, %rs74, %rs75;
+	st.u8 	[%rd268], %rs76;
+	add.s64 	%rd472, %rd472, %rd4;
+	setp.lt.u64 	%p143, %rd472, %rd95;
+	@%p143 bra 	$L__BB48_215;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_313:
+	setp.ge.u64 	%p240, %rd3, %rd131;
+	@%p240 bra 	$L__BB48_387;
+
+	mov.u64 	%rd488, %rd3;
+
+$L__BB48_315:
+	add.s64 	%rd317, %rd94, %rd488;
+	ld.u8 	%rs98, [%rd317];
+	add.s64 	%rd318, %rd93, %rd488;
+	ld.u8 	%rs99, [%rd318];
+	mul.lo.s16 	%rs100, %rs98, %rs99;
+	st.u8 	[%rd318], %rs100;
+	add.s64 	%rd488, %rd488, %rd4;
+	setp.lt.u64 	%p241, %rd488, %rd131;
+	@%p241 bra 	$L__BB48_315;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_263:
+	setp.ge.u64 	%p191, %rd3, %rd113;
+	@%p191 bra 	$L__BB48_387;
+
+	mov.u64 	%rd480, %rd3;
+
+$L__BB48_265:
+	add.s64 	%rd292, %rd94, %rd480;
+	ld.s8 	%rs86, [%rd292];
+	add.s64 	%rd293, %rd93, %rd480;
+	ld.s8 	%rs87, [%rd293];
+	min.s16 	%rs88, %rs86, %rs87;
+	st.u8 	[%rd293], %rs88;
+	add.s64 	%rd480, %rd480, %rd4;
+	setp.lt.u64 	%p192, %rd480, %rd113;
+	@%p192 bra 	$L__BB48_265;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_363:
+	setp.ge.u64 	%p277, %rd3, %rd149;
+	@%p277 bra 	$L__BB48_387;
+
+	mov.u64 	%rd496, %rd3;
+
+$L__BB48_365:
+	add.s64 	%rd342, %rd94, %rd496;
+	ld.u8 	%rs110, [%rd342];
+	add.s64 	%rd343, %rd93, %rd496;
+	ld.u8 	%rs111, [%rd343];
+	add.s16 	%rs112, %rs110, %rs111;
+	st.u8 	[%rd343], %rs112;
+	add.s64 	%rd496, %rd496, %rd4;
+	setp.lt.u64 	%p278, %rd496, %rd149;
+	@%p278 bra 	$L__BB48_365;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_216:
+	setp.ge.u64 	%p150, %rd3, %rd95;
+	@%p150 bra 	$L__BB48_387;
+
+	mov.u64 	%rd474, %rd3;
+
+$L__BB48_218:
+	shl.b64 	%rd272, %rd474, 1;
+	add.s64 	%rd107, %rd93, %rd272;
+	ld.u16 	%rs77, [%rd107];
+	and.b16  	%rs22, %rs77, -32768;
+	cvt.u32.u16 	%r240, %rs77;
+	shl.b32 	%r241, %r240, 16;
+	and.b32  	%r37, %r241, -2147483648;
+	shr.u16 	%rs78, %rs77, 10;
+	and.b16  	%rs23, %rs78, 31;
+	and.b16  	%rs24, %rs77, 1023;
+	cvt.u32.u16 	%r38, %rs24;
+	setp.eq.s16 	%p151, %rs23, 0;
+	@%p151 bra 	$L__BB48_222;
+
+	setp.eq.s16 	%p152, %rs23, 31;
+	@%p152 bra 	$L__BB48_221;
+	bra.uni 	$L__BB48_220;
+
+$L__BB48_221:
+	shl.b32 	%r247, %r38, 13;
+	or.b32  	%r248, %r247, %r37;
+	or.b32  	%r249, %r248, 2139095040;
+	mov.b32 	%f139, %r249;
+	bra.uni 	$L__BB48_223;
+
+$L__BB48_222:
+	cvt.rn.f32.u16 	%f78, %rs24;
+	mul.f32 	%f79, %f78, 0f33800000;
+	mul.f32 	%f80, %f78, 0fB3800000;
+	setp.eq.s16 	%p153, %rs22, 0;
+	selp.f32 	%f139, %f79, %f80, %p153;
+	bra.uni 	$L__BB48_223;
+
+$L__BB48_220:
+	add.s16 	%rs79, %rs23, 112;
+	cvt.u32.u16 	%r242, %rs79;
+	shl.b32 	%r243, %r242, 23;
+	shl.b32 	%r244, %r38, 13;
+	or.b32  	%r245, %r244, %r37;
+	or.b32  	%r246, %r245, %r243;
+	mov.b32 	%f139, %r246;
+
+$L__BB48_223:
+	shl.b64 	%rd430, %rd474, 1;
+	add.s64 	%rd274, %rd94, %rd430;
+	ld.u16 	%rs80, [%rd274];
+	and.b16  	%rs25, %rs80, -32768;
+	cvt.u32.u16 	%r250, %rs80;
+	shl.b32 	%r251, %r250, 16;
+	and.b32  	%r39, %r251, -2147483648;
+	shr.u16 	%rs81, %rs80, 10;
+	and.b16  	%rs26, %rs81, 31;
+	and.b16  	%rs27, %rs80, 1023;
+	cvt.u32.u16 	%r40, %rs27;
+	setp.eq.s16 	%p154, %rs26, 0;
+	@%p154 bra 	$L__BB48_227;
+
+	setp.eq.s16 	%p155, %rs26, 31;
+	@%p155 bra 	$L__BB48_226;
+	bra.uni 	$L__BB48_225;
+
+$L__BB48_226:
+	shl.b32 	%r257, %r40, 13;
+	or.b32  	%r258, %r257, %r39;
+	or.b32  	%r259, %r258, 2139095040;
+	mov.b32 	%f140, %r259;
+	bra.uni 	$L__BB48_228;
+
+$L__BB48_227:
+	cvt.rn.f32.u16 	%f81, %rs27;
+	mul.f32 	%f82, %f81, 0f33800000;
+	mul.f32 	%f83, %f81, 0fB3800000;
+	setp.eq.s16 	%p156, %rs25, 0;
+	selp.f32 	%f140, %f82, %f83, %p156;
+	bra.uni 	$L__BB48_228;
+
+$L__BB48_225:
+	add.s16 	%rs82, %rs26, 112;
+	cvt.u32.u16 	%r252, %rs82;
+	shl.b32 	%r253, %r252, 23;
+	shl.b32 	%r254, %r40, 13;
+	or.b32  	%r255, %r254, %r39;
+	or.b32  	%r256, %r255, %r253;
+	mov.b32 	%f140, %r256;
+
+$L__BB48_228:
+	setp.nan.f32 	%p157, %f140, %f140;
+	setp.gt.f32 	%p158, %f140, %f139;
+	or.pred  	%p159, %p158, %p157;
+	selp.f32 	%f84, %f140, %f139, %p159;
+	mov.b32 	%r41, %f84;
+	and.b32  	%r42, %r41, 2147483647;
+	setp.gt.u32 	%p160, %r42, 1199570943;
+	@%p160 bra 	$L__BB48_232;
+	bra.uni 	$L__BB48_229;
+
+$L__BB48_232:
+	setp.gt.u32 	%p162, %r42, 2139095040;
+	shr.u32 	%r265, %r41, 13;
+	and.b32  	%r266, %r265, 511;
+	or.b32  	%r267, %r266, 32256;
+	selp.b32 	%r474, %r267, 31744, %p162;
+	bra.uni 	$L__BB48_233;
+
+$L__BB48_229:
+	setp.lt.u32 	%p161, %r42, 947912704;
+	@%p161 bra 	$L__BB48_231;
+	bra.uni 	$L__BB48_230;
+
+$L__BB48_231:
+	mov.b32 	%f85, %r42;
+	add.f32 	%f86, %f85, 0f3F000000;
+	mov.b32 	%r264, %f86;
+	add.s32 	%r474, %r264, -1056964608;
+	bra.uni 	$L__BB48_233;
+
+$L__BB48_230:
+	shr.u32 	%r260, %r41, 13;
+	and.b32  	%r261, %r260, 1;
+	add.s32 	%r262, %r42, %r261;
+	add.s32 	%r263, %r262, -939520001;
+	shr.u32 	%r474, %r263, 13;
+
+$L__BB48_233:
+	shl.b64 	%rd432, %rd474, 1;
+	add.s64 	%rd431, %rd93, %rd432;
+	and.b32  	%r268, %r41, -2147483648;
+	shr.u32 	%r269, %r268, 16;
+	or.b32  	%r270, %r474, %r269;
+	st.u16 	[%rd431], %r270;
+	add.s64 	%rd474, %rd474, %rd4;
+	setp.lt.u64 	%p163, %rd474, %rd95;
+	@%p163 bra 	$L__BB48_218;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_316:
+	setp.ge.u64 	%p245, %rd3, %rd131;
+	@%p245 bra 	$L__BB48_387;
+
+	mov.u64 	%rd490, %rd3;
+
+$L__BB48_318:
+	shl.b64 	%rd322, %rd490, 1;
+	add.s64 	%rd143, %rd93, %rd322;
+	ld.u16 	%rs101, [%rd143];
+	and.b16  	%rs34, %rs101, -32768;
+	cvt.u32.u16 	%r334, %rs101;
+	shl.b32 	%r335, %r334, 16;
+	and.b32  	%r57, %r335, -2147483648;
+	shr.u16 	%rs102, %rs101, 10;
+	and.b16  	%rs35, %rs102, 31;
+	and.b16  	%rs36, %rs101, 1023;
+	cvt.u32.u16 	%r58, %rs36;
+	setp.eq.s16 	%p246, %rs35, 0;
+	@%p246 bra 	$L__BB48_322;
+
+	setp.eq.s16 	%p247, %rs35, 31;
+	@%p247 bra 	$L__BB48_321;
+	bra.uni 	$L__BB48_320;
+
+$L__BB48_321:
+	shl.b32 	%r341, %r58, 13;
+	or.b32  	%r342, %r341, %r57;
+	or.b32  	%r343, %r342, 2139095040;
+	mov.b32 	%f143, %r343;
+	bra.uni 	$L__BB48_323;
+
+$L__BB48_322:
+	cvt.rn.f32.u16 	%f108, %rs36;
+	mul.f32 	%f109, %f108, 0f33800000;
+	mul.f32 	%f110, %f108, 0fB3800000;
+	setp.eq.s16 	%p248, %rs34, 0;
+	selp.f32 	%f143, %f109, %f110, %p248;
+	bra.uni 	$L__BB48_323;
+
+$L__BB48_320:
+	add.s16 	%rs103, %rs35, 112;
+	cvt.u32.u16 	%r336, %rs103;
+	shl.b32 	%r337, %r336, 23;
+	shl.b32 	%r338, %r58, 13;
+	or.b32  	%r339, %r338, %r57;
+	or.b32  	%r340, %r339, %r337;
+	mov.b32 	%f143, %r340;
+
+$L__BB48_323:
+	shl.b64 	%rd436, %rd490, 1;
+	add.s64 	%rd324, %rd94, %rd436;
+	ld.u16 	%rs104, [%rd324];
+	and.b16  	%rs37, %rs104, -32768;
+	cvt.u32.u16 	%r344, %rs104;
+	shl.b32 	%r345, %r344, 16;
+	and.b32  	%r59, %r345, -2147483648;
+	shr.u16 	%rs105, %rs104, 10;
+	and.b16  	%rs38, %rs105, 31;
+	and.b16  	%rs39, %rs104, 1023;
+	cvt.u32.u16 	%r60, %rs39;
+	setp.eq.s16 	%p249, %rs38, 0;
+	@%p249 bra 	$L__BB48_327;
+
+	setp.eq.s16 	%p250, %rs38, 31;
+	@%p250 bra 	$L__BB48_326;
+	bra.uni 	$L__BB48_325;
+
+$L__BB48_326:
+	shl.b32 	%r351, %r60, 13;
+	or.b32  	%r352, %r351, %r59;
+	or.b32  	%r353, %r352, 2139095040;
+	mov.b32 	%f144, %r353;
+	bra.uni 	$L__BB48_328;
+
+$L__BB48_327:
+	cvt.rn.f32.u16 	%f111, %rs39;
+	mul.f32 	%f112, %f111, 0f33800000;
+	mul.f32 	%f113, %f111, 0fB3800000;
+	setp.eq.s16 	%p251, %rs37, 0;
+	selp.f32 	%f144, %f112, %f113, %p251;
+	bra.uni 	$L__BB48_328;
+
+$L__BB48_325:
+	add.s16 	%rs106, %rs38, 112;
+	cvt.u32.u16 	%r346, %rs106;
+	shl.b32 	%r347, %r346, 23;
+	shl.b32 	%r348, %r60, 13;
+	or.b32  	%r349, %r348, %r59;
+	or.b32  	%r350, %r349, %r347;
+	mov.b32 	%f144, %r350;
+
+$L__BB48_328:
+	mul.f32 	%f114, %f143, %f144;
+	mov.b32 	%r61, %f114;
+	and.b32  	%r62, %r61, 2147483647;
+	setp.gt.u32 	%p252, %r62, 1199570943;
+	@%p252 bra 	$L__BB48_332;
+	bra.uni 	$L__BB48_329;
+
+$L__BB48_332:
+	setp.gt.u32 	%p254, %r62, 2139095040;
+	shr.u32 	%r359, %r61, 13;
+	and.b32  	%r360, %r359, 511;
+	or.b32  	%r361, %r360, 32256;
+	selp.b32 	%r476, %r361, 31744, %p254;
+	bra.uni 	$L__BB48_333;
+
+$L__BB48_329:
+	setp.lt.u32 	%p253, %r62, 947912704;
+	@%p253 bra 	$L__BB48_331;
+	bra.uni 	$L__BB48_330;
+
+$L__BB48_331:
+	mov.b32 	%f115, %r62;
+	add.f32 	%f116, %f115, 0f3F000000;
+	mov.b32 	%r358, %f116;
+	add.s32 	%r476, %r358, -1056964608;
+	bra.uni 	$L__BB48_333;
+
+$L__BB48_330:
+	shr.u32 	%r354, %r61, 13;
+	and.b32  	%r355, %r354, 1;
+	add.s32 	%r356, %r62, %r355;
+	add.s32 	%r357, %r356, -939520001;
+	shr.u32 	%r476, %r357, 13;
+
+$L__BB48_333:
+	shl.b64 	%rd438, %rd490, 1;
+	add.s64 	%rd437, %rd93, %rd438;
+	and.b32  	%r362, %r61, -2147483648;
+	shr.u32 	%r363, %r362, 16;
+	or.b32  	%r364, %r476, %r363;
+	st.u16 	[%rd437], %r364;
+	add.s64 	%rd490, %rd490, %rd4;
+	setp.lt.u64 	%p255, %rd490, %rd131;
+	@%p255 bra 	$L__BB48_318;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_266:
+	setp.ge.u64 	%p199, %rd3, %rd113;
+	@%p199 bra 	$L__BB48_387;
+
+	mov.u64 	%rd482, %rd3;
+
+$L__BB48_268:
+	shl.b64 	%rd297, %rd482, 1;
+	add.s64 	%rd125, %rd93, %rd297;
+	ld.u16 	%rs89, [%rd125];
+	and.b16  	%rs28, %rs89, -32768;
+	cvt.u32.u16 	%r287, %rs89;
+	shl.b32 	%r288, %r287, 16;
+	and.b32  	%r47, %r288, -2147483648;
+	shr.u16 	%rs90, %rs89, 10;
+	and.b16  	%rs29, %rs90, 31;
+	and.b16  	%rs30, %rs89, 1023;
+	cvt.u32.u16 	%r48, %rs30;
+	setp.eq.s16 	%p200, %rs29, 0;
+	@%p200 bra 	$L__BB48_272;
+
+	setp.eq.s16 	%p201, %rs29, 31;
+	@%p201 bra 	$L__BB48_271;
+	bra.uni 	$L__BB48_270;
+
+$L__BB48_271:
+	shl.b32 	%r294, %r48, 13;
+	or.b32  	%r295, %r294, %r47;
+	or.b32  	%r296, %r295, 2139095040;
+	mov.b32 	%f141, %r296;
+	bra.uni 	$L__BB48_273;
+
+$L__BB48_272:
+	cvt.rn.f32.u16 	%f93, %rs30;
+	mul.f32 	%f94, %f93, 0f33800000;
+	mul.f32 	%f95, %f93, 0fB3800000;
+	setp.eq.s16 	%p202, %rs28, 0;
+	selp.f32 	%f141, %f94, %f95, %p202;
+	bra.uni 	$L__BB48_273;
+
+$L__BB48_270:
+	add.s16 	%rs91, %rs29, 112;
+	cvt.u32.u16 	%r289, %rs91;
+	shl.b32 	%r290, %r289, 23;
+	shl.b32 	%r291, %r48, 13;
+	or.b32  	%r292, %r291, %r47;
+	or.b32  	%r293, %r292, %r290;
+	mov.b32 	%f141, %r293;
+
+$L__BB48_273:
+	shl.b64 	%rd433, %rd482, 1;
+	add.s64 	%rd299, %rd94, %rd433;
+	ld.u16 	%rs92, [%rd299];
+	and.b16  	%rs31, %rs92, -32768;
+	cvt.u32.u16 	%r297, %rs92;
+	shl.b32 	%r298, %r297, 16;
+	and.b32  	%r49, %r298, -2147483648;
+	shr.u16 	%rs93, %rs92, 10;
+	and.b16  	%rs32, %rs93, 31;
+	and.b16  	%rs33, %rs92, 1023;
+	cvt.u32.u16 	%r50, %rs33;
+	setp.eq.s16 	%p203, %rs32, 0;
+	@%p203 bra 	$L__BB48_277;
+
+	setp.eq.s16 	%p204, %rs32, 31;
+	@%p204 bra 	$L__BB48_276;
+	bra.uni 	$L__BB48_275;
+
+$L__BB48_276:
+	shl.b32 	%r304, %r50, 13;
+	or.b32  	%r305, %r304, %r49;
+	or.b32  	%r306, %r305, 2139095040;
+	mov.b32 	%f142, %r306;
+	bra.uni 	$L__BB48_278;
+
+$L__BB48_277:
+	cvt.rn.f32.u16 	%f96, %rs33;
+	mul.f32 	%f97, %f96, 0f33800000;
+	mul.f32 	%f98, %f96, 0fB3800000;
+	setp.eq.s16 	%p205, %rs31, 0;
+	selp.f32 	%f142, %f97, %f98, %p205;
+	bra.uni 	$L__BB48_278;
+
+$L__BB48_275:
+	add.s16 	%rs94, %rs32, 112;
+	cvt.u32.u16 	%r299, %rs94;
+	shl.b32 	%r300, %r299, 23;
+	shl.b32 	%r301, %r50, 13;
+	or.b32  	%r302, %r301, %r49;
+	or.b32  	%r303, %r302, %r300;
+	mov.b32 	%f142, %r303;
+
+$L__BB48_278:
+	setp.nan.f32 	%p206, %f142, %f142;
+	setp.lt.f32 	%p207, %f142, %f141;
+	or.pred  	%p208, %p207, %p206;
+	selp.f32 	%f99, %f142, %f141, %p208;
+	mov.b32 	%r51, %f99;
+	and.b32  	%r52, %r51, 2147483647;
+	setp.gt.u32 	%p209, %r52, 1199570943;
+	@%p209 bra 	$L__BB48_282;
+	bra.uni 	$L__BB48_279;
+
+$L__BB48_282:
+	setp.gt.u32 	%p211, %r52, 2139095040;
+	shr.u32 	%r312, %r51, 13;
+	and.b32  	%r313, %r312, 511;
+	or.b32  	%r314, %r313, 32256;
+	selp.b32 	%r475, %r314, 31744, %p211;
+	bra.uni 	$L__BB48_283;
+
+$L__BB48_279:
+	setp.lt.u32 	%p210, %r52, 947912704;
+	@%p210 bra 	$L__BB48_281;
+	bra.uni 	$L__BB48_280;
+
+$L__BB48_281:
+	mov.b32 	%f100, %r52;
+	add.f32 	%f101, %f100, 0f3F000000;
+	mov.b32 	%r311, %f101;
+	add.s32 	%r475, %r311, -1056964608;
+	bra.uni 	$L__BB48_283;
+
+$L__BB48_280:
+	shr.u32 	%r307, %r51, 13;
+	and.b32  	%r308, %r307, 1;
+	add.s32 	%r309, %r52, %r308;
+	add.s32 	%r310, %r309, -939520001;
+	shr.u32 	%r475, %r310, 13;
+
+$L__BB48_283:
+	shl.b64 	%rd435, %rd482, 1;
+	add.s64 	%rd434, %rd93, %rd435;
+	and.b32  	%r315, %r51, -2147483648;
+	shr.u32 	%r316, %r315, 16;
+	or.b32  	%r317, %r475, %r316;
+	st.u16 	[%rd434], %r317;
+	add.s64 	%rd482, %rd482, %rd4;
+	setp.lt.u64 	%p212, %rd482, %rd113;
+	@%p212 bra 	$L__BB48_268;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_366:
+	setp.ge.u64 	%p282, %rd3, %rd149;
+	@%p282 bra 	$L__BB48_387;
+
+	mov.u64 	%rd498, %rd3;
+
+$L__BB48_368:
+	shl.b64 	%rd347, %rd498, 1;
+	add.s64 	%rd161, %rd93, %rd347;
+	ld.u16 	%rs113, [%rd161];
 	and.b16  	%rs40, %rs113, -32768;
-	cvt.u32.u16 	%r357, %rs113;
-	shl.b32 	%r358, %r357, 16;
-	and.b32  	%r61, %r358, -2147483648;
+	cvt.u32.u16 	%r381, %rs113;
+	shl.b32 	%r382, %r381, 16;
+	and.b32  	%r67, %r382, -2147483648;
 	shr.u16 	%rs114, %rs113, 10;
 	and.b16  	%rs41, %rs114, 31;
 	and.b16  	%rs42, %rs113, 1023;
-	cvt.u32.u16 	%r62, %rs42;
-	setp.eq.s16 	%p277, %rs41, 0;
-	@%p277 bra 	$L__BB48_363;
+	cvt.u32.u16 	%r68, %rs42;
+	setp.eq.s16 	%p283, %rs41, 0;
+	@%p283 bra 	$L__BB48_372;
 
-	setp.eq.s16 	%p278, %rs41, 31;
-	@%p278 bra 	$L__BB48_362;
-	bra.uni 	$L__BB48_361;
+	setp.eq.s16 	%p284, %rs41, 31;
+	@%p284 bra 	$L__BB48_371;
+	bra.uni 	$L__BB48_370;
 
-$L__BB48_362:
-	shl.b32 	%r364, %r62, 13;
-	or.b32  	%r365, %r364, %r61;
-	or.b32  	%r366, %r365, 2139095040;
-	mov.b32 	%f145, %r366;
-	bra.uni 	$L__BB48_364;
+$L__BB48_371:
+	shl.b32 	%r388, %r68, 13;
+	or.b32  	%r389, %r388, %r67;
+	or.b32  	%r390, %r389, 2139095040;
+	mov.b32 	%f145, %r390;
+	bra.uni 	$L__BB48_373;
 
-$L__BB48_363:
+$L__BB48_372:
 	cvt.rn.f32.u16 	%f123, %rs42;
 	mul.f32 	%f124, %f123, 0f33800000;
 	mul.f32 	%f125, %f123, 0fB3800000;
-	setp.eq.s16 	%p279, %rs40, 0;
-	selp.f32 	%f145, %f124, %f125, %p279;
-	bra.uni 	$L__BB48_364;
+	setp.eq.s16 	%p285, %rs40, 0;
+	selp.f32 	%f145, %f124, %f125, %p285;
+	bra.uni 	$L__BB48_373;
 
-$L__BB48_361:
+$L__BB48_370:
 	add.s16 	%rs115, %rs41, 112;
-	cvt.u32.u16 	%r359, %rs115;
-	shl.b32 	%r360, %r359, 23;
-	shl.b32 	%r361, %r62, 13;
-	or.b32  	%r362, %r361, %r61;
-	or.b32  	%r363, %r362, %r360;
-	mov.b32 	%f145, %r363;
+	cvt.u32.u16 	%r383, %rs115;
+	shl.b32 	%r384, %r383, 23;
+	shl.b32 	%r385, %r68, 13;
+	or.b32  	%r386, %r385, %r67;
+	or.b32  	%r387, %r386, %r384;
+	mov.b32 	%f145, %r387;
 
-$L__BB48_364:
-	shl.b64 	%rd436, %rd493, 1;
-	add.s64 	%rd346, %rd91, %rd436;
-	ld.u16 	%rs116, [%rd346];
+$L__BB48_373:
+	shl.b64 	%rd439, %rd498, 1;
+	add.s64 	%rd349, %rd94, %rd439;
+	ld.u16 	%rs116, [%rd349];
 	and.b16  	%rs43, %rs116, -32768;
-	cvt.u32.u16 	%r367, %rs116;
-	shl.b32 	%r368, %r367, 16;
-	and.b32  	%r63, %r368, -2147483648;
+	cvt.u32.u16 	%r391, %rs116;
+	shl.b32 	%r392, %r391, 16;
+	and.b32  	%r69, %r392, -2147483648;
 	shr.u16 	%rs117, %rs116, 10;
 	and.b16  	%rs44, %rs117, 31;
 	and.b16  	%rs45, %rs116, 1023;
-	cvt.u32.u16 	%r64, %rs45;
-	setp.eq.s16 	%p280, %rs44, 0;
-	@%p280 bra 	$L__BB48_368;
+	cvt.u32.u16 	%r70, %rs45;
+	setp.eq.s16 	%p286, %rs44, 0;
+	@%p286 bra 	$L__BB48_377;
 
-	setp.eq.s16 	%p281, %rs44, 31;
-	@%p281 bra 	$L__BB48_367;
-	bra.uni 	$L__BB48_366;
+	setp.eq.s16 	%p287, %rs44, 31;
+	@%p287 bra 	$L__BB48_376;
+	bra.uni 	$L__BB48_375;
 
-$L__BB48_367:
-	shl.b32 	%r374, %r64, 13;
-	or.b32  	%r375, %r374, %r63;
-	or.b32  	%r376, %r375, 2139095040;
-	mov.b32 	%f146, %r376;
-	bra.uni 	$L__BB48_369;
+$L__BB48_376:
+	shl.b32 	%r398, %r70, 13;
+	or.b32  	%r399, %r398, %r69;
+	or.b32  	%r400, %r399, 2139095040;
+	mov.b32 	%f146, %r400;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_368:
+$L__BB48_377:
 	cvt.rn.f32.u16 	%f126, %rs45;
 	mul.f32 	%f127, %f126, 0f33800000;
 	mul.f32 	%f128, %f126, 0fB3800000;
-	setp.eq.s16 	%p282, %rs43, 0;
-	selp.f32 	%f146, %f127, %f128, %p282;
-	bra.uni 	$L__BB48_369;
+	setp.eq.s16 	%p288, %rs43, 0;
+	selp.f32 	%f146, %f127, %f128, %p288;
+	bra.uni 	$L__BB48_378;
 
-$L__BB48_366:
+$L__BB48_375:
 	add.s16 	%rs118, %rs44, 112;
-	cvt.u32.u16 	%r369, %rs118;
-	shl.b32 	%r370, %r369, 23;
-	shl.b32 	%r371, %r64, 13;
-	or.b32  	%r372, %r371, %r63;
-	or.b32  	%r373, %r372, %r370;
-	mov.b32 	%f146, %r373;
-
-$L__BB48_369:
-	add.f32 	%f129, %f145, %f146;
-	mov.b32 	%r65, %f129;
-	and.b32  	%r66, %r65, 2147483647;
-	setp.gt.u32 	%p283, %r66, 1199570943;
-	@%p283 bra 	$L__BB48_373;
-	bra.uni 	$L__BB48_370;
-
-$L__BB48_373:
-	setp.gt.u32 	%p285, %r66, 2139095040;
-	shr.u32 	%r382, %r65, 13;
-	and.b32  	%r383, %r382, 511;
-	or.b32  	%r384, %r383, 32256;
-	selp.b32 	%r436, %r384, 31744, %p285;
-	bra.uni 	$L__BB48_374;
-
-$L__BB48_370:
-	setp.lt.u32 	%p284, %r66, 947912704;
-	@%p284 bra 	$L__BB48_372;
-	bra.uni 	$L__BB48_371;
-
-$L__BB48_372:
-	mov.b32 	%f130, %r66;
-	add.f32 	%f131, %f130, 0f3F000000;
-	mov.b32 	%r381, %f131;
-	add.s32 	%r436, %r381, -1056964608;
-	bra.uni 	$L__BB48_374;
-
-$L__BB48_371:
-	shr.u32 	%r377, %r65, 13;
-	and.b32  	%r378, %r377, 1;
-	add.s32 	%r379, %r66, %r378;
-	add.s32 	%r380, %r379, -939520001;
-	shr.u32 	%r436, %r380, 13;
-
-$L__BB48_374:
-	shl.b64 	%rd438, %rd493, 1;
-	add.s64 	%rd437, %rd90, %rd438;
-	and.b32  	%r385, %r65, -2147483648;
-	shr.u32 	%r386, %r385, 16;
-	or.b32  	%r387, %r436, %r386;
-	st.u16 	[%rd437], %r387;
-	add.s64 	%rd493, %rd493, %rd4;
-	setp.lt.u64 	%p286, %rd493, %rd146;
-	@%p286 bra 	$L__BB48_359;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_201:
-	setp.ge.u64 	%p132, %rd3, %rd92;
-	@%p132 bra 	$L__BB48_378;
-
-	mov.u64 	%rd465, %rd3;
-
-$L__BB48_203:
-	shl.b64 	%rd259, %rd465, 2;
-	add.s64 	%rd260, %rd90, %rd259;
-	add.s64 	%rd261, %rd91, %rd259;
-	ld.u32 	%r200, [%rd261];
-	ld.u32 	%r201, [%rd260];
-	max.s32 	%r202, %r200, %r201;
-	st.u32 	[%rd260], %r202;
-	add.s64 	%rd465, %rd465, %rd4;
-	setp.lt.u64 	%p133, %rd465, %rd92;
-	@%p133 bra 	$L__BB48_203;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_301:
-	setp.ge.u64 	%p230, %rd3, %rd128;
-	@%p230 bra 	$L__BB48_378;
-
-	mov.u64 	%rd481, %rd3;
-
-$L__BB48_303:
-	shl.b64 	%rd309, %rd481, 2;
-	add.s64 	%rd310, %rd90, %rd309;
-	add.s64 	%rd311, %rd91, %rd309;
-	ld.u32 	%r294, [%rd311];
-	ld.u32 	%r295, [%rd310];
-	mul.lo.s32 	%r296, %r294, %r295;
-	st.u32 	[%rd310], %r296;
-	add.s64 	%rd481, %rd481, %rd4;
-	setp.lt.u64 	%p231, %rd481, %rd128;
-	@%p231 bra 	$L__BB48_303;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_251:
-	setp.ge.u64 	%p181, %rd3, %rd110;
-	@%p181 bra 	$L__BB48_378;
-
-	mov.u64 	%rd473, %rd3;
-
-$L__BB48_253:
-	shl.b64 	%rd284, %rd473, 2;
-	add.s64 	%rd285, %rd90, %rd284;
-	add.s64 	%rd286, %rd91, %rd284;
-	ld.u32 	%r247, [%rd286];
-	ld.u32 	%r248, [%rd285];
-	min.s32 	%r249, %r247, %r248;
-	st.u32 	[%rd285], %r249;
-	add.s64 	%rd473, %rd473, %rd4;
-	setp.lt.u64 	%p182, %rd473, %rd110;
-	@%p182 bra 	$L__BB48_253;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_351:
-	setp.ge.u64 	%p267, %rd3, %rd146;
-	@%p267 bra 	$L__BB48_378;
-
-	mov.u64 	%rd489, %rd3;
-
-$L__BB48_353:
-	shl.b64 	%rd334, %rd489, 2;
-	add.s64 	%rd335, %rd90, %rd334;
-	add.s64 	%rd336, %rd91, %rd334;
-	ld.u32 	%r341, [%rd336];
-	ld.u32 	%r342, [%rd335];
-	add.s32 	%r343, %r341, %r342;
-	st.u32 	[%rd335], %r343;
-	add.s64 	%rd489, %rd489, %rd4;
-	setp.lt.u64 	%p268, %rd489, %rd146;
-	@%p268 bra 	$L__BB48_353;
+	cvt.u32.u16 	%r393, %rs118;
+	shl.b32 	%r394, %r393, 23;
+	shl.b32 	%r395, %r70, 13;
+	or.b32  	%r396, %r395, %r69;
+	or.b32  	%r397, %r396, %r394;
+	mov.b32 	%f146, %r397;
 
 $L__BB48_378:
-	bar.sync 	0;
-	@%p70 bra 	$L__BB48_384;
-
-	ld.volatile.global.u32 	%r71, [%rd5+64];
-	membar.gl;
-	atom.global.add.u32 	%r388, [%rd5], 1;
-	setp.eq.s32 	%p292, %r388, %r4;
-	@%p292 bra 	$L__BB48_382;
-	bra.uni 	$L__BB48_380;
+	add.f32 	%f129, %f145, %f146;
+	mov.b32 	%r71, %f129;
+	and.b32  	%r72, %r71, 2147483647;
+	setp.gt.u32 	%p289, %r72, 1199570943;
+	@%p289 bra 	$L__BB48_382;
+	bra.uni 	$L__BB48_379;
 
 $L__BB48_382:
-	mov.u32 	%r390, 0;
-	st.global.u32 	[%rd5], %r390;
-	membar.gl;
-	add.s64 	%rd354, %rd5, 64;
-	atom.global.add.u32 	%r391, [%rd354], 1;
+	setp.gt.u32 	%p291, %r72, 2139095040;
+	shr.u32 	%r406, %r71, 13;
+	and.b32  	%r407, %r406, 511;
+	or.b32  	%r408, %r407, 32256;
+	selp.b32 	%r477, %r408, 31744, %p291;
+	bra.uni 	$L__BB48_383;
+
+$L__BB48_379:
+	setp.lt.u32 	%p290, %r72, 947912704;
+	@%p290 bra 	$L__BB48_381;
+	bra.uni 	$L__BB48_380;
+
+$L__BB48_381:
+	mov.b32 	%f130, %r72;
+	add.f32 	%f131, %f130, 0f3F000000;
+	mov.b32 	%r405, %f131;
+	add.s32 	%r477, %r405, -1056964608;
 	bra.uni 	$L__BB48_383;
 
 $L__BB48_380:
-	ld.volatile.global.u32 	%r389, [%rd5+64];
-	setp.ne.s32 	%p293, %r389, %r71;
-	@%p293 bra 	$L__BB48_383;
-
-	ld.volatile.global.u64 	%rd353, [%rd6+8];
-	setp.eq.s64 	%p294, %rd353, 0;
-	@%p294 bra 	$L__BB48_380;
+	shr.u32 	%r401, %r71, 13;
+	and.b32  	%r402, %r401, 1;
+	add.s32 	%r403, %r72, %r402;
+	add.s32 	%r404, %r403, -939520001;
+	shr.u32 	%r477, %r404, 13;
 
 $L__BB48_383:
+	shl.b64 	%rd441, %rd498, 1;
+	add.s64 	%rd440, %rd93, %rd441;
+	and.b32  	%r409, %r71, -2147483648;
+	shr.u32 	%r410, %r409, 16;
+	or.b32  	%r411, %r477, %r410;
+	st.u16 	[%rd440], %r411;
+	add.s64 	%rd498, %rd498, %rd4;
+	setp.lt.u64 	%p292, %rd498, %rd149;
+	@%p292 bra 	$L__BB48_368;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_210:
+	setp.ge.u64 	%p138, %rd3, %rd95;
+	@%p138 bra 	$L__BB48_387;
+
+	mov.u64 	%rd470, %rd3;
+
+$L__BB48_212:
+	shl.b64 	%rd262, %rd470, 2;
+	add.s64 	%rd263, %rd93, %rd262;
+	add.s64 	%rd264, %rd94, %rd262;
+	ld.u32 	%r224, [%rd264];
+	ld.u32 	%r225, [%rd263];
+	max.s32 	%r226, %r224, %r225;
+	st.u32 	[%rd263], %r226;
+	add.s64 	%rd470, %rd470, %rd4;
+	setp.lt.u64 	%p139, %rd470, %rd95;
+	@%p139 bra 	$L__BB48_212;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_310:
+	setp.ge.u64 	%p236, %rd3, %rd131;
+	@%p236 bra 	$L__BB48_387;
+
+	mov.u64 	%rd486, %rd3;
+
+$L__BB48_312:
+	shl.b64 	%rd312, %rd486, 2;
+	add.s64 	%rd313, %rd93, %rd312;
+	add.s64 	%rd314, %rd94, %rd312;
+	ld.u32 	%r318, [%rd314];
+	ld.u32 	%r319, [%rd313];
+	mul.lo.s32 	%r320, %r318, %r319;
+	st.u32 	[%rd313], %r320;
+	add.s64 	%rd486, %rd486, %rd4;
+	setp.lt.u64 	%p237, %rd486, %rd131;
+	@%p237 bra 	$L__BB48_312;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_260:
+	setp.ge.u64 	%p187, %rd3, %rd113;
+	@%p187 bra 	$L__BB48_387;
+
+	mov.u64 	%rd478, %rd3;
+
+$L__BB48_262:
+	shl.b64 	%rd287, %rd478, 2;
+	add.s64 	%rd288, %rd93, %rd287;
+	add.s64 	%rd289, %rd94, %rd287;
+	ld.u32 	%r271, [%rd289];
+	ld.u32 	%r272, [%rd288];
+	min.s32 	%r273, %r271, %r272;
+	st.u32 	[%rd288], %r273;
+	add.s64 	%rd478, %rd478, %rd4;
+	setp.lt.u64 	%p188, %rd478, %rd113;
+	@%p188 bra 	$L__BB48_262;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_360:
+	setp.ge.u64 	%p273, %rd3, %rd149;
+	@%p273 bra 	$L__BB48_387;
+
+	mov.u64 	%rd494, %rd3;
+
+$L__BB48_362:
+	shl.b64 	%rd337, %rd494, 2;
+	add.s64 	%rd338, %rd93, %rd337;
+	add.s64 	%rd339, %rd94, %rd337;
+	ld.u32 	%r365, [%rd339];
+	ld.u32 	%r366, [%rd338];
+	add.s32 	%r367, %r365, %r366;
+	st.u32 	[%rd338], %r367;
+	add.s64 	%rd494, %rd494, %rd4;
+	setp.lt.u64 	%p274, %rd494, %rd149;
+	@%p274 bra 	$L__BB48_362;
+
+$L__BB48_387:
+	bar.sync 	0;
+	@%p72 bra 	$L__BB48_396;
+
+	ld.volatile.global.u32 	%r77, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r412, [%rd5], 1;
+	setp.eq.s32 	%p298, %r412, %r4;
+	@%p298 bra 	$L__BB48_394;
+	bra.uni 	$L__BB48_389;
+
+$L__BB48_394:
+	mov.u32 	%r417, 0;
+	st.global.u32 	[%rd5], %r417;
+	membar.gl;
+	add.s64 	%rd357, %rd5, 64;
+	atom.global.add.u32 	%r418, [%rd357], 1;
+	bra.uni 	$L__BB48_395;
+
+$L__BB48_389:
+	ld.volatile.global.u32 	%r413, [%rd5+64];
+	setp.ne.s32 	%p299, %r413, %r77;
+	@%p299 bra 	$L__BB48_395;
+
+	mov.u32 	%r478, 1;
+
+$L__BB48_391:
+	and.b32  	%r415, %r478, 255;
+	setp.ne.s32 	%p300, %r415, 0;
+	@%p300 bra 	$L__BB48_393;
+
+	ld.volatile.global.u64 	%rd356, [%rd6+8];
+	setp.ne.s64 	%p301, %rd356, 0;
+	@%p301 bra 	$L__BB48_395;
+
+$L__BB48_393:
+	add.s32 	%r478, %r478, 1;
+	ld.volatile.global.u32 	%r416, [%rd5+64];
+	setp.eq.s32 	%p302, %r416, %r77;
+	@%p302 bra 	$L__BB48_391;
+
+$L__BB48_395:
 	membar.gl;
 
-$L__BB48_384:
+$L__BB48_396:
 	bar.sync 	0;
 	mov.u16 	%rs133, 0;
 
-$L__BB48_418:
-	add.s64 	%rd503, %rd503, 1;
-	add.s64 	%rd441, %rd441, 1;
-	setp.lt.u64 	%p323, %rd441, %rd20;
-	setp.eq.s16 	%p324, %rs133, 0;
-	and.pred  	%p325, %p324, %p323;
-	@%p325 bra 	$L__BB48_13;
+$L__BB48_437:
+	add.s64 	%rd508, %rd508, 1;
+	add.s64 	%rd446, %rd446, 1;
+	setp.lt.u64 	%p336, %rd446, %rd23;
+	setp.eq.s16 	%p337, %rs133, 0;
+	and.pred  	%p338, %p337, %p336;
+	@%p338 bra 	$L__BB48_16;
 
-$L__BB48_419:
+$L__BB48_438:
 	bar.sync 	0;
-	setp.eq.s16 	%p326, %rs133, 0;
-	@%p326 bra 	$L__BB48_1;
+	setp.eq.s16 	%p339, %rs133, 0;
+	@%p339 bra 	$L__BB48_1;
 
-$L__BB48_420:
+$L__BB48_439:
 	membar.sys;
 	bar.sync 	0;
-	@%p70 bra 	$L__BB48_426;
+	@%p72 bra 	$L__BB48_448;
 
-	ld.volatile.global.u32 	%r75, [%rd5+64];
+	ld.volatile.global.u32 	%r89, [%rd5+64];
 	membar.gl;
-	atom.global.add.u32 	%r420, [%rd5], 1;
-	setp.eq.s32 	%p328, %r420, %r4;
-	@%p328 bra 	$L__BB48_424;
-	bra.uni 	$L__BB48_422;
+	atom.global.add.u32 	%r455, [%rd5], 1;
+	setp.eq.s32 	%p341, %r455, %r4;
+	@%p341 bra 	$L__BB48_446;
+	bra.uni 	$L__BB48_441;
 
-$L__BB48_424:
-	mov.u32 	%r422, 0;
-	st.global.u32 	[%rd5], %r422;
+$L__BB48_446:
+	mov.u32 	%r460, 0;
+	st.global.u32 	[%rd5], %r460;
 	membar.gl;
-	add.s64 	%rd409, %rd5, 64;
-	atom.global.add.u32 	%r423, [%rd409], 1;
-	bra.uni 	$L__BB48_425;
+	add.s64 	%rd412, %rd5, 64;
+	atom.global.add.u32 	%r461, [%rd412], 1;
+	bra.uni 	$L__BB48_447;
 
-$L__BB48_422:
-	ld.volatile.global.u32 	%r421, [%rd5+64];
-	setp.ne.s32 	%p329, %r421, %r75;
-	@%p329 bra 	$L__BB48_425;
+$L__BB48_441:
+	ld.volatile.global.u32 	%r456, [%rd5+64];
+	setp.ne.s32 	%p342, %r456, %r89;
+	@%p342 bra 	$L__BB48_447;
 
-	ld.volatile.global.u64 	%rd408, [%rd6+8];
-	setp.eq.s64 	%p330, %rd408, 0;
-	@%p330 bra 	$L__BB48_422;
+	mov.u32 	%r482, 1;
 
-$L__BB48_425:
+$L__BB48_443:
+	and.b32  	%r458, %r482, 255;
+	setp.ne.s32 	%p343, %r458, 0;
+	@%p343 bra 	$L__BB48_445;
+
+	ld.volatile.global.u64 	%rd411, [%rd6+8];
+	setp.ne.s64 	%p344, %rd411, 0;
+	@%p344 bra 	$L__BB48_447;
+
+$L__BB48_445:
+	add.s32 	%r482, %r482, 1;
+	ld.volatile.global.u32 	%r459, [%rd5+64];
+	setp.eq.s32 	%p345, %r459, %r89;
+	@%p345 bra 	$L__BB48_443;
+
+$L__BB48_447:
 	membar.gl;
 
-$L__BB48_426:
-	setp.ne.s32 	%p331, %r5, 0;
+$L__BB48_448:
+	setp.ne.s32 	%p346, %r5, 0;
 	bar.sync 	0;
-	@%p331 bra 	$L__BB48_437;
+	@%p346 bra 	$L__BB48_459;
 
-	ld.param.u64 	%rd419, [hetccl_program_param_2];
-	cvt.u32.u64 	%r427, %rd419;
-	mov.u32 	%r426, %ctaid.x;
-	add.s32 	%r424, %r3, 12;
-	mul.wide.u32 	%rd410, %r424, 8;
-	add.s64 	%rd411, %rd6, %rd410;
-	st.volatile.global.u64 	[%rd411], %rd7;
+	ld.param.u64 	%rd422, [hetccl_program_param_2];
+	cvt.u32.u64 	%r465, %rd422;
+	mov.u32 	%r464, %ctaid.x;
+	add.s32 	%r462, %r3, 12;
+	mul.wide.u32 	%rd413, %r462, 8;
+	add.s64 	%rd414, %rd6, %rd413;
+	st.volatile.global.u64 	[%rd414], %rd7;
 	membar.sys;
-	setp.lt.u32 	%p332, %r426, %r427;
+	setp.lt.u32 	%p347, %r464, %r465;
 	mov.u16 	%rs136, 1;
-	@%p332 bra 	$L__BB48_429;
+	@%p347 bra 	$L__BB48_451;
 
-	ld.volatile.global.u64 	%rd412, [%rd6+96];
-	setp.eq.s64 	%p333, %rd412, %rd7;
-	selp.u16 	%rs136, 1, 0, %p333;
+	ld.volatile.global.u64 	%rd415, [%rd6+96];
+	setp.eq.s64 	%p348, %rd415, %rd7;
+	selp.u16 	%rs136, 1, 0, %p348;
 
-$L__BB48_429:
-	setp.eq.s32 	%p334, %r3, 1;
-	@%p334 bra 	$L__BB48_431;
+$L__BB48_451:
+	setp.eq.s32 	%p349, %r3, 1;
+	@%p349 bra 	$L__BB48_453;
 
-	ld.volatile.global.u64 	%rd413, [%rd6+104];
-	setp.eq.s64 	%p335, %rd413, %rd7;
-	selp.b16 	%rs136, %rs136, 0, %p335;
+	ld.volatile.global.u64 	%rd416, [%rd6+104];
+	setp.eq.s64 	%p350, %rd416, %rd7;
+	selp.b16 	%rs136, %rs136, 0, %p350;
 
-$L__BB48_431:
-	setp.eq.s16 	%p336, %rs136, 0;
-	@%p336 bra 	$L__BB48_436;
+$L__BB48_453:
+	setp.eq.s16 	%p351, %rs136, 0;
+	@%p351 bra 	$L__BB48_458;
 
-	setp.ne.s64 	%p337, %rd8, 0;
-	ld.volatile.global.u64 	%rd192, [%rd6+24];
-	@%p337 bra 	$L__BB48_434;
-	bra.uni 	$L__BB48_433;
+	setp.ne.s64 	%p352, %rd8, 0;
+	ld.volatile.global.u64 	%rd195, [%rd6+24];
+	@%p352 bra 	$L__BB48_456;
+	bra.uni 	$L__BB48_455;
 
-$L__BB48_434:
-	ld.volatile.global.u64 	%rd415, [%rd6+16];
-	st.volatile.u64 	[%rd415], %rd192;
-	bra.uni 	$L__BB48_435;
+$L__BB48_456:
+	ld.volatile.global.u64 	%rd418, [%rd6+16];
+	st.volatile.u64 	[%rd418], %rd195;
+	bra.uni 	$L__BB48_457;
 
-$L__BB48_433:
-	ld.volatile.global.u64 	%rd414, [%rd6+16];
-	st.volatile.u32 	[%rd414], %rd192;
+$L__BB48_455:
+	ld.volatile.global.u64 	%rd417, [%rd6+16];
+	st.volatile.u32 	[%rd417], %rd195;
 
-$L__BB48_435:
+$L__BB48_457:
 	membar.sys;
 	st.volatile.global.u64 	[%rd6+32], %rd7;
 
-$L__BB48_436:
+$L__BB48_458:
 	membar.sys;
-	add.s32 	%r425, %r3, 14;
-	mul.wide.u32 	%rd416, %r425, 8;
-	add.s64 	%rd417, %rd6, %rd416;
-	st.volatile.global.u64 	[%rd417], %rd7;
+	add.s32 	%r463, %r3, 14;
+	mul.wide.u32 	%rd419, %r463, 8;
+	add.s64 	%rd420, %rd6, %rd419;
+	st.volatile.global.u64 	[%rd420], %rd7;
 
-$L__BB48_437:
+$L__BB48_459:
 	ret;
 
 }
@@ -6102,8 +6201,10 @@ __device__ __forceinline__ void group_barrier(u32* cnt, volatile u32* gen, u32 B
       __threadfence();
       atomicAdd(const_cast<u32*>(gen), 1u);
     } else {
-      while (*gen == g0 && S[1] == 0) {
-      }
+      // the abort word is host memory read across the bus: looked at once in 256 rounds, so
+      // the group's waiting blocks do not load the bus the data moves on
+      for (u32 i = 1; *gen == g0; ++i)
+        if ((i & 255) == 0 && S[1] != 0) break;
     }
     __threadfence();
   }
@@ -6167,8 +6268,8 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   while (!end) {
     if (threadIdx.x == 0) {
       u64 L;
-      while ((L = S[8 + g]) <= pos && S[1] == 0) {
-      }
+      for (u32 i = 1; (L = S[8 + g]) <= pos; ++i)
+        if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
       __threadfence_system();  // the instructions were written before len
       avail = L;
     }
@@ -6191,8 +6292,8 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
           if (threadIdx.x == 0) {
             const u64 addr = I[0] == hp::WAIT ? I[1] : u64(slot + 16 + I[1]);
             const bool w = I[0] == hp::AWAIT || wide;
-            while (!hp::reached(addr, I[2], w) && S[1] == 0) {
-            }
+            for (u32 i = 1; !hp::reached(addr, I[2], w); ++i)
+              if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
             __threadfence_system();
           }
           __syncthreads();
