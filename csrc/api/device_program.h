@@ -35,8 +35,10 @@
 //  * The kernel addresses pinned host memory by its host pointer: ProgramOps is made only
 //    where the runtime maps registered memory at the same address (checked on its first slot);
 //    elsewhere the route keeps its streams.
-// Trade-off: one block per group moves and reduces the data (no copy engine), so bandwidth
-// per call is one SM's; the issue is one launch whatever the size.
+// Trade-off: the kernel's blocks (HETCCL_CAPI_PROGRAM_BLOCKS per group) move and reduce the
+// data, with no copy engine: across the bus that is SM loads and stores of pinned host memory,
+// slower than the stream operations' copies at 4-32 MiB (2.5-2.9x the time on an H100,
+// docs/benchmarks.md); the issue is one launch whatever the size.
 #pragma once
 
 #include <atomic>
