@@ -57,13 +57,13 @@ def issue_profiler():
     import hetccl.face_capi as fc
     from hetccl.device import cuda as cu
 
-    targets = [(be.HetcclProcessGroup, "allreduce"), (be.HetcclProcessGroup, "_routed"),
+    # the steps of a routed all_reduce (backend.allreduce -> CollRoute -> the C API), and the
+    # work's wait (its async-error query is Comm._call)
+    targets = [(be.HetcclProcessGroup, "allreduce"), (fc.CollRoute, "all_reduce_if_taken"),
                (fc.CollRoute, "all_reduce"), (fc.CollRoute, "_issue"), (fc.CollRoute, "comm"),
-               (fc.CollRoute, "_op_code"), (fc.CollRoute, "all_reduce_if_taken"), (capi_mod.Comm, "check"),
-               (capi_mod.Comm, "all_reduce"), (capi_mod.Comm, "_call"),
-               (cu.CudaSeam if hasattr(cu, "CudaSeam") else None, "caller_stream"),
-               (cu.CallerStream, "current"), (cu.CallerStream, "keep"), (cu.CallerStream, "record"),
-               (fc.CapiWork, "__init__"), (fc.CapiWork, "wait")]
+               (fc.CollRoute, "_op_code"), (capi_mod.Comm, "check"), (capi_mod.Comm, "_call"),
+               (cu.CudaSeam, "caller_stream"), (cu.CallerStream, "current"), (cu.CallerStream, "keep"),
+               (cu.CallerStream, "record"), (fc.CapiWork, "__init__"), (fc.CapiWork, "wait")]
     times: dict[str, list[int]] = {}
     state = {"on": False, "issues": 0}
 
@@ -85,8 +85,7 @@ def issue_profiler():
         setattr(owner, name, timed)
 
     for owner, name in targets:
-        if owner is not None:
-            wrap(owner, name)
+        wrap(owner, name)
 
     def on(flag: bool, issues: int = 0):
         state["on"] = flag
