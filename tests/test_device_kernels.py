@@ -212,12 +212,26 @@ def _put(slot, group, prog):
     slot[8 + group] = len(prog)
 
 
-def _run_program(host_kernels, slot, blocks=1):
+def _run_program(host_kernels, slot, blocks=1, publish_late=None):
     """Each block of the grid (groups x blocks) on a host thread of its own, one thread a
-    block: the group barriers meet across the threads."""
+    block: the group barriers meet across the threads. publish_late=(group, first): only the
+    group's first instructions are published at the start, the rest 0.2 s later (the blocks
+    wait for them: block 0 on the slot, the others on its copy in `bar`)."""
     import threading
+    import time
     bar = np.zeros(64, np.uint32)
     slot[6] = blocks
+    late = None
+    if publish_late:
+        g, first = publish_late
+        full = int(slot[8 + g])
+        slot[8 + g] = first
+
+        def publish():
+            time.sleep(0.2)
+            slot[8 + g] = full
+        late = threading.Thread(target=publish)
+        late.start()
     ts = [threading.Thread(target=host_kernels.hetccl_test_program_block,
                            args=(ctypes.c_void_p(slot.ctypes.data), ctypes.c_void_p(bar.ctypes.data),
                                  ctypes.c_uint(k), ctypes.c_uint(blocks)))
@@ -226,19 +240,24 @@ def _run_program(host_kernels, slot, blocks=1):
         t.start()
     for t in ts:
         t.join(30)
+    if late:
+        late.join()
     assert not any(t.is_alive() for t in ts), "the program did not end"
-    assert not bar[0] and not bar[32], bar  # the barriers' counts are left as found
+    # the barriers' counts and block 0's copies of len are left as found
+    assert not bar[0] and not bar[32] and not bar[8:10].any() and not bar[40:42].any(), bar
     return bar
 
 
-@pytest.mark.parametrize("blocks", [1, 3])
-def test_program_kernel_runs_every_instruction(host_kernels, blocks):
+@pytest.mark.parametrize("blocks,late", [(1, False), (3, False), (3, True)])
+def test_program_kernel_runs_every_instruction(host_kernels, blocks, late):
     """hetccl_program, one thread per block on the host: group 0 copies (aligned, then at an odd
     offset), reduces, divides and multiplies (host scalar bits and a scalar in memory), writes a
     32-bit word and signals; group 1 waits for the signal and the word, copies the result and
     reduces int8 MAX; both end and the kernel writes fin and ended, taken counts every read.
     With 3 blocks a group, the data instructions are spread over the blocks and their barriers
-    run after each."""
+    run after each, waits polled by block 0 alone. late: group 0's program is published in
+    two steps (its first 3 instructions, then the rest), so the other blocks read block 0's
+    copy of the length more than once."""
     n = 1000
     g = np.random.default_rng(7)
     b, c = g.standard_normal(n).astype(np.float32), g.standard_normal(n).astype(np.float32)
@@ -257,7 +276,7 @@ def test_program_kernel_runs_every_instruction(host_kernels, blocks):
     _put(slot, 1, [("AWAIT", 3, 5), ("WAIT", p(words), 7), ("COPY", p(d), p(a), 4 * n),
                    ("REDUCE", p(x8), p(y8), 77, 4, 3), ("END",)])
     x8_want = np.maximum(x8, y8)
-    bar = _run_program(host_kernels, slot, blocks)
+    bar = _run_program(host_kernels, slot, blocks, publish_late=(0, 3) if late else None)
     want = (b + c) / np.float32(2) * np.float32(3) * np.float32(0.5)
     np.testing.assert_array_equal(a, want)
     np.testing.assert_array_equal(d, want)
@@ -270,7 +289,8 @@ def test_program_kernel_runs_every_instruction(host_kernels, blocks):
     assert list(slot[32:32 + blocks]) == [9] * blocks and list(slot[48:48 + blocks]) == [5] * blocks, slot[32:64]
     assert slot[16 + 3] == 5
     if blocks > 1:  # group 0 met 9 times (6 data instructions, the write, the signal, the end),
-        assert bar[16] == 9 and bar[48] == 3, bar  # group 1 3 times (2 data instructions, the end)
+        # group 1 5 times (2 waits, 2 data instructions, the end)
+        assert bar[16] == 9 and bar[48] == 5, bar
 
 
 def test_program_kernel_aborted_ends_at_once(host_kernels):

@@ -165,10 +165,12 @@ HETCCL_KERNELS(int64, I64)
 
 // ---- Device programs (csrc/device/program.h: the format, the slot's layout and the contract).
 // B blocks per group (blockIdx.x / B: the group, blockIdx.x % B: the block in it), every thread
-// of the group executing the group's instructions in order: waits by each block's first thread,
-// data instructions spread over the group's threads, and a barrier of the group's blocks (in
-// device memory, `bar`: per group a count and a generation) after each data instruction and
-// before each write, signal and end. The slot is pinned host memory, read and written with
+// of the group executing the group's instructions in order: waits by block 0's first thread
+// (the only poller of host memory: the others meet it at the group barrier, and read the
+// published length from block 0's copy in device memory), data instructions spread over the
+// group's threads, and a barrier of the group's blocks (in device memory, `bar`: per group a
+// count and a generation) after each wait and data instruction and before each write, signal
+// and end. The slot is pinned host memory, read and written with
 // volatile accesses and system fences. Word indices of the slot (program.h's Slot): 0 seq,
 // 1 abort, 2 fin_addr, 3 fin_value, 4 ended, 5 wide, 8 + g len, 12 + g gend, 14 + g left, 16 + e ev,
 // 32 + 16 g + b taken by block b, 64 the rings (8 words an instruction, 256 a group).
@@ -271,7 +273,8 @@ __device__ __forceinline__ void mul_as(int dt, void* p, u64 n, const void* sp, u
 }  // namespace hp
 
 // slot: the program's slot (device address of pinned host memory); bar: 32 zeroed u32 of
-// device memory per group (count at 0, generation at 16, left as found); B: blocks per group
+// device memory per group (barrier count at 0, block 0's copy of len at 8-9, barrier
+// generation at 16; count and len left as found); B: blocks per group
 extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   volatile u64* S = slot;
   const u32 B = u32(blocks);
@@ -279,6 +282,10 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   const u64 t = u64(b) * blockDim.x + threadIdx.x, nt = u64(B) * blockDim.x;
   u32* cnt = bar + 32 * g;
   volatile u32* gen = bar + 32 * g + 16;
+  // the group's published length as block 0 read it (B > 1): the other blocks poll this word
+  // of device memory instead of the slot across the bus, so one poller per group loads the
+  // bus the data moves on (reset to 0 when the program ends)
+  volatile u64* lenw = reinterpret_cast<volatile u64*>(bar + 32 * g + 8);
   __shared__ u64 ins[hp::kBatch][8];
   __shared__ u64 avail;
   const u64 seq = S[0];
@@ -288,9 +295,19 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   while (!end) {
     if (threadIdx.x == 0) {
       u64 L;
-      for (u32 i = 1; (L = S[8 + g]) <= pos; ++i)
-        if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
-      __threadfence_system();  // the instructions were written before len
+      if (b == 0) {
+        for (u32 i = 1; (L = S[8 + g]) <= pos; ++i)
+          if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
+        __threadfence_system();  // the instructions were written before len
+        if (B > 1 && L > pos) {
+          *lenw = L;
+          __threadfence();
+        }
+      } else {
+        for (u32 i = 1; (L = *lenw) <= pos; ++i)
+          if ((i & 255) == 0 && S[1] != 0) break;  // aborted (looked at once in 256 rounds)
+        __threadfence_system();
+      }
       avail = L;
     }
     __syncthreads();
@@ -309,14 +326,16 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
           break;
         case hp::WAIT:
         case hp::AWAIT:
-          if (threadIdx.x == 0) {
+          // block 0 polls the word (host memory, across the bus), the others meet it at the
+          // group barrier (device memory)
+          if (b == 0 && threadIdx.x == 0) {
             const u64 addr = I[0] == hp::WAIT ? I[1] : u64(slot + 16 + I[1]);
             const bool w = I[0] == hp::AWAIT || wide;
             for (u32 i = 1; !hp::reached(addr, I[2], w); ++i)
               if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
             __threadfence_system();
           }
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
         case hp::WRITE:
         case hp::SIGNAL:
@@ -362,6 +381,7 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   __threadfence_system();
   hp::group_barrier(cnt, gen, B, S);  // every block of the group is done
   if (b == 0 && threadIdx.x == 0) {
+    *lenw = 0;  // as found, for the slot's next program
     // Both groups ended: whichever sees the other's mark writes fin (both may: the same values)
     S[12 + g] = seq;
     __threadfence_system();

@@ -3179,2796 +3179,2895 @@ $L__BB47_5:
 	.param .u64 hetccl_program_param_2
 )
 {
-	.reg .pred 	%p<355>;
+	.reg .pred 	%p<372>;
 	.reg .b16 	%rs<137>;
 	.reg .f32 	%f<147>;
-	.reg .b32 	%r<483>;
+	.reg .b32 	%r<495>;
 	.reg .f64 	%fd<22>;
-	.reg .b64 	%rd<509>;
+	.reg .b64 	%rd<530>;
 	// demoted variable
 	.shared .align 8 .b8 _ZZ14hetccl_programE3ins[2048];
 	// demoted variable
 	.shared .align 8 .u64 _ZZ14hetccl_programE5avail;
 
-	ld.param.u64 	%rd196, [hetccl_program_param_0];
-	ld.param.u64 	%rd198, [hetccl_program_param_1];
-	ld.param.u64 	%rd199, [hetccl_program_param_2];
-	cvta.to.global.u64 	%rd200, %rd198;
+	ld.param.u64 	%rd201, [hetccl_program_param_0];
+	ld.param.u64 	%rd203, [hetccl_program_param_1];
+	ld.param.u64 	%rd204, [hetccl_program_param_2];
+	cvta.to.global.u64 	%rd205, %rd203;
 	mov.u32 	%r1, %ctaid.x;
-	cvt.u32.u64 	%r2, %rd199;
+	cvt.u32.u64 	%r2, %rd204;
 	div.u32 	%r3, %r1, %r2;
-	mul.lo.s32 	%r92, %r3, %r2;
-	sub.s32 	%r93, %r1, %r92;
-	mov.u32 	%r94, %ntid.x;
-	cvt.u64.u32 	%rd1, %r94;
-	mul.wide.u32 	%rd201, %r93, %r94;
-	mov.u32 	%r95, %tid.x;
-	cvt.u64.u32 	%rd2, %r95;
-	add.s64 	%rd3, %rd201, %rd2;
-	and.b64  	%rd202, %rd199, 4294967295;
-	mul.lo.s64 	%rd4, %rd202, %rd1;
-	shl.b32 	%r96, %r3, 5;
-	mul.wide.u32 	%rd203, %r96, 4;
-	add.s64 	%rd5, %rd200, %rd203;
-	cvta.to.global.u64 	%rd6, %rd196;
+	mul.lo.s32 	%r98, %r3, %r2;
+	sub.s32 	%r4, %r1, %r98;
+	mov.u32 	%r99, %ntid.x;
+	cvt.u64.u32 	%rd1, %r99;
+	mul.wide.u32 	%rd206, %r4, %r99;
+	mov.u32 	%r100, %tid.x;
+	cvt.u64.u32 	%rd2, %r100;
+	add.s64 	%rd3, %rd206, %rd2;
+	and.b64  	%rd207, %rd204, 4294967295;
+	mul.lo.s64 	%rd4, %rd207, %rd1;
+	shl.b32 	%r101, %r3, 5;
+	mul.wide.u32 	%rd208, %r101, 4;
+	add.s64 	%rd5, %rd205, %rd208;
+	cvta.to.global.u64 	%rd6, %rd201;
 	ld.volatile.global.u64 	%rd7, [%rd6];
-	mov.u64 	%rd508, 0;
+	mov.u64 	%rd529, 0;
 	ld.volatile.global.u64 	%rd8, [%rd6+40];
-	setp.eq.s32 	%p3, %r95, 0;
-	add.s32 	%r97, %r3, 8;
-	mul.wide.u32 	%rd204, %r97, 8;
-	add.s64 	%rd9, %rd6, %rd204;
+	setp.eq.s32 	%p4, %r100, 0;
+	add.s32 	%r102, %r3, 8;
+	mul.wide.u32 	%rd209, %r102, 8;
+	add.s64 	%rd9, %rd6, %rd209;
+	setp.gt.u32 	%p5, %r2, 1;
 	mul.wide.u32 	%rd10, %r3, 256;
-	shl.b32 	%r98, %r3, 4;
-	add.s32 	%r99, %r98, %r93;
-	add.s32 	%r100, %r99, 32;
-	mul.wide.u32 	%rd205, %r100, 8;
-	add.s64 	%rd11, %rd6, %rd205;
-	setp.gt.u32 	%p4, %r2, 1;
-	and.pred  	%p1, %p3, %p4;
-	add.s32 	%r4, %r2, -1;
-	or.b32  	%r5, %r93, %r95;
+	shl.b32 	%r103, %r3, 4;
+	add.s32 	%r104, %r103, %r4;
+	add.s32 	%r105, %r104, 32;
+	mul.wide.u32 	%rd210, %r105, 8;
+	add.s64 	%rd11, %rd6, %rd210;
+	or.b32  	%r5, %r4, %r100;
+	and.pred  	%p1, %p4, %p5;
+	add.s32 	%r6, %r2, -1;
 	mul.lo.s64 	%rd12, %rd4, 3;
 	add.s64 	%rd13, %rd3, %rd12;
-	shl.b64 	%rd206, %rd201, 4;
-	mul.wide.u32 	%rd207, %r95, 16;
-	add.s64 	%rd15, %rd206, %rd207;
-	not.pred 	%p72, %p1;
+	shl.b64 	%rd211, %rd206, 4;
+	mul.wide.u32 	%rd212, %r100, 16;
+	add.s64 	%rd15, %rd211, %rd212;
 
 $L__BB48_1:
-	cvt.u32.u64 	%r101, %rd2;
-	setp.ne.s32 	%p5, %r101, 0;
-	@%p5 bra 	$L__BB48_8;
+	cvt.u32.u64 	%r106, %rd2;
+	setp.ne.s32 	%p6, %r106, 0;
+	@%p6 bra 	$L__BB48_17;
 
-	ld.volatile.global.u64 	%rd444, [%rd9];
-	setp.gt.u64 	%p6, %rd444, %rd508;
-	@%p6 bra 	$L__BB48_7;
+	setp.eq.s32 	%p7, %r4, 0;
+	@%p7 bra 	$L__BB48_9;
 
-	mov.u32 	%r468, 1;
+	ld.volatile.global.u64 	%rd464, [%rd5+32];
+	setp.gt.u64 	%p8, %rd464, %rd529;
+	@%p8 bra 	$L__BB48_8;
 
-$L__BB48_4:
-	and.b32  	%r103, %r468, 15;
-	setp.ne.s32 	%p7, %r103, 0;
-	@%p7 bra 	$L__BB48_6;
+	mov.u32 	%r478, 1;
 
-	ld.volatile.global.u64 	%rd208, [%rd6+8];
-	setp.ne.s64 	%p8, %rd208, 0;
-	@%p8 bra 	$L__BB48_7;
+$L__BB48_5:
+	and.b32  	%r108, %r478, 255;
+	setp.ne.s32 	%p9, %r108, 0;
+	@%p9 bra 	$L__BB48_7;
 
-$L__BB48_6:
-	add.s32 	%r468, %r468, 1;
-	ld.volatile.global.u64 	%rd444, [%rd9];
-	setp.le.u64 	%p9, %rd444, %rd508;
-	@%p9 bra 	$L__BB48_4;
+	ld.volatile.global.u64 	%rd213, [%rd6+8];
+	setp.ne.s64 	%p10, %rd213, 0;
+	@%p10 bra 	$L__BB48_8;
 
 $L__BB48_7:
-	membar.sys;
-	st.shared.u64 	[_ZZ14hetccl_programE5avail], %rd444;
+	add.s32 	%r478, %r478, 1;
+	ld.volatile.global.u64 	%rd464, [%rd5+32];
+	setp.le.u64 	%p11, %rd464, %rd529;
+	@%p11 bra 	$L__BB48_5;
 
 $L__BB48_8:
-	bar.sync 	0;
-	ld.shared.u64 	%rd22, [_ZZ14hetccl_programE5avail];
-	setp.le.u64 	%p10, %rd22, %rd508;
-	@%p10 bra 	$L__BB48_439;
+	membar.sys;
+	bra.uni 	$L__BB48_16;
 
-	sub.s64 	%rd209, %rd22, %rd508;
-	min.u64 	%rd23, %rd209, 32;
-	shl.b64 	%rd24, %rd23, 3;
-	setp.le.u64 	%p11, %rd24, %rd2;
-	@%p11 bra 	$L__BB48_12;
+$L__BB48_9:
+	ld.volatile.global.u64 	%rd464, [%rd9];
+	setp.gt.u64 	%p13, %rd464, %rd529;
+	mov.pred 	%p12, -1;
+	mov.pred 	%p371, %p12;
+	@%p13 bra 	$L__BB48_14;
 
-	mov.u64 	%rd445, %rd2;
+	mov.u32 	%r479, 1;
 
 $L__BB48_11:
-	shr.u64 	%rd210, %rd445, 3;
-	add.s64 	%rd211, %rd210, %rd508;
-	and.b64  	%rd212, %rd211, 255;
-	add.s64 	%rd213, %rd212, %rd10;
-	and.b64  	%rd214, %rd445, 7;
-	bfi.b64 	%rd215, %rd213, %rd214, 3, 61;
-	shl.b64 	%rd216, %rd215, 3;
-	add.s64 	%rd217, %rd6, %rd216;
-	ld.volatile.global.u64 	%rd218, [%rd217+512];
-	cvt.u32.u64 	%r104, %rd210;
-	cvt.u32.u64 	%r105, %rd445;
-	shl.b32 	%r106, %r104, 6;
-	mov.u32 	%r107, _ZZ14hetccl_programE3ins;
-	add.s32 	%r108, %r107, %r106;
-	shl.b32 	%r109, %r105, 3;
-	and.b32  	%r110, %r109, 56;
-	add.s32 	%r111, %r108, %r110;
-	st.shared.u64 	[%r111], %rd218;
-	add.s64 	%rd445, %rd445, %rd1;
-	setp.lt.u64 	%p12, %rd445, %rd24;
-	@%p12 bra 	$L__BB48_11;
+	and.b32  	%r110, %r479, 15;
+	setp.ne.s32 	%p14, %r110, 0;
+	@%p14 bra 	$L__BB48_13;
 
-$L__BB48_12:
-	cvt.u32.u64 	%r466, %rd2;
-	setp.ne.s32 	%p353, %r466, 0;
-	bar.sync 	0;
-	@%p353 bra 	$L__BB48_14;
+	ld.volatile.global.u64 	%rd214, [%rd6+8];
+	setp.ne.s64 	%p16, %rd214, 0;
+	mov.pred 	%p371, 0;
+	@%p16 bra 	$L__BB48_14;
 
-	add.s64 	%rd219, %rd23, %rd508;
-	st.volatile.global.u64 	[%rd11], %rd219;
+$L__BB48_13:
+	add.s32 	%r479, %r479, 1;
+	ld.volatile.global.u64 	%rd464, [%rd9];
+	setp.le.u64 	%p18, %rd464, %rd529;
+	mov.pred 	%p371, %p12;
+	@%p18 bra 	$L__BB48_11;
 
 $L__BB48_14:
-	setp.eq.s64 	%p14, %rd23, 0;
-	mov.u16 	%rs133, 0;
-	@%p14 bra 	$L__BB48_438;
+	membar.sys;
+	setp.lt.u32 	%p19, %r2, 2;
+	not.pred 	%p20, %p371;
+	or.pred  	%p21, %p19, %p20;
+	@%p21 bra 	$L__BB48_16;
 
-	mov.u64 	%rd446, 0;
+	st.volatile.global.u64 	[%rd5+32], %rd464;
+	membar.gl;
 
 $L__BB48_16:
-	cvt.u32.u64 	%r113, %rd446;
-	shl.b32 	%r114, %r113, 6;
-	mov.u32 	%r115, _ZZ14hetccl_programE3ins;
-	add.s32 	%r8, %r115, %r114;
-	ld.shared.u64 	%rd29, [%r8];
-	mov.u16 	%rs133, 1;
-	setp.gt.s64 	%p15, %rd29, 3;
-	@%p15 bra 	$L__BB48_32;
-	bra.uni 	$L__BB48_17;
-
-$L__BB48_32:
-	setp.gt.s64 	%p16, %rd29, 5;
-	@%p16 bra 	$L__BB48_36;
-	bra.uni 	$L__BB48_33;
-
-$L__BB48_36:
-	setp.eq.s64 	%p17, %rd29, 8;
-	@%p17 bra 	$L__BB48_20;
-
-	setp.eq.s64 	%p18, %rd29, 7;
-	@%p18 bra 	$L__BB48_415;
-
-	setp.ne.s64 	%p19, %rd29, 6;
-	@%p19 bra 	$L__BB48_35;
-
-	ld.shared.u32 	%r116, [%r8+24];
-	ld.shared.u64 	%rd30, [%r8+8];
-	ld.shared.u64 	%rd31, [%r8+16];
-	ld.shared.u64 	%rd32, [%r8+32];
-	ld.shared.u64 	%rd33, [%r8+40];
-	setp.gt.s32 	%p27, %r116, 3;
-	@%p27 bra 	$L__BB48_49;
-
-	setp.gt.s32 	%p33, %r116, 1;
-	@%p33 bra 	$L__BB48_45;
-
-	setp.eq.s32 	%p36, %r116, 0;
-	@%p36 bra 	$L__BB48_106;
-
-	setp.eq.s32 	%p37, %r116, 1;
-	@%p37 bra 	$L__BB48_43;
-	bra.uni 	$L__BB48_111;
-
-$L__BB48_43:
-	setp.eq.s64 	%p66, %rd32, 0;
-	@%p66 bra 	$L__BB48_102;
-
-	ld.f64 	%fd21, [%rd32];
-	bra.uni 	$L__BB48_103;
+	st.shared.u64 	[_ZZ14hetccl_programE5avail], %rd464;
 
 $L__BB48_17:
-	setp.gt.s64 	%p22, %rd29, 1;
-	@%p22 bra 	$L__BB48_24;
+	bar.sync 	0;
+	ld.shared.u64 	%rd27, [_ZZ14hetccl_programE5avail];
+	setp.le.u64 	%p22, %rd27, %rd529;
+	@%p22 bra 	$L__BB48_457;
 
-	setp.eq.s64 	%p25, %rd29, 0;
-	@%p25 bra 	$L__BB48_437;
+	sub.s64 	%rd215, %rd27, %rd529;
+	min.u64 	%rd28, %rd215, 32;
+	shl.b64 	%rd29, %rd28, 3;
+	setp.le.u64 	%p23, %rd29, %rd2;
+	@%p23 bra 	$L__BB48_21;
 
-	setp.eq.s64 	%p26, %rd29, 1;
-	@%p26 bra 	$L__BB48_20;
-	bra.uni 	$L__BB48_35;
+	mov.u64 	%rd466, %rd2;
 
 $L__BB48_20:
-	cvt.u32.u64 	%r467, %rd2;
-	setp.ne.s32 	%p354, %r467, 0;
-	@%p354 bra 	$L__BB48_436;
+	shr.u64 	%rd216, %rd466, 3;
+	add.s64 	%rd217, %rd216, %rd529;
+	and.b64  	%rd218, %rd217, 255;
+	add.s64 	%rd219, %rd218, %rd10;
+	and.b64  	%rd220, %rd466, 7;
+	bfi.b64 	%rd221, %rd219, %rd220, 3, 61;
+	shl.b64 	%rd222, %rd221, 3;
+	add.s64 	%rd223, %rd6, %rd222;
+	ld.volatile.global.u64 	%rd224, [%rd223+512];
+	cvt.u32.u64 	%r111, %rd216;
+	cvt.u32.u64 	%r112, %rd466;
+	shl.b32 	%r113, %r111, 6;
+	mov.u32 	%r114, _ZZ14hetccl_programE3ins;
+	add.s32 	%r115, %r114, %r113;
+	shl.b32 	%r116, %r112, 3;
+	and.b32  	%r117, %r116, 56;
+	add.s32 	%r118, %r115, %r117;
+	st.shared.u64 	[%r118], %rd224;
+	add.s64 	%rd466, %rd466, %rd1;
+	setp.lt.u64 	%p24, %rd466, %rd29;
+	@%p24 bra 	$L__BB48_20;
 
-	ld.param.u64 	%rd423, [hetccl_program_param_0];
-	setp.ne.s64 	%p329, %rd8, 0;
-	ld.shared.u64 	%rd405, [%r8+8];
-	shl.b64 	%rd406, %rd405, 3;
-	add.s64 	%rd407, %rd423, %rd406;
-	add.s64 	%rd408, %rd407, 128;
-	setp.eq.s64 	%p330, %rd29, 1;
-	selp.b64 	%rd190, %rd405, %rd408, %p330;
-	setp.eq.s64 	%p331, %rd29, 8;
-	or.pred  	%p2, %p329, %p331;
-	ld.shared.u64 	%rd191, [%r8+16];
-	cvt.u32.u64 	%r86, %rd191;
-	mov.u32 	%r481, 1;
-	bra.uni 	$L__BB48_22;
+$L__BB48_21:
+	bar.sync 	0;
+	@%p6 bra 	$L__BB48_23;
 
-$L__BB48_460:
-	add.s32 	%r481, %r481, 1;
-
-$L__BB48_22:
-	@%p2 bra 	$L__BB48_431;
-	bra.uni 	$L__BB48_23;
-
-$L__BB48_431:
-	ld.volatile.u64 	%rd409, [%rd190];
-	setp.ge.u64 	%p332, %rd409, %rd191;
-	selp.u16 	%rs132, 1, 0, %p332;
-	bra.uni 	$L__BB48_432;
+	add.s64 	%rd225, %rd28, %rd529;
+	st.volatile.global.u64 	[%rd11], %rd225;
 
 $L__BB48_23:
-	ld.volatile.u32 	%r451, [%rd190];
-	sub.s32 	%r452, %r451, %r86;
-	shr.u32 	%r453, %r452, 31;
-	cvt.u16.u32 	%rs124, %r453;
-	xor.b16  	%rs132, %rs124, 1;
-
-$L__BB48_432:
-	setp.ne.s16 	%p333, %rs132, 0;
-	@%p333 bra 	$L__BB48_435;
-
-	and.b32  	%r454, %r481, 15;
-	setp.ne.s32 	%p334, %r454, 0;
-	@%p334 bra 	$L__BB48_460;
-
-	ld.volatile.global.u64 	%rd410, [%rd6+8];
-	setp.eq.s64 	%p335, %rd410, 0;
-	@%p335 bra 	$L__BB48_460;
-
-$L__BB48_435:
-	membar.sys;
-
-$L__BB48_436:
-	bar.sync 	0;
+	setp.eq.s64 	%p26, %rd28, 0;
 	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_437;
+	@%p26 bra 	$L__BB48_456;
 
-$L__BB48_33:
-	setp.eq.s64 	%p20, %rd29, 4;
-	@%p20 bra 	$L__BB48_184;
+	mov.u64 	%rd467, 0;
 
-	setp.eq.s64 	%p21, %rd29, 5;
-	@%p21 bra 	$L__BB48_121;
-	bra.uni 	$L__BB48_35;
+$L__BB48_25:
+	cvt.u32.u64 	%r120, %rd467;
+	shl.b32 	%r121, %r120, 6;
+	mov.u32 	%r122, _ZZ14hetccl_programE3ins;
+	add.s32 	%r11, %r122, %r121;
+	ld.shared.u64 	%rd34, [%r11];
+	mov.u16 	%rs133, 1;
+	setp.gt.s64 	%p27, %rd34, 3;
+	@%p27 bra 	$L__BB48_41;
+	bra.uni 	$L__BB48_26;
 
-$L__BB48_121:
-	ld.shared.u32 	%r171, [%r8+24];
-	ld.shared.u64 	%rd53, [%r8+8];
-	ld.shared.u64 	%rd54, [%r8+16];
-	ld.shared.u64 	%rd55, [%r8+32];
-	setp.gt.s32 	%p78, %r171, 3;
-	@%p78 bra 	$L__BB48_133;
+$L__BB48_41:
+	setp.gt.s64 	%p28, %rd34, 5;
+	@%p28 bra 	$L__BB48_45;
+	bra.uni 	$L__BB48_42;
 
-	setp.gt.s32 	%p84, %r171, 1;
-	@%p84 bra 	$L__BB48_128;
+$L__BB48_45:
+	setp.eq.s64 	%p29, %rd34, 8;
+	@%p29 bra 	$L__BB48_29;
 
-	setp.eq.s32 	%p87, %r171, 0;
-	@%p87 bra 	$L__BB48_171;
+	setp.eq.s64 	%p30, %rd34, 7;
+	@%p30 bra 	$L__BB48_424;
 
-	setp.eq.s32 	%p88, %r171, 1;
-	@%p88 bra 	$L__BB48_125;
-	bra.uni 	$L__BB48_174;
+	setp.ne.s64 	%p31, %rd34, 6;
+	@%p31 bra 	$L__BB48_44;
 
-$L__BB48_125:
-	setp.ge.u64 	%p112, %rd3, %rd54;
-	@%p112 bra 	$L__BB48_174;
+	ld.shared.u32 	%r123, [%r11+24];
+	ld.shared.u64 	%rd35, [%r11+8];
+	ld.shared.u64 	%rd36, [%r11+16];
+	ld.shared.u64 	%rd37, [%r11+32];
+	ld.shared.u64 	%rd38, [%r11+40];
+	setp.gt.s32 	%p39, %r123, 3;
+	@%p39 bra 	$L__BB48_58;
 
-	cvt.rn.f64.s64 	%fd4, %rd55;
-	mov.u64 	%rd467, %rd3;
+	setp.gt.s32 	%p45, %r123, 1;
+	@%p45 bra 	$L__BB48_54;
 
-$L__BB48_127:
-	shl.b64 	%rd250, %rd467, 3;
-	add.s64 	%rd251, %rd53, %rd250;
-	ld.f64 	%fd7, [%rd251];
-	div.rn.f64 	%fd8, %fd7, %fd4;
-	st.f64 	[%rd251], %fd8;
-	add.s64 	%rd467, %rd467, %rd4;
-	setp.lt.u64 	%p113, %rd467, %rd54;
-	@%p113 bra 	$L__BB48_127;
-	bra.uni 	$L__BB48_174;
+	setp.eq.s32 	%p48, %r123, 0;
+	@%p48 bra 	$L__BB48_115;
 
-$L__BB48_24:
-	setp.eq.s64 	%p23, %rd29, 2;
-	@%p23 bra 	$L__BB48_415;
+	setp.eq.s32 	%p49, %r123, 1;
+	@%p49 bra 	$L__BB48_52;
+	bra.uni 	$L__BB48_120;
 
-	setp.eq.s64 	%p24, %rd29, 3;
-	@%p24 bra 	$L__BB48_26;
-	bra.uni 	$L__BB48_35;
+$L__BB48_52:
+	setp.eq.s64 	%p78, %rd37, 0;
+	@%p78 bra 	$L__BB48_111;
+
+	ld.f64 	%fd21, [%rd37];
+	bra.uni 	$L__BB48_112;
 
 $L__BB48_26:
-	ld.shared.u64 	%rd167, [%r8+24];
-	ld.shared.u64 	%rd168, [%r8+8];
-	ld.shared.u64 	%rd169, [%r8+16];
-	or.b64  	%rd170, %rd169, %rd168;
-	and.b64  	%rd358, %rd170, 15;
-	setp.eq.s64 	%p303, %rd358, 0;
-	@%p303 bra 	$L__BB48_397;
+	setp.gt.s64 	%p34, %rd34, 1;
+	@%p34 bra 	$L__BB48_33;
 
-	and.b64  	%rd360, %rd170, 7;
-	setp.ne.s64 	%p304, %rd360, 0;
-	mov.u64 	%rd506, 0;
-	@%p304 bra 	$L__BB48_403;
+	setp.eq.s64 	%p37, %rd34, 0;
+	@%p37 bra 	$L__BB48_455;
 
-	shr.u64 	%rd171, %rd167, 3;
-	setp.ge.u64 	%p305, %rd3, %rd171;
-	@%p305 bra 	$L__BB48_31;
+	setp.eq.s64 	%p38, %rd34, 1;
+	@%p38 bra 	$L__BB48_29;
+	bra.uni 	$L__BB48_44;
 
-	mov.u64 	%rd501, %rd3;
+$L__BB48_29:
+	setp.ne.s32 	%p340, %r5, 0;
+	@%p340 bra 	$L__BB48_445;
 
-$L__BB48_30:
-	shl.b64 	%rd361, %rd501, 3;
-	add.s64 	%rd362, %rd169, %rd361;
-	ld.u64 	%rd363, [%rd362];
-	add.s64 	%rd364, %rd168, %rd361;
-	st.u64 	[%rd364], %rd363;
-	add.s64 	%rd501, %rd501, %rd4;
-	setp.lt.u64 	%p306, %rd501, %rd171;
-	@%p306 bra 	$L__BB48_30;
+	ld.param.u64 	%rd431, [hetccl_program_param_0];
+	setp.ne.s64 	%p341, %rd8, 0;
+	ld.shared.u64 	%rd411, [%r11+8];
+	shl.b64 	%rd412, %rd411, 3;
+	add.s64 	%rd413, %rd431, %rd412;
+	add.s64 	%rd414, %rd413, 128;
+	setp.eq.s64 	%p342, %rd34, 1;
+	selp.b64 	%rd195, %rd411, %rd414, %p342;
+	setp.eq.s64 	%p343, %rd34, 8;
+	or.pred  	%p3, %p341, %p343;
+	ld.shared.u64 	%rd196, [%r11+16];
+	cvt.u32.u64 	%r89, %rd196;
+	mov.u32 	%r492, 1;
+	bra.uni 	$L__BB48_31;
+
+$L__BB48_478:
+	add.s32 	%r492, %r492, 1;
 
 $L__BB48_31:
-	and.b64  	%rd506, %rd167, -8;
-	bra.uni 	$L__BB48_403;
+	@%p3 bra 	$L__BB48_440;
+	bra.uni 	$L__BB48_32;
 
-$L__BB48_415:
+$L__BB48_440:
+	ld.volatile.u64 	%rd415, [%rd195];
+	setp.ge.u64 	%p344, %rd415, %rd196;
+	selp.u16 	%rs132, 1, 0, %p344;
+	bra.uni 	$L__BB48_441;
+
+$L__BB48_32:
+	ld.volatile.u32 	%r457, [%rd195];
+	sub.s32 	%r458, %r457, %r89;
+	shr.u32 	%r459, %r458, 31;
+	cvt.u16.u32 	%rs124, %r459;
+	xor.b16  	%rs132, %rs124, 1;
+
+$L__BB48_441:
+	setp.ne.s16 	%p345, %rs132, 0;
+	@%p345 bra 	$L__BB48_444;
+
+	and.b32  	%r460, %r492, 15;
+	setp.ne.s32 	%p346, %r460, 0;
+	@%p346 bra 	$L__BB48_478;
+
+	ld.volatile.global.u64 	%rd416, [%rd6+8];
+	setp.eq.s64 	%p347, %rd416, 0;
+	@%p347 bra 	$L__BB48_478;
+
+$L__BB48_444:
+	membar.sys;
+
+$L__BB48_445:
+	bar.sync 	0;
+	not.pred 	%p348, %p1;
+	@%p348 bra 	$L__BB48_454;
+
+	ld.volatile.global.u32 	%r91, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r461, [%rd5], 1;
+	setp.eq.s32 	%p349, %r461, %r6;
+	@%p349 bra 	$L__BB48_452;
+	bra.uni 	$L__BB48_447;
+
+$L__BB48_452:
+	mov.u32 	%r466, 0;
+	st.global.u32 	[%rd5], %r466;
+	membar.gl;
+	add.s64 	%rd418, %rd5, 64;
+	atom.global.add.u32 	%r467, [%rd418], 1;
+	bra.uni 	$L__BB48_453;
+
+$L__BB48_42:
+	setp.eq.s64 	%p32, %rd34, 4;
+	@%p32 bra 	$L__BB48_193;
+
+	setp.eq.s64 	%p33, %rd34, 5;
+	@%p33 bra 	$L__BB48_130;
+	bra.uni 	$L__BB48_44;
+
+$L__BB48_130:
+	ld.shared.u32 	%r178, [%r11+24];
+	ld.shared.u64 	%rd58, [%r11+8];
+	ld.shared.u64 	%rd59, [%r11+16];
+	ld.shared.u64 	%rd60, [%r11+32];
+	setp.gt.s32 	%p90, %r178, 3;
+	@%p90 bra 	$L__BB48_142;
+
+	setp.gt.s32 	%p96, %r178, 1;
+	@%p96 bra 	$L__BB48_137;
+
+	setp.eq.s32 	%p99, %r178, 0;
+	@%p99 bra 	$L__BB48_180;
+
+	setp.eq.s32 	%p100, %r178, 1;
+	@%p100 bra 	$L__BB48_134;
+	bra.uni 	$L__BB48_183;
+
+$L__BB48_134:
+	setp.ge.u64 	%p124, %rd3, %rd59;
+	@%p124 bra 	$L__BB48_183;
+
+	cvt.rn.f64.s64 	%fd4, %rd60;
+	mov.u64 	%rd488, %rd3;
+
+$L__BB48_136:
+	shl.b64 	%rd256, %rd488, 3;
+	add.s64 	%rd257, %rd58, %rd256;
+	ld.f64 	%fd7, [%rd257];
+	div.rn.f64 	%fd8, %fd7, %fd4;
+	st.f64 	[%rd257], %fd8;
+	add.s64 	%rd488, %rd488, %rd4;
+	setp.lt.u64 	%p125, %rd488, %rd59;
+	@%p125 bra 	$L__BB48_136;
+	bra.uni 	$L__BB48_183;
+
+$L__BB48_33:
+	setp.eq.s64 	%p35, %rd34, 2;
+	@%p35 bra 	$L__BB48_424;
+
+	setp.eq.s64 	%p36, %rd34, 3;
+	@%p36 bra 	$L__BB48_35;
+	bra.uni 	$L__BB48_44;
+
+$L__BB48_35:
+	ld.shared.u64 	%rd172, [%r11+24];
+	ld.shared.u64 	%rd173, [%r11+8];
+	ld.shared.u64 	%rd174, [%r11+16];
+	or.b64  	%rd175, %rd174, %rd173;
+	and.b64  	%rd364, %rd175, 15;
+	setp.eq.s64 	%p315, %rd364, 0;
+	@%p315 bra 	$L__BB48_406;
+
+	and.b64  	%rd366, %rd175, 7;
+	setp.ne.s64 	%p316, %rd366, 0;
+	mov.u64 	%rd527, 0;
+	@%p316 bra 	$L__BB48_412;
+
+	shr.u64 	%rd176, %rd172, 3;
+	setp.ge.u64 	%p317, %rd3, %rd176;
+	@%p317 bra 	$L__BB48_40;
+
+	mov.u64 	%rd522, %rd3;
+
+$L__BB48_39:
+	shr.u64 	%rd459, %rd172, 3;
+	shl.b64 	%rd367, %rd522, 3;
+	add.s64 	%rd368, %rd174, %rd367;
+	ld.u64 	%rd369, [%rd368];
+	add.s64 	%rd370, %rd173, %rd367;
+	st.u64 	[%rd370], %rd369;
+	add.s64 	%rd522, %rd522, %rd4;
+	setp.lt.u64 	%p318, %rd522, %rd459;
+	@%p318 bra 	$L__BB48_39;
+
+$L__BB48_40:
+	and.b64  	%rd527, %rd172, -8;
+	bra.uni 	$L__BB48_412;
+
+$L__BB48_424:
 	membar.sys;
 	bar.sync 	0;
-	@%p72 bra 	$L__BB48_424;
+	not.pred 	%p331, %p1;
+	@%p331 bra 	$L__BB48_433;
+
+	ld.volatile.global.u32 	%r86, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r449, [%rd5], 1;
+	setp.eq.s32 	%p332, %r449, %r6;
+	@%p332 bra 	$L__BB48_431;
+	bra.uni 	$L__BB48_426;
+
+$L__BB48_431:
+	mov.u32 	%r454, 0;
+	st.global.u32 	[%rd5], %r454;
+	membar.gl;
+	add.s64 	%rd404, %rd5, 64;
+	atom.global.add.u32 	%r455, [%rd404], 1;
+	bra.uni 	$L__BB48_432;
+
+$L__BB48_193:
+	ld.shared.u64 	%rd98, [%r11+8];
+	ld.shared.u64 	%rd99, [%r11+16];
+	ld.shared.u32 	%r39, [%r11+32];
+	ld.shared.u32 	%r230, [%r11+40];
+	setp.eq.s32 	%p134, %r230, 1;
+	@%p134 bra 	$L__BB48_296;
+
+	setp.eq.s32 	%p135, %r230, 2;
+	@%p135 bra 	$L__BB48_246;
+
+	setp.ne.s32 	%p136, %r230, 3;
+	@%p136 bra 	$L__BB48_346;
+
+	ld.shared.u64 	%rd100, [%r11+24];
+	setp.gt.s32 	%p137, %r39, 3;
+	@%p137 bra 	$L__BB48_208;
+
+	setp.gt.s32 	%p143, %r39, 1;
+	@%p143 bra 	$L__BB48_203;
+
+	setp.eq.s32 	%p146, %r39, 0;
+	@%p146 bra 	$L__BB48_243;
+
+	setp.eq.s32 	%p147, %r39, 1;
+	@%p147 bra 	$L__BB48_200;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_200:
+	setp.ge.u64 	%p176, %rd3, %rd100;
+	@%p176 bra 	$L__BB48_396;
+
+	mov.u64 	%rd496, %rd3;
+
+$L__BB48_202:
+	shl.b64 	%rd281, %rd496, 3;
+	add.s64 	%rd282, %rd98, %rd281;
+	add.s64 	%rd283, %rd99, %rd281;
+	ld.f64 	%fd9, [%rd283];
+	ld.f64 	%fd10, [%rd282];
+	setp.gt.f64 	%p177, %fd9, %fd10;
+	setp.nan.f64 	%p178, %fd9, %fd9;
+	or.pred  	%p179, %p177, %p178;
+	selp.f64 	%fd11, %fd9, %fd10, %p179;
+	st.f64 	[%rd282], %fd11;
+	add.s64 	%rd496, %rd496, %rd4;
+	setp.lt.u64 	%p180, %rd496, %rd100;
+	@%p180 bra 	$L__BB48_202;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_44:
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_455;
+
+$L__BB48_58:
+	setp.gt.s32 	%p40, %r123, 5;
+	@%p40 bra 	$L__BB48_63;
+
+	setp.eq.s32 	%p43, %r123, 4;
+	@%p43 bra 	$L__BB48_80;
+
+	setp.eq.s32 	%p44, %r123, 5;
+	@%p44 bra 	$L__BB48_61;
+	bra.uni 	$L__BB48_120;
+
+$L__BB48_61:
+	setp.eq.s64 	%p56, %rd37, 0;
+	@%p56 bra 	$L__BB48_76;
+
+	ld.u8 	%rs128, [%rd37];
+	bra.uni 	$L__BB48_77;
+
+$L__BB48_447:
+	ld.volatile.global.u32 	%r462, [%rd5+64];
+	setp.ne.s32 	%p350, %r462, %r91;
+	@%p350 bra 	$L__BB48_453;
+
+	mov.u32 	%r493, 1;
+
+$L__BB48_449:
+	and.b32  	%r464, %r493, 255;
+	setp.ne.s32 	%p351, %r464, 0;
+	@%p351 bra 	$L__BB48_451;
+
+	ld.volatile.global.u64 	%rd417, [%rd6+8];
+	setp.ne.s64 	%p352, %rd417, 0;
+	@%p352 bra 	$L__BB48_453;
+
+$L__BB48_451:
+	add.s32 	%r493, %r493, 1;
+	ld.volatile.global.u32 	%r465, [%rd5+64];
+	setp.eq.s32 	%p353, %r465, %r91;
+	@%p353 bra 	$L__BB48_449;
+
+$L__BB48_453:
+	membar.gl;
+
+$L__BB48_454:
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_455;
+
+$L__BB48_142:
+	setp.gt.s32 	%p91, %r178, 5;
+	@%p91 bra 	$L__BB48_148;
+
+	setp.eq.s32 	%p94, %r178, 4;
+	@%p94 bra 	$L__BB48_162;
+
+	setp.eq.s32 	%p95, %r178, 5;
+	@%p95 bra 	$L__BB48_145;
+	bra.uni 	$L__BB48_183;
+
+$L__BB48_145:
+	setp.ge.u64 	%p107, %rd3, %rd59;
+	mov.u64 	%rd482, %rd3;
+	@%p107 bra 	$L__BB48_183;
+
+$L__BB48_146:
+	add.s64 	%rd76, %rd58, %rd482;
+	ld.u8 	%rd77, [%rd76];
+	and.b64  	%rd250, %rd60, -4294967296;
+	setp.eq.s64 	%p108, %rd250, 0;
+	@%p108 bra 	$L__BB48_160;
+
+	div.s64 	%rd483, %rd77, %rd60;
+	bra.uni 	$L__BB48_161;
+
+$L__BB48_160:
+	cvt.u32.u64 	%r185, %rd60;
+	cvt.u32.u64 	%r186, %rd77;
+	div.u32 	%r187, %r186, %r185;
+	cvt.u64.u32 	%rd483, %r187;
+
+$L__BB48_161:
+	add.s64 	%rd443, %rd58, %rd482;
+	st.u8 	[%rd443], %rd483;
+	add.s64 	%rd482, %rd482, %rd4;
+	setp.lt.u64 	%p109, %rd482, %rd59;
+	@%p109 bra 	$L__BB48_146;
+	bra.uni 	$L__BB48_183;
+
+$L__BB48_426:
+	ld.volatile.global.u32 	%r450, [%rd5+64];
+	setp.ne.s32 	%p333, %r450, %r86;
+	@%p333 bra 	$L__BB48_432;
+
+	mov.u32 	%r491, 1;
+
+$L__BB48_428:
+	and.b32  	%r452, %r491, 255;
+	setp.ne.s32 	%p334, %r452, 0;
+	@%p334 bra 	$L__BB48_430;
+
+	ld.volatile.global.u64 	%rd403, [%rd6+8];
+	setp.ne.s64 	%p335, %rd403, 0;
+	@%p335 bra 	$L__BB48_432;
+
+$L__BB48_430:
+	add.s32 	%r491, %r491, 1;
+	ld.volatile.global.u32 	%r453, [%rd5+64];
+	setp.eq.s32 	%p336, %r453, %r86;
+	@%p336 bra 	$L__BB48_428;
+
+$L__BB48_432:
+	membar.gl;
+
+$L__BB48_433:
+	setp.ne.s32 	%p337, %r5, 0;
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	@%p337 bra 	$L__BB48_455;
+
+	ld.shared.u64 	%rd405, [%r11];
+	setp.eq.s64 	%p338, %rd405, 7;
+	ld.shared.u64 	%rd194, [%r11+16];
+	@%p338 bra 	$L__BB48_438;
+	bra.uni 	$L__BB48_435;
+
+$L__BB48_438:
+	ld.shared.u64 	%rd408, [%r11+8];
+	shl.b64 	%rd409, %rd408, 3;
+	add.s64 	%rd410, %rd6, %rd409;
+	st.volatile.global.u64 	[%rd410+128], %rd194;
+	bra.uni 	$L__BB48_439;
+
+$L__BB48_406:
+	shr.u64 	%rd180, %rd172, 4;
+	setp.ge.u64 	%p319, %rd13, %rd180;
+	mov.u64 	%rd525, %rd3;
+	@%p319 bra 	$L__BB48_409;
+
+	add.s64 	%rd524, %rd173, %rd15;
+	mov.u64 	%rd525, %rd3;
+
+$L__BB48_408:
+	shr.u64 	%rd436, %rd172, 4;
+	neg.s64 	%rd435, %rd4;
+	shl.b64 	%rd434, %rd435, 4;
+	shl.b64 	%rd433, %rd4, 4;
+	shl.b64 	%rd371, %rd525, 4;
+	add.s64 	%rd372, %rd174, %rd371;
+	add.s64 	%rd374, %rd372, %rd433;
+	ld.v2.u64 	{%rd375, %rd376}, [%rd374];
+	add.s64 	%rd379, %rd374, %rd433;
+	ld.v2.u64 	{%rd380, %rd381}, [%rd379];
+	add.s64 	%rd384, %rd379, %rd433;
+	ld.v2.u64 	{%rd385, %rd386}, [%rd384];
+	add.s64 	%rd390, %rd374, %rd434;
+	ld.v4.u32 	{%r426, %r427, %r428, %r429}, [%rd390];
+	st.v4.u32 	[%rd524], {%r426, %r427, %r428, %r429};
+	add.s64 	%rd391, %rd524, %rd433;
+	st.v2.u64 	[%rd391], {%rd375, %rd376};
+	add.s64 	%rd392, %rd391, %rd433;
+	st.v2.u64 	[%rd392], {%rd380, %rd381};
+	add.s64 	%rd393, %rd392, %rd433;
+	add.s64 	%rd524, %rd393, %rd433;
+	st.v2.u64 	[%rd393], {%rd385, %rd386};
+	add.s64 	%rd394, %rd525, %rd4;
+	add.s64 	%rd525, %rd12, %rd394;
+	add.s64 	%rd395, %rd525, %rd12;
+	setp.lt.u64 	%p320, %rd395, %rd436;
+	@%p320 bra 	$L__BB48_408;
+
+$L__BB48_409:
+	shr.u64 	%rd430, %rd172, 4;
+	setp.ge.u64 	%p321, %rd525, %rd430;
+	@%p321 bra 	$L__BB48_411;
+
+$L__BB48_410:
+	shr.u64 	%rd432, %rd172, 4;
+	shl.b64 	%rd396, %rd525, 4;
+	add.s64 	%rd397, %rd173, %rd396;
+	add.s64 	%rd398, %rd174, %rd396;
+	ld.v4.u32 	{%r434, %r435, %r436, %r437}, [%rd398];
+	st.v4.u32 	[%rd397], {%r434, %r435, %r436, %r437};
+	add.s64 	%rd525, %rd525, %rd4;
+	setp.lt.u64 	%p322, %rd525, %rd432;
+	@%p322 bra 	$L__BB48_410;
+
+$L__BB48_411:
+	and.b64  	%rd527, %rd172, -16;
+
+$L__BB48_412:
+	add.s64 	%rd528, %rd527, %rd3;
+	setp.ge.u64 	%p323, %rd528, %rd172;
+	@%p323 bra 	$L__BB48_414;
+
+$L__BB48_413:
+	add.s64 	%rd399, %rd174, %rd528;
+	ld.u8 	%rs120, [%rd399];
+	add.s64 	%rd400, %rd173, %rd528;
+	st.u8 	[%rd400], %rs120;
+	add.s64 	%rd528, %rd528, %rd4;
+	setp.lt.u64 	%p324, %rd528, %rd172;
+	@%p324 bra 	$L__BB48_413;
+
+$L__BB48_414:
+	bar.sync 	0;
+	not.pred 	%p325, %p1;
+	@%p325 bra 	$L__BB48_423;
 
 	ld.volatile.global.u32 	%r83, [%rd5+64];
 	membar.gl;
 	atom.global.add.u32 	%r442, [%rd5], 1;
-	setp.eq.s32 	%p320, %r442, %r4;
-	@%p320 bra 	$L__BB48_422;
-	bra.uni 	$L__BB48_417;
+	setp.eq.s32 	%p326, %r442, %r6;
+	@%p326 bra 	$L__BB48_421;
+	bra.uni 	$L__BB48_416;
 
-$L__BB48_422:
+$L__BB48_421:
 	mov.u32 	%r447, 0;
 	st.global.u32 	[%rd5], %r447;
 	membar.gl;
-	add.s64 	%rd398, %rd5, 64;
-	atom.global.add.u32 	%r448, [%rd398], 1;
-	bra.uni 	$L__BB48_423;
-
-$L__BB48_184:
-	ld.shared.u64 	%rd93, [%r8+8];
-	ld.shared.u64 	%rd94, [%r8+16];
-	ld.shared.u32 	%r36, [%r8+32];
-	ld.shared.u32 	%r223, [%r8+40];
-	setp.eq.s32 	%p122, %r223, 1;
-	@%p122 bra 	$L__BB48_287;
-
-	setp.eq.s32 	%p123, %r223, 2;
-	@%p123 bra 	$L__BB48_237;
-
-	setp.ne.s32 	%p124, %r223, 3;
-	@%p124 bra 	$L__BB48_337;
-
-	ld.shared.u64 	%rd95, [%r8+24];
-	setp.gt.s32 	%p125, %r36, 3;
-	@%p125 bra 	$L__BB48_199;
-
-	setp.gt.s32 	%p131, %r36, 1;
-	@%p131 bra 	$L__BB48_194;
-
-	setp.eq.s32 	%p134, %r36, 0;
-	@%p134 bra 	$L__BB48_234;
-
-	setp.eq.s32 	%p135, %r36, 1;
-	@%p135 bra 	$L__BB48_191;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_191:
-	setp.ge.u64 	%p164, %rd3, %rd95;
-	@%p164 bra 	$L__BB48_387;
-
-	mov.u64 	%rd475, %rd3;
-
-$L__BB48_193:
-	shl.b64 	%rd275, %rd475, 3;
-	add.s64 	%rd276, %rd93, %rd275;
-	add.s64 	%rd277, %rd94, %rd275;
-	ld.f64 	%fd9, [%rd277];
-	ld.f64 	%fd10, [%rd276];
-	setp.gt.f64 	%p165, %fd9, %fd10;
-	setp.nan.f64 	%p166, %fd9, %fd9;
-	or.pred  	%p167, %p165, %p166;
-	selp.f64 	%fd11, %fd9, %fd10, %p167;
-	st.f64 	[%rd276], %fd11;
-	add.s64 	%rd475, %rd475, %rd4;
-	setp.lt.u64 	%p168, %rd475, %rd95;
-	@%p168 bra 	$L__BB48_193;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_35:
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_437;
-
-$L__BB48_49:
-	setp.gt.s32 	%p28, %r116, 5;
-	@%p28 bra 	$L__BB48_54;
-
-	setp.eq.s32 	%p31, %r116, 4;
-	@%p31 bra 	$L__BB48_71;
-
-	setp.eq.s32 	%p32, %r116, 5;
-	@%p32 bra 	$L__BB48_52;
-	bra.uni 	$L__BB48_111;
-
-$L__BB48_52:
-	setp.eq.s64 	%p44, %rd32, 0;
-	@%p44 bra 	$L__BB48_67;
-
-	ld.u8 	%rs128, [%rd32];
-	bra.uni 	$L__BB48_68;
-
-$L__BB48_133:
-	setp.gt.s32 	%p79, %r171, 5;
-	@%p79 bra 	$L__BB48_139;
-
-	setp.eq.s32 	%p82, %r171, 4;
-	@%p82 bra 	$L__BB48_153;
-
-	setp.eq.s32 	%p83, %r171, 5;
-	@%p83 bra 	$L__BB48_136;
-	bra.uni 	$L__BB48_174;
-
-$L__BB48_136:
-	setp.ge.u64 	%p95, %rd3, %rd54;
-	mov.u64 	%rd461, %rd3;
-	@%p95 bra 	$L__BB48_174;
-
-$L__BB48_137:
-	add.s64 	%rd71, %rd53, %rd461;
-	ld.u8 	%rd72, [%rd71];
-	and.b64  	%rd244, %rd55, -4294967296;
-	setp.eq.s64 	%p96, %rd244, 0;
-	@%p96 bra 	$L__BB48_151;
-
-	div.s64 	%rd462, %rd72, %rd55;
-	bra.uni 	$L__BB48_152;
-
-$L__BB48_151:
-	cvt.u32.u64 	%r178, %rd55;
-	cvt.u32.u64 	%r179, %rd72;
-	div.u32 	%r180, %r179, %r178;
-	cvt.u64.u32 	%rd462, %r180;
-
-$L__BB48_152:
-	st.u8 	[%rd71], %rd462;
-	add.s64 	%rd461, %rd461, %rd4;
-	setp.lt.u64 	%p97, %rd461, %rd54;
-	@%p97 bra 	$L__BB48_137;
-	bra.uni 	$L__BB48_174;
-
-$L__BB48_417:
-	ld.volatile.global.u32 	%r443, [%rd5+64];
-	setp.ne.s32 	%p321, %r443, %r83;
-	@%p321 bra 	$L__BB48_423;
-
-	mov.u32 	%r480, 1;
-
-$L__BB48_419:
-	and.b32  	%r445, %r480, 255;
-	setp.ne.s32 	%p322, %r445, 0;
-	@%p322 bra 	$L__BB48_421;
-
-	ld.volatile.global.u64 	%rd397, [%rd6+8];
-	setp.ne.s64 	%p323, %rd397, 0;
-	@%p323 bra 	$L__BB48_423;
-
-$L__BB48_421:
-	add.s32 	%r480, %r480, 1;
-	ld.volatile.global.u32 	%r446, [%rd5+64];
-	setp.eq.s32 	%p324, %r446, %r83;
-	@%p324 bra 	$L__BB48_419;
-
-$L__BB48_423:
-	membar.gl;
-
-$L__BB48_424:
-	setp.ne.s32 	%p325, %r5, 0;
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	@%p325 bra 	$L__BB48_437;
-
-	ld.shared.u64 	%rd399, [%r8];
-	setp.eq.s64 	%p326, %rd399, 7;
-	ld.shared.u64 	%rd189, [%r8+16];
-	@%p326 bra 	$L__BB48_429;
-	bra.uni 	$L__BB48_426;
-
-$L__BB48_429:
-	ld.shared.u64 	%rd402, [%r8+8];
-	shl.b64 	%rd403, %rd402, 3;
-	add.s64 	%rd404, %rd6, %rd403;
-	st.volatile.global.u64 	[%rd404+128], %rd189;
-	bra.uni 	$L__BB48_430;
-
-$L__BB48_397:
-	shr.u64 	%rd175, %rd167, 4;
-	setp.ge.u64 	%p307, %rd13, %rd175;
-	mov.u64 	%rd504, %rd3;
-	@%p307 bra 	$L__BB48_400;
-
-	add.s64 	%rd503, %rd168, %rd15;
-	mov.u64 	%rd504, %rd3;
-
-$L__BB48_399:
-	shr.u64 	%rd428, %rd167, 4;
-	neg.s64 	%rd427, %rd4;
-	shl.b64 	%rd426, %rd427, 4;
-	shl.b64 	%rd425, %rd4, 4;
-	shl.b64 	%rd365, %rd504, 4;
-	add.s64 	%rd366, %rd169, %rd365;
-	add.s64 	%rd368, %rd366, %rd425;
-	ld.v2.u64 	{%rd369, %rd370}, [%rd368];
-	add.s64 	%rd373, %rd368, %rd425;
-	ld.v2.u64 	{%rd374, %rd375}, [%rd373];
-	add.s64 	%rd378, %rd373, %rd425;
-	ld.v2.u64 	{%rd379, %rd380}, [%rd378];
-	add.s64 	%rd384, %rd368, %rd426;
-	ld.v4.u32 	{%r419, %r420, %r421, %r422}, [%rd384];
-	st.v4.u32 	[%rd503], {%r419, %r420, %r421, %r422};
-	add.s64 	%rd385, %rd503, %rd425;
-	st.v2.u64 	[%rd385], {%rd369, %rd370};
-	add.s64 	%rd386, %rd385, %rd425;
-	st.v2.u64 	[%rd386], {%rd374, %rd375};
-	add.s64 	%rd387, %rd386, %rd425;
-	add.s64 	%rd503, %rd387, %rd425;
-	st.v2.u64 	[%rd387], {%rd379, %rd380};
-	add.s64 	%rd388, %rd504, %rd4;
-	add.s64 	%rd504, %rd12, %rd388;
-	add.s64 	%rd389, %rd504, %rd12;
-	setp.lt.u64 	%p308, %rd389, %rd428;
-	@%p308 bra 	$L__BB48_399;
-
-$L__BB48_400:
-	shr.u64 	%rd421, %rd167, 4;
-	setp.ge.u64 	%p309, %rd504, %rd421;
-	@%p309 bra 	$L__BB48_402;
-
-$L__BB48_401:
-	shr.u64 	%rd424, %rd167, 4;
-	shl.b64 	%rd390, %rd504, 4;
-	add.s64 	%rd391, %rd168, %rd390;
-	add.s64 	%rd392, %rd169, %rd390;
-	ld.v4.u32 	{%r427, %r428, %r429, %r430}, [%rd392];
-	st.v4.u32 	[%rd391], {%r427, %r428, %r429, %r430};
-	add.s64 	%rd504, %rd504, %rd4;
-	setp.lt.u64 	%p310, %rd504, %rd424;
-	@%p310 bra 	$L__BB48_401;
-
-$L__BB48_402:
-	and.b64  	%rd506, %rd167, -16;
-
-$L__BB48_403:
-	add.s64 	%rd507, %rd506, %rd3;
-	setp.ge.u64 	%p311, %rd507, %rd167;
-	@%p311 bra 	$L__BB48_405;
-
-$L__BB48_404:
-	add.s64 	%rd393, %rd169, %rd507;
-	ld.u8 	%rs120, [%rd393];
-	add.s64 	%rd394, %rd168, %rd507;
-	st.u8 	[%rd394], %rs120;
-	add.s64 	%rd507, %rd507, %rd4;
-	setp.lt.u64 	%p312, %rd507, %rd167;
-	@%p312 bra 	$L__BB48_404;
-
-$L__BB48_405:
-	bar.sync 	0;
-	@%p72 bra 	$L__BB48_414;
-
-	ld.volatile.global.u32 	%r80, [%rd5+64];
-	membar.gl;
-	atom.global.add.u32 	%r435, [%rd5], 1;
-	setp.eq.s32 	%p314, %r435, %r4;
-	@%p314 bra 	$L__BB48_412;
-	bra.uni 	$L__BB48_407;
-
-$L__BB48_412:
-	mov.u32 	%r440, 0;
-	st.global.u32 	[%rd5], %r440;
-	membar.gl;
-	add.s64 	%rd396, %rd5, 64;
-	atom.global.add.u32 	%r441, [%rd396], 1;
-	bra.uni 	$L__BB48_413;
-
-$L__BB48_426:
-	setp.ne.s64 	%p327, %rd8, 0;
-	@%p327 bra 	$L__BB48_428;
-	bra.uni 	$L__BB48_427;
-
-$L__BB48_428:
-	ld.shared.u64 	%rd401, [%r8+8];
-	st.volatile.u64 	[%rd401], %rd189;
-	bra.uni 	$L__BB48_430;
-
-$L__BB48_45:
-	setp.eq.s32 	%p34, %r116, 2;
-	@%p34 bra 	$L__BB48_81;
-
-	setp.eq.s32 	%p35, %r116, 3;
-	@%p35 bra 	$L__BB48_47;
-	bra.uni 	$L__BB48_111;
-
-$L__BB48_47:
-	setp.eq.s64 	%p50, %rd32, 0;
-	@%p50 bra 	$L__BB48_77;
-
-	ld.u16 	%rs130, [%rd32];
-	bra.uni 	$L__BB48_78;
-
-$L__BB48_128:
-	setp.eq.s32 	%p85, %r171, 2;
-	@%p85 bra 	$L__BB48_158;
-
-	setp.eq.s32 	%p86, %r171, 3;
-	@%p86 bra 	$L__BB48_130;
-	bra.uni 	$L__BB48_174;
-
-$L__BB48_130:
-	setp.ge.u64 	%p101, %rd3, %rd54;
-	@%p101 bra 	$L__BB48_174;
-
-	cvt.rn.f32.s64 	%f13, %rd55;
-	mov.u64 	%rd465, %rd3;
-
-$L__BB48_132:
-	shl.b64 	%rd247, %rd465, 1;
-	add.s64 	%rd248, %rd53, %rd247;
-	ld.u16 	%r184, [%rd248];
-	shl.b32 	%r185, %r184, 16;
-	mov.b32 	%f65, %r185;
-	div.rn.f32 	%f66, %f65, %f13;
-	mov.b32 	%r186, %f66;
-	shr.u32 	%r187, %r186, 16;
-	and.b32  	%r188, %r187, 1;
-	add.s32 	%r189, %r186, %r188;
-	add.s32 	%r190, %r189, 32767;
-	shr.u32 	%r191, %r190, 16;
-	or.b32  	%r192, %r187, 64;
-	and.b32  	%r193, %r186, 2147483647;
-	setp.gt.u32 	%p102, %r193, 2139095040;
-	selp.b32 	%r194, %r192, %r191, %p102;
-	st.u16 	[%rd248], %r194;
-	add.s64 	%rd465, %rd465, %rd4;
-	setp.lt.u64 	%p103, %rd465, %rd54;
-	@%p103 bra 	$L__BB48_132;
-	bra.uni 	$L__BB48_174;
-
-$L__BB48_287:
-	ld.shared.u64 	%rd131, [%r8+24];
-	setp.gt.s32 	%p223, %r36, 3;
-	@%p223 bra 	$L__BB48_299;
-
-	setp.gt.s32 	%p229, %r36, 1;
-	@%p229 bra 	$L__BB48_294;
-
-	setp.eq.s32 	%p232, %r36, 0;
-	@%p232 bra 	$L__BB48_334;
-
-	setp.eq.s32 	%p233, %r36, 1;
-	@%p233 bra 	$L__BB48_291;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_291:
-	setp.ge.u64 	%p256, %rd3, %rd131;
-	@%p256 bra 	$L__BB48_387;
-
-	mov.u64 	%rd491, %rd3;
-
-$L__BB48_293:
-	shl.b64 	%rd325, %rd491, 3;
-	add.s64 	%rd326, %rd93, %rd325;
-	add.s64 	%rd327, %rd94, %rd325;
-	ld.f64 	%fd15, [%rd327];
-	ld.f64 	%fd16, [%rd326];
-	mul.f64 	%fd17, %fd16, %fd15;
-	st.f64 	[%rd326], %fd17;
-	add.s64 	%rd491, %rd491, %rd4;
-	setp.lt.u64 	%p257, %rd491, %rd131;
-	@%p257 bra 	$L__BB48_293;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_237:
-	ld.shared.u64 	%rd113, [%r8+24];
-	setp.gt.s32 	%p174, %r36, 3;
-	@%p174 bra 	$L__BB48_249;
-
-	setp.gt.s32 	%p180, %r36, 1;
-	@%p180 bra 	$L__BB48_244;
-
-	setp.eq.s32 	%p183, %r36, 0;
-	@%p183 bra 	$L__BB48_284;
-
-	setp.eq.s32 	%p184, %r36, 1;
-	@%p184 bra 	$L__BB48_241;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_241:
-	setp.ge.u64 	%p213, %rd3, %rd113;
-	@%p213 bra 	$L__BB48_387;
-
-	mov.u64 	%rd483, %rd3;
-
-$L__BB48_243:
-	shl.b64 	%rd300, %rd483, 3;
-	add.s64 	%rd301, %rd93, %rd300;
-	add.s64 	%rd302, %rd94, %rd300;
-	ld.f64 	%fd12, [%rd302];
-	ld.f64 	%fd13, [%rd301];
-	setp.lt.f64 	%p214, %fd12, %fd13;
-	setp.nan.f64 	%p215, %fd12, %fd12;
-	or.pred  	%p216, %p214, %p215;
-	selp.f64 	%fd14, %fd12, %fd13, %p216;
-	st.f64 	[%rd301], %fd14;
-	add.s64 	%rd483, %rd483, %rd4;
-	setp.lt.u64 	%p217, %rd483, %rd113;
-	@%p217 bra 	$L__BB48_243;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_337:
-	ld.shared.u64 	%rd149, [%r8+24];
-	setp.gt.s32 	%p260, %r36, 3;
-	@%p260 bra 	$L__BB48_349;
-
-	setp.gt.s32 	%p266, %r36, 1;
-	@%p266 bra 	$L__BB48_344;
-
-	setp.eq.s32 	%p269, %r36, 0;
-	@%p269 bra 	$L__BB48_384;
-
-	setp.eq.s32 	%p270, %r36, 1;
-	@%p270 bra 	$L__BB48_341;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_341:
-	setp.ge.u64 	%p293, %rd3, %rd149;
-	@%p293 bra 	$L__BB48_387;
-
-	mov.u64 	%rd499, %rd3;
-
-$L__BB48_343:
-	shl.b64 	%rd350, %rd499, 3;
-	add.s64 	%rd351, %rd93, %rd350;
-	add.s64 	%rd352, %rd94, %rd350;
-	ld.f64 	%fd18, [%rd352];
-	ld.f64 	%fd19, [%rd351];
-	add.f64 	%fd20, %fd19, %fd18;
-	st.f64 	[%rd351], %fd20;
-	add.s64 	%rd499, %rd499, %rd4;
-	setp.lt.u64 	%p294, %rd499, %rd149;
-	@%p294 bra 	$L__BB48_343;
-	bra.uni 	$L__BB48_387;
+	add.s64 	%rd402, %rd5, 64;
+	atom.global.add.u32 	%r448, [%rd402], 1;
+	bra.uni 	$L__BB48_422;
+
+$L__BB48_435:
+	setp.ne.s64 	%p339, %rd8, 0;
+	@%p339 bra 	$L__BB48_437;
+	bra.uni 	$L__BB48_436;
+
+$L__BB48_437:
+	ld.shared.u64 	%rd407, [%r11+8];
+	st.volatile.u64 	[%rd407], %rd194;
+	bra.uni 	$L__BB48_439;
 
 $L__BB48_54:
-	setp.eq.s32 	%p29, %r116, 6;
-	@%p29 bra 	$L__BB48_61;
+	setp.eq.s32 	%p46, %r123, 2;
+	@%p46 bra 	$L__BB48_90;
 
-	setp.ne.s32 	%p30, %r116, 7;
-	@%p30 bra 	$L__BB48_111;
+	setp.eq.s32 	%p47, %r123, 3;
+	@%p47 bra 	$L__BB48_56;
+	bra.uni 	$L__BB48_120;
 
-	setp.eq.s64 	%p38, %rd32, 0;
-	@%p38 bra 	$L__BB48_58;
+$L__BB48_56:
+	setp.eq.s64 	%p62, %rd37, 0;
+	@%p62 bra 	$L__BB48_86;
 
-	ld.u64 	%rd33, [%rd32];
+	ld.u16 	%rs130, [%rd37];
+	bra.uni 	$L__BB48_87;
 
-$L__BB48_58:
-	setp.ge.u64 	%p39, %rd3, %rd31;
-	@%p39 bra 	$L__BB48_111;
+$L__BB48_137:
+	setp.eq.s32 	%p97, %r178, 2;
+	@%p97 bra 	$L__BB48_167;
 
-	mov.u64 	%rd449, %rd3;
-
-$L__BB48_60:
-	shl.b64 	%rd221, %rd449, 3;
-	add.s64 	%rd222, %rd30, %rd221;
-	ld.u64 	%rd223, [%rd222];
-	mul.lo.s64 	%rd224, %rd223, %rd33;
-	st.u64 	[%rd222], %rd224;
-	add.s64 	%rd449, %rd449, %rd4;
-	setp.lt.u64 	%p40, %rd449, %rd31;
-	@%p40 bra 	$L__BB48_60;
-	bra.uni 	$L__BB48_111;
+	setp.eq.s32 	%p98, %r178, 3;
+	@%p98 bra 	$L__BB48_139;
+	bra.uni 	$L__BB48_183;
 
 $L__BB48_139:
-	setp.eq.s32 	%p80, %r171, 6;
-	@%p80 bra 	$L__BB48_146;
-
-	setp.ne.s32 	%p81, %r171, 7;
-	@%p81 bra 	$L__BB48_174;
-
-	setp.ge.u64 	%p89, %rd3, %rd54;
-	mov.u64 	%rd457, %rd3;
-	@%p89 bra 	$L__BB48_174;
-
-$L__BB48_142:
-	shl.b64 	%rd238, %rd457, 3;
-	add.s64 	%rd57, %rd53, %rd238;
-	ld.u64 	%rd58, [%rd57];
-	or.b64  	%rd239, %rd58, %rd55;
-	and.b64  	%rd240, %rd239, -4294967296;
-	setp.eq.s64 	%p90, %rd240, 0;
-	@%p90 bra 	$L__BB48_144;
-
-	div.s64 	%rd458, %rd58, %rd55;
-	bra.uni 	$L__BB48_145;
-
-$L__BB48_144:
-	cvt.u32.u64 	%r172, %rd55;
-	cvt.u32.u64 	%r173, %rd58;
-	div.u32 	%r174, %r173, %r172;
-	cvt.u64.u32 	%rd458, %r174;
-
-$L__BB48_145:
-	st.u64 	[%rd57], %rd458;
-	add.s64 	%rd457, %rd457, %rd4;
-	setp.lt.u64 	%p91, %rd457, %rd54;
-	@%p91 bra 	$L__BB48_142;
-	bra.uni 	$L__BB48_174;
-
-$L__BB48_407:
-	ld.volatile.global.u32 	%r436, [%rd5+64];
-	setp.ne.s32 	%p315, %r436, %r80;
-	@%p315 bra 	$L__BB48_413;
-
-	mov.u32 	%r479, 1;
-
-$L__BB48_409:
-	and.b32  	%r438, %r479, 255;
-	setp.ne.s32 	%p316, %r438, 0;
-	@%p316 bra 	$L__BB48_411;
-
-	ld.volatile.global.u64 	%rd395, [%rd6+8];
-	setp.ne.s64 	%p317, %rd395, 0;
-	@%p317 bra 	$L__BB48_413;
-
-$L__BB48_411:
-	add.s32 	%r479, %r479, 1;
-	ld.volatile.global.u32 	%r439, [%rd5+64];
-	setp.eq.s32 	%p318, %r439, %r80;
-	@%p318 bra 	$L__BB48_409;
-
-$L__BB48_413:
-	membar.gl;
-
-$L__BB48_414:
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_437;
-
-$L__BB48_427:
-	ld.shared.u64 	%rd400, [%r8+8];
-	st.volatile.u32 	[%rd400], %rd189;
-
-$L__BB48_430:
-	membar.sys;
-	bra.uni 	$L__BB48_437;
-
-$L__BB48_199:
-	setp.gt.s32 	%p126, %r36, 5;
-	@%p126 bra 	$L__BB48_205;
-
-	setp.eq.s32 	%p129, %r36, 4;
-	@%p129 bra 	$L__BB48_213;
-
-	setp.eq.s32 	%p130, %r36, 5;
-	@%p130 bra 	$L__BB48_202;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_202:
-	setp.ge.u64 	%p140, %rd3, %rd95;
-	@%p140 bra 	$L__BB48_387;
-
-	mov.u64 	%rd471, %rd3;
-
-$L__BB48_204:
-	add.s64 	%rd265, %rd94, %rd471;
-	ld.u8 	%rs71, [%rd265];
-	add.s64 	%rd266, %rd93, %rd471;
-	ld.u8 	%rs72, [%rd266];
-	max.u16 	%rs73, %rs71, %rs72;
-	st.u8 	[%rd266], %rs73;
-	add.s64 	%rd471, %rd471, %rd4;
-	setp.lt.u64 	%p141, %rd471, %rd95;
-	@%p141 bra 	$L__BB48_204;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_299:
-	setp.gt.s32 	%p224, %r36, 5;
-	@%p224 bra 	$L__BB48_305;
-
-	setp.eq.s32 	%p227, %r36, 4;
-	@%p227 bra 	$L__BB48_313;
-
-	setp.eq.s32 	%p228, %r36, 5;
-	@%p228 bra 	$L__BB48_302;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_302:
-	setp.ge.u64 	%p238, %rd3, %rd131;
-	@%p238 bra 	$L__BB48_387;
-
-	mov.u64 	%rd487, %rd3;
-
-$L__BB48_304:
-	add.s64 	%rd315, %rd94, %rd487;
-	ld.u8 	%rs95, [%rd315];
-	add.s64 	%rd316, %rd93, %rd487;
-	ld.u8 	%rs96, [%rd316];
-	mul.lo.s16 	%rs97, %rs95, %rs96;
-	st.u8 	[%rd316], %rs97;
-	add.s64 	%rd487, %rd487, %rd4;
-	setp.lt.u64 	%p239, %rd487, %rd131;
-	@%p239 bra 	$L__BB48_304;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_249:
-	setp.gt.s32 	%p175, %r36, 5;
-	@%p175 bra 	$L__BB48_255;
-
-	setp.eq.s32 	%p178, %r36, 4;
-	@%p178 bra 	$L__BB48_263;
-
-	setp.eq.s32 	%p179, %r36, 5;
-	@%p179 bra 	$L__BB48_252;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_252:
-	setp.ge.u64 	%p189, %rd3, %rd113;
-	@%p189 bra 	$L__BB48_387;
-
-	mov.u64 	%rd479, %rd3;
-
-$L__BB48_254:
-	add.s64 	%rd290, %rd94, %rd479;
-	ld.u8 	%rs83, [%rd290];
-	add.s64 	%rd291, %rd93, %rd479;
-	ld.u8 	%rs84, [%rd291];
-	min.u16 	%rs85, %rs83, %rs84;
-	st.u8 	[%rd291], %rs85;
-	add.s64 	%rd479, %rd479, %rd4;
-	setp.lt.u64 	%p190, %rd479, %rd113;
-	@%p190 bra 	$L__BB48_254;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_349:
-	setp.gt.s32 	%p261, %r36, 5;
-	@%p261 bra 	$L__BB48_355;
-
-	setp.eq.s32 	%p264, %r36, 4;
-	@%p264 bra 	$L__BB48_363;
-
-	setp.eq.s32 	%p265, %r36, 5;
-	@%p265 bra 	$L__BB48_352;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_352:
-	setp.ge.u64 	%p275, %rd3, %rd149;
-	@%p275 bra 	$L__BB48_387;
-
-	mov.u64 	%rd495, %rd3;
-
-$L__BB48_354:
-	add.s64 	%rd340, %rd94, %rd495;
-	ld.u8 	%rs107, [%rd340];
-	add.s64 	%rd341, %rd93, %rd495;
-	ld.u8 	%rs108, [%rd341];
-	add.s16 	%rs109, %rs107, %rs108;
-	st.u8 	[%rd341], %rs109;
-	add.s64 	%rd495, %rd495, %rd4;
-	setp.lt.u64 	%p276, %rd495, %rd149;
-	@%p276 bra 	$L__BB48_354;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_106:
-	cvt.u32.u64 	%r163, %rd33;
-	mov.b32 	%f137, %r163;
-	setp.eq.s64 	%p69, %rd32, 0;
-	@%p69 bra 	$L__BB48_108;
-
-	ld.f32 	%f137, [%rd32];
-
-$L__BB48_108:
-	setp.ge.u64 	%p70, %rd3, %rd31;
-	@%p70 bra 	$L__BB48_111;
-
-	mov.u64 	%rd456, %rd3;
-
-$L__BB48_110:
-	shl.b64 	%rd234, %rd456, 2;
-	add.s64 	%rd235, %rd30, %rd234;
-	ld.f32 	%f63, [%rd235];
-	mul.f32 	%f64, %f137, %f63;
-	st.f32 	[%rd235], %f64;
-	add.s64 	%rd456, %rd456, %rd4;
-	setp.lt.u64 	%p71, %rd456, %rd31;
-	@%p71 bra 	$L__BB48_110;
-	bra.uni 	$L__BB48_111;
-
-$L__BB48_171:
-	setp.ge.u64 	%p114, %rd3, %rd54;
-	@%p114 bra 	$L__BB48_174;
-
-	cvt.rn.f32.s64 	%f19, %rd55;
-	mov.u64 	%rd468, %rd3;
-
-$L__BB48_173:
-	shl.b64 	%rd252, %rd468, 2;
-	add.s64 	%rd253, %rd53, %rd252;
-	ld.f32 	%f73, [%rd253];
-	div.rn.f32 	%f74, %f73, %f19;
-	st.f32 	[%rd253], %f74;
-	add.s64 	%rd468, %rd468, %rd4;
-	setp.lt.u64 	%p115, %rd468, %rd54;
-	@%p115 bra 	$L__BB48_173;
-	bra.uni 	$L__BB48_174;
-
-$L__BB48_71:
-	setp.eq.s64 	%p47, %rd32, 0;
-	@%p47 bra 	$L__BB48_73;
-
-	ld.u8 	%rs129, [%rd32];
-	bra.uni 	$L__BB48_74;
-
-$L__BB48_153:
-	setp.ge.u64 	%p98, %rd3, %rd54;
-	mov.u64 	%rd463, %rd3;
-	@%p98 bra 	$L__BB48_174;
-
-$L__BB48_154:
-	add.s64 	%rd78, %rd53, %rd463;
-	ld.s8 	%rd79, [%rd78];
-	or.b64  	%rd245, %rd79, %rd55;
-	and.b64  	%rd246, %rd245, -4294967296;
-	setp.eq.s64 	%p99, %rd246, 0;
-	@%p99 bra 	$L__BB48_156;
-
-	div.s64 	%rd464, %rd79, %rd55;
-	bra.uni 	$L__BB48_157;
-
-$L__BB48_156:
-	cvt.u32.u64 	%r181, %rd55;
-	cvt.u32.u64 	%r182, %rd79;
-	div.u32 	%r183, %r182, %r181;
-	cvt.u64.u32 	%rd464, %r183;
-
-$L__BB48_157:
-	add.s64 	%rd429, %rd53, %rd463;
-	st.u8 	[%rd429], %rd464;
-	add.s64 	%rd463, %rd463, %rd4;
-	setp.lt.u64 	%p100, %rd463, %rd54;
-	@%p100 bra 	$L__BB48_154;
-	bra.uni 	$L__BB48_174;
-
-$L__BB48_81:
-	setp.eq.s64 	%p54, %rd32, 0;
-	@%p54 bra 	$L__BB48_83;
-
-	ld.u16 	%rs131, [%rd32];
-	bra.uni 	$L__BB48_84;
-
-$L__BB48_158:
-	setp.ge.u64 	%p104, %rd3, %rd54;
-	@%p104 bra 	$L__BB48_174;
-
-	cvt.rn.f32.s64 	%f14, %rd55;
-	mov.u64 	%rd466, %rd3;
-
-$L__BB48_160:
-	shl.b64 	%rd249, %rd466, 1;
-	add.s64 	%rd87, %rd53, %rd249;
-	ld.u16 	%rs67, [%rd87];
-	and.b16  	%rs19, %rs67, -32768;
-	cvt.u32.u16 	%r195, %rs67;
-	shl.b32 	%r196, %r195, 16;
-	and.b32  	%r25, %r196, -2147483648;
-	shr.u16 	%rs68, %rs67, 10;
-	and.b16  	%rs20, %rs68, 31;
-	and.b16  	%rs21, %rs67, 1023;
-	cvt.u32.u16 	%r26, %rs21;
-	setp.eq.s16 	%p105, %rs20, 0;
-	@%p105 bra 	$L__BB48_164;
-
-	setp.eq.s16 	%p106, %rs20, 31;
-	@%p106 bra 	$L__BB48_163;
-	bra.uni 	$L__BB48_162;
-
-$L__BB48_163:
-	shl.b32 	%r202, %r26, 13;
-	or.b32  	%r203, %r25, %r202;
-	or.b32  	%r204, %r203, 2139095040;
-	mov.b32 	%f138, %r204;
-	bra.uni 	$L__BB48_165;
-
-$L__BB48_164:
-	cvt.rn.f32.u16 	%f67, %rs21;
-	mul.f32 	%f68, %f67, 0f33800000;
-	mul.f32 	%f69, %f67, 0fB3800000;
-	setp.eq.s16 	%p107, %rs19, 0;
-	selp.f32 	%f138, %f68, %f69, %p107;
-	bra.uni 	$L__BB48_165;
-
-$L__BB48_162:
-	add.s16 	%rs69, %rs20, 112;
-	cvt.u32.u16 	%r197, %rs69;
-	shl.b32 	%r198, %r197, 23;
-	shl.b32 	%r199, %r26, 13;
-	or.b32  	%r200, %r199, %r25;
-	or.b32  	%r201, %r200, %r198;
-	mov.b32 	%f138, %r201;
-
-$L__BB48_165:
-	div.rn.f32 	%f70, %f138, %f14;
-	mov.b32 	%r27, %f70;
-	and.b32  	%r28, %r27, 2147483647;
-	setp.gt.u32 	%p108, %r28, 1199570943;
-	@%p108 bra 	$L__BB48_169;
-	bra.uni 	$L__BB48_166;
-
-$L__BB48_169:
-	setp.gt.u32 	%p110, %r28, 2139095040;
-	shr.u32 	%r210, %r27, 13;
-	and.b32  	%r211, %r210, 511;
-	or.b32  	%r212, %r211, 32256;
-	selp.b32 	%r472, %r212, 31744, %p110;
-	bra.uni 	$L__BB48_170;
-
-$L__BB48_166:
-	setp.lt.u32 	%p109, %r28, 947912704;
-	@%p109 bra 	$L__BB48_168;
-	bra.uni 	$L__BB48_167;
-
-$L__BB48_168:
-	mov.b32 	%f71, %r28;
-	add.f32 	%f72, %f71, 0f3F000000;
-	mov.b32 	%r209, %f72;
-	add.s32 	%r472, %r209, -1056964608;
-	bra.uni 	$L__BB48_170;
-
-$L__BB48_167:
-	shr.u32 	%r205, %r27, 13;
-	and.b32  	%r206, %r205, 1;
-	add.s32 	%r207, %r28, %r206;
-	add.s32 	%r208, %r207, -939520001;
-	shr.u32 	%r472, %r208, 13;
-
-$L__BB48_170:
-	and.b32  	%r213, %r27, -2147483648;
-	shr.u32 	%r214, %r213, 16;
-	or.b32  	%r215, %r472, %r214;
-	st.u16 	[%rd87], %r215;
-	add.s64 	%rd466, %rd466, %rd4;
-	setp.lt.u64 	%p111, %rd466, %rd54;
-	@%p111 bra 	$L__BB48_160;
-	bra.uni 	$L__BB48_174;
-
-$L__BB48_61:
-	setp.eq.s64 	%p41, %rd32, 0;
-	@%p41 bra 	$L__BB48_63;
-
-	ld.u32 	%r469, [%rd32];
-	bra.uni 	$L__BB48_64;
-
-$L__BB48_146:
-	setp.ge.u64 	%p92, %rd3, %rd54;
-	mov.u64 	%rd459, %rd3;
-	@%p92 bra 	$L__BB48_174;
-
-$L__BB48_147:
-	shl.b64 	%rd241, %rd459, 2;
-	add.s64 	%rd64, %rd53, %rd241;
-	ld.s32 	%rd65, [%rd64];
-	or.b64  	%rd242, %rd65, %rd55;
-	and.b64  	%rd243, %rd242, -4294967296;
-	setp.eq.s64 	%p93, %rd243, 0;
-	@%p93 bra 	$L__BB48_149;
-
-	div.s64 	%rd460, %rd65, %rd55;
-	bra.uni 	$L__BB48_150;
-
-$L__BB48_149:
-	cvt.u32.u64 	%r175, %rd55;
-	cvt.u32.u64 	%r176, %rd65;
-	div.u32 	%r177, %r176, %r175;
-	cvt.u64.u32 	%rd460, %r177;
-
-$L__BB48_150:
-	st.u32 	[%rd64], %rd460;
-	add.s64 	%rd459, %rd459, %rd4;
-	setp.lt.u64 	%p94, %rd459, %rd54;
-	@%p94 bra 	$L__BB48_147;
-
-$L__BB48_174:
-	bar.sync 	0;
-	@%p72 bra 	$L__BB48_183;
-
-	ld.volatile.global.u32 	%r33, [%rd5+64];
-	membar.gl;
-	atom.global.add.u32 	%r216, [%rd5], 1;
-	setp.eq.s32 	%p117, %r216, %r4;
-	@%p117 bra 	$L__BB48_181;
-	bra.uni 	$L__BB48_176;
-
-$L__BB48_181:
-	mov.u32 	%r221, 0;
-	st.global.u32 	[%rd5], %r221;
-	membar.gl;
-	add.s64 	%rd255, %rd5, 64;
-	atom.global.add.u32 	%r222, [%rd255], 1;
-	bra.uni 	$L__BB48_182;
-
-$L__BB48_176:
-	ld.volatile.global.u32 	%r217, [%rd5+64];
-	setp.ne.s32 	%p118, %r217, %r33;
-	@%p118 bra 	$L__BB48_182;
-
-	mov.u32 	%r473, 1;
-
-$L__BB48_178:
-	and.b32  	%r219, %r473, 255;
-	setp.ne.s32 	%p119, %r219, 0;
-	@%p119 bra 	$L__BB48_180;
-
-	ld.volatile.global.u64 	%rd254, [%rd6+8];
-	setp.ne.s64 	%p120, %rd254, 0;
-	@%p120 bra 	$L__BB48_182;
-
-$L__BB48_180:
-	add.s32 	%r473, %r473, 1;
-	ld.volatile.global.u32 	%r220, [%rd5+64];
-	setp.eq.s32 	%p121, %r220, %r33;
-	@%p121 bra 	$L__BB48_178;
-
-$L__BB48_182:
-	membar.gl;
-
-$L__BB48_183:
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_437;
-
-$L__BB48_194:
-	setp.eq.s32 	%p132, %r36, 2;
-	@%p132 bra 	$L__BB48_216;
-
-	setp.eq.s32 	%p133, %r36, 3;
-	@%p133 bra 	$L__BB48_196;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_196:
-	setp.ge.u64 	%p144, %rd3, %rd95;
-	@%p144 bra 	$L__BB48_387;
-
-	mov.u64 	%rd473, %rd3;
-
-$L__BB48_198:
-	shl.b64 	%rd269, %rd473, 1;
-	add.s64 	%rd270, %rd93, %rd269;
-	ld.u16 	%r227, [%rd270];
-	shl.b32 	%r228, %r227, 16;
-	mov.b32 	%f75, %r228;
-	add.s64 	%rd271, %rd94, %rd269;
-	ld.u16 	%r229, [%rd271];
-	shl.b32 	%r230, %r229, 16;
-	mov.b32 	%f76, %r230;
-	setp.gt.f32 	%p145, %f76, %f75;
-	setp.nan.f32 	%p146, %f76, %f76;
-	or.pred  	%p147, %p145, %p146;
-	selp.f32 	%f77, %f76, %f75, %p147;
-	mov.b32 	%r231, %f77;
-	shr.u32 	%r232, %r231, 16;
-	and.b32  	%r233, %r232, 1;
-	or.b32  	%r234, %r231, %r233;
-	add.s32 	%r235, %r234, 32767;
-	shr.u32 	%r236, %r235, 16;
-	or.b32  	%r237, %r232, 64;
-	and.b32  	%r238, %r231, 2147418112;
-	setp.gt.u32 	%p148, %r238, 2139095040;
-	selp.b32 	%r239, %r237, %r236, %p148;
-	st.u16 	[%rd270], %r239;
-	add.s64 	%rd473, %rd473, %rd4;
-	setp.lt.u64 	%p149, %rd473, %rd95;
-	@%p149 bra 	$L__BB48_198;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_294:
-	setp.eq.s32 	%p230, %r36, 2;
-	@%p230 bra 	$L__BB48_316;
-
-	setp.eq.s32 	%p231, %r36, 3;
-	@%p231 bra 	$L__BB48_296;
-	bra.uni 	$L__BB48_387;
+	setp.ge.u64 	%p113, %rd3, %rd59;
+	@%p113 bra 	$L__BB48_183;
+
+	cvt.rn.f32.s64 	%f13, %rd60;
+	mov.u64 	%rd486, %rd3;
+
+$L__BB48_141:
+	shl.b64 	%rd253, %rd486, 1;
+	add.s64 	%rd254, %rd58, %rd253;
+	ld.u16 	%r191, [%rd254];
+	shl.b32 	%r192, %r191, 16;
+	mov.b32 	%f65, %r192;
+	div.rn.f32 	%f66, %f65, %f13;
+	mov.b32 	%r193, %f66;
+	shr.u32 	%r194, %r193, 16;
+	and.b32  	%r195, %r194, 1;
+	add.s32 	%r196, %r193, %r195;
+	add.s32 	%r197, %r196, 32767;
+	shr.u32 	%r198, %r197, 16;
+	or.b32  	%r199, %r194, 64;
+	and.b32  	%r200, %r193, 2147483647;
+	setp.gt.u32 	%p114, %r200, 2139095040;
+	selp.b32 	%r201, %r199, %r198, %p114;
+	st.u16 	[%rd254], %r201;
+	add.s64 	%rd486, %rd486, %rd4;
+	setp.lt.u64 	%p115, %rd486, %rd59;
+	@%p115 bra 	$L__BB48_141;
+	bra.uni 	$L__BB48_183;
 
 $L__BB48_296:
-	setp.ge.u64 	%p242, %rd3, %rd131;
-	@%p242 bra 	$L__BB48_387;
+	ld.shared.u64 	%rd136, [%r11+24];
+	setp.gt.s32 	%p235, %r39, 3;
+	@%p235 bra 	$L__BB48_308;
 
-	mov.u64 	%rd489, %rd3;
+	setp.gt.s32 	%p241, %r39, 1;
+	@%p241 bra 	$L__BB48_303;
 
-$L__BB48_298:
-	shl.b64 	%rd319, %rd489, 1;
-	add.s64 	%rd320, %rd93, %rd319;
-	ld.u16 	%r321, [%rd320];
-	shl.b32 	%r322, %r321, 16;
-	mov.b32 	%f105, %r322;
-	add.s64 	%rd321, %rd94, %rd319;
-	ld.u16 	%r323, [%rd321];
-	shl.b32 	%r324, %r323, 16;
-	mov.b32 	%f106, %r324;
-	mul.f32 	%f107, %f105, %f106;
-	mov.b32 	%r325, %f107;
-	shr.u32 	%r326, %r325, 16;
-	and.b32  	%r327, %r326, 1;
-	add.s32 	%r328, %r325, %r327;
-	add.s32 	%r329, %r328, 32767;
-	shr.u32 	%r330, %r329, 16;
-	or.b32  	%r331, %r326, 64;
-	and.b32  	%r332, %r325, 2147483647;
-	setp.gt.u32 	%p243, %r332, 2139095040;
-	selp.b32 	%r333, %r331, %r330, %p243;
-	st.u16 	[%rd320], %r333;
-	add.s64 	%rd489, %rd489, %rd4;
-	setp.lt.u64 	%p244, %rd489, %rd131;
-	@%p244 bra 	$L__BB48_298;
-	bra.uni 	$L__BB48_387;
+	setp.eq.s32 	%p244, %r39, 0;
+	@%p244 bra 	$L__BB48_343;
 
-$L__BB48_244:
-	setp.eq.s32 	%p181, %r36, 2;
-	@%p181 bra 	$L__BB48_266;
+	setp.eq.s32 	%p245, %r39, 1;
+	@%p245 bra 	$L__BB48_300;
+	bra.uni 	$L__BB48_396;
 
-	setp.eq.s32 	%p182, %r36, 3;
-	@%p182 bra 	$L__BB48_246;
-	bra.uni 	$L__BB48_387;
+$L__BB48_300:
+	setp.ge.u64 	%p268, %rd3, %rd136;
+	@%p268 bra 	$L__BB48_396;
+
+	mov.u64 	%rd512, %rd3;
+
+$L__BB48_302:
+	shl.b64 	%rd331, %rd512, 3;
+	add.s64 	%rd332, %rd98, %rd331;
+	add.s64 	%rd333, %rd99, %rd331;
+	ld.f64 	%fd15, [%rd333];
+	ld.f64 	%fd16, [%rd332];
+	mul.f64 	%fd17, %fd16, %fd15;
+	st.f64 	[%rd332], %fd17;
+	add.s64 	%rd512, %rd512, %rd4;
+	setp.lt.u64 	%p269, %rd512, %rd136;
+	@%p269 bra 	$L__BB48_302;
+	bra.uni 	$L__BB48_396;
 
 $L__BB48_246:
-	setp.ge.u64 	%p193, %rd3, %rd113;
-	@%p193 bra 	$L__BB48_387;
+	ld.shared.u64 	%rd118, [%r11+24];
+	setp.gt.s32 	%p186, %r39, 3;
+	@%p186 bra 	$L__BB48_258;
 
-	mov.u64 	%rd481, %rd3;
+	setp.gt.s32 	%p192, %r39, 1;
+	@%p192 bra 	$L__BB48_253;
 
-$L__BB48_248:
-	shl.b64 	%rd294, %rd481, 1;
-	add.s64 	%rd295, %rd93, %rd294;
-	ld.u16 	%r274, [%rd295];
-	shl.b32 	%r275, %r274, 16;
-	mov.b32 	%f90, %r275;
-	add.s64 	%rd296, %rd94, %rd294;
-	ld.u16 	%r276, [%rd296];
-	shl.b32 	%r277, %r276, 16;
-	mov.b32 	%f91, %r277;
-	setp.lt.f32 	%p194, %f91, %f90;
-	setp.nan.f32 	%p195, %f91, %f91;
-	or.pred  	%p196, %p194, %p195;
-	selp.f32 	%f92, %f91, %f90, %p196;
-	mov.b32 	%r278, %f92;
-	shr.u32 	%r279, %r278, 16;
-	and.b32  	%r280, %r279, 1;
-	or.b32  	%r281, %r278, %r280;
-	add.s32 	%r282, %r281, 32767;
-	shr.u32 	%r283, %r282, 16;
-	or.b32  	%r284, %r279, 64;
-	and.b32  	%r285, %r278, 2147418112;
-	setp.gt.u32 	%p197, %r285, 2139095040;
-	selp.b32 	%r286, %r284, %r283, %p197;
-	st.u16 	[%rd295], %r286;
-	add.s64 	%rd481, %rd481, %rd4;
-	setp.lt.u64 	%p198, %rd481, %rd113;
-	@%p198 bra 	$L__BB48_248;
-	bra.uni 	$L__BB48_387;
+	setp.eq.s32 	%p195, %r39, 0;
+	@%p195 bra 	$L__BB48_293;
 
-$L__BB48_344:
-	setp.eq.s32 	%p267, %r36, 2;
-	@%p267 bra 	$L__BB48_366;
+	setp.eq.s32 	%p196, %r39, 1;
+	@%p196 bra 	$L__BB48_250;
+	bra.uni 	$L__BB48_396;
 
-	setp.eq.s32 	%p268, %r36, 3;
-	@%p268 bra 	$L__BB48_346;
-	bra.uni 	$L__BB48_387;
+$L__BB48_250:
+	setp.ge.u64 	%p225, %rd3, %rd118;
+	@%p225 bra 	$L__BB48_396;
+
+	mov.u64 	%rd504, %rd3;
+
+$L__BB48_252:
+	shl.b64 	%rd306, %rd504, 3;
+	add.s64 	%rd307, %rd98, %rd306;
+	add.s64 	%rd308, %rd99, %rd306;
+	ld.f64 	%fd12, [%rd308];
+	ld.f64 	%fd13, [%rd307];
+	setp.lt.f64 	%p226, %fd12, %fd13;
+	setp.nan.f64 	%p227, %fd12, %fd12;
+	or.pred  	%p228, %p226, %p227;
+	selp.f64 	%fd14, %fd12, %fd13, %p228;
+	st.f64 	[%rd307], %fd14;
+	add.s64 	%rd504, %rd504, %rd4;
+	setp.lt.u64 	%p229, %rd504, %rd118;
+	@%p229 bra 	$L__BB48_252;
+	bra.uni 	$L__BB48_396;
 
 $L__BB48_346:
-	setp.ge.u64 	%p279, %rd3, %rd149;
-	@%p279 bra 	$L__BB48_387;
+	ld.shared.u64 	%rd154, [%r11+24];
+	setp.gt.s32 	%p272, %r39, 3;
+	@%p272 bra 	$L__BB48_358;
 
-	mov.u64 	%rd497, %rd3;
+	setp.gt.s32 	%p278, %r39, 1;
+	@%p278 bra 	$L__BB48_353;
 
-$L__BB48_348:
-	shl.b64 	%rd344, %rd497, 1;
-	add.s64 	%rd345, %rd93, %rd344;
-	ld.u16 	%r368, [%rd345];
-	shl.b32 	%r369, %r368, 16;
-	mov.b32 	%f120, %r369;
-	add.s64 	%rd346, %rd94, %rd344;
-	ld.u16 	%r370, [%rd346];
-	shl.b32 	%r371, %r370, 16;
-	mov.b32 	%f121, %r371;
-	add.f32 	%f122, %f120, %f121;
-	mov.b32 	%r372, %f122;
-	shr.u32 	%r373, %r372, 16;
-	and.b32  	%r374, %r373, 1;
-	add.s32 	%r375, %r372, %r374;
-	add.s32 	%r376, %r375, 32767;
-	shr.u32 	%r377, %r376, 16;
-	or.b32  	%r378, %r373, 64;
-	and.b32  	%r379, %r372, 2147483647;
-	setp.gt.u32 	%p280, %r379, 2139095040;
-	selp.b32 	%r380, %r378, %r377, %p280;
-	st.u16 	[%rd345], %r380;
-	add.s64 	%rd497, %rd497, %rd4;
-	setp.lt.u64 	%p281, %rd497, %rd149;
-	@%p281 bra 	$L__BB48_348;
-	bra.uni 	$L__BB48_387;
+	setp.eq.s32 	%p281, %r39, 0;
+	@%p281 bra 	$L__BB48_393;
 
-$L__BB48_205:
-	setp.eq.s32 	%p127, %r36, 6;
-	@%p127 bra 	$L__BB48_210;
+	setp.eq.s32 	%p282, %r39, 1;
+	@%p282 bra 	$L__BB48_350;
+	bra.uni 	$L__BB48_396;
 
-	setp.ne.s32 	%p128, %r36, 7;
-	@%p128 bra 	$L__BB48_387;
+$L__BB48_350:
+	setp.ge.u64 	%p305, %rd3, %rd154;
+	@%p305 bra 	$L__BB48_396;
 
-	setp.ge.u64 	%p136, %rd3, %rd95;
-	@%p136 bra 	$L__BB48_387;
+	mov.u64 	%rd520, %rd3;
 
-	mov.u64 	%rd469, %rd3;
-
-$L__BB48_209:
-	shl.b64 	%rd256, %rd469, 3;
-	add.s64 	%rd257, %rd93, %rd256;
-	add.s64 	%rd258, %rd94, %rd256;
-	ld.u64 	%rd259, [%rd258];
-	ld.u64 	%rd260, [%rd257];
-	max.s64 	%rd261, %rd259, %rd260;
-	st.u64 	[%rd257], %rd261;
-	add.s64 	%rd469, %rd469, %rd4;
-	setp.lt.u64 	%p137, %rd469, %rd95;
-	@%p137 bra 	$L__BB48_209;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_305:
-	setp.eq.s32 	%p225, %r36, 6;
-	@%p225 bra 	$L__BB48_310;
-
-	setp.ne.s32 	%p226, %r36, 7;
-	@%p226 bra 	$L__BB48_387;
-
-	setp.ge.u64 	%p234, %rd3, %rd131;
-	@%p234 bra 	$L__BB48_387;
-
-	mov.u64 	%rd485, %rd3;
-
-$L__BB48_309:
-	shl.b64 	%rd306, %rd485, 3;
-	add.s64 	%rd307, %rd93, %rd306;
-	add.s64 	%rd308, %rd94, %rd306;
-	ld.u64 	%rd309, [%rd308];
-	ld.u64 	%rd310, [%rd307];
-	mul.lo.s64 	%rd311, %rd309, %rd310;
-	st.u64 	[%rd307], %rd311;
-	add.s64 	%rd485, %rd485, %rd4;
-	setp.lt.u64 	%p235, %rd485, %rd131;
-	@%p235 bra 	$L__BB48_309;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_255:
-	setp.eq.s32 	%p176, %r36, 6;
-	@%p176 bra 	$L__BB48_260;
-
-	setp.ne.s32 	%p177, %r36, 7;
-	@%p177 bra 	$L__BB48_387;
-
-	setp.ge.u64 	%p185, %rd3, %rd113;
-	@%p185 bra 	$L__BB48_387;
-
-	mov.u64 	%rd477, %rd3;
-
-$L__BB48_259:
-	shl.b64 	%rd281, %rd477, 3;
-	add.s64 	%rd282, %rd93, %rd281;
-	add.s64 	%rd283, %rd94, %rd281;
-	ld.u64 	%rd284, [%rd283];
-	ld.u64 	%rd285, [%rd282];
-	min.s64 	%rd286, %rd284, %rd285;
-	st.u64 	[%rd282], %rd286;
-	add.s64 	%rd477, %rd477, %rd4;
-	setp.lt.u64 	%p186, %rd477, %rd113;
-	@%p186 bra 	$L__BB48_259;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_355:
-	setp.eq.s32 	%p262, %r36, 6;
-	@%p262 bra 	$L__BB48_360;
-
-	setp.ne.s32 	%p263, %r36, 7;
-	@%p263 bra 	$L__BB48_387;
-
-	setp.ge.u64 	%p271, %rd3, %rd149;
-	@%p271 bra 	$L__BB48_387;
-
-	mov.u64 	%rd493, %rd3;
-
-$L__BB48_359:
-	shl.b64 	%rd331, %rd493, 3;
-	add.s64 	%rd332, %rd93, %rd331;
-	add.s64 	%rd333, %rd94, %rd331;
-	ld.u64 	%rd334, [%rd333];
-	ld.u64 	%rd335, [%rd332];
-	add.s64 	%rd336, %rd334, %rd335;
-	st.u64 	[%rd332], %rd336;
-	add.s64 	%rd493, %rd493, %rd4;
-	setp.lt.u64 	%p272, %rd493, %rd149;
-	@%p272 bra 	$L__BB48_359;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_102:
-	mov.b64 	%fd21, %rd33;
-
-$L__BB48_103:
-	setp.ge.u64 	%p67, %rd3, %rd31;
-	@%p67 bra 	$L__BB48_111;
-
-	mov.u64 	%rd455, %rd3;
-
-$L__BB48_105:
-	shl.b64 	%rd232, %rd455, 3;
-	add.s64 	%rd233, %rd30, %rd232;
-	ld.f64 	%fd5, [%rd233];
-	mul.f64 	%fd6, %fd21, %fd5;
-	st.f64 	[%rd233], %fd6;
-	add.s64 	%rd455, %rd455, %rd4;
-	setp.lt.u64 	%p68, %rd455, %rd31;
-	@%p68 bra 	$L__BB48_105;
-	bra.uni 	$L__BB48_111;
-
-$L__BB48_67:
-	cvt.u16.u64 	%rs128, %rd33;
-
-$L__BB48_68:
-	setp.ge.u64 	%p45, %rd3, %rd31;
-	@%p45 bra 	$L__BB48_111;
-
-	mov.u64 	%rd451, %rd3;
-
-$L__BB48_70:
-	add.s64 	%rd227, %rd30, %rd451;
-	ld.u8 	%rs57, [%rd227];
-	mul.lo.s16 	%rs58, %rs57, %rs128;
-	st.u8 	[%rd227], %rs58;
-	add.s64 	%rd451, %rd451, %rd4;
-	setp.lt.u64 	%p46, %rd451, %rd31;
-	@%p46 bra 	$L__BB48_70;
-	bra.uni 	$L__BB48_111;
-
-$L__BB48_77:
-	cvt.u16.u64 	%rs130, %rd33;
-
-$L__BB48_78:
-	setp.ge.u64 	%p51, %rd3, %rd31;
-	@%p51 bra 	$L__BB48_111;
-
-	cvt.u32.u16 	%r119, %rs130;
-	shl.b32 	%r120, %r119, 16;
-	mov.b32 	%f1, %r120;
-	mov.u64 	%rd453, %rd3;
-
-$L__BB48_80:
-	shl.b64 	%rd229, %rd453, 1;
-	add.s64 	%rd230, %rd30, %rd229;
-	ld.u16 	%r121, [%rd230];
-	shl.b32 	%r122, %r121, 16;
-	mov.b32 	%f52, %r122;
-	mul.f32 	%f53, %f1, %f52;
-	mov.b32 	%r123, %f53;
-	shr.u32 	%r124, %r123, 16;
-	and.b32  	%r125, %r124, 1;
-	add.s32 	%r126, %r123, %r125;
-	add.s32 	%r127, %r126, 32767;
-	shr.u32 	%r128, %r127, 16;
-	or.b32  	%r129, %r124, 64;
-	and.b32  	%r130, %r123, 2147483647;
-	setp.gt.u32 	%p52, %r130, 2139095040;
-	selp.b32 	%r131, %r129, %r128, %p52;
-	st.u16 	[%rd230], %r131;
-	add.s64 	%rd453, %rd453, %rd4;
-	setp.lt.u64 	%p53, %rd453, %rd31;
-	@%p53 bra 	$L__BB48_80;
-	bra.uni 	$L__BB48_111;
-
-$L__BB48_73:
-	cvt.u16.u64 	%rs129, %rd33;
-
-$L__BB48_74:
-	setp.ge.u64 	%p48, %rd3, %rd31;
-	@%p48 bra 	$L__BB48_111;
-
-	mov.u64 	%rd452, %rd3;
-
-$L__BB48_76:
-	add.s64 	%rd228, %rd30, %rd452;
-	ld.u8 	%rs59, [%rd228];
-	mul.lo.s16 	%rs60, %rs59, %rs129;
-	st.u8 	[%rd228], %rs60;
-	add.s64 	%rd452, %rd452, %rd4;
-	setp.lt.u64 	%p49, %rd452, %rd31;
-	@%p49 bra 	$L__BB48_76;
-	bra.uni 	$L__BB48_111;
-
-$L__BB48_83:
-	cvt.u16.u64 	%rs131, %rd33;
-
-$L__BB48_84:
-	and.b16  	%rs13, %rs131, -32768;
-	cvt.u32.u16 	%r132, %rs131;
-	shl.b32 	%r133, %r132, 16;
-	and.b32  	%r12, %r133, -2147483648;
-	shr.u16 	%rs61, %rs131, 10;
-	and.b16  	%rs14, %rs61, 31;
-	and.b16  	%rs15, %rs131, 1023;
-	cvt.u32.u16 	%r13, %rs15;
-	setp.eq.s16 	%p55, %rs14, 0;
-	@%p55 bra 	$L__BB48_88;
-
-	setp.eq.s16 	%p56, %rs14, 31;
-	@%p56 bra 	$L__BB48_87;
-	bra.uni 	$L__BB48_86;
-
-$L__BB48_87:
-	shl.b32 	%r139, %r13, 13;
-	or.b32  	%r140, %r139, %r12;
-	or.b32  	%r141, %r140, 2139095040;
-	mov.b32 	%f135, %r141;
-	bra.uni 	$L__BB48_89;
+$L__BB48_352:
+	shl.b64 	%rd356, %rd520, 3;
+	add.s64 	%rd357, %rd98, %rd356;
+	add.s64 	%rd358, %rd99, %rd356;
+	ld.f64 	%fd18, [%rd358];
+	ld.f64 	%fd19, [%rd357];
+	add.f64 	%fd20, %fd19, %fd18;
+	st.f64 	[%rd357], %fd20;
+	add.s64 	%rd520, %rd520, %rd4;
+	setp.lt.u64 	%p306, %rd520, %rd154;
+	@%p306 bra 	$L__BB48_352;
+	bra.uni 	$L__BB48_396;
 
 $L__BB48_63:
-	cvt.u32.u64 	%r469, %rd33;
+	setp.eq.s32 	%p41, %r123, 6;
+	@%p41 bra 	$L__BB48_70;
 
-$L__BB48_64:
-	setp.ge.u64 	%p42, %rd3, %rd31;
-	@%p42 bra 	$L__BB48_111;
+	setp.ne.s32 	%p42, %r123, 7;
+	@%p42 bra 	$L__BB48_120;
 
-	mov.u64 	%rd450, %rd3;
+	setp.eq.s64 	%p50, %rd37, 0;
+	@%p50 bra 	$L__BB48_67;
 
-$L__BB48_66:
-	shl.b64 	%rd225, %rd450, 2;
-	add.s64 	%rd226, %rd30, %rd225;
-	ld.u32 	%r117, [%rd226];
-	mul.lo.s32 	%r118, %r117, %r469;
-	st.u32 	[%rd226], %r118;
-	add.s64 	%rd450, %rd450, %rd4;
-	setp.lt.u64 	%p43, %rd450, %rd31;
-	@%p43 bra 	$L__BB48_66;
-	bra.uni 	$L__BB48_111;
+	ld.u64 	%rd38, [%rd37];
 
-$L__BB48_88:
-	cvt.rn.f32.u16 	%f54, %rs15;
-	mul.f32 	%f55, %f54, 0f33800000;
-	mul.f32 	%f56, %f54, 0fB3800000;
-	setp.eq.s16 	%p57, %rs13, 0;
-	selp.f32 	%f135, %f55, %f56, %p57;
-	bra.uni 	$L__BB48_89;
-
-$L__BB48_86:
-	add.s16 	%rs62, %rs14, 112;
-	cvt.u32.u16 	%r134, %rs62;
-	shl.b32 	%r135, %r134, 23;
-	shl.b32 	%r136, %r13, 13;
-	or.b32  	%r137, %r136, %r12;
-	or.b32  	%r138, %r137, %r135;
-	mov.b32 	%f135, %r138;
-
-$L__BB48_89:
-	setp.ge.u64 	%p58, %rd3, %rd31;
-	@%p58 bra 	$L__BB48_111;
-
-	mov.u64 	%rd454, %rd3;
-
-$L__BB48_91:
-	shl.b64 	%rd231, %rd454, 1;
-	add.s64 	%rd47, %rd30, %rd231;
-	ld.u16 	%rs63, [%rd47];
-	and.b16  	%rs16, %rs63, -32768;
-	cvt.u32.u16 	%r142, %rs63;
-	shl.b32 	%r143, %r142, 16;
-	and.b32  	%r14, %r143, -2147483648;
-	shr.u16 	%rs64, %rs63, 10;
-	and.b16  	%rs17, %rs64, 31;
-	and.b16  	%rs18, %rs63, 1023;
-	cvt.u32.u16 	%r15, %rs18;
-	setp.eq.s16 	%p59, %rs17, 0;
-	@%p59 bra 	$L__BB48_95;
-
-	setp.eq.s16 	%p60, %rs17, 31;
-	@%p60 bra 	$L__BB48_94;
-	bra.uni 	$L__BB48_93;
-
-$L__BB48_94:
-	shl.b32 	%r149, %r15, 13;
-	or.b32  	%r150, %r149, %r14;
-	or.b32  	%r151, %r150, 2139095040;
-	mov.b32 	%f136, %r151;
-	bra.uni 	$L__BB48_96;
-
-$L__BB48_95:
-	cvt.rn.f32.u16 	%f57, %rs18;
-	mul.f32 	%f58, %f57, 0f33800000;
-	mul.f32 	%f59, %f57, 0fB3800000;
-	setp.eq.s16 	%p61, %rs16, 0;
-	selp.f32 	%f136, %f58, %f59, %p61;
-	bra.uni 	$L__BB48_96;
-
-$L__BB48_93:
-	add.s16 	%rs65, %rs17, 112;
-	cvt.u32.u16 	%r144, %rs65;
-	shl.b32 	%r145, %r144, 23;
-	shl.b32 	%r146, %r15, 13;
-	or.b32  	%r147, %r146, %r14;
-	or.b32  	%r148, %r147, %r145;
-	mov.b32 	%f136, %r148;
-
-$L__BB48_96:
-	mul.f32 	%f60, %f135, %f136;
-	mov.b32 	%r16, %f60;
-	and.b32  	%r17, %r16, 2147483647;
-	setp.gt.u32 	%p62, %r17, 1199570943;
-	@%p62 bra 	$L__BB48_100;
-	bra.uni 	$L__BB48_97;
-
-$L__BB48_100:
-	setp.gt.u32 	%p64, %r17, 2139095040;
-	shr.u32 	%r157, %r16, 13;
-	and.b32  	%r158, %r157, 511;
-	or.b32  	%r159, %r158, 32256;
-	selp.b32 	%r470, %r159, 31744, %p64;
-	bra.uni 	$L__BB48_101;
-
-$L__BB48_97:
-	setp.lt.u32 	%p63, %r17, 947912704;
-	@%p63 bra 	$L__BB48_99;
-	bra.uni 	$L__BB48_98;
-
-$L__BB48_99:
-	mov.b32 	%f61, %r17;
-	add.f32 	%f62, %f61, 0f3F000000;
-	mov.b32 	%r156, %f62;
-	add.s32 	%r470, %r156, -1056964608;
-	bra.uni 	$L__BB48_101;
-
-$L__BB48_98:
-	shr.u32 	%r152, %r16, 13;
-	and.b32  	%r153, %r152, 1;
-	add.s32 	%r154, %r17, %r153;
-	add.s32 	%r155, %r154, -939520001;
-	shr.u32 	%r470, %r155, 13;
-
-$L__BB48_101:
-	and.b32  	%r160, %r16, -2147483648;
-	shr.u32 	%r161, %r160, 16;
-	or.b32  	%r162, %r470, %r161;
-	st.u16 	[%rd47], %r162;
-	add.s64 	%rd454, %rd454, %rd4;
-	setp.lt.u64 	%p65, %rd454, %rd31;
-	@%p65 bra 	$L__BB48_91;
-
-$L__BB48_111:
-	bar.sync 	0;
-	@%p72 bra 	$L__BB48_120;
-
-	ld.volatile.global.u32 	%r22, [%rd5+64];
-	membar.gl;
-	atom.global.add.u32 	%r164, [%rd5], 1;
-	setp.eq.s32 	%p73, %r164, %r4;
-	@%p73 bra 	$L__BB48_118;
-	bra.uni 	$L__BB48_113;
-
-$L__BB48_118:
-	mov.u32 	%r169, 0;
-	st.global.u32 	[%rd5], %r169;
-	membar.gl;
-	add.s64 	%rd237, %rd5, 64;
-	atom.global.add.u32 	%r170, [%rd237], 1;
-	bra.uni 	$L__BB48_119;
-
-$L__BB48_113:
-	ld.volatile.global.u32 	%r165, [%rd5+64];
-	setp.ne.s32 	%p74, %r165, %r22;
-	@%p74 bra 	$L__BB48_119;
-
-	mov.u32 	%r471, 1;
-
-$L__BB48_115:
-	and.b32  	%r167, %r471, 255;
-	setp.ne.s32 	%p75, %r167, 0;
-	@%p75 bra 	$L__BB48_117;
-
-	ld.volatile.global.u64 	%rd236, [%rd6+8];
-	setp.ne.s64 	%p76, %rd236, 0;
-	@%p76 bra 	$L__BB48_119;
-
-$L__BB48_117:
-	add.s32 	%r471, %r471, 1;
-	ld.volatile.global.u32 	%r168, [%rd5+64];
-	setp.eq.s32 	%p77, %r168, %r22;
-	@%p77 bra 	$L__BB48_115;
-
-$L__BB48_119:
-	membar.gl;
-
-$L__BB48_120:
-	bar.sync 	0;
-	mov.u16 	%rs133, 0;
-	bra.uni 	$L__BB48_437;
-
-$L__BB48_234:
-	setp.ge.u64 	%p169, %rd3, %rd95;
-	@%p169 bra 	$L__BB48_387;
-
-	mov.u64 	%rd476, %rd3;
-
-$L__BB48_236:
-	shl.b64 	%rd278, %rd476, 2;
-	add.s64 	%rd279, %rd93, %rd278;
-	add.s64 	%rd280, %rd94, %rd278;
-	ld.f32 	%f87, [%rd280];
-	ld.f32 	%f88, [%rd279];
-	setp.gt.f32 	%p170, %f87, %f88;
-	setp.nan.f32 	%p171, %f87, %f87;
-	or.pred  	%p172, %p170, %p171;
-	selp.f32 	%f89, %f87, %f88, %p172;
-	st.f32 	[%rd279], %f89;
-	add.s64 	%rd476, %rd476, %rd4;
-	setp.lt.u64 	%p173, %rd476, %rd95;
-	@%p173 bra 	$L__BB48_236;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_334:
-	setp.ge.u64 	%p258, %rd3, %rd131;
-	@%p258 bra 	$L__BB48_387;
-
-	mov.u64 	%rd492, %rd3;
-
-$L__BB48_336:
-	shl.b64 	%rd328, %rd492, 2;
-	add.s64 	%rd329, %rd93, %rd328;
-	add.s64 	%rd330, %rd94, %rd328;
-	ld.f32 	%f117, [%rd330];
-	ld.f32 	%f118, [%rd329];
-	mul.f32 	%f119, %f118, %f117;
-	st.f32 	[%rd329], %f119;
-	add.s64 	%rd492, %rd492, %rd4;
-	setp.lt.u64 	%p259, %rd492, %rd131;
-	@%p259 bra 	$L__BB48_336;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_284:
-	setp.ge.u64 	%p218, %rd3, %rd113;
-	@%p218 bra 	$L__BB48_387;
-
-	mov.u64 	%rd484, %rd3;
-
-$L__BB48_286:
-	shl.b64 	%rd303, %rd484, 2;
-	add.s64 	%rd304, %rd93, %rd303;
-	add.s64 	%rd305, %rd94, %rd303;
-	ld.f32 	%f102, [%rd305];
-	ld.f32 	%f103, [%rd304];
-	setp.lt.f32 	%p219, %f102, %f103;
-	setp.nan.f32 	%p220, %f102, %f102;
-	or.pred  	%p221, %p219, %p220;
-	selp.f32 	%f104, %f102, %f103, %p221;
-	st.f32 	[%rd304], %f104;
-	add.s64 	%rd484, %rd484, %rd4;
-	setp.lt.u64 	%p222, %rd484, %rd113;
-	@%p222 bra 	$L__BB48_286;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_384:
-	setp.ge.u64 	%p295, %rd3, %rd149;
-	@%p295 bra 	$L__BB48_387;
-
-	mov.u64 	%rd500, %rd3;
-
-$L__BB48_386:
-	shl.b64 	%rd353, %rd500, 2;
-	add.s64 	%rd354, %rd93, %rd353;
-	add.s64 	%rd355, %rd94, %rd353;
-	ld.f32 	%f132, [%rd355];
-	ld.f32 	%f133, [%rd354];
-	add.f32 	%f134, %f133, %f132;
-	st.f32 	[%rd354], %f134;
-	add.s64 	%rd500, %rd500, %rd4;
-	setp.lt.u64 	%p296, %rd500, %rd149;
-	@%p296 bra 	$L__BB48_386;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_213:
-	setp.ge.u64 	%p142, %rd3, %rd95;
-	@%p142 bra 	$L__BB48_387;
-
-	mov.u64 	%rd472, %rd3;
-
-$L__BB48_215:
-	add.s64 	%rd267, %rd94, %rd472;
-	ld.s8 	%rs74, [%rd267];
-	add.s64 	%rd268, %rd93, %rd472;
-	ld.s8 	%rs75, [%rd268];
-	max.s16 	%rs76, %rs74, %rs75;
-	st.u8 	[%rd268], %rs76;
-	add.s64 	%rd472, %rd472, %rd4;
-	setp.lt.u64 	%p143, %rd472, %rd95;
-	@%p143 bra 	$L__BB48_215;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_313:
-	setp.ge.u64 	%p240, %rd3, %rd131;
-	@%p240 bra 	$L__BB48_387;
-
-	mov.u64 	%rd488, %rd3;
-
-$L__BB48_315:
-	add.s64 	%rd317, %rd94, %rd488;
-	ld.u8 	%rs98, [%rd317];
-	add.s64 	%rd318, %rd93, %rd488;
-	ld.u8 	%rs99, [%rd318];
-	mul.lo.s16 	%rs100, %rs98, %rs99;
-	st.u8 	[%rd318], %rs100;
-	add.s64 	%rd488, %rd488, %rd4;
-	setp.lt.u64 	%p241, %rd488, %rd131;
-	@%p241 bra 	$L__BB48_315;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_263:
-	setp.ge.u64 	%p191, %rd3, %rd113;
-	@%p191 bra 	$L__BB48_387;
-
-	mov.u64 	%rd480, %rd3;
-
-$L__BB48_265:
-	add.s64 	%rd292, %rd94, %rd480;
-	ld.s8 	%rs86, [%rd292];
-	add.s64 	%rd293, %rd93, %rd480;
-	ld.s8 	%rs87, [%rd293];
-	min.s16 	%rs88, %rs86, %rs87;
-	st.u8 	[%rd293], %rs88;
-	add.s64 	%rd480, %rd480, %rd4;
-	setp.lt.u64 	%p192, %rd480, %rd113;
-	@%p192 bra 	$L__BB48_265;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_363:
-	setp.ge.u64 	%p277, %rd3, %rd149;
-	@%p277 bra 	$L__BB48_387;
-
-	mov.u64 	%rd496, %rd3;
-
-$L__BB48_365:
-	add.s64 	%rd342, %rd94, %rd496;
-	ld.u8 	%rs110, [%rd342];
-	add.s64 	%rd343, %rd93, %rd496;
-	ld.u8 	%rs111, [%rd343];
-	add.s16 	%rs112, %rs110, %rs111;
-	st.u8 	[%rd343], %rs112;
-	add.s64 	%rd496, %rd496, %rd4;
-	setp.lt.u64 	%p278, %rd496, %rd149;
-	@%p278 bra 	$L__BB48_365;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_216:
-	setp.ge.u64 	%p150, %rd3, %rd95;
-	@%p150 bra 	$L__BB48_387;
-
-	mov.u64 	%rd474, %rd3;
-
-$L__BB48_218:
-	shl.b64 	%rd272, %rd474, 1;
-	add.s64 	%rd107, %rd93, %rd272;
-	ld.u16 	%rs77, [%rd107];
-	and.b16  	%rs22, %rs77, -32768;
-	cvt.u32.u16 	%r240, %rs77;
-	shl.b32 	%r241, %r240, 16;
-	and.b32  	%r37, %r241, -2147483648;
-	shr.u16 	%rs78, %rs77, 10;
-	and.b16  	%rs23, %rs78, 31;
-	and.b16  	%rs24, %rs77, 1023;
-	cvt.u32.u16 	%r38, %rs24;
-	setp.eq.s16 	%p151, %rs23, 0;
-	@%p151 bra 	$L__BB48_222;
-
-	setp.eq.s16 	%p152, %rs23, 31;
-	@%p152 bra 	$L__BB48_221;
-	bra.uni 	$L__BB48_220;
-
-$L__BB48_221:
-	shl.b32 	%r247, %r38, 13;
-	or.b32  	%r248, %r247, %r37;
-	or.b32  	%r249, %r248, 2139095040;
-	mov.b32 	%f139, %r249;
-	bra.uni 	$L__BB48_223;
-
-$L__BB48_222:
-	cvt.rn.f32.u16 	%f78, %rs24;
-	mul.f32 	%f79, %f78, 0f33800000;
-	mul.f32 	%f80, %f78, 0fB3800000;
-	setp.eq.s16 	%p153, %rs22, 0;
-	selp.f32 	%f139, %f79, %f80, %p153;
-	bra.uni 	$L__BB48_223;
-
-$L__BB48_220:
-	add.s16 	%rs79, %rs23, 112;
-	cvt.u32.u16 	%r242, %rs79;
-	shl.b32 	%r243, %r242, 23;
-	shl.b32 	%r244, %r38, 13;
-	or.b32  	%r245, %r244, %r37;
-	or.b32  	%r246, %r245, %r243;
-	mov.b32 	%f139, %r246;
-
-$L__BB48_223:
-	shl.b64 	%rd430, %rd474, 1;
-	add.s64 	%rd274, %rd94, %rd430;
-	ld.u16 	%rs80, [%rd274];
-	and.b16  	%rs25, %rs80, -32768;
-	cvt.u32.u16 	%r250, %rs80;
-	shl.b32 	%r251, %r250, 16;
-	and.b32  	%r39, %r251, -2147483648;
-	shr.u16 	%rs81, %rs80, 10;
-	and.b16  	%rs26, %rs81, 31;
-	and.b16  	%rs27, %rs80, 1023;
-	cvt.u32.u16 	%r40, %rs27;
-	setp.eq.s16 	%p154, %rs26, 0;
-	@%p154 bra 	$L__BB48_227;
-
-	setp.eq.s16 	%p155, %rs26, 31;
-	@%p155 bra 	$L__BB48_226;
-	bra.uni 	$L__BB48_225;
-
-$L__BB48_226:
-	shl.b32 	%r257, %r40, 13;
-	or.b32  	%r258, %r257, %r39;
-	or.b32  	%r259, %r258, 2139095040;
-	mov.b32 	%f140, %r259;
-	bra.uni 	$L__BB48_228;
-
-$L__BB48_227:
-	cvt.rn.f32.u16 	%f81, %rs27;
-	mul.f32 	%f82, %f81, 0f33800000;
-	mul.f32 	%f83, %f81, 0fB3800000;
-	setp.eq.s16 	%p156, %rs25, 0;
-	selp.f32 	%f140, %f82, %f83, %p156;
-	bra.uni 	$L__BB48_228;
-
-$L__BB48_225:
-	add.s16 	%rs82, %rs26, 112;
-	cvt.u32.u16 	%r252, %rs82;
-	shl.b32 	%r253, %r252, 23;
-	shl.b32 	%r254, %r40, 13;
-	or.b32  	%r255, %r254, %r39;
-	or.b32  	%r256, %r255, %r253;
-	mov.b32 	%f140, %r256;
-
-$L__BB48_228:
-	setp.nan.f32 	%p157, %f140, %f140;
-	setp.gt.f32 	%p158, %f140, %f139;
-	or.pred  	%p159, %p158, %p157;
-	selp.f32 	%f84, %f140, %f139, %p159;
-	mov.b32 	%r41, %f84;
-	and.b32  	%r42, %r41, 2147483647;
-	setp.gt.u32 	%p160, %r42, 1199570943;
-	@%p160 bra 	$L__BB48_232;
-	bra.uni 	$L__BB48_229;
-
-$L__BB48_232:
-	setp.gt.u32 	%p162, %r42, 2139095040;
-	shr.u32 	%r265, %r41, 13;
-	and.b32  	%r266, %r265, 511;
-	or.b32  	%r267, %r266, 32256;
-	selp.b32 	%r474, %r267, 31744, %p162;
-	bra.uni 	$L__BB48_233;
-
-$L__BB48_229:
-	setp.lt.u32 	%p161, %r42, 947912704;
-	@%p161 bra 	$L__BB48_231;
-	bra.uni 	$L__BB48_230;
-
-$L__BB48_231:
-	mov.b32 	%f85, %r42;
-	add.f32 	%f86, %f85, 0f3F000000;
-	mov.b32 	%r264, %f86;
-	add.s32 	%r474, %r264, -1056964608;
-	bra.uni 	$L__BB48_233;
-
-$L__BB48_230:
-	shr.u32 	%r260, %r41, 13;
-	and.b32  	%r261, %r260, 1;
-	add.s32 	%r262, %r42, %r261;
-	add.s32 	%r263, %r262, -939520001;
-	shr.u32 	%r474, %r263, 13;
-
-$L__BB48_233:
-	shl.b64 	%rd432, %rd474, 1;
-	add.s64 	%rd431, %rd93, %rd432;
-	and.b32  	%r268, %r41, -2147483648;
-	shr.u32 	%r269, %r268, 16;
-	or.b32  	%r270, %r474, %r269;
-	st.u16 	[%rd431], %r270;
-	add.s64 	%rd474, %rd474, %rd4;
-	setp.lt.u64 	%p163, %rd474, %rd95;
-	@%p163 bra 	$L__BB48_218;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_316:
-	setp.ge.u64 	%p245, %rd3, %rd131;
-	@%p245 bra 	$L__BB48_387;
-
-	mov.u64 	%rd490, %rd3;
-
-$L__BB48_318:
-	shl.b64 	%rd322, %rd490, 1;
-	add.s64 	%rd143, %rd93, %rd322;
-	ld.u16 	%rs101, [%rd143];
-	and.b16  	%rs34, %rs101, -32768;
-	cvt.u32.u16 	%r334, %rs101;
-	shl.b32 	%r335, %r334, 16;
-	and.b32  	%r57, %r335, -2147483648;
-	shr.u16 	%rs102, %rs101, 10;
-	and.b16  	%rs35, %rs102, 31;
-	and.b16  	%rs36, %rs101, 1023;
-	cvt.u32.u16 	%r58, %rs36;
-	setp.eq.s16 	%p246, %rs35, 0;
-	@%p246 bra 	$L__BB48_322;
-
-	setp.eq.s16 	%p247, %rs35, 31;
-	@%p247 bra 	$L__BB48_321;
-	bra.uni 	$L__BB48_320;
-
-$L__BB48_321:
-	shl.b32 	%r341, %r58, 13;
-	or.b32  	%r342, %r341, %r57;
-	or.b32  	%r343, %r342, 2139095040;
-	mov.b32 	%f143, %r343;
-	bra.uni 	$L__BB48_323;
-
-$L__BB48_322:
-	cvt.rn.f32.u16 	%f108, %rs36;
-	mul.f32 	%f109, %f108, 0f33800000;
-	mul.f32 	%f110, %f108, 0fB3800000;
-	setp.eq.s16 	%p248, %rs34, 0;
-	selp.f32 	%f143, %f109, %f110, %p248;
-	bra.uni 	$L__BB48_323;
-
-$L__BB48_320:
-	add.s16 	%rs103, %rs35, 112;
-	cvt.u32.u16 	%r336, %rs103;
-	shl.b32 	%r337, %r336, 23;
-	shl.b32 	%r338, %r58, 13;
-	or.b32  	%r339, %r338, %r57;
-	or.b32  	%r340, %r339, %r337;
-	mov.b32 	%f143, %r340;
-
-$L__BB48_323:
-	shl.b64 	%rd436, %rd490, 1;
-	add.s64 	%rd324, %rd94, %rd436;
-	ld.u16 	%rs104, [%rd324];
-	and.b16  	%rs37, %rs104, -32768;
-	cvt.u32.u16 	%r344, %rs104;
-	shl.b32 	%r345, %r344, 16;
-	and.b32  	%r59, %r345, -2147483648;
-	shr.u16 	%rs105, %rs104, 10;
-	and.b16  	%rs38, %rs105, 31;
-	and.b16  	%rs39, %rs104, 1023;
-	cvt.u32.u16 	%r60, %rs39;
-	setp.eq.s16 	%p249, %rs38, 0;
-	@%p249 bra 	$L__BB48_327;
-
-	setp.eq.s16 	%p250, %rs38, 31;
-	@%p250 bra 	$L__BB48_326;
-	bra.uni 	$L__BB48_325;
-
-$L__BB48_326:
-	shl.b32 	%r351, %r60, 13;
-	or.b32  	%r352, %r351, %r59;
-	or.b32  	%r353, %r352, 2139095040;
-	mov.b32 	%f144, %r353;
-	bra.uni 	$L__BB48_328;
-
-$L__BB48_327:
-	cvt.rn.f32.u16 	%f111, %rs39;
-	mul.f32 	%f112, %f111, 0f33800000;
-	mul.f32 	%f113, %f111, 0fB3800000;
-	setp.eq.s16 	%p251, %rs37, 0;
-	selp.f32 	%f144, %f112, %f113, %p251;
-	bra.uni 	$L__BB48_328;
-
-$L__BB48_325:
-	add.s16 	%rs106, %rs38, 112;
-	cvt.u32.u16 	%r346, %rs106;
-	shl.b32 	%r347, %r346, 23;
-	shl.b32 	%r348, %r60, 13;
-	or.b32  	%r349, %r348, %r59;
-	or.b32  	%r350, %r349, %r347;
-	mov.b32 	%f144, %r350;
-
-$L__BB48_328:
-	mul.f32 	%f114, %f143, %f144;
-	mov.b32 	%r61, %f114;
-	and.b32  	%r62, %r61, 2147483647;
-	setp.gt.u32 	%p252, %r62, 1199570943;
-	@%p252 bra 	$L__BB48_332;
-	bra.uni 	$L__BB48_329;
-
-$L__BB48_332:
-	setp.gt.u32 	%p254, %r62, 2139095040;
-	shr.u32 	%r359, %r61, 13;
-	and.b32  	%r360, %r359, 511;
-	or.b32  	%r361, %r360, 32256;
-	selp.b32 	%r476, %r361, 31744, %p254;
-	bra.uni 	$L__BB48_333;
-
-$L__BB48_329:
-	setp.lt.u32 	%p253, %r62, 947912704;
-	@%p253 bra 	$L__BB48_331;
-	bra.uni 	$L__BB48_330;
-
-$L__BB48_331:
-	mov.b32 	%f115, %r62;
-	add.f32 	%f116, %f115, 0f3F000000;
-	mov.b32 	%r358, %f116;
-	add.s32 	%r476, %r358, -1056964608;
-	bra.uni 	$L__BB48_333;
-
-$L__BB48_330:
-	shr.u32 	%r354, %r61, 13;
-	and.b32  	%r355, %r354, 1;
-	add.s32 	%r356, %r62, %r355;
-	add.s32 	%r357, %r356, -939520001;
-	shr.u32 	%r476, %r357, 13;
-
-$L__BB48_333:
-	shl.b64 	%rd438, %rd490, 1;
-	add.s64 	%rd437, %rd93, %rd438;
-	and.b32  	%r362, %r61, -2147483648;
-	shr.u32 	%r363, %r362, 16;
-	or.b32  	%r364, %r476, %r363;
-	st.u16 	[%rd437], %r364;
-	add.s64 	%rd490, %rd490, %rd4;
-	setp.lt.u64 	%p255, %rd490, %rd131;
-	@%p255 bra 	$L__BB48_318;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_266:
-	setp.ge.u64 	%p199, %rd3, %rd113;
-	@%p199 bra 	$L__BB48_387;
-
-	mov.u64 	%rd482, %rd3;
-
-$L__BB48_268:
-	shl.b64 	%rd297, %rd482, 1;
-	add.s64 	%rd125, %rd93, %rd297;
-	ld.u16 	%rs89, [%rd125];
-	and.b16  	%rs28, %rs89, -32768;
-	cvt.u32.u16 	%r287, %rs89;
-	shl.b32 	%r288, %r287, 16;
-	and.b32  	%r47, %r288, -2147483648;
-	shr.u16 	%rs90, %rs89, 10;
-	and.b16  	%rs29, %rs90, 31;
-	and.b16  	%rs30, %rs89, 1023;
-	cvt.u32.u16 	%r48, %rs30;
-	setp.eq.s16 	%p200, %rs29, 0;
-	@%p200 bra 	$L__BB48_272;
-
-	setp.eq.s16 	%p201, %rs29, 31;
-	@%p201 bra 	$L__BB48_271;
-	bra.uni 	$L__BB48_270;
-
-$L__BB48_271:
-	shl.b32 	%r294, %r48, 13;
-	or.b32  	%r295, %r294, %r47;
-	or.b32  	%r296, %r295, 2139095040;
-	mov.b32 	%f141, %r296;
-	bra.uni 	$L__BB48_273;
-
-$L__BB48_272:
-	cvt.rn.f32.u16 	%f93, %rs30;
-	mul.f32 	%f94, %f93, 0f33800000;
-	mul.f32 	%f95, %f93, 0fB3800000;
-	setp.eq.s16 	%p202, %rs28, 0;
-	selp.f32 	%f141, %f94, %f95, %p202;
-	bra.uni 	$L__BB48_273;
-
-$L__BB48_270:
-	add.s16 	%rs91, %rs29, 112;
-	cvt.u32.u16 	%r289, %rs91;
-	shl.b32 	%r290, %r289, 23;
-	shl.b32 	%r291, %r48, 13;
-	or.b32  	%r292, %r291, %r47;
-	or.b32  	%r293, %r292, %r290;
-	mov.b32 	%f141, %r293;
-
-$L__BB48_273:
-	shl.b64 	%rd433, %rd482, 1;
-	add.s64 	%rd299, %rd94, %rd433;
-	ld.u16 	%rs92, [%rd299];
-	and.b16  	%rs31, %rs92, -32768;
-	cvt.u32.u16 	%r297, %rs92;
-	shl.b32 	%r298, %r297, 16;
-	and.b32  	%r49, %r298, -2147483648;
-	shr.u16 	%rs93, %rs92, 10;
-	and.b16  	%rs32, %rs93, 31;
-	and.b16  	%rs33, %rs92, 1023;
-	cvt.u32.u16 	%r50, %rs33;
-	setp.eq.s16 	%p203, %rs32, 0;
-	@%p203 bra 	$L__BB48_277;
-
-	setp.eq.s16 	%p204, %rs32, 31;
-	@%p204 bra 	$L__BB48_276;
-	bra.uni 	$L__BB48_275;
-
-$L__BB48_276:
-	shl.b32 	%r304, %r50, 13;
-	or.b32  	%r305, %r304, %r49;
-	or.b32  	%r306, %r305, 2139095040;
-	mov.b32 	%f142, %r306;
-	bra.uni 	$L__BB48_278;
-
-$L__BB48_277:
-	cvt.rn.f32.u16 	%f96, %rs33;
-	mul.f32 	%f97, %f96, 0f33800000;
-	mul.f32 	%f98, %f96, 0fB3800000;
-	setp.eq.s16 	%p205, %rs31, 0;
-	selp.f32 	%f142, %f97, %f98, %p205;
-	bra.uni 	$L__BB48_278;
-
-$L__BB48_275:
-	add.s16 	%rs94, %rs32, 112;
-	cvt.u32.u16 	%r299, %rs94;
-	shl.b32 	%r300, %r299, 23;
-	shl.b32 	%r301, %r50, 13;
-	or.b32  	%r302, %r301, %r49;
-	or.b32  	%r303, %r302, %r300;
-	mov.b32 	%f142, %r303;
-
-$L__BB48_278:
-	setp.nan.f32 	%p206, %f142, %f142;
-	setp.lt.f32 	%p207, %f142, %f141;
-	or.pred  	%p208, %p207, %p206;
-	selp.f32 	%f99, %f142, %f141, %p208;
-	mov.b32 	%r51, %f99;
-	and.b32  	%r52, %r51, 2147483647;
-	setp.gt.u32 	%p209, %r52, 1199570943;
-	@%p209 bra 	$L__BB48_282;
-	bra.uni 	$L__BB48_279;
-
-$L__BB48_282:
-	setp.gt.u32 	%p211, %r52, 2139095040;
-	shr.u32 	%r312, %r51, 13;
-	and.b32  	%r313, %r312, 511;
-	or.b32  	%r314, %r313, 32256;
-	selp.b32 	%r475, %r314, 31744, %p211;
-	bra.uni 	$L__BB48_283;
-
-$L__BB48_279:
-	setp.lt.u32 	%p210, %r52, 947912704;
-	@%p210 bra 	$L__BB48_281;
-	bra.uni 	$L__BB48_280;
-
-$L__BB48_281:
-	mov.b32 	%f100, %r52;
-	add.f32 	%f101, %f100, 0f3F000000;
-	mov.b32 	%r311, %f101;
-	add.s32 	%r475, %r311, -1056964608;
-	bra.uni 	$L__BB48_283;
-
-$L__BB48_280:
-	shr.u32 	%r307, %r51, 13;
-	and.b32  	%r308, %r307, 1;
-	add.s32 	%r309, %r52, %r308;
-	add.s32 	%r310, %r309, -939520001;
-	shr.u32 	%r475, %r310, 13;
-
-$L__BB48_283:
-	shl.b64 	%rd435, %rd482, 1;
-	add.s64 	%rd434, %rd93, %rd435;
-	and.b32  	%r315, %r51, -2147483648;
-	shr.u32 	%r316, %r315, 16;
-	or.b32  	%r317, %r475, %r316;
-	st.u16 	[%rd434], %r317;
-	add.s64 	%rd482, %rd482, %rd4;
-	setp.lt.u64 	%p212, %rd482, %rd113;
-	@%p212 bra 	$L__BB48_268;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_366:
-	setp.ge.u64 	%p282, %rd3, %rd149;
-	@%p282 bra 	$L__BB48_387;
-
-	mov.u64 	%rd498, %rd3;
-
-$L__BB48_368:
-	shl.b64 	%rd347, %rd498, 1;
-	add.s64 	%rd161, %rd93, %rd347;
-	ld.u16 	%rs113, [%rd161];
-	and.b16  	%rs40, %rs113, -32768;
-	cvt.u32.u16 	%r381, %rs113;
-	shl.b32 	%r382, %r381, 16;
-	and.b32  	%r67, %r382, -2147483648;
-	shr.u16 	%rs114, %rs113, 10;
-	and.b16  	%rs41, %rs114, 31;
-	and.b16  	%rs42, %rs113, 1023;
-	cvt.u32.u16 	%r68, %rs42;
-	setp.eq.s16 	%p283, %rs41, 0;
-	@%p283 bra 	$L__BB48_372;
-
-	setp.eq.s16 	%p284, %rs41, 31;
-	@%p284 bra 	$L__BB48_371;
-	bra.uni 	$L__BB48_370;
-
-$L__BB48_371:
-	shl.b32 	%r388, %r68, 13;
-	or.b32  	%r389, %r388, %r67;
-	or.b32  	%r390, %r389, 2139095040;
-	mov.b32 	%f145, %r390;
-	bra.uni 	$L__BB48_373;
-
-$L__BB48_372:
-	cvt.rn.f32.u16 	%f123, %rs42;
-	mul.f32 	%f124, %f123, 0f33800000;
-	mul.f32 	%f125, %f123, 0fB3800000;
-	setp.eq.s16 	%p285, %rs40, 0;
-	selp.f32 	%f145, %f124, %f125, %p285;
-	bra.uni 	$L__BB48_373;
-
-$L__BB48_370:
-	add.s16 	%rs115, %rs41, 112;
-	cvt.u32.u16 	%r383, %rs115;
-	shl.b32 	%r384, %r383, 23;
-	shl.b32 	%r385, %r68, 13;
-	or.b32  	%r386, %r385, %r67;
-	or.b32  	%r387, %r386, %r384;
-	mov.b32 	%f145, %r387;
-
-$L__BB48_373:
-	shl.b64 	%rd439, %rd498, 1;
-	add.s64 	%rd349, %rd94, %rd439;
-	ld.u16 	%rs116, [%rd349];
-	and.b16  	%rs43, %rs116, -32768;
-	cvt.u32.u16 	%r391, %rs116;
-	shl.b32 	%r392, %r391, 16;
-	and.b32  	%r69, %r392, -2147483648;
-	shr.u16 	%rs117, %rs116, 10;
-	and.b16  	%rs44, %rs117, 31;
-	and.b16  	%rs45, %rs116, 1023;
-	cvt.u32.u16 	%r70, %rs45;
-	setp.eq.s16 	%p286, %rs44, 0;
-	@%p286 bra 	$L__BB48_377;
-
-	setp.eq.s16 	%p287, %rs44, 31;
-	@%p287 bra 	$L__BB48_376;
-	bra.uni 	$L__BB48_375;
-
-$L__BB48_376:
-	shl.b32 	%r398, %r70, 13;
-	or.b32  	%r399, %r398, %r69;
-	or.b32  	%r400, %r399, 2139095040;
-	mov.b32 	%f146, %r400;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_377:
-	cvt.rn.f32.u16 	%f126, %rs45;
-	mul.f32 	%f127, %f126, 0f33800000;
-	mul.f32 	%f128, %f126, 0fB3800000;
-	setp.eq.s16 	%p288, %rs43, 0;
-	selp.f32 	%f146, %f127, %f128, %p288;
-	bra.uni 	$L__BB48_378;
-
-$L__BB48_375:
-	add.s16 	%rs118, %rs44, 112;
-	cvt.u32.u16 	%r393, %rs118;
-	shl.b32 	%r394, %r393, 23;
-	shl.b32 	%r395, %r70, 13;
-	or.b32  	%r396, %r395, %r69;
-	or.b32  	%r397, %r396, %r394;
-	mov.b32 	%f146, %r397;
-
-$L__BB48_378:
-	add.f32 	%f129, %f145, %f146;
-	mov.b32 	%r71, %f129;
-	and.b32  	%r72, %r71, 2147483647;
-	setp.gt.u32 	%p289, %r72, 1199570943;
-	@%p289 bra 	$L__BB48_382;
-	bra.uni 	$L__BB48_379;
-
-$L__BB48_382:
-	setp.gt.u32 	%p291, %r72, 2139095040;
-	shr.u32 	%r406, %r71, 13;
-	and.b32  	%r407, %r406, 511;
-	or.b32  	%r408, %r407, 32256;
-	selp.b32 	%r477, %r408, 31744, %p291;
-	bra.uni 	$L__BB48_383;
-
-$L__BB48_379:
-	setp.lt.u32 	%p290, %r72, 947912704;
-	@%p290 bra 	$L__BB48_381;
-	bra.uni 	$L__BB48_380;
-
-$L__BB48_381:
-	mov.b32 	%f130, %r72;
-	add.f32 	%f131, %f130, 0f3F000000;
-	mov.b32 	%r405, %f131;
-	add.s32 	%r477, %r405, -1056964608;
-	bra.uni 	$L__BB48_383;
-
-$L__BB48_380:
-	shr.u32 	%r401, %r71, 13;
-	and.b32  	%r402, %r401, 1;
-	add.s32 	%r403, %r72, %r402;
-	add.s32 	%r404, %r403, -939520001;
-	shr.u32 	%r477, %r404, 13;
-
-$L__BB48_383:
-	shl.b64 	%rd441, %rd498, 1;
-	add.s64 	%rd440, %rd93, %rd441;
-	and.b32  	%r409, %r71, -2147483648;
-	shr.u32 	%r410, %r409, 16;
-	or.b32  	%r411, %r477, %r410;
-	st.u16 	[%rd440], %r411;
-	add.s64 	%rd498, %rd498, %rd4;
-	setp.lt.u64 	%p292, %rd498, %rd149;
-	@%p292 bra 	$L__BB48_368;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_210:
-	setp.ge.u64 	%p138, %rd3, %rd95;
-	@%p138 bra 	$L__BB48_387;
+$L__BB48_67:
+	setp.ge.u64 	%p51, %rd3, %rd36;
+	@%p51 bra 	$L__BB48_120;
 
 	mov.u64 	%rd470, %rd3;
 
-$L__BB48_212:
-	shl.b64 	%rd262, %rd470, 2;
-	add.s64 	%rd263, %rd93, %rd262;
-	add.s64 	%rd264, %rd94, %rd262;
-	ld.u32 	%r224, [%rd264];
-	ld.u32 	%r225, [%rd263];
-	max.s32 	%r226, %r224, %r225;
-	st.u32 	[%rd263], %r226;
+$L__BB48_69:
+	shl.b64 	%rd227, %rd470, 3;
+	add.s64 	%rd228, %rd35, %rd227;
+	ld.u64 	%rd229, [%rd228];
+	mul.lo.s64 	%rd230, %rd229, %rd38;
+	st.u64 	[%rd228], %rd230;
 	add.s64 	%rd470, %rd470, %rd4;
-	setp.lt.u64 	%p139, %rd470, %rd95;
-	@%p139 bra 	$L__BB48_212;
-	bra.uni 	$L__BB48_387;
+	setp.lt.u64 	%p52, %rd470, %rd36;
+	@%p52 bra 	$L__BB48_69;
+	bra.uni 	$L__BB48_120;
 
-$L__BB48_310:
-	setp.ge.u64 	%p236, %rd3, %rd131;
-	@%p236 bra 	$L__BB48_387;
+$L__BB48_148:
+	setp.eq.s32 	%p92, %r178, 6;
+	@%p92 bra 	$L__BB48_155;
 
-	mov.u64 	%rd486, %rd3;
+	setp.ne.s32 	%p93, %r178, 7;
+	@%p93 bra 	$L__BB48_183;
 
-$L__BB48_312:
-	shl.b64 	%rd312, %rd486, 2;
-	add.s64 	%rd313, %rd93, %rd312;
-	add.s64 	%rd314, %rd94, %rd312;
-	ld.u32 	%r318, [%rd314];
-	ld.u32 	%r319, [%rd313];
-	mul.lo.s32 	%r320, %r318, %r319;
-	st.u32 	[%rd313], %r320;
-	add.s64 	%rd486, %rd486, %rd4;
-	setp.lt.u64 	%p237, %rd486, %rd131;
-	@%p237 bra 	$L__BB48_312;
-	bra.uni 	$L__BB48_387;
-
-$L__BB48_260:
-	setp.ge.u64 	%p187, %rd3, %rd113;
-	@%p187 bra 	$L__BB48_387;
-
+	setp.ge.u64 	%p101, %rd3, %rd59;
 	mov.u64 	%rd478, %rd3;
+	@%p101 bra 	$L__BB48_183;
 
-$L__BB48_262:
-	shl.b64 	%rd287, %rd478, 2;
-	add.s64 	%rd288, %rd93, %rd287;
-	add.s64 	%rd289, %rd94, %rd287;
-	ld.u32 	%r271, [%rd289];
-	ld.u32 	%r272, [%rd288];
-	min.s32 	%r273, %r271, %r272;
-	st.u32 	[%rd288], %r273;
+$L__BB48_151:
+	shl.b64 	%rd244, %rd478, 3;
+	add.s64 	%rd62, %rd58, %rd244;
+	ld.u64 	%rd63, [%rd62];
+	or.b64  	%rd245, %rd63, %rd60;
+	and.b64  	%rd246, %rd245, -4294967296;
+	setp.eq.s64 	%p102, %rd246, 0;
+	@%p102 bra 	$L__BB48_153;
+
+	div.s64 	%rd479, %rd63, %rd60;
+	bra.uni 	$L__BB48_154;
+
+$L__BB48_153:
+	cvt.u32.u64 	%r179, %rd60;
+	cvt.u32.u64 	%r180, %rd63;
+	div.u32 	%r181, %r180, %r179;
+	cvt.u64.u32 	%rd479, %r181;
+
+$L__BB48_154:
+	shl.b64 	%rd440, %rd478, 3;
+	add.s64 	%rd439, %rd58, %rd440;
+	st.u64 	[%rd439], %rd479;
 	add.s64 	%rd478, %rd478, %rd4;
-	setp.lt.u64 	%p188, %rd478, %rd113;
-	@%p188 bra 	$L__BB48_262;
-	bra.uni 	$L__BB48_387;
+	setp.lt.u64 	%p103, %rd478, %rd59;
+	@%p103 bra 	$L__BB48_151;
+	bra.uni 	$L__BB48_183;
 
-$L__BB48_360:
-	setp.ge.u64 	%p273, %rd3, %rd149;
-	@%p273 bra 	$L__BB48_387;
+$L__BB48_416:
+	ld.volatile.global.u32 	%r443, [%rd5+64];
+	setp.ne.s32 	%p327, %r443, %r83;
+	@%p327 bra 	$L__BB48_422;
 
-	mov.u64 	%rd494, %rd3;
+	mov.u32 	%r490, 1;
 
-$L__BB48_362:
-	shl.b64 	%rd337, %rd494, 2;
-	add.s64 	%rd338, %rd93, %rd337;
-	add.s64 	%rd339, %rd94, %rd337;
-	ld.u32 	%r365, [%rd339];
-	ld.u32 	%r366, [%rd338];
-	add.s32 	%r367, %r365, %r366;
-	st.u32 	[%rd338], %r367;
-	add.s64 	%rd494, %rd494, %rd4;
-	setp.lt.u64 	%p274, %rd494, %rd149;
-	@%p274 bra 	$L__BB48_362;
+$L__BB48_418:
+	and.b32  	%r445, %r490, 255;
+	setp.ne.s32 	%p328, %r445, 0;
+	@%p328 bra 	$L__BB48_420;
 
-$L__BB48_387:
-	bar.sync 	0;
-	@%p72 bra 	$L__BB48_396;
+	ld.volatile.global.u64 	%rd401, [%rd6+8];
+	setp.ne.s64 	%p329, %rd401, 0;
+	@%p329 bra 	$L__BB48_422;
 
-	ld.volatile.global.u32 	%r77, [%rd5+64];
-	membar.gl;
-	atom.global.add.u32 	%r412, [%rd5], 1;
-	setp.eq.s32 	%p298, %r412, %r4;
-	@%p298 bra 	$L__BB48_394;
-	bra.uni 	$L__BB48_389;
+$L__BB48_420:
+	add.s32 	%r490, %r490, 1;
+	ld.volatile.global.u32 	%r446, [%rd5+64];
+	setp.eq.s32 	%p330, %r446, %r83;
+	@%p330 bra 	$L__BB48_418;
 
-$L__BB48_394:
-	mov.u32 	%r417, 0;
-	st.global.u32 	[%rd5], %r417;
-	membar.gl;
-	add.s64 	%rd357, %rd5, 64;
-	atom.global.add.u32 	%r418, [%rd357], 1;
-	bra.uni 	$L__BB48_395;
-
-$L__BB48_389:
-	ld.volatile.global.u32 	%r413, [%rd5+64];
-	setp.ne.s32 	%p299, %r413, %r77;
-	@%p299 bra 	$L__BB48_395;
-
-	mov.u32 	%r478, 1;
-
-$L__BB48_391:
-	and.b32  	%r415, %r478, 255;
-	setp.ne.s32 	%p300, %r415, 0;
-	@%p300 bra 	$L__BB48_393;
-
-	ld.volatile.global.u64 	%rd356, [%rd6+8];
-	setp.ne.s64 	%p301, %rd356, 0;
-	@%p301 bra 	$L__BB48_395;
-
-$L__BB48_393:
-	add.s32 	%r478, %r478, 1;
-	ld.volatile.global.u32 	%r416, [%rd5+64];
-	setp.eq.s32 	%p302, %r416, %r77;
-	@%p302 bra 	$L__BB48_391;
-
-$L__BB48_395:
+$L__BB48_422:
 	membar.gl;
 
-$L__BB48_396:
+$L__BB48_423:
 	bar.sync 	0;
 	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_455;
 
-$L__BB48_437:
-	add.s64 	%rd508, %rd508, 1;
-	add.s64 	%rd446, %rd446, 1;
-	setp.lt.u64 	%p336, %rd446, %rd23;
-	setp.eq.s16 	%p337, %rs133, 0;
-	and.pred  	%p338, %p337, %p336;
-	@%p338 bra 	$L__BB48_16;
-
-$L__BB48_438:
-	bar.sync 	0;
-	setp.eq.s16 	%p339, %rs133, 0;
-	@%p339 bra 	$L__BB48_1;
+$L__BB48_436:
+	ld.shared.u64 	%rd406, [%r11+8];
+	st.volatile.u32 	[%rd406], %rd194;
 
 $L__BB48_439:
 	membar.sys;
+	bra.uni 	$L__BB48_455;
+
+$L__BB48_208:
+	setp.gt.s32 	%p138, %r39, 5;
+	@%p138 bra 	$L__BB48_214;
+
+	setp.eq.s32 	%p141, %r39, 4;
+	@%p141 bra 	$L__BB48_222;
+
+	setp.eq.s32 	%p142, %r39, 5;
+	@%p142 bra 	$L__BB48_211;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_211:
+	setp.ge.u64 	%p152, %rd3, %rd100;
+	@%p152 bra 	$L__BB48_396;
+
+	mov.u64 	%rd492, %rd3;
+
+$L__BB48_213:
+	add.s64 	%rd271, %rd99, %rd492;
+	ld.u8 	%rs71, [%rd271];
+	add.s64 	%rd272, %rd98, %rd492;
+	ld.u8 	%rs72, [%rd272];
+	max.u16 	%rs73, %rs71, %rs72;
+	st.u8 	[%rd272], %rs73;
+	add.s64 	%rd492, %rd492, %rd4;
+	setp.lt.u64 	%p153, %rd492, %rd100;
+	@%p153 bra 	$L__BB48_213;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_308:
+	setp.gt.s32 	%p236, %r39, 5;
+	@%p236 bra 	$L__BB48_314;
+
+	setp.eq.s32 	%p239, %r39, 4;
+	@%p239 bra 	$L__BB48_322;
+
+	setp.eq.s32 	%p240, %r39, 5;
+	@%p240 bra 	$L__BB48_311;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_311:
+	setp.ge.u64 	%p250, %rd3, %rd136;
+	@%p250 bra 	$L__BB48_396;
+
+	mov.u64 	%rd508, %rd3;
+
+$L__BB48_313:
+	add.s64 	%rd321, %rd99, %rd508;
+	ld.u8 	%rs95, [%rd321];
+	add.s64 	%rd322, %rd98, %rd508;
+	ld.u8 	%rs96, [%rd322];
+	mul.lo.s16 	%rs97, %rs95, %rs96;
+	st.u8 	[%rd322], %rs97;
+	add.s64 	%rd508, %rd508, %rd4;
+	setp.lt.u64 	%p251, %rd508, %rd136;
+	@%p251 bra 	$L__BB48_313;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_258:
+	setp.gt.s32 	%p187, %r39, 5;
+	@%p187 bra 	$L__BB48_264;
+
+	setp.eq.s32 	%p190, %r39, 4;
+	@%p190 bra 	$L__BB48_272;
+
+	setp.eq.s32 	%p191, %r39, 5;
+	@%p191 bra 	$L__BB48_261;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_261:
+	setp.ge.u64 	%p201, %rd3, %rd118;
+	@%p201 bra 	$L__BB48_396;
+
+	mov.u64 	%rd500, %rd3;
+
+$L__BB48_263:
+	add.s64 	%rd296, %rd99, %rd500;
+	ld.u8 	%rs83, [%rd296];
+	add.s64 	%rd297, %rd98, %rd500;
+	ld.u8 	%rs84, [%rd297];
+	min.u16 	%rs85, %rs83, %rs84;
+	st.u8 	[%rd297], %rs85;
+	add.s64 	%rd500, %rd500, %rd4;
+	setp.lt.u64 	%p202, %rd500, %rd118;
+	@%p202 bra 	$L__BB48_263;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_358:
+	setp.gt.s32 	%p273, %r39, 5;
+	@%p273 bra 	$L__BB48_364;
+
+	setp.eq.s32 	%p276, %r39, 4;
+	@%p276 bra 	$L__BB48_372;
+
+	setp.eq.s32 	%p277, %r39, 5;
+	@%p277 bra 	$L__BB48_361;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_361:
+	setp.ge.u64 	%p287, %rd3, %rd154;
+	@%p287 bra 	$L__BB48_396;
+
+	mov.u64 	%rd516, %rd3;
+
+$L__BB48_363:
+	add.s64 	%rd346, %rd99, %rd516;
+	ld.u8 	%rs107, [%rd346];
+	add.s64 	%rd347, %rd98, %rd516;
+	ld.u8 	%rs108, [%rd347];
+	add.s16 	%rs109, %rs107, %rs108;
+	st.u8 	[%rd347], %rs109;
+	add.s64 	%rd516, %rd516, %rd4;
+	setp.lt.u64 	%p288, %rd516, %rd154;
+	@%p288 bra 	$L__BB48_363;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_115:
+	cvt.u32.u64 	%r170, %rd38;
+	mov.b32 	%f137, %r170;
+	setp.eq.s64 	%p81, %rd37, 0;
+	@%p81 bra 	$L__BB48_117;
+
+	ld.f32 	%f137, [%rd37];
+
+$L__BB48_117:
+	setp.ge.u64 	%p82, %rd3, %rd36;
+	@%p82 bra 	$L__BB48_120;
+
+	mov.u64 	%rd477, %rd3;
+
+$L__BB48_119:
+	shl.b64 	%rd240, %rd477, 2;
+	add.s64 	%rd241, %rd35, %rd240;
+	ld.f32 	%f63, [%rd241];
+	mul.f32 	%f64, %f137, %f63;
+	st.f32 	[%rd241], %f64;
+	add.s64 	%rd477, %rd477, %rd4;
+	setp.lt.u64 	%p83, %rd477, %rd36;
+	@%p83 bra 	$L__BB48_119;
+	bra.uni 	$L__BB48_120;
+
+$L__BB48_180:
+	setp.ge.u64 	%p126, %rd3, %rd59;
+	@%p126 bra 	$L__BB48_183;
+
+	cvt.rn.f32.s64 	%f19, %rd60;
+	mov.u64 	%rd489, %rd3;
+
+$L__BB48_182:
+	shl.b64 	%rd258, %rd489, 2;
+	add.s64 	%rd259, %rd58, %rd258;
+	ld.f32 	%f73, [%rd259];
+	div.rn.f32 	%f74, %f73, %f19;
+	st.f32 	[%rd259], %f74;
+	add.s64 	%rd489, %rd489, %rd4;
+	setp.lt.u64 	%p127, %rd489, %rd59;
+	@%p127 bra 	$L__BB48_182;
+	bra.uni 	$L__BB48_183;
+
+$L__BB48_80:
+	setp.eq.s64 	%p59, %rd37, 0;
+	@%p59 bra 	$L__BB48_82;
+
+	ld.u8 	%rs129, [%rd37];
+	bra.uni 	$L__BB48_83;
+
+$L__BB48_162:
+	setp.ge.u64 	%p110, %rd3, %rd59;
+	mov.u64 	%rd484, %rd3;
+	@%p110 bra 	$L__BB48_183;
+
+$L__BB48_163:
+	add.s64 	%rd83, %rd58, %rd484;
+	ld.s8 	%rd84, [%rd83];
+	or.b64  	%rd251, %rd84, %rd60;
+	and.b64  	%rd252, %rd251, -4294967296;
+	setp.eq.s64 	%p111, %rd252, 0;
+	@%p111 bra 	$L__BB48_165;
+
+	div.s64 	%rd485, %rd84, %rd60;
+	bra.uni 	$L__BB48_166;
+
+$L__BB48_165:
+	cvt.u32.u64 	%r188, %rd60;
+	cvt.u32.u64 	%r189, %rd84;
+	div.u32 	%r190, %r189, %r188;
+	cvt.u64.u32 	%rd485, %r190;
+
+$L__BB48_166:
+	add.s64 	%rd444, %rd58, %rd484;
+	st.u8 	[%rd444], %rd485;
+	add.s64 	%rd484, %rd484, %rd4;
+	setp.lt.u64 	%p112, %rd484, %rd59;
+	@%p112 bra 	$L__BB48_163;
+	bra.uni 	$L__BB48_183;
+
+$L__BB48_90:
+	setp.eq.s64 	%p66, %rd37, 0;
+	@%p66 bra 	$L__BB48_92;
+
+	ld.u16 	%rs131, [%rd37];
+	bra.uni 	$L__BB48_93;
+
+$L__BB48_167:
+	setp.ge.u64 	%p116, %rd3, %rd59;
+	@%p116 bra 	$L__BB48_183;
+
+	cvt.rn.f32.s64 	%f14, %rd60;
+	mov.u64 	%rd487, %rd3;
+
+$L__BB48_169:
+	shl.b64 	%rd255, %rd487, 1;
+	add.s64 	%rd92, %rd58, %rd255;
+	ld.u16 	%rs67, [%rd92];
+	and.b16  	%rs19, %rs67, -32768;
+	cvt.u32.u16 	%r202, %rs67;
+	shl.b32 	%r203, %r202, 16;
+	and.b32  	%r28, %r203, -2147483648;
+	shr.u16 	%rs68, %rs67, 10;
+	and.b16  	%rs20, %rs68, 31;
+	and.b16  	%rs21, %rs67, 1023;
+	cvt.u32.u16 	%r29, %rs21;
+	setp.eq.s16 	%p117, %rs20, 0;
+	@%p117 bra 	$L__BB48_173;
+
+	setp.eq.s16 	%p118, %rs20, 31;
+	@%p118 bra 	$L__BB48_172;
+	bra.uni 	$L__BB48_171;
+
+$L__BB48_172:
+	shl.b32 	%r209, %r29, 13;
+	or.b32  	%r210, %r28, %r209;
+	or.b32  	%r211, %r210, 2139095040;
+	mov.b32 	%f138, %r211;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_173:
+	cvt.rn.f32.u16 	%f67, %rs21;
+	mul.f32 	%f68, %f67, 0f33800000;
+	mul.f32 	%f69, %f67, 0fB3800000;
+	setp.eq.s16 	%p119, %rs19, 0;
+	selp.f32 	%f138, %f68, %f69, %p119;
+	bra.uni 	$L__BB48_174;
+
+$L__BB48_171:
+	add.s16 	%rs69, %rs20, 112;
+	cvt.u32.u16 	%r204, %rs69;
+	shl.b32 	%r205, %r204, 23;
+	shl.b32 	%r206, %r29, 13;
+	or.b32  	%r207, %r206, %r28;
+	or.b32  	%r208, %r207, %r205;
+	mov.b32 	%f138, %r208;
+
+$L__BB48_174:
+	div.rn.f32 	%f70, %f138, %f14;
+	mov.b32 	%r30, %f70;
+	and.b32  	%r31, %r30, 2147483647;
+	setp.gt.u32 	%p120, %r31, 1199570943;
+	@%p120 bra 	$L__BB48_178;
+	bra.uni 	$L__BB48_175;
+
+$L__BB48_178:
+	setp.gt.u32 	%p122, %r31, 2139095040;
+	shr.u32 	%r217, %r30, 13;
+	and.b32  	%r218, %r217, 511;
+	or.b32  	%r219, %r218, 32256;
+	selp.b32 	%r483, %r219, 31744, %p122;
+	bra.uni 	$L__BB48_179;
+
+$L__BB48_175:
+	setp.lt.u32 	%p121, %r31, 947912704;
+	@%p121 bra 	$L__BB48_177;
+	bra.uni 	$L__BB48_176;
+
+$L__BB48_177:
+	mov.b32 	%f71, %r31;
+	add.f32 	%f72, %f71, 0f3F000000;
+	mov.b32 	%r216, %f72;
+	add.s32 	%r483, %r216, -1056964608;
+	bra.uni 	$L__BB48_179;
+
+$L__BB48_176:
+	shr.u32 	%r212, %r30, 13;
+	and.b32  	%r213, %r212, 1;
+	add.s32 	%r214, %r31, %r213;
+	add.s32 	%r215, %r214, -939520001;
+	shr.u32 	%r483, %r215, 13;
+
+$L__BB48_179:
+	shl.b64 	%rd446, %rd487, 1;
+	add.s64 	%rd445, %rd58, %rd446;
+	and.b32  	%r220, %r30, -2147483648;
+	shr.u32 	%r221, %r220, 16;
+	or.b32  	%r222, %r483, %r221;
+	st.u16 	[%rd445], %r222;
+	add.s64 	%rd487, %rd487, %rd4;
+	setp.lt.u64 	%p123, %rd487, %rd59;
+	@%p123 bra 	$L__BB48_169;
+	bra.uni 	$L__BB48_183;
+
+$L__BB48_70:
+	setp.eq.s64 	%p53, %rd37, 0;
+	@%p53 bra 	$L__BB48_72;
+
+	ld.u32 	%r480, [%rd37];
+	bra.uni 	$L__BB48_73;
+
+$L__BB48_155:
+	setp.ge.u64 	%p104, %rd3, %rd59;
+	mov.u64 	%rd480, %rd3;
+	@%p104 bra 	$L__BB48_183;
+
+$L__BB48_156:
+	shl.b64 	%rd247, %rd480, 2;
+	add.s64 	%rd69, %rd58, %rd247;
+	ld.s32 	%rd70, [%rd69];
+	or.b64  	%rd248, %rd70, %rd60;
+	and.b64  	%rd249, %rd248, -4294967296;
+	setp.eq.s64 	%p105, %rd249, 0;
+	@%p105 bra 	$L__BB48_158;
+
+	div.s64 	%rd481, %rd70, %rd60;
+	bra.uni 	$L__BB48_159;
+
+$L__BB48_158:
+	cvt.u32.u64 	%r182, %rd60;
+	cvt.u32.u64 	%r183, %rd70;
+	div.u32 	%r184, %r183, %r182;
+	cvt.u64.u32 	%rd481, %r184;
+
+$L__BB48_159:
+	shl.b64 	%rd442, %rd480, 2;
+	add.s64 	%rd441, %rd58, %rd442;
+	st.u32 	[%rd441], %rd481;
+	add.s64 	%rd480, %rd480, %rd4;
+	setp.lt.u64 	%p106, %rd480, %rd59;
+	@%p106 bra 	$L__BB48_156;
+
+$L__BB48_183:
 	bar.sync 	0;
-	@%p72 bra 	$L__BB48_448;
+	not.pred 	%p128, %p1;
+	@%p128 bra 	$L__BB48_192;
 
-	ld.volatile.global.u32 	%r89, [%rd5+64];
+	ld.volatile.global.u32 	%r36, [%rd5+64];
 	membar.gl;
-	atom.global.add.u32 	%r455, [%rd5], 1;
-	setp.eq.s32 	%p341, %r455, %r4;
-	@%p341 bra 	$L__BB48_446;
-	bra.uni 	$L__BB48_441;
+	atom.global.add.u32 	%r223, [%rd5], 1;
+	setp.eq.s32 	%p129, %r223, %r6;
+	@%p129 bra 	$L__BB48_190;
+	bra.uni 	$L__BB48_185;
 
-$L__BB48_446:
-	mov.u32 	%r460, 0;
-	st.global.u32 	[%rd5], %r460;
+$L__BB48_190:
+	mov.u32 	%r228, 0;
+	st.global.u32 	[%rd5], %r228;
 	membar.gl;
-	add.s64 	%rd412, %rd5, 64;
-	atom.global.add.u32 	%r461, [%rd412], 1;
-	bra.uni 	$L__BB48_447;
+	add.s64 	%rd261, %rd5, 64;
+	atom.global.add.u32 	%r229, [%rd261], 1;
+	bra.uni 	$L__BB48_191;
 
-$L__BB48_441:
-	ld.volatile.global.u32 	%r456, [%rd5+64];
-	setp.ne.s32 	%p342, %r456, %r89;
-	@%p342 bra 	$L__BB48_447;
+$L__BB48_185:
+	ld.volatile.global.u32 	%r224, [%rd5+64];
+	setp.ne.s32 	%p130, %r224, %r36;
+	@%p130 bra 	$L__BB48_191;
+
+	mov.u32 	%r484, 1;
+
+$L__BB48_187:
+	and.b32  	%r226, %r484, 255;
+	setp.ne.s32 	%p131, %r226, 0;
+	@%p131 bra 	$L__BB48_189;
+
+	ld.volatile.global.u64 	%rd260, [%rd6+8];
+	setp.ne.s64 	%p132, %rd260, 0;
+	@%p132 bra 	$L__BB48_191;
+
+$L__BB48_189:
+	add.s32 	%r484, %r484, 1;
+	ld.volatile.global.u32 	%r227, [%rd5+64];
+	setp.eq.s32 	%p133, %r227, %r36;
+	@%p133 bra 	$L__BB48_187;
+
+$L__BB48_191:
+	membar.gl;
+
+$L__BB48_192:
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
+	bra.uni 	$L__BB48_455;
+
+$L__BB48_203:
+	setp.eq.s32 	%p144, %r39, 2;
+	@%p144 bra 	$L__BB48_225;
+
+	setp.eq.s32 	%p145, %r39, 3;
+	@%p145 bra 	$L__BB48_205;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_205:
+	setp.ge.u64 	%p156, %rd3, %rd100;
+	@%p156 bra 	$L__BB48_396;
+
+	mov.u64 	%rd494, %rd3;
+
+$L__BB48_207:
+	shl.b64 	%rd275, %rd494, 1;
+	add.s64 	%rd276, %rd98, %rd275;
+	ld.u16 	%r234, [%rd276];
+	shl.b32 	%r235, %r234, 16;
+	mov.b32 	%f75, %r235;
+	add.s64 	%rd277, %rd99, %rd275;
+	ld.u16 	%r236, [%rd277];
+	shl.b32 	%r237, %r236, 16;
+	mov.b32 	%f76, %r237;
+	setp.gt.f32 	%p157, %f76, %f75;
+	setp.nan.f32 	%p158, %f76, %f76;
+	or.pred  	%p159, %p157, %p158;
+	selp.f32 	%f77, %f76, %f75, %p159;
+	mov.b32 	%r238, %f77;
+	shr.u32 	%r239, %r238, 16;
+	and.b32  	%r240, %r239, 1;
+	or.b32  	%r241, %r238, %r240;
+	add.s32 	%r242, %r241, 32767;
+	shr.u32 	%r243, %r242, 16;
+	or.b32  	%r244, %r239, 64;
+	and.b32  	%r245, %r238, 2147418112;
+	setp.gt.u32 	%p160, %r245, 2139095040;
+	selp.b32 	%r246, %r244, %r243, %p160;
+	st.u16 	[%rd276], %r246;
+	add.s64 	%rd494, %rd494, %rd4;
+	setp.lt.u64 	%p161, %rd494, %rd100;
+	@%p161 bra 	$L__BB48_207;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_303:
+	setp.eq.s32 	%p242, %r39, 2;
+	@%p242 bra 	$L__BB48_325;
+
+	setp.eq.s32 	%p243, %r39, 3;
+	@%p243 bra 	$L__BB48_305;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_305:
+	setp.ge.u64 	%p254, %rd3, %rd136;
+	@%p254 bra 	$L__BB48_396;
+
+	mov.u64 	%rd510, %rd3;
+
+$L__BB48_307:
+	shl.b64 	%rd325, %rd510, 1;
+	add.s64 	%rd326, %rd98, %rd325;
+	ld.u16 	%r328, [%rd326];
+	shl.b32 	%r329, %r328, 16;
+	mov.b32 	%f105, %r329;
+	add.s64 	%rd327, %rd99, %rd325;
+	ld.u16 	%r330, [%rd327];
+	shl.b32 	%r331, %r330, 16;
+	mov.b32 	%f106, %r331;
+	mul.f32 	%f107, %f105, %f106;
+	mov.b32 	%r332, %f107;
+	shr.u32 	%r333, %r332, 16;
+	and.b32  	%r334, %r333, 1;
+	add.s32 	%r335, %r332, %r334;
+	add.s32 	%r336, %r335, 32767;
+	shr.u32 	%r337, %r336, 16;
+	or.b32  	%r338, %r333, 64;
+	and.b32  	%r339, %r332, 2147483647;
+	setp.gt.u32 	%p255, %r339, 2139095040;
+	selp.b32 	%r340, %r338, %r337, %p255;
+	st.u16 	[%rd326], %r340;
+	add.s64 	%rd510, %rd510, %rd4;
+	setp.lt.u64 	%p256, %rd510, %rd136;
+	@%p256 bra 	$L__BB48_307;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_253:
+	setp.eq.s32 	%p193, %r39, 2;
+	@%p193 bra 	$L__BB48_275;
+
+	setp.eq.s32 	%p194, %r39, 3;
+	@%p194 bra 	$L__BB48_255;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_255:
+	setp.ge.u64 	%p205, %rd3, %rd118;
+	@%p205 bra 	$L__BB48_396;
+
+	mov.u64 	%rd502, %rd3;
+
+$L__BB48_257:
+	shl.b64 	%rd300, %rd502, 1;
+	add.s64 	%rd301, %rd98, %rd300;
+	ld.u16 	%r281, [%rd301];
+	shl.b32 	%r282, %r281, 16;
+	mov.b32 	%f90, %r282;
+	add.s64 	%rd302, %rd99, %rd300;
+	ld.u16 	%r283, [%rd302];
+	shl.b32 	%r284, %r283, 16;
+	mov.b32 	%f91, %r284;
+	setp.lt.f32 	%p206, %f91, %f90;
+	setp.nan.f32 	%p207, %f91, %f91;
+	or.pred  	%p208, %p206, %p207;
+	selp.f32 	%f92, %f91, %f90, %p208;
+	mov.b32 	%r285, %f92;
+	shr.u32 	%r286, %r285, 16;
+	and.b32  	%r287, %r286, 1;
+	or.b32  	%r288, %r285, %r287;
+	add.s32 	%r289, %r288, 32767;
+	shr.u32 	%r290, %r289, 16;
+	or.b32  	%r291, %r286, 64;
+	and.b32  	%r292, %r285, 2147418112;
+	setp.gt.u32 	%p209, %r292, 2139095040;
+	selp.b32 	%r293, %r291, %r290, %p209;
+	st.u16 	[%rd301], %r293;
+	add.s64 	%rd502, %rd502, %rd4;
+	setp.lt.u64 	%p210, %rd502, %rd118;
+	@%p210 bra 	$L__BB48_257;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_353:
+	setp.eq.s32 	%p279, %r39, 2;
+	@%p279 bra 	$L__BB48_375;
+
+	setp.eq.s32 	%p280, %r39, 3;
+	@%p280 bra 	$L__BB48_355;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_355:
+	setp.ge.u64 	%p291, %rd3, %rd154;
+	@%p291 bra 	$L__BB48_396;
+
+	mov.u64 	%rd518, %rd3;
+
+$L__BB48_357:
+	shl.b64 	%rd350, %rd518, 1;
+	add.s64 	%rd351, %rd98, %rd350;
+	ld.u16 	%r375, [%rd351];
+	shl.b32 	%r376, %r375, 16;
+	mov.b32 	%f120, %r376;
+	add.s64 	%rd352, %rd99, %rd350;
+	ld.u16 	%r377, [%rd352];
+	shl.b32 	%r378, %r377, 16;
+	mov.b32 	%f121, %r378;
+	add.f32 	%f122, %f120, %f121;
+	mov.b32 	%r379, %f122;
+	shr.u32 	%r380, %r379, 16;
+	and.b32  	%r381, %r380, 1;
+	add.s32 	%r382, %r379, %r381;
+	add.s32 	%r383, %r382, 32767;
+	shr.u32 	%r384, %r383, 16;
+	or.b32  	%r385, %r380, 64;
+	and.b32  	%r386, %r379, 2147483647;
+	setp.gt.u32 	%p292, %r386, 2139095040;
+	selp.b32 	%r387, %r385, %r384, %p292;
+	st.u16 	[%rd351], %r387;
+	add.s64 	%rd518, %rd518, %rd4;
+	setp.lt.u64 	%p293, %rd518, %rd154;
+	@%p293 bra 	$L__BB48_357;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_214:
+	setp.eq.s32 	%p139, %r39, 6;
+	@%p139 bra 	$L__BB48_219;
+
+	setp.ne.s32 	%p140, %r39, 7;
+	@%p140 bra 	$L__BB48_396;
+
+	setp.ge.u64 	%p148, %rd3, %rd100;
+	@%p148 bra 	$L__BB48_396;
+
+	mov.u64 	%rd490, %rd3;
+
+$L__BB48_218:
+	shl.b64 	%rd262, %rd490, 3;
+	add.s64 	%rd263, %rd98, %rd262;
+	add.s64 	%rd264, %rd99, %rd262;
+	ld.u64 	%rd265, [%rd264];
+	ld.u64 	%rd266, [%rd263];
+	max.s64 	%rd267, %rd265, %rd266;
+	st.u64 	[%rd263], %rd267;
+	add.s64 	%rd490, %rd490, %rd4;
+	setp.lt.u64 	%p149, %rd490, %rd100;
+	@%p149 bra 	$L__BB48_218;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_314:
+	setp.eq.s32 	%p237, %r39, 6;
+	@%p237 bra 	$L__BB48_319;
+
+	setp.ne.s32 	%p238, %r39, 7;
+	@%p238 bra 	$L__BB48_396;
+
+	setp.ge.u64 	%p246, %rd3, %rd136;
+	@%p246 bra 	$L__BB48_396;
+
+	mov.u64 	%rd506, %rd3;
+
+$L__BB48_318:
+	shl.b64 	%rd312, %rd506, 3;
+	add.s64 	%rd313, %rd98, %rd312;
+	add.s64 	%rd314, %rd99, %rd312;
+	ld.u64 	%rd315, [%rd314];
+	ld.u64 	%rd316, [%rd313];
+	mul.lo.s64 	%rd317, %rd315, %rd316;
+	st.u64 	[%rd313], %rd317;
+	add.s64 	%rd506, %rd506, %rd4;
+	setp.lt.u64 	%p247, %rd506, %rd136;
+	@%p247 bra 	$L__BB48_318;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_264:
+	setp.eq.s32 	%p188, %r39, 6;
+	@%p188 bra 	$L__BB48_269;
+
+	setp.ne.s32 	%p189, %r39, 7;
+	@%p189 bra 	$L__BB48_396;
+
+	setp.ge.u64 	%p197, %rd3, %rd118;
+	@%p197 bra 	$L__BB48_396;
+
+	mov.u64 	%rd498, %rd3;
+
+$L__BB48_268:
+	shl.b64 	%rd287, %rd498, 3;
+	add.s64 	%rd288, %rd98, %rd287;
+	add.s64 	%rd289, %rd99, %rd287;
+	ld.u64 	%rd290, [%rd289];
+	ld.u64 	%rd291, [%rd288];
+	min.s64 	%rd292, %rd290, %rd291;
+	st.u64 	[%rd288], %rd292;
+	add.s64 	%rd498, %rd498, %rd4;
+	setp.lt.u64 	%p198, %rd498, %rd118;
+	@%p198 bra 	$L__BB48_268;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_364:
+	setp.eq.s32 	%p274, %r39, 6;
+	@%p274 bra 	$L__BB48_369;
+
+	setp.ne.s32 	%p275, %r39, 7;
+	@%p275 bra 	$L__BB48_396;
+
+	setp.ge.u64 	%p283, %rd3, %rd154;
+	@%p283 bra 	$L__BB48_396;
+
+	mov.u64 	%rd514, %rd3;
+
+$L__BB48_368:
+	shl.b64 	%rd337, %rd514, 3;
+	add.s64 	%rd338, %rd98, %rd337;
+	add.s64 	%rd339, %rd99, %rd337;
+	ld.u64 	%rd340, [%rd339];
+	ld.u64 	%rd341, [%rd338];
+	add.s64 	%rd342, %rd340, %rd341;
+	st.u64 	[%rd338], %rd342;
+	add.s64 	%rd514, %rd514, %rd4;
+	setp.lt.u64 	%p284, %rd514, %rd154;
+	@%p284 bra 	$L__BB48_368;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_111:
+	mov.b64 	%fd21, %rd38;
+
+$L__BB48_112:
+	setp.ge.u64 	%p79, %rd3, %rd36;
+	@%p79 bra 	$L__BB48_120;
+
+	mov.u64 	%rd476, %rd3;
+
+$L__BB48_114:
+	shl.b64 	%rd238, %rd476, 3;
+	add.s64 	%rd239, %rd35, %rd238;
+	ld.f64 	%fd5, [%rd239];
+	mul.f64 	%fd6, %fd21, %fd5;
+	st.f64 	[%rd239], %fd6;
+	add.s64 	%rd476, %rd476, %rd4;
+	setp.lt.u64 	%p80, %rd476, %rd36;
+	@%p80 bra 	$L__BB48_114;
+	bra.uni 	$L__BB48_120;
+
+$L__BB48_76:
+	cvt.u16.u64 	%rs128, %rd38;
+
+$L__BB48_77:
+	setp.ge.u64 	%p57, %rd3, %rd36;
+	@%p57 bra 	$L__BB48_120;
+
+	mov.u64 	%rd472, %rd3;
+
+$L__BB48_79:
+	add.s64 	%rd233, %rd35, %rd472;
+	ld.u8 	%rs57, [%rd233];
+	mul.lo.s16 	%rs58, %rs57, %rs128;
+	st.u8 	[%rd233], %rs58;
+	add.s64 	%rd472, %rd472, %rd4;
+	setp.lt.u64 	%p58, %rd472, %rd36;
+	@%p58 bra 	$L__BB48_79;
+	bra.uni 	$L__BB48_120;
+
+$L__BB48_86:
+	cvt.u16.u64 	%rs130, %rd38;
+
+$L__BB48_87:
+	setp.ge.u64 	%p63, %rd3, %rd36;
+	@%p63 bra 	$L__BB48_120;
+
+	cvt.u32.u16 	%r126, %rs130;
+	shl.b32 	%r127, %r126, 16;
+	mov.b32 	%f1, %r127;
+	mov.u64 	%rd474, %rd3;
+
+$L__BB48_89:
+	shl.b64 	%rd235, %rd474, 1;
+	add.s64 	%rd236, %rd35, %rd235;
+	ld.u16 	%r128, [%rd236];
+	shl.b32 	%r129, %r128, 16;
+	mov.b32 	%f52, %r129;
+	mul.f32 	%f53, %f1, %f52;
+	mov.b32 	%r130, %f53;
+	shr.u32 	%r131, %r130, 16;
+	and.b32  	%r132, %r131, 1;
+	add.s32 	%r133, %r130, %r132;
+	add.s32 	%r134, %r133, 32767;
+	shr.u32 	%r135, %r134, 16;
+	or.b32  	%r136, %r131, 64;
+	and.b32  	%r137, %r130, 2147483647;
+	setp.gt.u32 	%p64, %r137, 2139095040;
+	selp.b32 	%r138, %r136, %r135, %p64;
+	st.u16 	[%rd236], %r138;
+	add.s64 	%rd474, %rd474, %rd4;
+	setp.lt.u64 	%p65, %rd474, %rd36;
+	@%p65 bra 	$L__BB48_89;
+	bra.uni 	$L__BB48_120;
+
+$L__BB48_82:
+	cvt.u16.u64 	%rs129, %rd38;
+
+$L__BB48_83:
+	setp.ge.u64 	%p60, %rd3, %rd36;
+	@%p60 bra 	$L__BB48_120;
+
+	mov.u64 	%rd473, %rd3;
+
+$L__BB48_85:
+	add.s64 	%rd234, %rd35, %rd473;
+	ld.u8 	%rs59, [%rd234];
+	mul.lo.s16 	%rs60, %rs59, %rs129;
+	st.u8 	[%rd234], %rs60;
+	add.s64 	%rd473, %rd473, %rd4;
+	setp.lt.u64 	%p61, %rd473, %rd36;
+	@%p61 bra 	$L__BB48_85;
+	bra.uni 	$L__BB48_120;
+
+$L__BB48_92:
+	cvt.u16.u64 	%rs131, %rd38;
+
+$L__BB48_93:
+	and.b16  	%rs13, %rs131, -32768;
+	cvt.u32.u16 	%r139, %rs131;
+	shl.b32 	%r140, %r139, 16;
+	and.b32  	%r15, %r140, -2147483648;
+	shr.u16 	%rs61, %rs131, 10;
+	and.b16  	%rs14, %rs61, 31;
+	and.b16  	%rs15, %rs131, 1023;
+	cvt.u32.u16 	%r16, %rs15;
+	setp.eq.s16 	%p67, %rs14, 0;
+	@%p67 bra 	$L__BB48_97;
+
+	setp.eq.s16 	%p68, %rs14, 31;
+	@%p68 bra 	$L__BB48_96;
+	bra.uni 	$L__BB48_95;
+
+$L__BB48_96:
+	shl.b32 	%r146, %r16, 13;
+	or.b32  	%r147, %r146, %r15;
+	or.b32  	%r148, %r147, 2139095040;
+	mov.b32 	%f135, %r148;
+	bra.uni 	$L__BB48_98;
+
+$L__BB48_72:
+	cvt.u32.u64 	%r480, %rd38;
+
+$L__BB48_73:
+	setp.ge.u64 	%p54, %rd3, %rd36;
+	@%p54 bra 	$L__BB48_120;
+
+	mov.u64 	%rd471, %rd3;
+
+$L__BB48_75:
+	shl.b64 	%rd231, %rd471, 2;
+	add.s64 	%rd232, %rd35, %rd231;
+	ld.u32 	%r124, [%rd232];
+	mul.lo.s32 	%r125, %r124, %r480;
+	st.u32 	[%rd232], %r125;
+	add.s64 	%rd471, %rd471, %rd4;
+	setp.lt.u64 	%p55, %rd471, %rd36;
+	@%p55 bra 	$L__BB48_75;
+	bra.uni 	$L__BB48_120;
+
+$L__BB48_97:
+	cvt.rn.f32.u16 	%f54, %rs15;
+	mul.f32 	%f55, %f54, 0f33800000;
+	mul.f32 	%f56, %f54, 0fB3800000;
+	setp.eq.s16 	%p69, %rs13, 0;
+	selp.f32 	%f135, %f55, %f56, %p69;
+	bra.uni 	$L__BB48_98;
+
+$L__BB48_95:
+	add.s16 	%rs62, %rs14, 112;
+	cvt.u32.u16 	%r141, %rs62;
+	shl.b32 	%r142, %r141, 23;
+	shl.b32 	%r143, %r16, 13;
+	or.b32  	%r144, %r143, %r15;
+	or.b32  	%r145, %r144, %r142;
+	mov.b32 	%f135, %r145;
+
+$L__BB48_98:
+	setp.ge.u64 	%p70, %rd3, %rd36;
+	@%p70 bra 	$L__BB48_120;
+
+	mov.u64 	%rd475, %rd3;
+
+$L__BB48_100:
+	shl.b64 	%rd237, %rd475, 1;
+	add.s64 	%rd52, %rd35, %rd237;
+	ld.u16 	%rs63, [%rd52];
+	and.b16  	%rs16, %rs63, -32768;
+	cvt.u32.u16 	%r149, %rs63;
+	shl.b32 	%r150, %r149, 16;
+	and.b32  	%r17, %r150, -2147483648;
+	shr.u16 	%rs64, %rs63, 10;
+	and.b16  	%rs17, %rs64, 31;
+	and.b16  	%rs18, %rs63, 1023;
+	cvt.u32.u16 	%r18, %rs18;
+	setp.eq.s16 	%p71, %rs17, 0;
+	@%p71 bra 	$L__BB48_104;
+
+	setp.eq.s16 	%p72, %rs17, 31;
+	@%p72 bra 	$L__BB48_103;
+	bra.uni 	$L__BB48_102;
+
+$L__BB48_103:
+	shl.b32 	%r156, %r18, 13;
+	or.b32  	%r157, %r156, %r17;
+	or.b32  	%r158, %r157, 2139095040;
+	mov.b32 	%f136, %r158;
+	bra.uni 	$L__BB48_105;
+
+$L__BB48_104:
+	cvt.rn.f32.u16 	%f57, %rs18;
+	mul.f32 	%f58, %f57, 0f33800000;
+	mul.f32 	%f59, %f57, 0fB3800000;
+	setp.eq.s16 	%p73, %rs16, 0;
+	selp.f32 	%f136, %f58, %f59, %p73;
+	bra.uni 	$L__BB48_105;
+
+$L__BB48_102:
+	add.s16 	%rs65, %rs17, 112;
+	cvt.u32.u16 	%r151, %rs65;
+	shl.b32 	%r152, %r151, 23;
+	shl.b32 	%r153, %r18, 13;
+	or.b32  	%r154, %r153, %r17;
+	or.b32  	%r155, %r154, %r152;
+	mov.b32 	%f136, %r155;
+
+$L__BB48_105:
+	mul.f32 	%f60, %f135, %f136;
+	mov.b32 	%r19, %f60;
+	and.b32  	%r20, %r19, 2147483647;
+	setp.gt.u32 	%p74, %r20, 1199570943;
+	@%p74 bra 	$L__BB48_109;
+	bra.uni 	$L__BB48_106;
+
+$L__BB48_109:
+	setp.gt.u32 	%p76, %r20, 2139095040;
+	shr.u32 	%r164, %r19, 13;
+	and.b32  	%r165, %r164, 511;
+	or.b32  	%r166, %r165, 32256;
+	selp.b32 	%r481, %r166, 31744, %p76;
+	bra.uni 	$L__BB48_110;
+
+$L__BB48_106:
+	setp.lt.u32 	%p75, %r20, 947912704;
+	@%p75 bra 	$L__BB48_108;
+	bra.uni 	$L__BB48_107;
+
+$L__BB48_108:
+	mov.b32 	%f61, %r20;
+	add.f32 	%f62, %f61, 0f3F000000;
+	mov.b32 	%r163, %f62;
+	add.s32 	%r481, %r163, -1056964608;
+	bra.uni 	$L__BB48_110;
+
+$L__BB48_107:
+	shr.u32 	%r159, %r19, 13;
+	and.b32  	%r160, %r159, 1;
+	add.s32 	%r161, %r20, %r160;
+	add.s32 	%r162, %r161, -939520001;
+	shr.u32 	%r481, %r162, 13;
+
+$L__BB48_110:
+	shl.b64 	%rd438, %rd475, 1;
+	add.s64 	%rd437, %rd35, %rd438;
+	and.b32  	%r167, %r19, -2147483648;
+	shr.u32 	%r168, %r167, 16;
+	or.b32  	%r169, %r481, %r168;
+	st.u16 	[%rd437], %r169;
+	add.s64 	%rd475, %rd475, %rd4;
+	setp.lt.u64 	%p77, %rd475, %rd36;
+	@%p77 bra 	$L__BB48_100;
+
+$L__BB48_120:
+	bar.sync 	0;
+	not.pred 	%p84, %p1;
+	@%p84 bra 	$L__BB48_129;
+
+	ld.volatile.global.u32 	%r25, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r171, [%rd5], 1;
+	setp.eq.s32 	%p85, %r171, %r6;
+	@%p85 bra 	$L__BB48_127;
+	bra.uni 	$L__BB48_122;
+
+$L__BB48_127:
+	mov.u32 	%r176, 0;
+	st.global.u32 	[%rd5], %r176;
+	membar.gl;
+	add.s64 	%rd243, %rd5, 64;
+	atom.global.add.u32 	%r177, [%rd243], 1;
+	bra.uni 	$L__BB48_128;
+
+$L__BB48_122:
+	ld.volatile.global.u32 	%r172, [%rd5+64];
+	setp.ne.s32 	%p86, %r172, %r25;
+	@%p86 bra 	$L__BB48_128;
 
 	mov.u32 	%r482, 1;
 
-$L__BB48_443:
-	and.b32  	%r458, %r482, 255;
-	setp.ne.s32 	%p343, %r458, 0;
-	@%p343 bra 	$L__BB48_445;
+$L__BB48_124:
+	and.b32  	%r174, %r482, 255;
+	setp.ne.s32 	%p87, %r174, 0;
+	@%p87 bra 	$L__BB48_126;
 
-	ld.volatile.global.u64 	%rd411, [%rd6+8];
-	setp.ne.s64 	%p344, %rd411, 0;
-	@%p344 bra 	$L__BB48_447;
+	ld.volatile.global.u64 	%rd242, [%rd6+8];
+	setp.ne.s64 	%p88, %rd242, 0;
+	@%p88 bra 	$L__BB48_128;
 
-$L__BB48_445:
+$L__BB48_126:
 	add.s32 	%r482, %r482, 1;
-	ld.volatile.global.u32 	%r459, [%rd5+64];
-	setp.eq.s32 	%p345, %r459, %r89;
-	@%p345 bra 	$L__BB48_443;
+	ld.volatile.global.u32 	%r175, [%rd5+64];
+	setp.eq.s32 	%p89, %r175, %r25;
+	@%p89 bra 	$L__BB48_124;
 
-$L__BB48_447:
+$L__BB48_128:
 	membar.gl;
 
-$L__BB48_448:
-	setp.ne.s32 	%p346, %r5, 0;
+$L__BB48_129:
 	bar.sync 	0;
-	@%p346 bra 	$L__BB48_459;
-
-	ld.param.u64 	%rd422, [hetccl_program_param_2];
-	cvt.u32.u64 	%r465, %rd422;
-	mov.u32 	%r464, %ctaid.x;
-	add.s32 	%r462, %r3, 12;
-	mul.wide.u32 	%rd413, %r462, 8;
-	add.s64 	%rd414, %rd6, %rd413;
-	st.volatile.global.u64 	[%rd414], %rd7;
-	membar.sys;
-	setp.lt.u32 	%p347, %r464, %r465;
-	mov.u16 	%rs136, 1;
-	@%p347 bra 	$L__BB48_451;
-
-	ld.volatile.global.u64 	%rd415, [%rd6+96];
-	setp.eq.s64 	%p348, %rd415, %rd7;
-	selp.u16 	%rs136, 1, 0, %p348;
-
-$L__BB48_451:
-	setp.eq.s32 	%p349, %r3, 1;
-	@%p349 bra 	$L__BB48_453;
-
-	ld.volatile.global.u64 	%rd416, [%rd6+104];
-	setp.eq.s64 	%p350, %rd416, %rd7;
-	selp.b16 	%rs136, %rs136, 0, %p350;
-
-$L__BB48_453:
-	setp.eq.s16 	%p351, %rs136, 0;
-	@%p351 bra 	$L__BB48_458;
-
-	setp.ne.s64 	%p352, %rd8, 0;
-	ld.volatile.global.u64 	%rd195, [%rd6+24];
-	@%p352 bra 	$L__BB48_456;
+	mov.u16 	%rs133, 0;
 	bra.uni 	$L__BB48_455;
 
-$L__BB48_456:
-	ld.volatile.global.u64 	%rd418, [%rd6+16];
-	st.volatile.u64 	[%rd418], %rd195;
-	bra.uni 	$L__BB48_457;
+$L__BB48_243:
+	setp.ge.u64 	%p181, %rd3, %rd100;
+	@%p181 bra 	$L__BB48_396;
+
+	mov.u64 	%rd497, %rd3;
+
+$L__BB48_245:
+	shl.b64 	%rd284, %rd497, 2;
+	add.s64 	%rd285, %rd98, %rd284;
+	add.s64 	%rd286, %rd99, %rd284;
+	ld.f32 	%f87, [%rd286];
+	ld.f32 	%f88, [%rd285];
+	setp.gt.f32 	%p182, %f87, %f88;
+	setp.nan.f32 	%p183, %f87, %f87;
+	or.pred  	%p184, %p182, %p183;
+	selp.f32 	%f89, %f87, %f88, %p184;
+	st.f32 	[%rd285], %f89;
+	add.s64 	%rd497, %rd497, %rd4;
+	setp.lt.u64 	%p185, %rd497, %rd100;
+	@%p185 bra 	$L__BB48_245;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_343:
+	setp.ge.u64 	%p270, %rd3, %rd136;
+	@%p270 bra 	$L__BB48_396;
+
+	mov.u64 	%rd513, %rd3;
+
+$L__BB48_345:
+	shl.b64 	%rd334, %rd513, 2;
+	add.s64 	%rd335, %rd98, %rd334;
+	add.s64 	%rd336, %rd99, %rd334;
+	ld.f32 	%f117, [%rd336];
+	ld.f32 	%f118, [%rd335];
+	mul.f32 	%f119, %f118, %f117;
+	st.f32 	[%rd335], %f119;
+	add.s64 	%rd513, %rd513, %rd4;
+	setp.lt.u64 	%p271, %rd513, %rd136;
+	@%p271 bra 	$L__BB48_345;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_293:
+	setp.ge.u64 	%p230, %rd3, %rd118;
+	@%p230 bra 	$L__BB48_396;
+
+	mov.u64 	%rd505, %rd3;
+
+$L__BB48_295:
+	shl.b64 	%rd309, %rd505, 2;
+	add.s64 	%rd310, %rd98, %rd309;
+	add.s64 	%rd311, %rd99, %rd309;
+	ld.f32 	%f102, [%rd311];
+	ld.f32 	%f103, [%rd310];
+	setp.lt.f32 	%p231, %f102, %f103;
+	setp.nan.f32 	%p232, %f102, %f102;
+	or.pred  	%p233, %p231, %p232;
+	selp.f32 	%f104, %f102, %f103, %p233;
+	st.f32 	[%rd310], %f104;
+	add.s64 	%rd505, %rd505, %rd4;
+	setp.lt.u64 	%p234, %rd505, %rd118;
+	@%p234 bra 	$L__BB48_295;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_393:
+	setp.ge.u64 	%p307, %rd3, %rd154;
+	@%p307 bra 	$L__BB48_396;
+
+	mov.u64 	%rd521, %rd3;
+
+$L__BB48_395:
+	shl.b64 	%rd359, %rd521, 2;
+	add.s64 	%rd360, %rd98, %rd359;
+	add.s64 	%rd361, %rd99, %rd359;
+	ld.f32 	%f132, [%rd361];
+	ld.f32 	%f133, [%rd360];
+	add.f32 	%f134, %f133, %f132;
+	st.f32 	[%rd360], %f134;
+	add.s64 	%rd521, %rd521, %rd4;
+	setp.lt.u64 	%p308, %rd521, %rd154;
+	@%p308 bra 	$L__BB48_395;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_222:
+	setp.ge.u64 	%p154, %rd3, %rd100;
+	@%p154 bra 	$L__BB48_396;
+
+	mov.u64 	%rd493, %rd3;
+
+$L__BB48_224:
+	add.s64 	%rd273, %rd99, %rd493;
+	ld.s8 	%rs74, [%rd273];
+	add.s64 	%rd274, %rd98, %rd493;
+	ld.s8 	%rs75, [%rd274];
+	max.s16 	%rs76, %rs74, %rs75;
+	st.u8 	[%rd274], %rs76;
+	add.s64 	%rd493, %rd493, %rd4;
+	setp.lt.u64 	%p155, %rd493, %rd100;
+	@%p155 bra 	$L__BB48_224;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_322:
+	setp.ge.u64 	%p252, %rd3, %rd136;
+	@%p252 bra 	$L__BB48_396;
+
+	mov.u64 	%rd509, %rd3;
+
+$L__BB48_324:
+	add.s64 	%rd323, %rd99, %rd509;
+	ld.u8 	%rs98, [%rd323];
+	add.s64 	%rd324, %rd98, %rd509;
+	ld.u8 	%rs99, [%rd324];
+	mul.lo.s16 	%rs100, %rs98, %rs99;
+	st.u8 	[%rd324], %rs100;
+	add.s64 	%rd509, %rd509, %rd4;
+	setp.lt.u64 	%p253, %rd509, %rd136;
+	@%p253 bra 	$L__BB48_324;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_272:
+	setp.ge.u64 	%p203, %rd3, %rd118;
+	@%p203 bra 	$L__BB48_396;
+
+	mov.u64 	%rd501, %rd3;
+
+$L__BB48_274:
+	add.s64 	%rd298, %rd99, %rd501;
+	ld.s8 	%rs86, [%rd298];
+	add.s64 	%rd299, %rd98, %rd501;
+	ld.s8 	%rs87, [%rd299];
+	min.s16 	%rs88, %rs86, %rs87;
+	st.u8 	[%rd299], %rs88;
+	add.s64 	%rd501, %rd501, %rd4;
+	setp.lt.u64 	%p204, %rd501, %rd118;
+	@%p204 bra 	$L__BB48_274;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_372:
+	setp.ge.u64 	%p289, %rd3, %rd154;
+	@%p289 bra 	$L__BB48_396;
+
+	mov.u64 	%rd517, %rd3;
+
+$L__BB48_374:
+	add.s64 	%rd348, %rd99, %rd517;
+	ld.u8 	%rs110, [%rd348];
+	add.s64 	%rd349, %rd98, %rd517;
+	ld.u8 	%rs111, [%rd349];
+	add.s16 	%rs112, %rs110, %rs111;
+	st.u8 	[%rd349], %rs112;
+	add.s64 	%rd517, %rd517, %rd4;
+	setp.lt.u64 	%p290, %rd517, %rd154;
+	@%p290 bra 	$L__BB48_374;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_225:
+	setp.ge.u64 	%p162, %rd3, %rd100;
+	@%p162 bra 	$L__BB48_396;
+
+	mov.u64 	%rd495, %rd3;
+
+$L__BB48_227:
+	shl.b64 	%rd278, %rd495, 1;
+	add.s64 	%rd112, %rd98, %rd278;
+	ld.u16 	%rs77, [%rd112];
+	and.b16  	%rs22, %rs77, -32768;
+	cvt.u32.u16 	%r247, %rs77;
+	shl.b32 	%r248, %r247, 16;
+	and.b32  	%r40, %r248, -2147483648;
+	shr.u16 	%rs78, %rs77, 10;
+	and.b16  	%rs23, %rs78, 31;
+	and.b16  	%rs24, %rs77, 1023;
+	cvt.u32.u16 	%r41, %rs24;
+	setp.eq.s16 	%p163, %rs23, 0;
+	@%p163 bra 	$L__BB48_231;
+
+	setp.eq.s16 	%p164, %rs23, 31;
+	@%p164 bra 	$L__BB48_230;
+	bra.uni 	$L__BB48_229;
+
+$L__BB48_230:
+	shl.b32 	%r254, %r41, 13;
+	or.b32  	%r255, %r254, %r40;
+	or.b32  	%r256, %r255, 2139095040;
+	mov.b32 	%f139, %r256;
+	bra.uni 	$L__BB48_232;
+
+$L__BB48_231:
+	cvt.rn.f32.u16 	%f78, %rs24;
+	mul.f32 	%f79, %f78, 0f33800000;
+	mul.f32 	%f80, %f78, 0fB3800000;
+	setp.eq.s16 	%p165, %rs22, 0;
+	selp.f32 	%f139, %f79, %f80, %p165;
+	bra.uni 	$L__BB48_232;
+
+$L__BB48_229:
+	add.s16 	%rs79, %rs23, 112;
+	cvt.u32.u16 	%r249, %rs79;
+	shl.b32 	%r250, %r249, 23;
+	shl.b32 	%r251, %r41, 13;
+	or.b32  	%r252, %r251, %r40;
+	or.b32  	%r253, %r252, %r250;
+	mov.b32 	%f139, %r253;
+
+$L__BB48_232:
+	shl.b64 	%rd447, %rd495, 1;
+	add.s64 	%rd280, %rd99, %rd447;
+	ld.u16 	%rs80, [%rd280];
+	and.b16  	%rs25, %rs80, -32768;
+	cvt.u32.u16 	%r257, %rs80;
+	shl.b32 	%r258, %r257, 16;
+	and.b32  	%r42, %r258, -2147483648;
+	shr.u16 	%rs81, %rs80, 10;
+	and.b16  	%rs26, %rs81, 31;
+	and.b16  	%rs27, %rs80, 1023;
+	cvt.u32.u16 	%r43, %rs27;
+	setp.eq.s16 	%p166, %rs26, 0;
+	@%p166 bra 	$L__BB48_236;
+
+	setp.eq.s16 	%p167, %rs26, 31;
+	@%p167 bra 	$L__BB48_235;
+	bra.uni 	$L__BB48_234;
+
+$L__BB48_235:
+	shl.b32 	%r264, %r43, 13;
+	or.b32  	%r265, %r264, %r42;
+	or.b32  	%r266, %r265, 2139095040;
+	mov.b32 	%f140, %r266;
+	bra.uni 	$L__BB48_237;
+
+$L__BB48_236:
+	cvt.rn.f32.u16 	%f81, %rs27;
+	mul.f32 	%f82, %f81, 0f33800000;
+	mul.f32 	%f83, %f81, 0fB3800000;
+	setp.eq.s16 	%p168, %rs25, 0;
+	selp.f32 	%f140, %f82, %f83, %p168;
+	bra.uni 	$L__BB48_237;
+
+$L__BB48_234:
+	add.s16 	%rs82, %rs26, 112;
+	cvt.u32.u16 	%r259, %rs82;
+	shl.b32 	%r260, %r259, 23;
+	shl.b32 	%r261, %r43, 13;
+	or.b32  	%r262, %r261, %r42;
+	or.b32  	%r263, %r262, %r260;
+	mov.b32 	%f140, %r263;
+
+$L__BB48_237:
+	setp.nan.f32 	%p169, %f140, %f140;
+	setp.gt.f32 	%p170, %f140, %f139;
+	or.pred  	%p171, %p170, %p169;
+	selp.f32 	%f84, %f140, %f139, %p171;
+	mov.b32 	%r44, %f84;
+	and.b32  	%r45, %r44, 2147483647;
+	setp.gt.u32 	%p172, %r45, 1199570943;
+	@%p172 bra 	$L__BB48_241;
+	bra.uni 	$L__BB48_238;
+
+$L__BB48_241:
+	setp.gt.u32 	%p174, %r45, 2139095040;
+	shr.u32 	%r272, %r44, 13;
+	and.b32  	%r273, %r272, 511;
+	or.b32  	%r274, %r273, 32256;
+	selp.b32 	%r485, %r274, 31744, %p174;
+	bra.uni 	$L__BB48_242;
+
+$L__BB48_238:
+	setp.lt.u32 	%p173, %r45, 947912704;
+	@%p173 bra 	$L__BB48_240;
+	bra.uni 	$L__BB48_239;
+
+$L__BB48_240:
+	mov.b32 	%f85, %r45;
+	add.f32 	%f86, %f85, 0f3F000000;
+	mov.b32 	%r271, %f86;
+	add.s32 	%r485, %r271, -1056964608;
+	bra.uni 	$L__BB48_242;
+
+$L__BB48_239:
+	shr.u32 	%r267, %r44, 13;
+	and.b32  	%r268, %r267, 1;
+	add.s32 	%r269, %r45, %r268;
+	add.s32 	%r270, %r269, -939520001;
+	shr.u32 	%r485, %r270, 13;
+
+$L__BB48_242:
+	shl.b64 	%rd449, %rd495, 1;
+	add.s64 	%rd448, %rd98, %rd449;
+	and.b32  	%r275, %r44, -2147483648;
+	shr.u32 	%r276, %r275, 16;
+	or.b32  	%r277, %r485, %r276;
+	st.u16 	[%rd448], %r277;
+	add.s64 	%rd495, %rd495, %rd4;
+	setp.lt.u64 	%p175, %rd495, %rd100;
+	@%p175 bra 	$L__BB48_227;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_325:
+	setp.ge.u64 	%p257, %rd3, %rd136;
+	@%p257 bra 	$L__BB48_396;
+
+	mov.u64 	%rd511, %rd3;
+
+$L__BB48_327:
+	shl.b64 	%rd328, %rd511, 1;
+	add.s64 	%rd148, %rd98, %rd328;
+	ld.u16 	%rs101, [%rd148];
+	and.b16  	%rs34, %rs101, -32768;
+	cvt.u32.u16 	%r341, %rs101;
+	shl.b32 	%r342, %r341, 16;
+	and.b32  	%r60, %r342, -2147483648;
+	shr.u16 	%rs102, %rs101, 10;
+	and.b16  	%rs35, %rs102, 31;
+	and.b16  	%rs36, %rs101, 1023;
+	cvt.u32.u16 	%r61, %rs36;
+	setp.eq.s16 	%p258, %rs35, 0;
+	@%p258 bra 	$L__BB48_331;
+
+	setp.eq.s16 	%p259, %rs35, 31;
+	@%p259 bra 	$L__BB48_330;
+	bra.uni 	$L__BB48_329;
+
+$L__BB48_330:
+	shl.b32 	%r348, %r61, 13;
+	or.b32  	%r349, %r348, %r60;
+	or.b32  	%r350, %r349, 2139095040;
+	mov.b32 	%f143, %r350;
+	bra.uni 	$L__BB48_332;
+
+$L__BB48_331:
+	cvt.rn.f32.u16 	%f108, %rs36;
+	mul.f32 	%f109, %f108, 0f33800000;
+	mul.f32 	%f110, %f108, 0fB3800000;
+	setp.eq.s16 	%p260, %rs34, 0;
+	selp.f32 	%f143, %f109, %f110, %p260;
+	bra.uni 	$L__BB48_332;
+
+$L__BB48_329:
+	add.s16 	%rs103, %rs35, 112;
+	cvt.u32.u16 	%r343, %rs103;
+	shl.b32 	%r344, %r343, 23;
+	shl.b32 	%r345, %r61, 13;
+	or.b32  	%r346, %r345, %r60;
+	or.b32  	%r347, %r346, %r344;
+	mov.b32 	%f143, %r347;
+
+$L__BB48_332:
+	shl.b64 	%rd453, %rd511, 1;
+	add.s64 	%rd330, %rd99, %rd453;
+	ld.u16 	%rs104, [%rd330];
+	and.b16  	%rs37, %rs104, -32768;
+	cvt.u32.u16 	%r351, %rs104;
+	shl.b32 	%r352, %r351, 16;
+	and.b32  	%r62, %r352, -2147483648;
+	shr.u16 	%rs105, %rs104, 10;
+	and.b16  	%rs38, %rs105, 31;
+	and.b16  	%rs39, %rs104, 1023;
+	cvt.u32.u16 	%r63, %rs39;
+	setp.eq.s16 	%p261, %rs38, 0;
+	@%p261 bra 	$L__BB48_336;
+
+	setp.eq.s16 	%p262, %rs38, 31;
+	@%p262 bra 	$L__BB48_335;
+	bra.uni 	$L__BB48_334;
+
+$L__BB48_335:
+	shl.b32 	%r358, %r63, 13;
+	or.b32  	%r359, %r358, %r62;
+	or.b32  	%r360, %r359, 2139095040;
+	mov.b32 	%f144, %r360;
+	bra.uni 	$L__BB48_337;
+
+$L__BB48_336:
+	cvt.rn.f32.u16 	%f111, %rs39;
+	mul.f32 	%f112, %f111, 0f33800000;
+	mul.f32 	%f113, %f111, 0fB3800000;
+	setp.eq.s16 	%p263, %rs37, 0;
+	selp.f32 	%f144, %f112, %f113, %p263;
+	bra.uni 	$L__BB48_337;
+
+$L__BB48_334:
+	add.s16 	%rs106, %rs38, 112;
+	cvt.u32.u16 	%r353, %rs106;
+	shl.b32 	%r354, %r353, 23;
+	shl.b32 	%r355, %r63, 13;
+	or.b32  	%r356, %r355, %r62;
+	or.b32  	%r357, %r356, %r354;
+	mov.b32 	%f144, %r357;
+
+$L__BB48_337:
+	mul.f32 	%f114, %f143, %f144;
+	mov.b32 	%r64, %f114;
+	and.b32  	%r65, %r64, 2147483647;
+	setp.gt.u32 	%p264, %r65, 1199570943;
+	@%p264 bra 	$L__BB48_341;
+	bra.uni 	$L__BB48_338;
+
+$L__BB48_341:
+	setp.gt.u32 	%p266, %r65, 2139095040;
+	shr.u32 	%r366, %r64, 13;
+	and.b32  	%r367, %r366, 511;
+	or.b32  	%r368, %r367, 32256;
+	selp.b32 	%r487, %r368, 31744, %p266;
+	bra.uni 	$L__BB48_342;
+
+$L__BB48_338:
+	setp.lt.u32 	%p265, %r65, 947912704;
+	@%p265 bra 	$L__BB48_340;
+	bra.uni 	$L__BB48_339;
+
+$L__BB48_340:
+	mov.b32 	%f115, %r65;
+	add.f32 	%f116, %f115, 0f3F000000;
+	mov.b32 	%r365, %f116;
+	add.s32 	%r487, %r365, -1056964608;
+	bra.uni 	$L__BB48_342;
+
+$L__BB48_339:
+	shr.u32 	%r361, %r64, 13;
+	and.b32  	%r362, %r361, 1;
+	add.s32 	%r363, %r65, %r362;
+	add.s32 	%r364, %r363, -939520001;
+	shr.u32 	%r487, %r364, 13;
+
+$L__BB48_342:
+	shl.b64 	%rd455, %rd511, 1;
+	add.s64 	%rd454, %rd98, %rd455;
+	and.b32  	%r369, %r64, -2147483648;
+	shr.u32 	%r370, %r369, 16;
+	or.b32  	%r371, %r487, %r370;
+	st.u16 	[%rd454], %r371;
+	add.s64 	%rd511, %rd511, %rd4;
+	setp.lt.u64 	%p267, %rd511, %rd136;
+	@%p267 bra 	$L__BB48_327;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_275:
+	setp.ge.u64 	%p211, %rd3, %rd118;
+	@%p211 bra 	$L__BB48_396;
+
+	mov.u64 	%rd503, %rd3;
+
+$L__BB48_277:
+	shl.b64 	%rd303, %rd503, 1;
+	add.s64 	%rd130, %rd98, %rd303;
+	ld.u16 	%rs89, [%rd130];
+	and.b16  	%rs28, %rs89, -32768;
+	cvt.u32.u16 	%r294, %rs89;
+	shl.b32 	%r295, %r294, 16;
+	and.b32  	%r50, %r295, -2147483648;
+	shr.u16 	%rs90, %rs89, 10;
+	and.b16  	%rs29, %rs90, 31;
+	and.b16  	%rs30, %rs89, 1023;
+	cvt.u32.u16 	%r51, %rs30;
+	setp.eq.s16 	%p212, %rs29, 0;
+	@%p212 bra 	$L__BB48_281;
+
+	setp.eq.s16 	%p213, %rs29, 31;
+	@%p213 bra 	$L__BB48_280;
+	bra.uni 	$L__BB48_279;
+
+$L__BB48_280:
+	shl.b32 	%r301, %r51, 13;
+	or.b32  	%r302, %r301, %r50;
+	or.b32  	%r303, %r302, 2139095040;
+	mov.b32 	%f141, %r303;
+	bra.uni 	$L__BB48_282;
+
+$L__BB48_281:
+	cvt.rn.f32.u16 	%f93, %rs30;
+	mul.f32 	%f94, %f93, 0f33800000;
+	mul.f32 	%f95, %f93, 0fB3800000;
+	setp.eq.s16 	%p214, %rs28, 0;
+	selp.f32 	%f141, %f94, %f95, %p214;
+	bra.uni 	$L__BB48_282;
+
+$L__BB48_279:
+	add.s16 	%rs91, %rs29, 112;
+	cvt.u32.u16 	%r296, %rs91;
+	shl.b32 	%r297, %r296, 23;
+	shl.b32 	%r298, %r51, 13;
+	or.b32  	%r299, %r298, %r50;
+	or.b32  	%r300, %r299, %r297;
+	mov.b32 	%f141, %r300;
+
+$L__BB48_282:
+	shl.b64 	%rd450, %rd503, 1;
+	add.s64 	%rd305, %rd99, %rd450;
+	ld.u16 	%rs92, [%rd305];
+	and.b16  	%rs31, %rs92, -32768;
+	cvt.u32.u16 	%r304, %rs92;
+	shl.b32 	%r305, %r304, 16;
+	and.b32  	%r52, %r305, -2147483648;
+	shr.u16 	%rs93, %rs92, 10;
+	and.b16  	%rs32, %rs93, 31;
+	and.b16  	%rs33, %rs92, 1023;
+	cvt.u32.u16 	%r53, %rs33;
+	setp.eq.s16 	%p215, %rs32, 0;
+	@%p215 bra 	$L__BB48_286;
+
+	setp.eq.s16 	%p216, %rs32, 31;
+	@%p216 bra 	$L__BB48_285;
+	bra.uni 	$L__BB48_284;
+
+$L__BB48_285:
+	shl.b32 	%r311, %r53, 13;
+	or.b32  	%r312, %r311, %r52;
+	or.b32  	%r313, %r312, 2139095040;
+	mov.b32 	%f142, %r313;
+	bra.uni 	$L__BB48_287;
+
+$L__BB48_286:
+	cvt.rn.f32.u16 	%f96, %rs33;
+	mul.f32 	%f97, %f96, 0f33800000;
+	mul.f32 	%f98, %f96, 0fB3800000;
+	setp.eq.s16 	%p217, %rs31, 0;
+	selp.f32 	%f142, %f97, %f98, %p217;
+	bra.uni 	$L__BB48_287;
+
+$L__BB48_284:
+	add.s16 	%rs94, %rs32, 112;
+	cvt.u32.u16 	%r306, %rs94;
+	shl.b32 	%r307, %r306, 23;
+	shl.b32 	%r308, %r53, 13;
+	or.b32  	%r309, %r308, %r52;
+	or.b32  	%r310, %r309, %r307;
+	mov.b32 	%f142, %r310;
+
+$L__BB48_287:
+	setp.nan.f32 	%p218, %f142, %f142;
+	setp.lt.f32 	%p219, %f142, %f141;
+	or.pred  	%p220, %p219, %p218;
+	selp.f32 	%f99, %f142, %f141, %p220;
+	mov.b32 	%r54, %f99;
+	and.b32  	%r55, %r54, 2147483647;
+	setp.gt.u32 	%p221, %r55, 1199570943;
+	@%p221 bra 	$L__BB48_291;
+	bra.uni 	$L__BB48_288;
+
+$L__BB48_291:
+	setp.gt.u32 	%p223, %r55, 2139095040;
+	shr.u32 	%r319, %r54, 13;
+	and.b32  	%r320, %r319, 511;
+	or.b32  	%r321, %r320, 32256;
+	selp.b32 	%r486, %r321, 31744, %p223;
+	bra.uni 	$L__BB48_292;
+
+$L__BB48_288:
+	setp.lt.u32 	%p222, %r55, 947912704;
+	@%p222 bra 	$L__BB48_290;
+	bra.uni 	$L__BB48_289;
+
+$L__BB48_290:
+	mov.b32 	%f100, %r55;
+	add.f32 	%f101, %f100, 0f3F000000;
+	mov.b32 	%r318, %f101;
+	add.s32 	%r486, %r318, -1056964608;
+	bra.uni 	$L__BB48_292;
+
+$L__BB48_289:
+	shr.u32 	%r314, %r54, 13;
+	and.b32  	%r315, %r314, 1;
+	add.s32 	%r316, %r55, %r315;
+	add.s32 	%r317, %r316, -939520001;
+	shr.u32 	%r486, %r317, 13;
+
+$L__BB48_292:
+	shl.b64 	%rd452, %rd503, 1;
+	add.s64 	%rd451, %rd98, %rd452;
+	and.b32  	%r322, %r54, -2147483648;
+	shr.u32 	%r323, %r322, 16;
+	or.b32  	%r324, %r486, %r323;
+	st.u16 	[%rd451], %r324;
+	add.s64 	%rd503, %rd503, %rd4;
+	setp.lt.u64 	%p224, %rd503, %rd118;
+	@%p224 bra 	$L__BB48_277;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_375:
+	setp.ge.u64 	%p294, %rd3, %rd154;
+	@%p294 bra 	$L__BB48_396;
+
+	mov.u64 	%rd519, %rd3;
+
+$L__BB48_377:
+	shl.b64 	%rd353, %rd519, 1;
+	add.s64 	%rd166, %rd98, %rd353;
+	ld.u16 	%rs113, [%rd166];
+	and.b16  	%rs40, %rs113, -32768;
+	cvt.u32.u16 	%r388, %rs113;
+	shl.b32 	%r389, %r388, 16;
+	and.b32  	%r70, %r389, -2147483648;
+	shr.u16 	%rs114, %rs113, 10;
+	and.b16  	%rs41, %rs114, 31;
+	and.b16  	%rs42, %rs113, 1023;
+	cvt.u32.u16 	%r71, %rs42;
+	setp.eq.s16 	%p295, %rs41, 0;
+	@%p295 bra 	$L__BB48_381;
+
+	setp.eq.s16 	%p296, %rs41, 31;
+	@%p296 bra 	$L__BB48_380;
+	bra.uni 	$L__BB48_379;
+
+$L__BB48_380:
+	shl.b32 	%r395, %r71, 13;
+	or.b32  	%r396, %r395, %r70;
+	or.b32  	%r397, %r396, 2139095040;
+	mov.b32 	%f145, %r397;
+	bra.uni 	$L__BB48_382;
+
+$L__BB48_381:
+	cvt.rn.f32.u16 	%f123, %rs42;
+	mul.f32 	%f124, %f123, 0f33800000;
+	mul.f32 	%f125, %f123, 0fB3800000;
+	setp.eq.s16 	%p297, %rs40, 0;
+	selp.f32 	%f145, %f124, %f125, %p297;
+	bra.uni 	$L__BB48_382;
+
+$L__BB48_379:
+	add.s16 	%rs115, %rs41, 112;
+	cvt.u32.u16 	%r390, %rs115;
+	shl.b32 	%r391, %r390, 23;
+	shl.b32 	%r392, %r71, 13;
+	or.b32  	%r393, %r392, %r70;
+	or.b32  	%r394, %r393, %r391;
+	mov.b32 	%f145, %r394;
+
+$L__BB48_382:
+	shl.b64 	%rd456, %rd519, 1;
+	add.s64 	%rd355, %rd99, %rd456;
+	ld.u16 	%rs116, [%rd355];
+	and.b16  	%rs43, %rs116, -32768;
+	cvt.u32.u16 	%r398, %rs116;
+	shl.b32 	%r399, %r398, 16;
+	and.b32  	%r72, %r399, -2147483648;
+	shr.u16 	%rs117, %rs116, 10;
+	and.b16  	%rs44, %rs117, 31;
+	and.b16  	%rs45, %rs116, 1023;
+	cvt.u32.u16 	%r73, %rs45;
+	setp.eq.s16 	%p298, %rs44, 0;
+	@%p298 bra 	$L__BB48_386;
+
+	setp.eq.s16 	%p299, %rs44, 31;
+	@%p299 bra 	$L__BB48_385;
+	bra.uni 	$L__BB48_384;
+
+$L__BB48_385:
+	shl.b32 	%r405, %r73, 13;
+	or.b32  	%r406, %r405, %r72;
+	or.b32  	%r407, %r406, 2139095040;
+	mov.b32 	%f146, %r407;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_386:
+	cvt.rn.f32.u16 	%f126, %rs45;
+	mul.f32 	%f127, %f126, 0f33800000;
+	mul.f32 	%f128, %f126, 0fB3800000;
+	setp.eq.s16 	%p300, %rs43, 0;
+	selp.f32 	%f146, %f127, %f128, %p300;
+	bra.uni 	$L__BB48_387;
+
+$L__BB48_384:
+	add.s16 	%rs118, %rs44, 112;
+	cvt.u32.u16 	%r400, %rs118;
+	shl.b32 	%r401, %r400, 23;
+	shl.b32 	%r402, %r73, 13;
+	or.b32  	%r403, %r402, %r72;
+	or.b32  	%r404, %r403, %r401;
+	mov.b32 	%f146, %r404;
+
+$L__BB48_387:
+	add.f32 	%f129, %f145, %f146;
+	mov.b32 	%r74, %f129;
+	and.b32  	%r75, %r74, 2147483647;
+	setp.gt.u32 	%p301, %r75, 1199570943;
+	@%p301 bra 	$L__BB48_391;
+	bra.uni 	$L__BB48_388;
+
+$L__BB48_391:
+	setp.gt.u32 	%p303, %r75, 2139095040;
+	shr.u32 	%r413, %r74, 13;
+	and.b32  	%r414, %r413, 511;
+	or.b32  	%r415, %r414, 32256;
+	selp.b32 	%r488, %r415, 31744, %p303;
+	bra.uni 	$L__BB48_392;
+
+$L__BB48_388:
+	setp.lt.u32 	%p302, %r75, 947912704;
+	@%p302 bra 	$L__BB48_390;
+	bra.uni 	$L__BB48_389;
+
+$L__BB48_390:
+	mov.b32 	%f130, %r75;
+	add.f32 	%f131, %f130, 0f3F000000;
+	mov.b32 	%r412, %f131;
+	add.s32 	%r488, %r412, -1056964608;
+	bra.uni 	$L__BB48_392;
+
+$L__BB48_389:
+	shr.u32 	%r408, %r74, 13;
+	and.b32  	%r409, %r408, 1;
+	add.s32 	%r410, %r75, %r409;
+	add.s32 	%r411, %r410, -939520001;
+	shr.u32 	%r488, %r411, 13;
+
+$L__BB48_392:
+	shl.b64 	%rd458, %rd519, 1;
+	add.s64 	%rd457, %rd98, %rd458;
+	and.b32  	%r416, %r74, -2147483648;
+	shr.u32 	%r417, %r416, 16;
+	or.b32  	%r418, %r488, %r417;
+	st.u16 	[%rd457], %r418;
+	add.s64 	%rd519, %rd519, %rd4;
+	setp.lt.u64 	%p304, %rd519, %rd154;
+	@%p304 bra 	$L__BB48_377;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_219:
+	setp.ge.u64 	%p150, %rd3, %rd100;
+	@%p150 bra 	$L__BB48_396;
+
+	mov.u64 	%rd491, %rd3;
+
+$L__BB48_221:
+	shl.b64 	%rd268, %rd491, 2;
+	add.s64 	%rd269, %rd98, %rd268;
+	add.s64 	%rd270, %rd99, %rd268;
+	ld.u32 	%r231, [%rd270];
+	ld.u32 	%r232, [%rd269];
+	max.s32 	%r233, %r231, %r232;
+	st.u32 	[%rd269], %r233;
+	add.s64 	%rd491, %rd491, %rd4;
+	setp.lt.u64 	%p151, %rd491, %rd100;
+	@%p151 bra 	$L__BB48_221;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_319:
+	setp.ge.u64 	%p248, %rd3, %rd136;
+	@%p248 bra 	$L__BB48_396;
+
+	mov.u64 	%rd507, %rd3;
+
+$L__BB48_321:
+	shl.b64 	%rd318, %rd507, 2;
+	add.s64 	%rd319, %rd98, %rd318;
+	add.s64 	%rd320, %rd99, %rd318;
+	ld.u32 	%r325, [%rd320];
+	ld.u32 	%r326, [%rd319];
+	mul.lo.s32 	%r327, %r325, %r326;
+	st.u32 	[%rd319], %r327;
+	add.s64 	%rd507, %rd507, %rd4;
+	setp.lt.u64 	%p249, %rd507, %rd136;
+	@%p249 bra 	$L__BB48_321;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_269:
+	setp.ge.u64 	%p199, %rd3, %rd118;
+	@%p199 bra 	$L__BB48_396;
+
+	mov.u64 	%rd499, %rd3;
+
+$L__BB48_271:
+	shl.b64 	%rd293, %rd499, 2;
+	add.s64 	%rd294, %rd98, %rd293;
+	add.s64 	%rd295, %rd99, %rd293;
+	ld.u32 	%r278, [%rd295];
+	ld.u32 	%r279, [%rd294];
+	min.s32 	%r280, %r278, %r279;
+	st.u32 	[%rd294], %r280;
+	add.s64 	%rd499, %rd499, %rd4;
+	setp.lt.u64 	%p200, %rd499, %rd118;
+	@%p200 bra 	$L__BB48_271;
+	bra.uni 	$L__BB48_396;
+
+$L__BB48_369:
+	setp.ge.u64 	%p285, %rd3, %rd154;
+	@%p285 bra 	$L__BB48_396;
+
+	mov.u64 	%rd515, %rd3;
+
+$L__BB48_371:
+	shl.b64 	%rd343, %rd515, 2;
+	add.s64 	%rd344, %rd98, %rd343;
+	add.s64 	%rd345, %rd99, %rd343;
+	ld.u32 	%r372, [%rd345];
+	ld.u32 	%r373, [%rd344];
+	add.s32 	%r374, %r372, %r373;
+	st.u32 	[%rd344], %r374;
+	add.s64 	%rd515, %rd515, %rd4;
+	setp.lt.u64 	%p286, %rd515, %rd154;
+	@%p286 bra 	$L__BB48_371;
+
+$L__BB48_396:
+	bar.sync 	0;
+	not.pred 	%p309, %p1;
+	@%p309 bra 	$L__BB48_405;
+
+	ld.volatile.global.u32 	%r80, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r419, [%rd5], 1;
+	setp.eq.s32 	%p310, %r419, %r6;
+	@%p310 bra 	$L__BB48_403;
+	bra.uni 	$L__BB48_398;
+
+$L__BB48_403:
+	mov.u32 	%r424, 0;
+	st.global.u32 	[%rd5], %r424;
+	membar.gl;
+	add.s64 	%rd363, %rd5, 64;
+	atom.global.add.u32 	%r425, [%rd363], 1;
+	bra.uni 	$L__BB48_404;
+
+$L__BB48_398:
+	ld.volatile.global.u32 	%r420, [%rd5+64];
+	setp.ne.s32 	%p311, %r420, %r80;
+	@%p311 bra 	$L__BB48_404;
+
+	mov.u32 	%r489, 1;
+
+$L__BB48_400:
+	and.b32  	%r422, %r489, 255;
+	setp.ne.s32 	%p312, %r422, 0;
+	@%p312 bra 	$L__BB48_402;
+
+	ld.volatile.global.u64 	%rd362, [%rd6+8];
+	setp.ne.s64 	%p313, %rd362, 0;
+	@%p313 bra 	$L__BB48_404;
+
+$L__BB48_402:
+	add.s32 	%r489, %r489, 1;
+	ld.volatile.global.u32 	%r423, [%rd5+64];
+	setp.eq.s32 	%p314, %r423, %r80;
+	@%p314 bra 	$L__BB48_400;
+
+$L__BB48_404:
+	membar.gl;
+
+$L__BB48_405:
+	bar.sync 	0;
+	mov.u16 	%rs133, 0;
 
 $L__BB48_455:
-	ld.volatile.global.u64 	%rd417, [%rd6+16];
-	st.volatile.u32 	[%rd417], %rd195;
+	add.s64 	%rd529, %rd529, 1;
+	add.s64 	%rd467, %rd467, 1;
+	setp.lt.u64 	%p354, %rd467, %rd28;
+	setp.eq.s16 	%p355, %rs133, 0;
+	and.pred  	%p356, %p355, %p354;
+	@%p356 bra 	$L__BB48_25;
+
+$L__BB48_456:
+	bar.sync 	0;
+	setp.eq.s16 	%p357, %rs133, 0;
+	@%p357 bra 	$L__BB48_1;
 
 $L__BB48_457:
 	membar.sys;
-	st.volatile.global.u64 	[%rd6+32], %rd7;
+	bar.sync 	0;
+	not.pred 	%p358, %p1;
+	@%p358 bra 	$L__BB48_466;
 
-$L__BB48_458:
-	membar.sys;
-	add.s32 	%r463, %r3, 14;
-	mul.wide.u32 	%rd419, %r463, 8;
-	add.s64 	%rd420, %rd6, %rd419;
-	st.volatile.global.u64 	[%rd420], %rd7;
+	ld.volatile.global.u32 	%r95, [%rd5+64];
+	membar.gl;
+	atom.global.add.u32 	%r468, [%rd5], 1;
+	setp.eq.s32 	%p359, %r468, %r6;
+	@%p359 bra 	$L__BB48_464;
+	bra.uni 	$L__BB48_459;
+
+$L__BB48_464:
+	mov.u32 	%r473, 0;
+	st.global.u32 	[%rd5], %r473;
+	membar.gl;
+	add.s64 	%rd420, %rd5, 64;
+	atom.global.add.u32 	%r474, [%rd420], 1;
+	bra.uni 	$L__BB48_465;
 
 $L__BB48_459:
+	ld.volatile.global.u32 	%r469, [%rd5+64];
+	setp.ne.s32 	%p360, %r469, %r95;
+	@%p360 bra 	$L__BB48_465;
+
+	mov.u32 	%r494, 1;
+
+$L__BB48_461:
+	and.b32  	%r471, %r494, 255;
+	setp.ne.s32 	%p361, %r471, 0;
+	@%p361 bra 	$L__BB48_463;
+
+	ld.volatile.global.u64 	%rd419, [%rd6+8];
+	setp.ne.s64 	%p362, %rd419, 0;
+	@%p362 bra 	$L__BB48_465;
+
+$L__BB48_463:
+	add.s32 	%r494, %r494, 1;
+	ld.volatile.global.u32 	%r472, [%rd5+64];
+	setp.eq.s32 	%p363, %r472, %r95;
+	@%p363 bra 	$L__BB48_461;
+
+$L__BB48_465:
+	membar.gl;
+
+$L__BB48_466:
+	setp.ne.s32 	%p364, %r5, 0;
+	bar.sync 	0;
+	@%p364 bra 	$L__BB48_477;
+
+	mov.u32 	%r477, %ctaid.x;
+	mov.u64 	%rd421, 0;
+	st.volatile.global.u64 	[%rd5+32], %rd421;
+	add.s32 	%r475, %r3, 12;
+	mul.wide.u32 	%rd422, %r475, 8;
+	add.s64 	%rd423, %rd6, %rd422;
+	st.volatile.global.u64 	[%rd423], %rd7;
+	membar.sys;
+	setp.lt.u32 	%p365, %r477, %r2;
+	mov.u16 	%rs136, 1;
+	@%p365 bra 	$L__BB48_469;
+
+	ld.volatile.global.u64 	%rd424, [%rd6+96];
+	setp.eq.s64 	%p366, %rd424, %rd7;
+	selp.u16 	%rs136, 1, 0, %p366;
+
+$L__BB48_469:
+	setp.eq.s32 	%p367, %r3, 1;
+	@%p367 bra 	$L__BB48_471;
+
+	ld.volatile.global.u64 	%rd425, [%rd6+104];
+	setp.eq.s64 	%p368, %rd425, %rd7;
+	selp.b16 	%rs136, %rs136, 0, %p368;
+
+$L__BB48_471:
+	setp.eq.s16 	%p369, %rs136, 0;
+	@%p369 bra 	$L__BB48_476;
+
+	setp.ne.s64 	%p370, %rd8, 0;
+	ld.volatile.global.u64 	%rd200, [%rd6+24];
+	@%p370 bra 	$L__BB48_474;
+	bra.uni 	$L__BB48_473;
+
+$L__BB48_474:
+	ld.volatile.global.u64 	%rd427, [%rd6+16];
+	st.volatile.u64 	[%rd427], %rd200;
+	bra.uni 	$L__BB48_475;
+
+$L__BB48_473:
+	ld.volatile.global.u64 	%rd426, [%rd6+16];
+	st.volatile.u32 	[%rd426], %rd200;
+
+$L__BB48_475:
+	membar.sys;
+	st.volatile.global.u64 	[%rd6+32], %rd7;
+
+$L__BB48_476:
+	membar.sys;
+	add.s32 	%r476, %r3, 14;
+	mul.wide.u32 	%rd428, %r476, 8;
+	add.s64 	%rd429, %rd6, %rd428;
+	st.volatile.global.u64 	[%rd429], %rd7;
+
+$L__BB48_477:
 	ret;
 
 }
@@ -6145,10 +6244,12 @@ HETCCL_KERNELS(int64, I64)
 
 // ---- Device programs (csrc/device/program.h: the format, the slot's layout and the contract).
 // B blocks per group (blockIdx.x / B: the group, blockIdx.x % B: the block in it), every thread
-// of the group executing the group's instructions in order: waits by each block's first thread,
-// data instructions spread over the group's threads, and a barrier of the group's blocks (in
-// device memory, `bar`: per group a count and a generation) after each data instruction and
-// before each write, signal and end. The slot is pinned host memory, read and written with
+// of the group executing the group's instructions in order: waits by block 0's first thread
+// (the only poller of host memory: the others meet it at the group barrier, and read the
+// published length from block 0's copy in device memory), data instructions spread over the
+// group's threads, and a barrier of the group's blocks (in device memory, `bar`: per group a
+// count and a generation) after each wait and data instruction and before each write, signal
+// and end. The slot is pinned host memory, read and written with
 // volatile accesses and system fences. Word indices of the slot (program.h's Slot): 0 seq,
 // 1 abort, 2 fin_addr, 3 fin_value, 4 ended, 5 wide, 8 + g len, 12 + g gend, 14 + g left, 16 + e ev,
 // 32 + 16 g + b taken by block b, 64 the rings (8 words an instruction, 256 a group).
@@ -6251,7 +6352,8 @@ __device__ __forceinline__ void mul_as(int dt, void* p, u64 n, const void* sp, u
 }  // namespace hp
 
 // slot: the program's slot (device address of pinned host memory); bar: 32 zeroed u32 of
-// device memory per group (count at 0, generation at 16, left as found); B: blocks per group
+// device memory per group (barrier count at 0, block 0's copy of len at 8-9, barrier
+// generation at 16; count and len left as found); B: blocks per group
 extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   volatile u64* S = slot;
   const u32 B = u32(blocks);
@@ -6259,6 +6361,10 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   const u64 t = u64(b) * blockDim.x + threadIdx.x, nt = u64(B) * blockDim.x;
   u32* cnt = bar + 32 * g;
   volatile u32* gen = bar + 32 * g + 16;
+  // the group's published length as block 0 read it (B > 1): the other blocks poll this word
+  // of device memory instead of the slot across the bus, so one poller per group loads the
+  // bus the data moves on (reset to 0 when the program ends)
+  volatile u64* lenw = reinterpret_cast<volatile u64*>(bar + 32 * g + 8);
   __shared__ u64 ins[hp::kBatch][8];
   __shared__ u64 avail;
   const u64 seq = S[0];
@@ -6268,9 +6374,19 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   while (!end) {
     if (threadIdx.x == 0) {
       u64 L;
-      for (u32 i = 1; (L = S[8 + g]) <= pos; ++i)
-        if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
-      __threadfence_system();  // the instructions were written before len
+      if (b == 0) {
+        for (u32 i = 1; (L = S[8 + g]) <= pos; ++i)
+          if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
+        __threadfence_system();  // the instructions were written before len
+        if (B > 1 && L > pos) {
+          *lenw = L;
+          __threadfence();
+        }
+      } else {
+        for (u32 i = 1; (L = *lenw) <= pos; ++i)
+          if ((i & 255) == 0 && S[1] != 0) break;  // aborted (looked at once in 256 rounds)
+        __threadfence_system();
+      }
       avail = L;
     }
     __syncthreads();
@@ -6289,14 +6405,16 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
           break;
         case hp::WAIT:
         case hp::AWAIT:
-          if (threadIdx.x == 0) {
+          // block 0 polls the word (host memory, across the bus), the others meet it at the
+          // group barrier (device memory)
+          if (b == 0 && threadIdx.x == 0) {
             const u64 addr = I[0] == hp::WAIT ? I[1] : u64(slot + 16 + I[1]);
             const bool w = I[0] == hp::AWAIT || wide;
             for (u32 i = 1; !hp::reached(addr, I[2], w); ++i)
               if ((i & 15) == 0 && S[1] != 0) break;  // aborted (looked at once in 16 rounds)
             __threadfence_system();
           }
-          __syncthreads();
+          hp::group_barrier(cnt, gen, B, S);
           break;
         case hp::WRITE:
         case hp::SIGNAL:
@@ -6342,6 +6460,7 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   __threadfence_system();
   hp::group_barrier(cnt, gen, B, S);  // every block of the group is done
   if (b == 0 && threadIdx.x == 0) {
+    *lenw = 0;  // as found, for the slot's next program
     // Both groups ended: whichever sees the other's mark writes fin (both may: the same values)
     S[12 + g] = seq;
     __threadfence_system();
