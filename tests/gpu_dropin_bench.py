@@ -124,7 +124,8 @@ def rank_main(a) -> None:
     def route_info():
         # the torch face's C API communicator (HETCCL_FACE_ROUTE=capi): its route's counters
         c = getattr(getattr(dist.group.WORLD, "_route", None), "_comm", None)
-        return {k: int(v) for k, v in c.info().items() if k.startswith("stream_route_")} if c else None
+        return {k: int(v) for k, v in c.info().items()
+                if k.startswith("stream_route_") or k.startswith("stream_issue_")} if c else None
 
     for nbytes in sizes:
         n = nbytes // 2
@@ -182,6 +183,10 @@ def rank_main(a) -> None:
             if before and after:  # the C API route's issue cost by phase, us per call (stream_path.h)
                 route = {k[len("stream_route_"):-3]: round((after[k] - before[k]) / len(dts) / 1e3, 2)
                          for k in after if k.startswith("stream_route_") and k in before}
+                # the issuing thread's time inside the C API's stream path, per call
+                calls = after.get("stream_issue_calls", 0) - before.get("stream_issue_calls", 0)
+                if calls:
+                    route["c_issue"] = round((after["stream_issue_ns"] - before["stream_issue_ns"]) / calls / 1e3, 2)
         algbw = nbytes / us / 1e3 if us else 0.0
         rows.append({"config": a.config, "backend": a.backend, "vendors": a.vendors, "size": nbytes,
                      "count": n, "type": "bfloat16", "redop": "sum", "time_us": round(us, 2),

@@ -230,6 +230,14 @@ bool StreamPath::drop_free_locked() {
 }
 
 void StreamPath::issue(StreamJob j) {
+  struct Timed {  // counted however issue() returns
+    StreamPath& p;
+    int64_t t0 = now_ns();
+    ~Timed() {
+      p.issue_ns_ += uint64_t(now_ns() - t0);
+      ++p.issue_calls_;
+    }
+  } timed{*this};
   if (ops_->capturing(j.stream))
     throw UsageRefusal("hetccl: a call across vendors cannot be captured in a graph (its host part "
                        "would not replay); run it outside the capture");
@@ -607,7 +615,8 @@ std::map<std::string, uint64_t> StreamPath::stats() {
           {"route_issue_wait_ns", route_issue_wait_ns_.load()}, {"program_jobs", program_jobs_},
           {"program_instructions", programs_ ? programs_->instructions() : 0},
           {"program_scratch_allocs", programs_ ? programs_->scratch_allocs() : 0},
-          {"program_scratch_reuses", programs_ ? programs_->scratch_reuses() : 0}};
+          {"program_scratch_reuses", programs_ ? programs_->scratch_reuses() : 0},
+          {"issue_ns", issue_ns_.load()}, {"issue_calls", issue_calls_.load()}};
 }
 
 }  // namespace api

@@ -191,6 +191,8 @@ class StreamPath {
   uint64_t jobs_ = 0, staged_bytes_ = 0, waits_ = 0, chunked_jobs_ = 0, chunks_ = 0, device_jobs_ = 0;
   uint64_t staged_fallbacks_ = 0, program_jobs_ = 0;
   std::atomic<uint64_t> route_queue_ns_{0}, route_turn_ns_{0}, route_issue_wait_ns_{0};
+  // the issuing thread's time in issue(), every stream call (stats: issue_ns, issue_calls)
+  std::atomic<uint64_t> issue_ns_{0}, issue_calls_{0};
 };
 
 }  // namespace api
