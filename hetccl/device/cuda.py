@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import tuning
+from .. import compat, tuning
 
 
 def _loaded_library(stems: tuple[str, ...]) -> str | None:
@@ -123,12 +123,11 @@ class CallerStream:
 
     def __init__(self, index: int):
         self.index = index
-        self.stream = torch.cuda.current_stream(index)
-        self.handle = self.stream.cuda_stream
+        self.stream, self.handle = compat.current_cuda_stream(index)
 
     def current(self) -> bool:
         """Whether the stream's device is the current device (the runtime's calls need it)."""
-        return torch.cuda.current_device() == self.index
+        return compat.current_cuda_device() == self.index
 
     def device_guard(self):
         return torch.cuda.device(self.index)
