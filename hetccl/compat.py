@@ -159,37 +159,3 @@ def premul_sum_factor_visible() -> bool:
     except Exception:  # noqa: BLE001 - a build without the NCCL op bindings
         return False
 
-
-# The caller's current stream on a device, as the C API route issues on it (device/cuda.py's
-# CallerStream, once per call): torch.cuda.current_stream() builds a new Stream object each
-# time (~3-5 us on the GPU box, tests/gpu_dropin_bench.py --profile-issue); the raw handle
-# comes from torch's C binding in well under a microsecond, and one Stream object per (device,
-# handle) is kept. A handle names one stream for as long as it lives (torch's pool streams
-# never go; an external stream whose handle comes back names the same raw stream), so the
-# cached object stays right. Where the private bindings are missing, the public calls.
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
-_STREAMS: dict[tuple[int, int], Any] = {}
-
-
-def current_cuda_stream(index: int):
-    """(torch.cuda.Stream, raw handle) of device `index`'s current stream."""
-    if _RAW_STREAM is None:
-        s = torch.cuda.current_stream(index)
-        return s, s.cuda_stream
-    h = _RAW_STREAM(index)
-    s = _STREAMS.get((index, h))
-    if s is None:
-        s = torch.cuda.current_stream(index)
-        if s.cuda_stream != h:  # not what the binding said: no caching
-            return s, s.cuda_stream
-        if len(_STREAMS) > 1024:  # bounded (external streams come and go)
-            _STREAMS.clear()
-        _STREAMS[(index, h)] = s
-    return s, h
-
-
-def current_cuda_device() -> int:
-    """torch.cuda.current_device() without its per-call lazy-init check (CUDA is initialized
-    once a CUDA tensor exists, which is when the route asks)."""
-    return _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
