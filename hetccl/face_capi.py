@@ -231,7 +231,7 @@ class CollRoute:
 
     def all_reduce(self, t: torch.Tensor, op: str):
         v, code, op = _as_c(t, op)
-        c = self._comm or self.comm()
+        c = self.comm()
         p = v.data_ptr()
         return self._issue(c, "hetcclAllReduce", (p, p, v.numel(), code, self._op_code(c, op, code, v.dtype)),
                            [t], [t], t.device)
@@ -239,48 +239,42 @@ class CollRoute:
     def all_reduce_if_taken(self, t: torch.Tensor, opts):
         """all_reduce of one tensor through the route, or None where the route does not take
         it (the caller then declines it: declined()). What backend.allreduce calls first; the
-        same decision as takes() + all_reduce(), decided from the op and the tensor alone
-        without the general checks for the common case (a dense contiguous tensor of one of
-        the C API's dtypes)."""
+        same decision as takes(), made without its general checks for the common case (a
+        dense tensor of one of the C API's dtypes)."""
         red = opts.reduceOp if opts is not None else None
         op = "sum" if red is None else _RED.get(getattr(red, "op", red))
         if op is None:
             return None  # bitwise, PREMUL_SUM: the face's own path
-        code = _DTYPES.get(t.dtype)
-        if code is None or t.layout != torch.strided:  # bool, complex, sparse, ...: the general test
-            return self.all_reduce(t, op) if self.takes(op, t) else None
-        device = t.device
-        if not t.is_contiguous() or device.type not in devices.SEAMS:
-            return None
-        c = self._comm or self.comm()
-        p = t.data_ptr()
-        opc = _OPS[op] if op != "avg" or t.dtype not in _HALF else self._op_code(c, op, code, t.dtype)
-        return self._issue(c, "hetcclAllReduce", (p, p, t.numel(), code, opc), [t], [t], device)
+        if t.dtype in _DTYPES and t.layout == torch.strided:  # the common case, decided here
+            taken = t.is_contiguous() and t.device.type in devices.SEAMS
+        else:  # bool, complex, sparse, ...: the general test
+            taken = self.takes(op, t)
+        return self.all_reduce(t, op) if taken else None
 
     def reduce(self, t: torch.Tensor, op: str, root: int):
         v, code, op = _as_c(t, op)
-        c = self._comm or self.comm()
+        c = self.comm()
         p = v.data_ptr()
         return self._issue(c, "hetcclReduce",
                            (p, p, v.numel(), code, self._op_code(c, op, code, v.dtype), root), [t], [t], t.device)
 
     def broadcast(self, t: torch.Tensor, root: int):
         v, code, _ = _as_c(t, None)
-        c = self._comm or self.comm()
+        c = self.comm()
         p = v.data_ptr()
         return self._issue(c, "hetcclBroadcast", (p, p, v.numel(), code, root), [t], [t], t.device)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         vo, code, _ = _as_c(out, None)
         vi, _, _ = _as_c(inp, None)
-        c = self._comm or self.comm()
+        c = self.comm()
         return self._issue(c, "hetcclAllGather", (vi.data_ptr(), vo.data_ptr(), vi.numel(), code),
                            [out, inp], [out], out.device)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str):
         vo, code, op = _as_c(out, op)
         vi, _, _ = _as_c(inp, op)
-        c = self._comm or self.comm()
+        c = self.comm()
         return self._issue(c, "hetcclReduceScatter",
                            (vi.data_ptr(), vo.data_ptr(), vo.numel(), code, self._op_code(c, op, code, vo.dtype)),
                            [out, inp], [out], out.device)
