@@ -56,6 +56,16 @@
 
 namespace hetccl {
 
+// The dtypes the device kernels reduce (reduce_kernels.cu): reduce.h's DType values 0..7. The C
+// API keeps UINT32/UINT64 (its unsigned MIN/MAX/AVG) off the device route; a call that reaches a
+// kernel with one anyway is refused here rather than indexed out of range (every runtime module
+// and the device programs' recorder call it).
+constexpr int kKernelDtypes = 8;
+inline void require_kernel_dtype(DType dt) {
+  if (int(dt) < 0 || int(dt) >= kKernelDtypes)
+    throw CommError(std::string("hetccl: no device reduction kernel for ") + dtype_name(dt));
+}
+
 class DeviceOps {
  public:
   virtual ~DeviceOps() = default;

@@ -367,16 +367,14 @@ void ProgramOps::mem_free_async(void* p, void* stream) {
 void ProgramOps::reduce(void* dst, const void* src, size_t count, DType dt, ReduceOp op, void* stream) {
   int g = group_of(stream);
   if (g < 0) return real_->reduce(dst, src, count, dt, op, stream);
-  if (int(dt) < 0 || int(dt) > int(DType::INT64))
-    throw CommError(std::string("hetccl: no device reduction kernel for ") + dtype_name(dt));
+  require_kernel_dtype(dt);
   if (count) append(uint32_t(g), ins(program::REDUCE, addr(dst), addr(src), count, uint64_t(dt), uint64_t(op)));
 }
 
 void ProgramOps::scale_div(void* p, size_t count, DType dt, int64_t n, void* stream) {
   int g = group_of(stream);
   if (g < 0) return real_->scale_div(p, count, dt, n, stream);
-  if (int(dt) < 0 || int(dt) > int(DType::INT64))
-    throw CommError(std::string("hetccl: no device reduction kernel for ") + dtype_name(dt));
+  require_kernel_dtype(dt);
   if (count && n != 1) append(uint32_t(g), ins(program::DIV, addr(p), count, uint64_t(dt), uint64_t(n)));
 }
 
@@ -384,8 +382,7 @@ void ProgramOps::scale_mul(void* p, size_t count, DType dt, const void* scalar_d
                            void* stream) {
   int g = group_of(stream);
   if (g < 0) return real_->scale_mul(p, count, dt, scalar_dev, scalar_host, stream);
-  if (int(dt) < 0 || int(dt) > int(DType::INT64))
-    throw CommError(std::string("hetccl: no device reduction kernel for ") + dtype_name(dt));
+  require_kernel_dtype(dt);
   uint64_t imm = 0;
   if (!scalar_dev) std::memcpy(&imm, scalar_host, dtype_size(dt));
   if (count) append(uint32_t(g), ins(program::MUL, addr(p), count, uint64_t(dt), addr(scalar_dev), imm));

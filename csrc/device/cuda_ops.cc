@@ -222,7 +222,7 @@ class CudaOps final : public DeviceOps {
     check("cuMemFreeAsync", free_async_(Ptr(reinterpret_cast<uintptr_t>(p)), stream));
   }
   void reduce(void* dst, const void* src, size_t count, DType dt, ReduceOp op, void* stream) override {
-    device_dtype(dt);
+    require_kernel_dtype(dt);
     if (!count) return;
     int o = op == ReduceOp::AVG ? 0 : int(op);  // AVG reduces as SUM (reduce.h)
     unsigned long long n = count;
@@ -230,7 +230,7 @@ class CudaOps final : public DeviceOps {
     launch(kernels().reduce[int(dt)][o], count, args, stream);
   }
   void scale_div(void* p, size_t count, DType dt, int64_t by, void* stream) override {
-    device_dtype(dt);
+    require_kernel_dtype(dt);
     if (!count || by == 1) return;
     unsigned long long n = count;
     long long b = by;
@@ -239,7 +239,7 @@ class CudaOps final : public DeviceOps {
   }
   void scale_mul(void* p, size_t count, DType dt, const void* scalar_dev, const void* scalar_host,
                  void* stream) override {
-    device_dtype(dt);
+    require_kernel_dtype(dt);
     if (!count) return;
     unsigned long long n = count, imm = 0;
     if (!scalar_dev) std::memcpy(&imm, scalar_host, dtype_size(dt));
@@ -255,13 +255,7 @@ class CudaOps final : public DeviceOps {
     throw CommError(std::string("hetccl: ") + what + " failed: error " + std::to_string(r) + " (" +
                     (s ? s : "unknown") + ")");
   }
-  // The kernels' dtypes: the C API keeps UINT32/UINT64 (its unsigned MIN/MAX/AVG) off the
-  // device route; a call that reached here anyway is refused rather than indexed out of range.
-  static void device_dtype(DType dt) {
-    if (int(dt) < 0 || int(dt) >= kDtypes)
-      throw CommError(std::string("hetccl: no device reduction kernel for ") + dtype_name(dt));
-  }
-  static constexpr int kDtypes = 8;  // reduce.h's DType values 0..7 (UINT32/UINT64: host only)
+  static constexpr int kDtypes = kKernelDtypes;  // device_ops.h
   struct Module {
     void* module = nullptr;
     void* reduce[kDtypes][4] = {};

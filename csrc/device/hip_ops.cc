@@ -238,21 +238,21 @@ class HipOps final : public DeviceOps {
     if (p) check("hipFreeAsync", hipFreeAsync_(p, stream));
   }
   void reduce(void* dst, const void* src, size_t count, DType dt, ReduceOp op, void* stream) override {
-    device_dtype(dt);
+    require_kernel_dtype(dt);
     if (!count) return;
     int o = op == ReduceOp::AVG ? 0 : int(op);  // AVG reduces as SUM (reduce.h)
     ReduceArgs a{dst, src, count};
     launch(kernels().reduce[int(dt)][o], count, &a, sizeof a, stream);
   }
   void scale_div(void* p, size_t count, DType dt, int64_t by, void* stream) override {
-    device_dtype(dt);
+    require_kernel_dtype(dt);
     if (!count || by == 1) return;
     DivArgs a{p, count, by};
     launch(kernels().div[int(dt)], count, &a, sizeof a, stream);
   }
   void scale_mul(void* p, size_t count, DType dt, const void* scalar_dev, const void* scalar_host,
                  void* stream) override {
-    device_dtype(dt);
+    require_kernel_dtype(dt);
     if (!count) return;
     MulArgs a{p, count, scalar_dev, 0};
     if (!scalar_dev) std::memcpy(&a.imm, scalar_host, dtype_size(dt));
@@ -279,13 +279,7 @@ class HipOps final : public DeviceOps {
   }
 
   // ---- the device route's kernels
-  // The kernels' dtypes: the C API keeps UINT32/UINT64 (its unsigned MIN/MAX/AVG) off the
-  // device route; a call that reached here anyway is refused rather than indexed out of range.
-  static void device_dtype(DType dt) {
-    if (int(dt) < 0 || int(dt) >= kDtypes)
-      throw CommError(std::string("hetccl: no device reduction kernel for ") + dtype_name(dt));
-  }
-  static constexpr int kDtypes = 8;  // reduce.h's DType values 0..7 (UINT32/UINT64: host only)
+  static constexpr int kDtypes = kKernelDtypes;  // device_ops.h
   struct Module {
     std::vector<char> code;  // hiprtc's code object, kept while the module lives
     void* module = nullptr;
