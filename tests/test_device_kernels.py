@@ -212,11 +212,12 @@ def _put(slot, group, prog):
     slot[8 + group] = len(prog)
 
 
-def _run_program(host_kernels, slot, blocks=1, publish_late=None):
+def _run_program(host_kernels, slot, blocks=1, publish_late=None, null_bar=False):
     """Each block of the grid (groups x blocks) on a host thread of its own, one thread a
     block: the group barriers meet across the threads. publish_late=(group, first): only the
     group's first instructions are published at the start, the rest 0.2 s later (the blocks
-    wait for them: block 0 on the slot, the others on its copy in `bar`)."""
+    wait for them: block 0 on the slot, the others on its copy in `bar`). null_bar: `bar` is a
+    null pointer (one block a group only), as prepare_kernels' warm-up launch passes it."""
     import threading
     import time
     bar = np.zeros(64, np.uint32)
@@ -233,7 +234,8 @@ def _run_program(host_kernels, slot, blocks=1, publish_late=None):
         late = threading.Thread(target=publish)
         late.start()
     ts = [threading.Thread(target=host_kernels.hetccl_test_program_block,
-                           args=(ctypes.c_void_p(slot.ctypes.data), ctypes.c_void_p(bar.ctypes.data),
+                           args=(ctypes.c_void_p(slot.ctypes.data),
+                                 ctypes.c_void_p(None if null_bar else bar.ctypes.data),
                                  ctypes.c_uint(k), ctypes.c_uint(blocks)))
           for k in reversed(range(2 * blocks))]
     for t in ts:
@@ -302,3 +304,15 @@ def test_program_kernel_aborted_ends_at_once(host_kernels):
     _put(slot, 0, [("WAIT", words.ctypes.data, 1 << 50)])  # never written; no END published
     _run_program(host_kernels, slot)
     assert words[1] == 1 << 40 and slot[4] == 4 and list(slot[14:16]) == [4, 4]
+
+
+def test_program_kernel_warm_up_launch_touches_no_barrier_memory(host_kernels):
+    """prepare_kernels (cuda_ops.cc, hip_ops.cc) launches the program kernel once on an aborted,
+    empty slot with one block a group and a null `bar`: the kernel must end, write fin and never
+    touch `bar` (a write through it is an illegal address on the GPU: every later call of the
+    process fails with it; on the host a segfault)."""
+    words = np.zeros(2, np.uint64)
+    slot = _slot()
+    slot[0], slot[1], slot[2], slot[3] = 6, 1, words.ctypes.data, 77
+    _run_program(host_kernels, slot, null_bar=True)
+    assert words[0] == 77 and slot[4] == 6 and list(slot[12:16]) == [6, 6, 6, 6], slot[:16]

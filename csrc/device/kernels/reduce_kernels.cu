@@ -274,7 +274,8 @@ __device__ __forceinline__ void mul_as(int dt, void* p, u64 n, const void* sp, u
 
 // slot: the program's slot (device address of pinned host memory); bar: 32 zeroed u32 of
 // device memory per group (barrier count at 0, block 0's copy of len at 8-9, barrier
-// generation at 16; count and len left as found); B: blocks per group
+// generation at 16; count and len left as found; with B == 1 the kernel never touches it, and
+// it may be null: prepare_kernels' warm-up launch); B: blocks per group
 extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   volatile u64* S = slot;
   const u32 B = u32(blocks);
@@ -381,7 +382,7 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   __threadfence_system();
   hp::group_barrier(cnt, gen, B, S);  // every block of the group is done
   if (b == 0 && threadIdx.x == 0) {
-    *lenw = 0;  // as found, for the slot's next program
+    if (B > 1) *lenw = 0;  // as found, for the slot's next program (B == 1: bar may be null)
     // Both groups ended: whichever sees the other's mark writes fin (both may: the same values)
     S[12 + g] = seq;
     __threadfence_system();

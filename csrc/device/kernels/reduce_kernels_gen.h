@@ -3179,7 +3179,7 @@ $L__BB47_5:
 	.param .u64 hetccl_program_param_2
 )
 {
-	.reg .pred 	%p<372>;
+	.reg .pred 	%p<373>;
 	.reg .b16 	%rs<137>;
 	.reg .f32 	%f<147>;
 	.reg .b32 	%r<495>;
@@ -3271,7 +3271,7 @@ $L__BB48_9:
 	ld.volatile.global.u64 	%rd464, [%rd9];
 	setp.gt.u64 	%p13, %rd464, %rd529;
 	mov.pred 	%p12, -1;
-	mov.pred 	%p371, %p12;
+	mov.pred 	%p372, %p12;
 	@%p13 bra 	$L__BB48_14;
 
 	mov.u32 	%r479, 1;
@@ -3283,20 +3283,20 @@ $L__BB48_11:
 
 	ld.volatile.global.u64 	%rd214, [%rd6+8];
 	setp.ne.s64 	%p16, %rd214, 0;
-	mov.pred 	%p371, 0;
+	mov.pred 	%p372, 0;
 	@%p16 bra 	$L__BB48_14;
 
 $L__BB48_13:
 	add.s32 	%r479, %r479, 1;
 	ld.volatile.global.u64 	%rd464, [%rd9];
 	setp.le.u64 	%p18, %rd464, %rd529;
-	mov.pred 	%p371, %p12;
+	mov.pred 	%p372, %p12;
 	@%p18 bra 	$L__BB48_11;
 
 $L__BB48_14:
 	membar.sys;
 	setp.lt.u32 	%p19, %r2, 2;
-	not.pred 	%p20, %p371;
+	not.pred 	%p20, %p372;
 	or.pred  	%p21, %p19, %p20;
 	@%p21 bra 	$L__BB48_16;
 
@@ -3438,7 +3438,7 @@ $L__BB48_29:
 	mov.u32 	%r492, 1;
 	bra.uni 	$L__BB48_31;
 
-$L__BB48_478:
+$L__BB48_480:
 	add.s32 	%r492, %r492, 1;
 
 $L__BB48_31:
@@ -3464,11 +3464,11 @@ $L__BB48_441:
 
 	and.b32  	%r460, %r492, 15;
 	setp.ne.s32 	%p346, %r460, 0;
-	@%p346 bra 	$L__BB48_478;
+	@%p346 bra 	$L__BB48_480;
 
 	ld.volatile.global.u64 	%rd416, [%rd6+8];
 	setp.eq.s64 	%p347, %rd416, 0;
-	@%p347 bra 	$L__BB48_478;
+	@%p347 bra 	$L__BB48_480;
 
 $L__BB48_444:
 	membar.sys;
@@ -6012,62 +6012,67 @@ $L__BB48_465:
 $L__BB48_466:
 	setp.ne.s32 	%p364, %r5, 0;
 	bar.sync 	0;
-	@%p364 bra 	$L__BB48_477;
+	@%p364 bra 	$L__BB48_479;
 
-	mov.u32 	%r477, %ctaid.x;
+	setp.lt.u32 	%p365, %r2, 2;
+	@%p365 bra 	$L__BB48_469;
+
 	mov.u64 	%rd421, 0;
 	st.volatile.global.u64 	[%rd5+32], %rd421;
+
+$L__BB48_469:
+	mov.u32 	%r477, %ctaid.x;
 	add.s32 	%r475, %r3, 12;
 	mul.wide.u32 	%rd422, %r475, 8;
 	add.s64 	%rd423, %rd6, %rd422;
 	st.volatile.global.u64 	[%rd423], %rd7;
 	membar.sys;
-	setp.lt.u32 	%p365, %r477, %r2;
+	setp.lt.u32 	%p366, %r477, %r2;
 	mov.u16 	%rs136, 1;
-	@%p365 bra 	$L__BB48_469;
+	@%p366 bra 	$L__BB48_471;
 
 	ld.volatile.global.u64 	%rd424, [%rd6+96];
-	setp.eq.s64 	%p366, %rd424, %rd7;
-	selp.u16 	%rs136, 1, 0, %p366;
-
-$L__BB48_469:
-	setp.eq.s32 	%p367, %r3, 1;
-	@%p367 bra 	$L__BB48_471;
-
-	ld.volatile.global.u64 	%rd425, [%rd6+104];
-	setp.eq.s64 	%p368, %rd425, %rd7;
-	selp.b16 	%rs136, %rs136, 0, %p368;
+	setp.eq.s64 	%p367, %rd424, %rd7;
+	selp.u16 	%rs136, 1, 0, %p367;
 
 $L__BB48_471:
-	setp.eq.s16 	%p369, %rs136, 0;
-	@%p369 bra 	$L__BB48_476;
+	setp.eq.s32 	%p368, %r3, 1;
+	@%p368 bra 	$L__BB48_473;
 
-	setp.ne.s64 	%p370, %rd8, 0;
-	ld.volatile.global.u64 	%rd200, [%rd6+24];
-	@%p370 bra 	$L__BB48_474;
-	bra.uni 	$L__BB48_473;
-
-$L__BB48_474:
-	ld.volatile.global.u64 	%rd427, [%rd6+16];
-	st.volatile.u64 	[%rd427], %rd200;
-	bra.uni 	$L__BB48_475;
+	ld.volatile.global.u64 	%rd425, [%rd6+104];
+	setp.eq.s64 	%p369, %rd425, %rd7;
+	selp.b16 	%rs136, %rs136, 0, %p369;
 
 $L__BB48_473:
+	setp.eq.s16 	%p370, %rs136, 0;
+	@%p370 bra 	$L__BB48_478;
+
+	setp.ne.s64 	%p371, %rd8, 0;
+	ld.volatile.global.u64 	%rd200, [%rd6+24];
+	@%p371 bra 	$L__BB48_476;
+	bra.uni 	$L__BB48_475;
+
+$L__BB48_476:
+	ld.volatile.global.u64 	%rd427, [%rd6+16];
+	st.volatile.u64 	[%rd427], %rd200;
+	bra.uni 	$L__BB48_477;
+
+$L__BB48_475:
 	ld.volatile.global.u64 	%rd426, [%rd6+16];
 	st.volatile.u32 	[%rd426], %rd200;
 
-$L__BB48_475:
+$L__BB48_477:
 	membar.sys;
 	st.volatile.global.u64 	[%rd6+32], %rd7;
 
-$L__BB48_476:
+$L__BB48_478:
 	membar.sys;
 	add.s32 	%r476, %r3, 14;
 	mul.wide.u32 	%rd428, %r476, 8;
 	add.s64 	%rd429, %rd6, %rd428;
 	st.volatile.global.u64 	[%rd429], %rd7;
 
-$L__BB48_477:
+$L__BB48_479:
 	ret;
 
 }
@@ -6353,7 +6358,8 @@ __device__ __forceinline__ void mul_as(int dt, void* p, u64 n, const void* sp, u
 
 // slot: the program's slot (device address of pinned host memory); bar: 32 zeroed u32 of
 // device memory per group (barrier count at 0, block 0's copy of len at 8-9, barrier
-// generation at 16; count and len left as found); B: blocks per group
+// generation at 16; count and len left as found; with B == 1 the kernel never touches it, and
+// it may be null: prepare_kernels' warm-up launch); B: blocks per group
 extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   volatile u64* S = slot;
   const u32 B = u32(blocks);
@@ -6460,7 +6466,7 @@ extern "C" __global__ void hetccl_program(u64* slot, u32* bar, u64 blocks) {
   __threadfence_system();
   hp::group_barrier(cnt, gen, B, S);  // every block of the group is done
   if (b == 0 && threadIdx.x == 0) {
-    *lenw = 0;  // as found, for the slot's next program
+    if (B > 1) *lenw = 0;  // as found, for the slot's next program (B == 1: bar may be null)
     // Both groups ended: whichever sees the other's mark writes fin (both may: the same values)
     S[12 + g] = seq;
     __threadfence_system();
