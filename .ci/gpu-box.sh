@@ -240,14 +240,15 @@ for w in $what; do
       # face on the C API and the drop-in, 1+1, each with the route's stream operations
       # (default) and as device programs (k4: the default 4 blocks a group, k8, k16, k8all: 8
       # blocks and the device route at every size), torch's NCCL at world size 1 and the face's own
-      # path in the same run; rank 0 of the face times its issue steps (--profile-issue).
+      # path in the same run, and the face with its joins at issue (nodefer:
+      # HETCCL_FACE_DEFER_JOIN=0); rank 0 of the face times its issue steps (--profile-issue).
       # PROGRAMS_ONLY narrows the configurations; PROGRAMS_TAG names the files (programs_TAG.*)
       K="HETCCL_CAPI_ROUTE_LAUNCH=kernel"
       tag=${PROGRAMS_TAG:+_$PROGRAMS_TAG}
       timeout $((T + 60)) python3 tests/gpu_dropin_bench.py --timeout 60 --jsonl "$OUT/programs$tag.jsonl" \
         --profile-issue --only "${PROGRAMS_ONLY:-nccl-1,face-1+1,dropin-1+1,dropin-1+1-k4,facecapi-1+1,facecapi-1+1-k4,facecapi-1+1-k8,facecapi-1+1-k16,facecapi-1+1-k8all}" \
         --variants "k4:$K" \
-        --face-variants "k4:$K,k8:$K;HETCCL_CAPI_PROGRAM_BLOCKS=8,k16:$K;HETCCL_CAPI_PROGRAM_BLOCKS=16,k8all:$K;HETCCL_CAPI_PROGRAM_BLOCKS=8;HETCCL_STREAM_DEVICE_BYTES=1" \
+        --face-variants "k4:$K,k8:$K;HETCCL_CAPI_PROGRAM_BLOCKS=8,k16:$K;HETCCL_CAPI_PROGRAM_BLOCKS=16,k8all:$K;HETCCL_CAPI_PROGRAM_BLOCKS=8;HETCCL_STREAM_DEVICE_BYTES=1,nodefer:HETCCL_FACE_DEFER_JOIN=0" \
         --factor 8 --maxbytes 64M --issue-sizes 8K,512K,2M,32M,64M > "$OUT/programs$tag.txt" 2>&1
       grep -v "^issue profile\|^  \[" "$OUT/programs$tag.txt" | tail -60 ;;
     ucxprobe)

@@ -138,6 +138,19 @@ hetcclResult_t hetcclRedOpDestroy(hetcclRedOp_t op, hetcclComm_t comm);
  * bytes including the terminating NUL; returns hetcclInvalidArgument if it did not fit. */
 hetcclResult_t hetcclCommInfo(hetcclComm_t comm, char* buf, size_t len);
 
+/* hetccl extension for faces with a work object (the torch face), not in NCCL's API. With
+ * enable != 0, a stream call of this communicator that takes the device route returns once it
+ * is handed to the communicator's executor: the caller's stream is not yet ordered after it.
+ * *ticket (may be NULL) receives the address of a word that each later call on this
+ * communicator sets before it returns: the call's ticket, or 0 where the call needs no join.
+ * hetcclCommJoin(comm, ticket, stream) then orders `stream` after that call and every earlier
+ * one (on the host it waits until the route has enqueued the call; it enqueues a wait on
+ * stream); joining twice, on several streams, or never is allowed. Any other call is ordered
+ * after every deferred call on its own stream before it runs, so calls still see each other's
+ * results in issue order. Issuing thread only (as every call). */
+hetcclResult_t hetcclCommDeferJoin(hetcclComm_t comm, int enable, const unsigned long long** ticket);
+hetcclResult_t hetcclCommJoin(hetcclComm_t comm, unsigned long long ticket, void* stream);
+
 /* The device's default stream (what NULL means to the vendor runtime): NULL itself is taken by
  * host calls. The drop-in NCCL passes a caller's NULL stream as this. */
 #define HETCCL_STREAM_DEFAULT ((void*)1)

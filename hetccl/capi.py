@@ -81,6 +81,8 @@ def lib() -> ctypes.CDLL:
             "hetcclReduceScatter": [vp, vp, sz, i, i, vp, vp],
             "hetcclSend": [vp, sz, i, i, vp, vp], "hetcclRecv": [vp, sz, i, i, vp, vp],
             "hetcclGroupStart": [], "hetcclGroupEnd": [],
+            "hetcclCommDeferJoin": [vp, i, ctypes.POINTER(ctypes.POINTER(ctypes.c_ulonglong))],
+            "hetcclCommJoin": [vp, ctypes.c_ulonglong, vp],
         }
         for name, args in sig.items():
             f = getattr(L, name)
@@ -179,6 +181,18 @@ class Comm:
 
     def recv(self, buf, count, dtype, peer, stream=None):
         self._call("hetcclRecv", _ptr(buf), count, _dt(dtype), peer, self._c, stream)
+
+    def defer_joins(self, enable: bool = True):
+        """hetcclCommDeferJoin: device-route stream calls return before their stream is ordered
+        after them; returns the ticket word (a ctypes c_ulonglong: .value after each call is
+        that call's ticket, 0 where it needs no join)."""
+        w = ctypes.POINTER(ctypes.c_ulonglong)()
+        self._call("hetcclCommDeferJoin", self._c, 1 if enable else 0, ctypes.byref(w))
+        return w.contents
+
+    def join(self, ticket: int, stream) -> None:
+        """hetcclCommJoin: `stream` ordered after the call of `ticket` and every earlier one."""
+        self._call("hetcclCommJoin", self._c, ticket, stream)
 
     def split(self, color: int, key: int):
         """A new Comm of the ranks with this color (None for SPLIT_NOCOLOR)."""

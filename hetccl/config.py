@@ -326,6 +326,12 @@ _SETTINGS = [
             "(hetccl/face_capi.py): engine (default: the face's own schedule on the engine), "
             "capi (opt-in: straight to the C API, libhetccl.so, the core under the drop-in; "
             "CUDA calls stream-ordered with NCCL's asynchronous errors, CPU calls blocking)."),
+    Setting("HETCCL_FACE_DEFER_JOIN", _bool, True,
+            "With HETCCL_FACE_ROUTE=capi: a CUDA call that takes the C API's device route "
+            "returns once handed to the communicator's executor, and its work's wait() orders "
+            "the then-current stream after it (hetcclCommDeferJoin; torch's NCCL process group's "
+            "semantics), so issuing does not wait for the route's work to be enqueued; 0: the "
+            "caller's stream is ordered at issue."),
     Setting("HETCCL_ASYNC_ERROR_HANDLING", _async_mode, "abort",
             "A device collective that fails after it was issued (peer died, timeout, arguments "
             "found to differ): abort (default) logs the error and stops the process, as torch's "

@@ -13,7 +13,13 @@ own path, which refuses or runs it as before.
 Contract:
  * CUDA tensors: the call is enqueued on the caller's current stream (stream-ordered, as
    ProcessGroupNCCL's work after wait()); the host does not wait. The returned work's wait()
-   makes the then-current stream wait for an event recorded after the call. A failure after
+   makes the then-current stream wait for an event recorded after the call. A call that takes
+   the C API's device route (large ones) is only handed over (HETCCL_FACE_DEFER_JOIN, default
+   on: hetcclCommDeferJoin): its work's wait() joins it (hetcclCommJoin: the then-current
+   stream waits for the route's done word), as ProcessGroupNCCL's wait() orders the current
+   stream after its own stream; the work keeps the call's tensors until it is joined (a work
+   dropped unwaited joins on a side stream, so the allocator never hands them out early).
+   is_completed() and get_future() join on that side stream. A failure after
    issue (a peer died, ranks' arguments differed) is the C API's asynchronous error: the
    communicator breaks, every stream is still released, and wait() and every later routed call
    raise it (NCCL's semantics; the face's own path checks CUDA calls inline instead).
@@ -95,20 +101,49 @@ class CapiWork(dist.Work):
     any; is_completed() queries it. The torch Future (get_future) is made only when asked for
     (it costs more than the call)."""
 
-    def __init__(self, route: "CollRoute", outputs, event=None, cs=None):
+    def __init__(self, route: "CollRoute", outputs, event=None, cs=None, ticket=0, tensors=None):
         super().__init__()
         self._route, self.outputs = route, outputs
         self._event, self._cs = event, cs
         self._fut = None
+        # deferred join (the device route): the call's ticket and tensors, until joined
+        self._ticket, self._tensors = ticket, tensors
+
+    def _join_side(self) -> None:
+        """Joins the call on the device's side stream (once), with an event after it."""
+        if self._event is None:
+            side, handle = self._cs.side()
+            self._route.join(self._ticket, handle, self._cs)
+            self._cs.keep_on(self._tensors, side)
+            self._event = self._cs.record_on(side)
+            self._tensors = None
 
     def wait(self, timeout=None) -> bool:
-        if self._event is not None:
+        if self._ticket:
+            # the then-current stream waits for the route's done word (each wait: the stream
+            # current then, as ProcessGroupNCCL's wait)
+            cur, handle = self._cs.current_stream()
+            self._route.join(self._ticket, handle, self._cs)
+            if self._tensors is not None:  # once: the allocator waits for this stream's join
+                self._cs.keep_on(self._tensors, cur)
+                self._tensors = None
+        elif self._event is not None:
             self._cs.wait(self._event, self._cs.index)
         self._route.raise_if_broken()
         return True
 
     def is_completed(self) -> bool:
+        if self._ticket:
+            self._join_side()
         return self._event is None or self._cs.query(self._event)
+
+    def __del__(self):
+        # dropped without a join: the tensors go back to the allocator only after the call
+        if self._ticket and self._tensors is not None and self._event is None:
+            try:
+                self._join_side()
+            except Exception:  # noqa: BLE001 - the group is gone: its end drained the route
+                pass
 
     def is_success(self) -> bool:
         return self.exception() is None
@@ -122,6 +157,8 @@ class CapiWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         if self._fut is None:
+            if self._ticket:
+                self._join_side()
             if self._event is None:
                 self._fut = torch.futures.Future()
                 self._fut.set_result(self.outputs)
@@ -143,6 +180,11 @@ class CollRoute:
         self._avg_ops: dict[int, int] = {}  # dtype code -> PreMulSum(1/n) operator
         self._lock = threading.Lock()
         self._closed = False
+        # deferred joins (HETCCL_FACE_DEFER_JOIN): the C API's ticket word and the last value
+        # read from it (a new value: the call just made was deferred)
+        self._ticket = None
+        self._last_ticket = 0
+        self._unjoined = None  # (ticket, CallerStream) of the last deferred call: declined() joins it
 
     # ------------------------------------------------------------------ communicator
     def comm(self) -> capi.Comm:
@@ -161,9 +203,15 @@ class CollRoute:
                     else:
                         uid = self._store.get("uid")
                     try:
-                        self._comm = capi.Comm(self._size, bytes(uid), self._rank)
+                        comm = capi.Comm(self._size, bytes(uid), self._rank)
                     except capi.HetcclError as e:
                         _raise(e)
+                    if acc and config.get("HETCCL_FACE_DEFER_JOIN"):
+                        try:
+                            self._ticket = comm.defer_joins(True)
+                        except capi.HetcclError:  # no stream path here: calls join at issue
+                            self._ticket = None
+                    self._comm = comm
         return self._comm
 
     def close(self, abort: bool = False) -> None:
@@ -226,8 +274,28 @@ class CollRoute:
             c.check(rc)
         except capi.HetcclError as e:
             _raise(e)
+        if self._ticket is not None:
+            t = self._ticket.value
+            if t and t != self._last_ticket:  # deferred: joined by the work
+                self._last_ticket = t
+                self._unjoined = (t, cs)
+                return CapiWork(self, outputs, None, cs, t, tensors)
         cs.keep(tensors)
         return CapiWork(self, outputs, cs.record(), cs)
+
+    def join(self, ticket: int, stream_handle, cs) -> None:
+        """The call of `ticket` joined on a stream (hetcclCommJoin), on the stream's device."""
+        c = self._comm
+        if c is None or self._closed:
+            return  # closed: the route was drained when the communicator ended
+        try:
+            if cs.current():
+                c.join(ticket, stream_handle or capi.STREAM_DEFAULT)
+            else:
+                with cs.device_guard():
+                    c.join(ticket, stream_handle or capi.STREAM_DEFAULT)
+        except capi.HetcclError as e:
+            _raise(e)
 
     def all_reduce(self, t: torch.Tensor, op: str):
         v, code, op = _as_c(t, op)
@@ -288,6 +356,12 @@ class CollRoute:
         collectives and every rank fails (this one here with ArgMismatch; a peer's CUDA call
         with the communicator's asynchronous error) instead of waiting until the timeout."""
         c = self.comm()
+        # the face's own path reads and writes on the current stream: ordered after the route's
+        # deferred calls first, as calls of one group see each other's results in issue order
+        # (the C API does the same for its own calls: stream_path.h)
+        u, self._unjoined = self._unjoined, None
+        if u is not None:
+            self.join(u[0], u[1].current_stream()[1], u[1])
         try:
             c.all_to_all(None, None, 0, 1, None)
         except capi.HetcclError as e:

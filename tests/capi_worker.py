@@ -125,6 +125,42 @@ class StreamComm:
         return call
 
 
+class DeferredComm:
+    """A communicator with deferred joins (hetcclCommDeferJoin, stream_path.h): every stream
+    call that returns a new ticket is joined on its own stream only when that stream is next
+    synchronized, so device-route calls stay unjoined while later calls (staged ones: joined
+    implicitly by the C API; device ones; calls on other streams) are issued, and a stream
+    synchronized without its join would expose the route's unfinished results."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.word = comm.defer_joins(True)
+        self.last = 0
+        self.pending: dict = {}
+        self.deferred = 0
+
+    def __getattr__(self, name):
+        f = getattr(self.comm, name)
+        if not callable(f) or name in ("stream_sync", "join"):
+            return f
+
+        def call(*a, **k):
+            r = f(*a, **k)
+            t = self.word.value
+            if t and t != self.last:
+                self.last = t
+                self.deferred += 1
+                self.pending[k.get("stream")] = t
+            return r
+        return call
+
+    def stream_sync(self, stream):
+        t = self.pending.pop(stream, 0)
+        if t:
+            self.comm.join(t, stream)
+        self.comm.stream_sync(stream)
+
+
 GROUP = [0]
 _STREAMS: list = []
 
@@ -598,6 +634,20 @@ def run_stream(comm, rank, n):
     if hasattr(comm, "gather"):  # NCCL's names only (tests/nccl_shim.py)
         case("nccl/gather_scatter", gather_scatter)
     case("stream/burst40", burst)
+
+    def route_then_staged():
+        """A large call (device route where it is on) and, behind it on the same stream with
+        no wait between, a small one reading the large one's result: calls on one communicator
+        see each other's results in issue order (NCCL's semantics; with deferred joins the C
+        API joins the small call's stream after the large one first)."""
+        big = np.full(1 << 22, float(rank + 1), np.float32)
+        small = np.zeros(8, np.float32)
+        comm.all_reduce(big, big, big.size, "float32", "sum", stream=s)
+        comm.all_reduce(big, small, 8, "float32", "sum", stream=s)
+        comm.stream_sync(s)
+        want = n * n * (n + 1) / 2
+        return None if np.all(small == want) else f"the second call read {small[:3].tolist()}, want {want}"
+    case("stream/route_then_staged_reads_its_result", route_then_staged)
     case("stream/default_stream", default_stream)
     case("stream/mixed_host_and_stream", mixed)
     case("stream/group_two_streams", two_streams)
@@ -1001,7 +1051,13 @@ def main():
         res = run_cases(comm, rank, n)
         comm.destroy()
     elif args["mode"] == "stream":
-        res = run_stream(comm, rank, n)
+        if args.get("defer"):  # deferred joins, joined at each stream's synchronization
+            dc = DeferredComm(comm)
+            res = run_stream(dc, rank, n)
+            res["deferred_calls"] = dc.deferred
+            res["info_end"] = comm.info()
+        else:
+            res = run_stream(comm, rank, n)
         comm.destroy()
     elif args["mode"] == "forward":
         res = run_forward(comm, rank, n)

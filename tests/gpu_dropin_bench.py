@@ -150,14 +150,17 @@ def rank_main(a) -> None:
         route = profile = None
         if nbytes in [parse_size(x) for x in a.issue_sizes.split(",")]:
             before = route_info()
-            dts = []
+            dts, waits = [], []
             if prof:
                 prof[0](True)
             for _ in range(a.issue):
                 c0 = time.perf_counter_ns()
                 w = dist.all_reduce(t, async_op=True)
-                dts.append((time.perf_counter_ns() - c0) / 1000)
+                c1 = time.perf_counter_ns()
                 w.wait()
+                dts.append((c1 - c0) / 1000)
+                # the host time of wait() (a deferred join waits there for the route's enqueue)
+                waits.append((time.perf_counter_ns() - c1) / 1000)
                 if len(dts) % 50 == 0:
                     torch.cuda.synchronize()
             torch.cuda.synchronize()
@@ -193,6 +196,7 @@ def rank_main(a) -> None:
                      "algbw": round(algbw, 3), "busbw": round(algbw * 2 * (world - 1) / world, 3),
                      "wrong": wrong, "issue_us": None if issue is None else round(issue, 2),
                      "issue_idle_us": None if issue_idle is None else round(issue_idle, 2),
+                     **({"wait_us": round(statistics.median(waits), 2)} if issue is not None else {}),
                      **({"route_us": route} if route else {}),
                      **({"issue_profile": profile} if prof and issue is not None else {}),
                      "get_backend": dist.get_backend()})
@@ -346,6 +350,14 @@ def main() -> None:
               + ", ".join(sorted(by)))
         for size in sorted(by["facecapi-1+1"]):
             vals = [by[c].get(size, [{}])[0].get("issue_idle_us") for c in sorted(by)]
+            print(f"{size:>10} " + " ".join(f"{v:9.1f}" if v is not None else f"{'-':>9}" for v in vals))
+        print("\nhost us of issue + wait() (queued calls, medians): size, "
+              + ", ".join(sorted(by)))
+        for size in sorted(by["facecapi-1+1"]):
+            vals = []
+            for c in sorted(by):
+                r = by[c].get(size, [{}])[0]
+                vals.append(None if r.get("wait_us") is None else r["issue_us"] + r["wait_us"])
             print(f"{size:>10} " + " ".join(f"{v:9.1f}" if v is not None else f"{'-':>9}" for v in vals))
     for name in face_variants:
         cfg = f"facecapi-1+1-{name}"

@@ -189,6 +189,33 @@ def test_stream_path(tmp_path, split, runtime, route):
         assert "stream/device_mismatch_breaks_every_rank" in res[0]["cases"]
 
 
+@pytest.mark.parametrize("split,device_bytes", [("1+1", "1"), ("2+1", "1"), ("1+1+1", "4096")])
+def test_stream_path_deferred_joins(tmp_path, split, device_bytes):
+    """hetcclCommDeferJoin / hetcclCommJoin (stream_path.h; the torch face's works): every case
+    of the stream test with device-route calls returning before their stream is ordered after
+    them, each joined only when its stream is next synchronized (tests/capi_worker.py
+    DeferredComm), against the same references with the same bits on every rank: 40 calls in
+    flight unjoined, staged calls after unjoined device ones (device_bytes 4096: small calls
+    staged, larger ones deferred; the C API joins the staged call's stream first), a group over
+    two streams, refusals and a broken communicator still joining."""
+    res, procs, logs = launch(tmp_path, split, "stream", defer=True,
+                              env={"HETCCL_CAPI_DEVICE": "emulated", "HETCCL_STREAM_DEVICE_BYTES": device_bytes})
+    n = len(SPLITS[split])
+    assert sorted(res) == list(range(n)), "\n".join(logs)[-4000:]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    assert "stream/burst40" in res[0]["cases"]
+    bad = {f"rank {r}: {k}": v for r in res for k, v in res[r]["cases"].items() if v != "ok"}
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in list(bad.items())[:30])
+    for r in res:
+        assert res[r]["digests"] == res[0]["digests"], f"rank {r} has other bits"
+        info = res[r]["info_end"]
+        deferred = int(info["stream_deferred_jobs"])
+        assert deferred > 100 and res[r]["deferred_calls"] == deferred, (res[r]["deferred_calls"], info)
+        assert int(info["stream_joins"]) > 0, info
+        if device_bytes != "1":  # staged calls were issued behind unjoined device-route ones
+            assert int(info["stream_implicit_joins"]) > 0, info
+
+
 def test_stream_path_staged_calls_take_the_hierarchical_all_reduce(tmp_path):
     """HETCCL_CAPI_ALGO=hier with stream calls (emulated runtime, 3+2+2): the staged calls' host
     all_reduces are hierarchical (the device route keeps its ring), every case against its

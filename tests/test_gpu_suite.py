@@ -66,8 +66,13 @@ pytestmark = [
 ]
 
 SPLITS = ["1+1", "1+1+1", "2+1"]
-# face_capi: the torch face on the C API (HETCCL_FACE_ROUTE=capi, hetccl/face_capi.py)
-MODES = ["plain", "default_device", "face_capi"]
+# face_capi: the torch face on the C API (HETCCL_FACE_ROUTE=capi, hetccl/face_capi.py);
+# face_capi_route: the same with every CUDA call on the C API's device route
+# (HETCCL_STREAM_DEVICE_BYTES=1), so every routed call's join is deferred to its work's wait()
+# (HETCCL_FACE_DEFER_JOIN, default on)
+MODES = ["plain", "default_device", "face_capi", "face_capi_route"]
+_MODE_ENV = {"face_capi": {"HETCCL_FACE_ROUTE": "capi"},
+             "face_capi_route": {"HETCCL_FACE_ROUTE": "capi", "HETCCL_STREAM_DEVICE_BYTES": "1"}}
 
 
 def _world(split: str) -> int:
@@ -166,7 +171,7 @@ def check_cases(cases: dict[str, dict[int, str]], world: int, failure: str | Non
 def collectives(split: str, mode: str):
     return recorded(collective_cases.run_all, split,
                     {"device": DEVICE, "default_device": mode == "default_device"},
-                    env={"HETCCL_FACE_ROUTE": "capi"} if mode == "face_capi" else None,
+                    env=_MODE_ENV.get(mode),
                     timeout=240)
 
 

@@ -1029,6 +1029,38 @@ hetcclResult_t hetcclGroupEnd(void) {
   return first;
 }
 
+// ---------------------------------------------------------------------------- deferred joins
+// (stream_path.h). Not through run(): a broken communicator still joins (its calls' done words
+// are written all the same), so a work object can always order its stream.
+hetcclResult_t hetcclCommDeferJoin(hetcclComm_t comm, int enable, const unsigned long long** ticket) {
+  if (!comm || !comm->c) return fail(comm, hetcclInvalidArgument, "hetccl: hetcclCommDeferJoin: comm is NULL");
+  try {
+    auto& sp = comm->c->streams();
+    sp.defer_joins(enable != 0);
+    static_assert(sizeof(unsigned long long) == sizeof(uint64_t), "ticket word");
+    if (ticket) *ticket = reinterpret_cast<const unsigned long long*>(sp.ticket_word());
+    return hetcclSuccess;
+  } catch (const std::exception& e) {
+    return fail(comm, hetcclInvalidUsage, std::string("hetccl: hetcclCommDeferJoin: ") + e.what());
+  }
+}
+
+hetcclResult_t hetcclCommJoin(hetcclComm_t comm, unsigned long long ticket, void* stream) {
+  if (!comm || !comm->c) return fail(comm, hetcclInvalidArgument, "hetccl: hetcclCommJoin: comm is NULL");
+  if (!ticket) return hetcclSuccess;
+  if (!stream) return fail(comm, hetcclInvalidArgument, "hetccl: hetcclCommJoin: stream is NULL");
+  try {
+    if (!comm->c->has_streams())
+      return fail(comm, hetcclInvalidUsage, "hetccl: hetcclCommJoin: no stream call was made on this communicator");
+    comm->c->streams().join(ticket, resolve_stream(*comm->c, stream));
+    return hetcclSuccess;
+  } catch (const hetccl::api::UsageRefusal& e) {
+    return fail(comm, hetcclInvalidUsage, e.what());
+  } catch (const std::exception& e) {
+    return fail(comm, hetcclSystemError, std::string("hetccl: hetcclCommJoin: ") + e.what());
+  }
+}
+
 // ---------------------------------------------------------------------------- tests
 // Not through run(): a test waits for its streams also after the communicator broke.
 hetcclResult_t hetcclTestStreamCreate(hetcclComm_t comm, void** stream) {

@@ -238,9 +238,12 @@ void StreamPath::issue(StreamJob j) {
       ++p.issue_calls_;
     }
   } timed{*this};
+  ticket_ = 0;
   if (ops_->capturing(j.stream))
     throw UsageRefusal("hetccl: a call across vendors cannot be captured in a graph (its host part "
                        "would not replay); run it outside the capture");
+  const bool defer = defer_ && j.device && !programs_;
+  if (!defer) join_deferred(j.stream);
   std::unique_lock<std::mutex> g(mu_);
   uint64_t seq = issued_ + 1;
   g.unlock();
@@ -290,6 +293,15 @@ void StreamPath::issue(StreamJob j) {
     const int64_t t0 = now_ns();
     job.issued_ns = t0;
     issued_ = seq;
+    if (defer) {  // the caller joins later (join()); the route writes the freed word
+      job.deferred = true;
+      ++deferred_jobs_;
+      q_.push_back(std::move(job));
+      g.unlock();
+      cv_.notify_one();
+      ticket_ = last_deferred_ = seq;
+      return;
+    }
     q_.push_back(std::move(job));
     g.unlock();
     cv_.notify_one();
@@ -399,6 +411,29 @@ void StreamPath::release_done(uint64_t seq) {
   executed_.store(seq);
 }
 
+void StreamPath::join(uint64_t t, void* stream) {
+  if (!t) return;
+  {
+    std::unique_lock<std::mutex> w(mu_);
+    if (t > issued_) throw UsageRefusal("hetccl: join: ticket " + std::to_string(t) + " was never issued");
+    // an aborted call's done word is written by finish(): the wait below passes all the same
+    route_cv_.wait(w, [&] { return route_enqueued_ >= t || abort_.load(); });
+  }
+  ops_->wait_geq(stream, done_addr_[t % kSlots], t);
+  ++joins_;
+  uint64_t& j = joined_[stream];
+  if (j < t) j = t;
+  if (joined_.size() > 64) joined_.clear();  // streams come and go: at worst a join again
+}
+
+void StreamPath::join_deferred(void* stream) {
+  if (!last_deferred_) return;
+  auto it = joined_.find(stream);
+  if (it != joined_.end() && it->second >= last_deferred_) return;
+  ++implicit_joins_;
+  join(last_deferred_, stream);
+}
+
 void StreamPath::run_device_job(Job& job) {
   const uint64_t q = job.seq;
   DeviceRoute& d = *route_;
@@ -450,13 +485,19 @@ void StreamPath::run_device_job(Job& job) {
   if (enqueued) {
     try {
       ops_->write(d.main, done_addr_[q % kSlots], q);
+      // deferred: no caller's stream writes the freed word (join() waits on done, which only
+      // grows, so the slot may be reused before a late join)
+      if (job.deferred) ops_->write(d.main, page_dev_ + (kSlots + q % kSlots) * sizeof(uint64_t), q);
       executed_.store(q);
       written = true;
     } catch (...) {
       c_.note_failure(std::current_exception(), true);
     }
   }
-  if (!written) release_done(q);
+  if (!written) {
+    release_done(q);
+    if (job.deferred) __atomic_store_n(page_ + kSlots + q % kSlots, q, __ATOMIC_RELEASE);
+  }
   route_turn_ns_ += uint64_t(std::max<int64_t>(0, now_ns() - t0 - int64_t(route_check_ns.load() - check0)));
   std::lock_guard<std::mutex> g(mu_);
   route_enqueued_ = q;
@@ -616,7 +657,8 @@ std::map<std::string, uint64_t> StreamPath::stats() {
           {"program_instructions", programs_ ? programs_->instructions() : 0},
           {"program_scratch_allocs", programs_ ? programs_->scratch_allocs() : 0},
           {"program_scratch_reuses", programs_ ? programs_->scratch_reuses() : 0},
-          {"issue_ns", issue_ns_.load()}, {"issue_calls", issue_calls_.load()}};
+          {"issue_ns", issue_ns_.load()}, {"issue_calls", issue_calls_.load()},
+          {"deferred_jobs", deferred_jobs_}, {"joins", joins_}, {"implicit_joins", implicit_joins_}};
 }
 
 }  // namespace api

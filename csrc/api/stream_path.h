@@ -90,6 +90,21 @@ class StreamPath {
 
   // Issuing thread: enqueues the job's stream operations and hands it to the executor.
   void issue(StreamJob job);
+  // Deferred joins (hetcclCommDeferJoin; the torch face, whose Work orders a stream when it is
+  // waited for, as torch's NCCL process group): a device-route call then returns once its job
+  // is handed over, without waiting for the executor to enqueue the route's work, and without
+  // enqueueing the caller's wait for its done word; its ticket (its sequence number; 0 for a
+  // call that needs no join) is in ticket_word(). join(t, stream) waits on the host until the
+  // route has enqueued call t, then enqueues on `stream` the wait for its done word: the stream
+  // is then ordered after call t and every earlier one (the route runs calls in order; done
+  // words only grow, so a slot reused by a later call still satisfies the wait). The route's
+  // main stream writes a deferred call's freed word itself, so unjoined calls never hold their
+  // slot. Any other call issued after a deferred one is ordered after it on its own stream
+  // first (a join by issue()), so calls on one communicator see each other's results in issue
+  // order whatever the caller joined, as NCCL's stream semantics give. Issuing thread only.
+  void defer_joins(bool on) { defer_ = on; }
+  const uint64_t* ticket_word() const { return &ticket_; }
+  void join(uint64_t ticket, void* stream);
   // A host call (stream NULL): runs fn on the executor after every job issued before it and
   // waits for it; rethrows its exception.
   void run_host(const std::function<void(Comm&)>& fn);
@@ -139,6 +154,7 @@ class StreamPath {
     std::function<void(Comm&)> host_fn;
     std::exception_ptr* error = nullptr;  // host_only: where the caller waits for it
     bool* done = nullptr;
+    bool deferred = false;  // device route, join deferred: the route writes its freed word
   };
   void loop();
   void run_job(Job& job);
@@ -154,6 +170,8 @@ class StreamPath {
   void release_done(uint64_t seq);
 
   void run_device_job(Job& job);
+  // Issuing thread: `stream` ordered after the last deferred call, unless it already is.
+  void join_deferred(void* stream);
   Comm& c_;
   std::shared_ptr<DeviceOps> ops_;
   // Program mode (device_program.h; HETCCL_CAPI_ROUTE_LAUNCH=kernel): the route's runtime,
@@ -193,6 +211,12 @@ class StreamPath {
   std::atomic<uint64_t> route_queue_ns_{0}, route_turn_ns_{0}, route_issue_wait_ns_{0};
   // the issuing thread's time in issue(), every stream call (stats: issue_ns, issue_calls)
   std::atomic<uint64_t> issue_ns_{0}, issue_calls_{0};
+  // deferred joins (issuing thread): the setting, the last call's ticket, the last deferred
+  // call, and per stream the last call it was joined after (bounded: cleared beyond 64)
+  bool defer_ = false;
+  uint64_t ticket_ = 0, last_deferred_ = 0;
+  std::map<void*, uint64_t> joined_;
+  uint64_t deferred_jobs_ = 0, joins_ = 0, implicit_joins_ = 0;
 };
 
 }  // namespace api

@@ -177,6 +177,33 @@ class CallerStream:
         ev.record(self.stream)
         return ev
 
+    # Deferred joins (hetccl/face_capi.py CapiWork): the then-current stream, one side stream
+    # per device (is_completed, get_future, a work dropped unwaited), and tensors and events on
+    # a given stream.
+    _SIDE: dict[int, "torch.cuda.Stream"] = {}
+
+    def current_stream(self):
+        """(stream, raw handle) of the device's then-current stream."""
+        return current_stream(self.index)
+
+    def side(self):
+        """(stream, raw handle) of the device's side stream."""
+        s = CallerStream._SIDE.get(self.index)
+        if s is None:
+            s = CallerStream._SIDE[self.index] = torch.cuda.Stream(self.index)
+        return s, s.cuda_stream
+
+    @staticmethod
+    def keep_on(tensors, stream) -> None:
+        for t in tensors or ():
+            t.record_stream(stream)
+
+    @staticmethod
+    def record_on(stream):
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
     @staticmethod
     def wait(ev, index: int) -> None:
         """Orders the then-current stream of device `index` after ev."""
