@@ -146,6 +146,8 @@ class DeferredComm:
 
         def call(*a, **k):
             r = f(*a, **k)
+            if k.get("stream") is None:  # host calls, abort, destroy, info: no ticket
+                return r
             t = self.word.value
             if t and t != self.last:
                 self.last = t
@@ -1065,11 +1067,11 @@ def main():
     elif args["mode"] == "death":
         res = run_death(comm, rank, n, args)
     elif args["mode"] == "death_stream":
-        res = run_death_stream(comm, rank, n, args)
+        res = run_death_stream(DeferredComm(comm) if args.get("defer") else comm, rank, n, args)
     elif args["mode"] == "abort_hung":
         res = run_abort_hung(comm, rank, n, args)
     elif args["mode"] == "abort_queued":
-        res = run_abort_queued(comm, rank, n, args)
+        res = run_abort_queued(DeferredComm(comm) if args.get("defer") else comm, rank, n, args)
     elif args["mode"] == "late_send":
         res = run_late_send(comm, rank, n, args)
         comm.destroy()

@@ -284,16 +284,18 @@ def test_killed_peer_is_a_clear_error(tmp_path, algo):
         assert d["watchdog_async"] == capi.REMOTE_ERROR and re.search(r"rank \d", d["watchdog_text"]), d
 
 
-@pytest.mark.parametrize("route", ["device", "kernel", "staged"])
+@pytest.mark.parametrize("route", ["device", "kernel", "staged", "deferred"])
 def test_killed_peer_during_stream_calls(tmp_path, route):
     """A peer dies while stream calls are in flight (the device route's plans on its streams,
     or staged calls on the executor): no survivor's stream stays blocked, each survivor's
     communicator reports hetcclRemoteError as its async error, and a later call fails at once
-    naming the failure."""
+    naming the failure. deferred: the device route with deferred joins (hetcclCommDeferJoin),
+    each stream joined at its synchronization: the joins of a broken communicator pass too."""
     env = {"HETCCL_TIMEOUT_S": "20", "HETCCL_CAPI_DEVICE": "emulated",
            "HETCCL_STREAM_DEVICE_BYTES": "off" if route == "staged" else "1",
            "HETCCL_CAPI_ROUTE_LAUNCH": "kernel" if route == "kernel" else "streams"}
-    res, procs, logs = launch(tmp_path, "2+1", "death_stream", env=env, timeout=150, kill_at=3)
+    res, procs, logs = launch(tmp_path, "2+1", "death_stream", env=env, timeout=150, kill_at=3,
+                              defer=route == "deferred")
     assert procs[2].returncode == 17
     for r in (0, 1):
         d = res.get(r)
@@ -304,6 +306,7 @@ def test_killed_peer_during_stream_calls(tmp_path, route):
         assert d["again_s"] < 1, d
         assert (int(d["info"]["stream_device_jobs"]) > 0) == (route != "staged"), d["info"]
         assert (int(d["info"]["stream_program_jobs"]) > 0) == (route == "kernel"), d["info"]
+        assert (int(d["info"]["stream_deferred_jobs"]) > 0) == (route == "deferred"), d["info"]
 
 
 @pytest.mark.parametrize("call", ["host", "device_route"])
@@ -323,17 +326,20 @@ def test_abort_from_another_thread_ends_a_hung_call(tmp_path, call):
     assert d["call_s"] < 4 and d["abort_s"] < 4, d
 
 
-@pytest.mark.parametrize("route", ["staged", "device_route", "kernel"])
+@pytest.mark.parametrize("route", ["staged", "device_route", "kernel", "deferred"])
 def test_abort_keeps_memory_queued_stream_work_uses(tmp_path, route):
     """An abort with stream calls still queued on the caller's stream (the peer silent): the
     stream runs their copies and flag writes once released, and no operation may touch host
     memory the communicator unregistered or freed (the emulated device's lifetime check,
-    strict: the process aborts on the first). The abort returns within a few seconds."""
+    strict: the process aborts on the first). The abort returns within a few seconds.
+    deferred: device-route calls with deferred joins, none joined before the abort (their freed
+    words come from the route, or from the executor for calls it never ran)."""
     env = {"HETCCL_TIMEOUT_S": "60", "HETCCL_CAPI_DEVICE": "emulated", "HETCCL_CHECK_ARGS": "off",
            "HETCCL_EMULATED_STRICT": "1",
            "HETCCL_STREAM_DEVICE_BYTES": "off" if route == "staged" else "1",
            "HETCCL_CAPI_ROUTE_LAUNCH": "kernel" if route == "kernel" else "streams"}
-    res, procs, logs = launch(tmp_path, "1+1", "abort_queued", env=env, timeout=90, sleep_s=10)
+    res, procs, logs = launch(tmp_path, "1+1", "abort_queued", env=env, timeout=90, sleep_s=10,
+                              defer=route == "deferred")
     out = "\n".join(logs)
     assert "use after unregister" not in out, out[-3000:]
     assert procs[0].returncode == 0 and 0 in res, out[-3000:]
