@@ -158,4 +158,3 @@ def premul_sum_factor_visible() -> bool:
         return getattr(make(1.0), "factor", None) is not None
     except Exception:  # noqa: BLE001 - a build without the NCCL op bindings
         return False
-
